@@ -1,0 +1,198 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Every step first gives each running sequence in decode its next token, then
+spends what is left of the token budget on prefill chunks: running sequences
+still in prefill first, then newly admitted ones (first come, first served).
+So a long prompt never stalls running streams, and steps mix prefill and
+decode freely. When KV blocks run out, the newest running sequence is
+preempted: its blocks are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from twinplane.controlplane.block_manager import BlockManager
+from twinplane.controlplane.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256  # sequences in one step
+    max_num_batched_tokens: int = 8192  # tokens in one step
+    max_model_len: int = 4096
+
+
+@dataclass
+class ScheduledChunk:
+    """One sequence's share of a step: tokens [start_pos, start_pos + num_tokens)."""
+
+    seq: Sequence
+    start_pos: int
+    num_tokens: int
+    new_block_ids: list[int]  # block-table entries the data plane has not seen yet
+    sample: bool  # the chunk reaches the end of the sequence, so a token is sampled
+    is_new_mirror: bool  # the data plane sees this sequence for the first time
+
+
+@dataclass
+class SchedulerOutput:
+    step_id: int
+    chunks: list[ScheduledChunk]
+    dropped_seq_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # oldest admission first
+        self.dropped_seq_ids: list[int] = []  # to tell the data plane in the next plan
+        self.step_id = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        assert seq.status is SequenceStatus.WAITING, f"cannot add {seq}"
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Removes a sequence (finished or aborted) and frees its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            return
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def schedule(self) -> SchedulerOutput | None:
+        """Builds the next step, or returns None when nothing can run."""
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        # 1. decode: every running sequence with one token to compute
+        for seq in list(self.running):
+            if seq.num_uncomputed_tokens == 1 and seq.status is SequenceStatus.RUNNING and budget > 0:
+                if self._reserve(seq, 1):
+                    chunks.append(self._chunk(seq, 1))
+                    budget -= 1
+        # 2. running sequences still in prefill (prompt chunks, or recompute)
+        for seq in list(self.running):
+            if seq.num_uncomputed_tokens > 1 and seq.status is SequenceStatus.RUNNING and budget > 0:
+                num_tokens = min(seq.num_uncomputed_tokens, budget)
+                if self._reserve(seq, num_tokens):
+                    chunks.append(self._chunk(seq, num_tokens))
+                    budget -= num_tokens
+        # 3. admit waiting sequences, first come first served
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.block_manager.find_cached_blocks(seq)
+            num_tokens = min(seq.num_tokens - len(cached) * self.block_manager.block_size, budget)
+            if not self.block_manager.can_allocate(seq, cached, num_tokens):
+                break
+            self.waiting.popleft()
+            first_admission = seq.num_preemptions == 0 and seq.num_output_tokens == 0
+            self.block_manager.allocate(seq, cached, num_tokens)
+            if first_admission:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(self._chunk(seq, num_tokens))
+            budget -= num_tokens
+        # a preempted sequence may already be in chunks: it must not run
+        chunks = [c for c in chunks if c.seq.status is SequenceStatus.RUNNING]
+        if not chunks:
+            return None
+        self.step_id += 1
+        output = SchedulerOutput(self.step_id, chunks, self.dropped_seq_ids)
+        self.dropped_seq_ids = []
+        return output
+
+    def update(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[tuple[Sequence, int]]:
+        """Applies a step's result: advances computed tokens, appends sampled tokens.
+
+        Returns (sequence, token) for every sampled sequence still alive.
+        """
+        sampled = [c for c in output.chunks if c.sample]
+        assert len(sampled) == len(sampled_token_ids), (
+            f"{len(sampled_token_ids)} tokens for {len(sampled)} sampled sequences")
+        tokens = iter(sampled_token_ids)
+        appended = []
+        for chunk in output.chunks:
+            token = next(tokens) if chunk.sample else None
+            seq = chunk.seq
+            if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != chunk.start_pos:
+                continue  # aborted or preempted while the step ran
+            seq.num_computed_tokens += chunk.num_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if token is not None:
+                seq.append_token(token)
+                appended.append((seq, token))
+        return appended
+
+    def reset(self) -> None:
+        """The data plane lost its KV cache: every running sequence is recomputed."""
+        for seq in reversed(self.running):
+            seq.forget_kv()
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+        for seq in self.waiting:
+            seq.forget_kv()
+        self.running = []
+        self.dropped_seq_ids = []
+        self.block_manager.reset()
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Finds blocks for num_tokens more tokens of seq, preempting newer sequences.
+
+        Returns False when seq itself had to be preempted.
+        """
+        while not self.block_manager.can_append(seq, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.block_manager.append(seq, num_tokens)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.mirrored:
+            self.dropped_seq_ids.append(seq.seq_id)
+        if seq.block_table:
+            self.block_manager.deallocate(seq)
+        seq.forget_kv()
+
+    def _chunk(self, seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        new_blocks = seq.block_table[seq.num_blocks_mirrored:]
+        chunk = ScheduledChunk(
+            seq=seq,
+            start_pos=seq.num_computed_tokens,
+            num_tokens=num_tokens,
+            new_block_ids=new_blocks,
+            sample=seq.num_computed_tokens + num_tokens == seq.num_tokens,
+            is_new_mirror=not seq.mirrored,
+        )
+        seq.num_blocks_mirrored = len(seq.block_table)
+        seq.mirrored = True
+        return chunk

@@ -1,0 +1,108 @@
+"""A request's tokens and state: the only copy of them in the whole system."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"  # holds KV blocks and is scheduled every step
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP_TOKEN = "stop_token"
+    STOP_STRING = "stop_string"
+    LENGTH = "length"
+    ABORTED = "aborted"
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How to draw tokens; defaults turn every option off except temperature 1."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """Everything about a request except its prompt, already validated."""
+
+    max_tokens: int
+    sampling: SamplingOptions = SamplingOptions()
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None = none; n = the sampled token's plus the top n
+    skip_special_tokens: bool = True
+
+
+class Sequence:
+    """Prompt plus generated tokens, and how far the KV cache has caught up.
+
+    One rule drives prefill, chunked prefill, prefix caching and decode alike:
+    the tokens in ``token_ids[num_computed_tokens:]`` still need a forward pass;
+    when a step computes up to ``num_tokens``, the model samples the next token.
+    """
+
+    def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: RequestParams):
+        assert prompt_token_ids, "a sequence needs at least one prompt token"
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hash of each full, computed block
+        self.num_blocks_mirrored = 0  # block-table entries the data plane already has
+        self.mirrored = False  # whether the data plane holds a mirror of this sequence
+        self.num_preemptions = 0
+        self.finish_reason: FinishReason | None = None
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"blocks={self.block_table}, status={self.status.value})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def forget_kv(self) -> None:
+        """Drops every trace of KV state (after preemption or a data-plane reset)."""
+        self.num_computed_tokens = 0
+        self.block_table = []
+        self.block_hashes = []
+        self.num_blocks_mirrored = 0
+        self.mirrored = False

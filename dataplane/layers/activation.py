@@ -1,0 +1,15 @@
+"""Activation of gated MLPs: SiLU of the first half times the second half."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """[..., 2 * d] -> [..., d]: silu(gate) * up, with gate and up packed on the last dim."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up

@@ -1,0 +1,1 @@
+"""Protocol buffer contracts (``*.proto``) and their generated Python stubs."""

@@ -1,0 +1,142 @@
+"""Scheduler: token budget, decode first, chunked prefill, preemption, exact blocks."""
+
+from twinplane.controlplane.block_manager import BlockManager
+from twinplane.controlplane.scheduler import Scheduler, SchedulerConfig
+from twinplane.controlplane.sequence import RequestParams, Sequence, SequenceStatus
+
+PARAMS = RequestParams(max_tokens=100)
+
+
+def make(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=16):
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    return Scheduler(config, BlockManager(num_blocks, block_size))
+
+
+def add(sched: Scheduler, seq_id: int, num_tokens: int, first_token: int = 0) -> Sequence:
+    s = Sequence(seq_id, str(seq_id), list(range(first_token, first_token + num_tokens)), PARAMS)
+    sched.add(s)
+    return s
+
+
+def step(sched: Scheduler, token: int = 7):
+    out = sched.schedule()
+    assert out is not None
+    sched.update(out, [token] * sum(c.sample for c in out.chunks))
+    return out
+
+
+def summary(out):
+    return [(c.seq.seq_id, c.start_pos, c.num_tokens, c.new_block_ids, c.sample) for c in out.chunks]
+
+
+def test_prefill_then_decode_with_exact_blocks():
+    sched = make()
+    add(sched, 1, 6)
+    assert summary(step(sched)) == [(1, 0, 6, [0, 1], True)]
+    assert summary(step(sched)) == [(1, 6, 1, [], True)]
+    assert summary(step(sched)) == [(1, 7, 1, [], True)]
+    out = step(sched)  # position 8 needs a third block
+    assert summary(out) == [(1, 8, 1, [2], True)]
+
+
+def test_chunked_prefill_respects_budget_and_samples_only_at_the_end():
+    sched = make(max_num_batched_tokens=8)
+    add(sched, 1, 20)
+    assert summary(step(sched)) == [(1, 0, 8, [0, 1], False)]
+    assert summary(step(sched)) == [(1, 8, 8, [2, 3], False)]
+    assert summary(step(sched)) == [(1, 16, 4, [4], True)]
+
+
+def test_decode_goes_first_then_prefill_chunks_fill_the_budget():
+    sched = make(max_num_batched_tokens=8)
+    a = add(sched, 1, 3)
+    step(sched)
+    add(sched, 2, 12, first_token=50)
+    out = step(sched)
+    assert summary(out) == [(1, 3, 1, [], True), (2, 0, 7, [1, 2], False)]
+    out = step(sched)
+    assert summary(out) == [(1, 4, 1, [3], True), (2, 7, 5, [4], True)]
+    assert a.num_output_tokens == 3
+
+
+def test_max_num_seqs_bounds_admission():
+    sched = make(max_num_seqs=2)
+    for i in range(3):
+        add(sched, i, 2)
+    out = step(sched)
+    assert [c.seq.seq_id for c in out.chunks] == [0, 1]
+    assert len(sched.waiting) == 1
+
+
+def test_preemption_newest_first_and_recompute():
+    sched = make(num_blocks=4, block_size=2, max_num_batched_tokens=16)
+    a = add(sched, 1, 3)
+    b = add(sched, 2, 3, first_token=10)
+    out = step(sched)
+    assert summary(out) == [(1, 0, 3, [0, 1], True), (2, 0, 3, [2, 3], True)]
+    # both now have 4 tokens, 3 computed: decode fits in their second blocks
+    step(sched)
+    # both have 5 tokens, 4 computed: each needs a third block, none is free -> b is preempted
+    out = step(sched)
+    assert b.status is SequenceStatus.WAITING and b.num_preemptions == 1
+    assert summary(out) == [(1, 4, 1, [3], True)]  # b's blocks were freed tail first
+    assert out.dropped_seq_ids == [2]
+    assert b.block_table == [] and b.num_computed_tokens == 0
+    sched.finish(a)
+    out = step(sched)
+    # b is recomputed (prompt + its 2 outputs) as a new mirror; its first block is still cached
+    assert [(c.seq.seq_id, c.start_pos, c.num_tokens, c.is_new_mirror) for c in out.chunks] == [(2, 2, 3, True)]
+    assert b.num_cached_tokens == 0  # only first admissions count as cached prompt tokens
+    assert sched.block_manager.num_free_blocks == 4 - 3
+
+
+def test_preempted_sequence_is_dropped_from_the_data_plane():
+    sched = make(num_blocks=2, block_size=2, max_num_batched_tokens=16)
+    add(sched, 1, 2)
+    b = add(sched, 2, 2, first_token=10)
+    step(sched)  # both 3 tokens, 2 computed; both need a new block, none free
+    out = sched.schedule()
+    assert [c.seq.seq_id for c in out.chunks] == [1]
+    assert b.status is SequenceStatus.WAITING
+    assert out.dropped_seq_ids == [2]
+
+
+def test_full_cache_never_crashes_and_everything_is_freed():
+    sched = make(num_blocks=6, block_size=2, max_num_seqs=8, max_num_batched_tokens=6)
+    seqs = [add(sched, i, 3, first_token=10 * i) for i in range(6)]
+    for _ in range(200):
+        out = sched.schedule()
+        if out is None:
+            break
+        sched.update(out, [1] * sum(c.sample for c in out.chunks))
+        for s in list(sched.running):
+            if s.num_output_tokens >= 4:
+                sched.finish(s)
+    assert all(s.status is SequenceStatus.FINISHED for s in seqs)
+    assert all(s.num_output_tokens >= 4 for s in seqs)
+    assert sched.block_manager.num_free_blocks == 6
+    assert all(b.ref_count == 0 for b in sched.block_manager.blocks)
+
+
+def test_prefix_cache_hit_skips_cached_tokens():
+    sched = make(num_blocks=16, block_size=4)
+    a = add(sched, 1, 10)
+    step(sched)
+    sched.finish(a)
+    b = add(sched, 2, 10)
+    out = step(sched)
+    assert summary(out) == [(2, 8, 2, out.chunks[0].new_block_ids, True)]
+    assert out.chunks[0].new_block_ids[:2] == [0, 1]
+    assert b.num_cached_tokens == 8
+
+
+def test_finish_frees_blocks_and_records_drop():
+    sched = make()
+    a = add(sched, 1, 5)
+    step(sched)
+    sched.finish(a)
+    assert sched.block_manager.num_free_blocks == 16
+    out = sched.schedule()
+    assert out is None
+    add(sched, 2, 1)
+    assert sched.schedule().dropped_seq_ids == [1]
