@@ -120,26 +120,28 @@ class Scheduler:
         self.dropped_seq_ids = []
         return output
 
-    def update(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[tuple[Sequence, int]]:
+    def update(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[tuple[Sequence, int, int]]:
         """Applies a step's result: advances computed tokens, appends sampled tokens.
 
-        Returns (sequence, token) for every sampled sequence still alive.
+        Returns (sequence, token, index among the step's sampled sequences) for
+        every sampled sequence still alive.
         """
-        sampled = [c for c in output.chunks if c.sample]
-        assert len(sampled) == len(sampled_token_ids), (
-            f"{len(sampled_token_ids)} tokens for {len(sampled)} sampled sequences")
-        tokens = iter(sampled_token_ids)
+        num_sampled = sum(c.sample for c in output.chunks)
+        assert num_sampled == len(sampled_token_ids), (
+            f"{len(sampled_token_ids)} tokens for {num_sampled} sampled sequences")
         appended = []
+        index = 0
         for chunk in output.chunks:
-            token = next(tokens) if chunk.sample else None
             seq = chunk.seq
-            if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != chunk.start_pos:
-                continue  # aborted or preempted while the step ran
-            seq.num_computed_tokens += chunk.num_tokens
-            self.block_manager.cache_full_blocks(seq)
-            if token is not None:
-                seq.append_token(token)
-                appended.append((seq, token))
+            alive = seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens == chunk.start_pos
+            if alive:  # else aborted or preempted while the step ran
+                seq.num_computed_tokens += chunk.num_tokens
+                self.block_manager.cache_full_blocks(seq)
+            if chunk.sample:
+                if alive:
+                    seq.append_token(sampled_token_ids[index])
+                    appended.append((seq, sampled_token_ids[index], index))
+                index += 1
         return appended
 
     def reset(self) -> None:

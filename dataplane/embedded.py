@@ -126,6 +126,7 @@ def _prepare(target: Path, log: Log, progress: bool) -> None:
         try:
             with _progress_bars(progress):
                 _convert(gguf_path, tmp, log)
+            _make_readable(tmp)
             os.rename(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -156,6 +157,13 @@ def _progress_bars(enabled: bool) -> Iterator[None]:
     finally:
         if was_enabled and not enabled:
             hf_logging.enable_progress_bar()
+
+
+def _make_readable(folder: Path) -> None:
+    """Gives the folder (made 0700 by mkdtemp) and its files the usual modes."""
+    folder.chmod(0o755)
+    for path in folder.iterdir():
+        path.chmod(0o644)
 
 
 def _discard(folder: Path) -> None:

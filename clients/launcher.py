@@ -1,0 +1,56 @@
+"""Starts the data plane as a child process and restarts it if it dies."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+
+log = logging.getLogger("twinplane")
+
+
+def private_socket_address() -> str:
+    """A unix socket in a fresh private folder, for a data plane only its parent uses."""
+    folder = tempfile.mkdtemp(prefix="twinplane-")
+    return f"unix://{os.path.join(folder, 'dataplane.sock')}"
+
+
+class DataPlaneProcess:
+    def __init__(self, args: list[str], restart: bool = True):
+        self.command = [sys.executable, "-m", "twinplane.clients.cli", "dataplane", *args]
+        self.restart = restart
+        self.process: subprocess.Popen | None = None
+        self._watch: asyncio.Task | None = None
+        self.restarts = 0
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL)
+
+    async def watch(self) -> None:
+        """Restarts the child whenever it exits, until stop()."""
+        while True:
+            code = await asyncio.to_thread(self.process.wait)
+            if not self.restart:
+                return
+            self.restarts += 1
+            log.warning("data plane exited with %s; restarting it (restart %d)", code, self.restarts)
+            await asyncio.sleep(0.5)
+            self.start()
+
+    def start_watching(self) -> None:
+        self._watch = asyncio.get_running_loop().create_task(self.watch())
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.restart = False
+        if self._watch is not None:
+            self._watch.cancel()
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()

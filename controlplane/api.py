@@ -1,0 +1,187 @@
+"""The public API's edge: GenerateRequest -> validated plain objects -> GenerateResponse.
+
+Every check of client input lives here, and each failure names the field and
+what is allowed. Nothing past this module handles generated protobuf classes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from twinplane.controlplane.errors import InvalidRequest
+from twinplane.controlplane.sequence import FinishReason, RequestParams, SamplingOptions
+from twinplane.controlplane.tokenizer import CHAT_ROLES
+from twinplane.proto import generation_pb2 as pb
+
+MAX_REQUEST_ID_LEN = 256
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What requests must respect, from the config and the data plane."""
+
+    vocab_size: int
+    max_model_len: int
+    max_logprobs: int = 20
+    max_stop_strings: int = 16
+    max_stop_string_len: int = 256
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Exactly one of the three is set."""
+
+    text: str | None = None
+    token_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """A validated GenerateRequest; max_tokens is resolved once the prompt length is known."""
+
+    request_id: str
+    prompt: Prompt
+    params: RequestParams  # params.max_tokens is 0 when the client left it unset
+    truncate_prompt_tokens: int = 0
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """What one request produced since its previous output."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    matched_stop: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidRequest(message)
+
+
+def _range(name: str, value: float, low: float, high: float, *, low_open: bool = False) -> None:
+    _check(math.isfinite(value), f"{name} must be a finite number, got {value}")
+    interval = f"{'(' if low_open else '['}{low}, {high}]"
+    ok = (value > low if low_open else value >= low) and value <= high
+    _check(ok, f"{name} must be in {interval}, got {value:g}")
+
+
+def sampling_from_pb(s: pb.SamplingParams) -> SamplingOptions:
+    options = SamplingOptions()
+    temperature = s.temperature if s.HasField("temperature") else options.temperature
+    _check(math.isfinite(temperature) and temperature >= 0,
+           f"sampling.temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    top_p = s.top_p if s.HasField("top_p") else 1.0
+    _range("sampling.top_p", top_p, 0.0, 1.0, low_open=True)
+    top_k = s.top_k if s.HasField("top_k") else 0
+    _check(top_k >= -1, f"sampling.top_k must be >= 1, or 0 or -1 for no limit, got {top_k}")
+    min_p = s.min_p if s.HasField("min_p") else 0.0
+    _range("sampling.min_p", min_p, 0.0, 1.0)
+    repetition = s.repetition_penalty if s.HasField("repetition_penalty") else 1.0
+    _range("sampling.repetition_penalty", repetition, 0.0, 2.0, low_open=True)
+    presence = s.presence_penalty if s.HasField("presence_penalty") else 0.0
+    _range("sampling.presence_penalty", presence, -2.0, 2.0)
+    frequency = s.frequency_penalty if s.HasField("frequency_penalty") else 0.0
+    _range("sampling.frequency_penalty", frequency, -2.0, 2.0)
+    return SamplingOptions(
+        temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0), min_p=float(min_p),
+        repetition_penalty=float(repetition), presence_penalty=float(presence),
+        frequency_penalty=float(frequency), seed=s.seed if s.HasField("seed") else None,
+    )
+
+
+def prompt_from_pb(req: pb.GenerateRequest | pb.TokenizeRequest, limits: Limits) -> Prompt:
+    kind = req.WhichOneof("input")
+    if kind == "text":
+        _check(req.text != "", "text must not be empty")
+        return Prompt(text=req.text)
+    if kind == "token_ids":
+        ids = list(req.token_ids.ids)
+        _check(bool(ids), "token_ids.ids must not be empty")
+        bad = [i for i in ids if i >= limits.vocab_size]
+        _check(not bad, f"token_ids.ids must be in [0, {limits.vocab_size}); got {bad[:5]}")
+        return Prompt(token_ids=ids)
+    if kind == "chat":
+        messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+        _check(bool(messages), "chat.messages must not be empty")
+        for i, m in enumerate(messages):
+            _check(m["role"] in CHAT_ROLES, f"chat.messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
+                                            f"got {m['role']!r}")
+        return Prompt(messages=messages)
+    raise InvalidRequest("input is required: set one of text, token_ids or chat")
+
+
+def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits) -> GenerateCall:
+    _check(len(req.request_id) <= MAX_REQUEST_ID_LEN,
+           f"request_id must be at most {MAX_REQUEST_ID_LEN} characters, got {len(req.request_id)}")
+    prompt = prompt_from_pb(req, limits)
+    max_tokens = req.max_tokens if req.HasField("max_tokens") else 0
+    if req.HasField("max_tokens"):
+        _check(0 < max_tokens <= limits.max_model_len,
+               f"max_tokens must be in [1, {limits.max_model_len}] (max_model_len), got {max_tokens}")
+    _check(req.min_tokens <= limits.max_model_len,
+           f"min_tokens must be at most {limits.max_model_len} (max_model_len), got {req.min_tokens}")
+    _check(not req.HasField("max_tokens") or req.min_tokens <= max_tokens,
+           f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})")
+    stop = tuple(req.stop)
+    _check(len(stop) <= limits.max_stop_strings,
+           f"stop may hold at most {limits.max_stop_strings} strings, got {len(stop)}")
+    for i, s in enumerate(stop):
+        _check(0 < len(s) <= limits.max_stop_string_len,
+               f"stop[{i}] must be 1 to {limits.max_stop_string_len} characters long, got {len(s)}")
+    bad = [i for i in req.stop_token_ids if i >= limits.vocab_size]
+    _check(not bad, f"stop_token_ids must be in [0, {limits.vocab_size}); got {bad[:5]}")
+    _check(len(req.stop_token_ids) <= 64, f"stop_token_ids may hold at most 64 ids, got {len(req.stop_token_ids)}")
+    logprobs = req.logprobs if req.HasField("logprobs") else None
+    _check(logprobs is None or logprobs <= limits.max_logprobs,
+           f"logprobs must be in [0, {limits.max_logprobs}], got {logprobs}")
+    params = RequestParams(
+        max_tokens=max_tokens,
+        sampling=sampling_from_pb(req.sampling),
+        min_tokens=req.min_tokens,
+        stop=stop,
+        stop_token_ids=tuple(req.stop_token_ids),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens if req.HasField("skip_special_tokens") else True,
+    )
+    return GenerateCall(req.request_id, prompt, params, req.truncate_prompt_tokens)
+
+
+_FINISH_TO_PB = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN,
+    FinishReason.STOP_STRING: pb.FINISH_REASON_STOP_STRING,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORTED: pb.FINISH_REASON_ABORTED,
+}
+
+
+def output_to_pb(out: RequestOutput) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(request_id=out.request_id, token_ids=out.token_ids, text=out.text,
+                              finish_reason=_FINISH_TO_PB[out.finish_reason], matched_stop=out.matched_stop)
+    for lp in out.logprobs:
+        entry = msg.logprobs.add()
+        entry.sampled.token_id, entry.sampled.logprob = lp.token_id, lp.logprob
+        for token_id, logprob in lp.top:
+            entry.top.add(token_id=token_id, logprob=logprob)
+    if out.finish_reason is not None:
+        msg.usage.prompt_tokens = out.prompt_tokens
+        msg.usage.completion_tokens = out.completion_tokens
+        msg.usage.cached_prompt_tokens = out.cached_prompt_tokens
+    return msg

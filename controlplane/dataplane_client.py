@@ -1,0 +1,58 @@
+"""The control plane's connection to the data plane: Describe, Step stream, Reset."""
+
+from __future__ import annotations
+
+import grpc
+
+from twinplane.proto import dataplane_pb2 as dp
+from twinplane.proto import dataplane_pb2_grpc as dp_grpc
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # plans of long prompts are large
+
+
+class DataPlaneLost(Exception):
+    """The data plane went away (crash, restart, network)."""
+
+
+class DataPlaneClient:
+    def __init__(self, target: str, token: str | None = None):
+        self.target = target
+        self.metadata = (("x-twinplane-token", token),) if token else ()
+        self.channel: grpc.aio.Channel | None = None
+        self.stub: dp_grpc.DataPlaneStub | None = None
+        self.stream = None
+
+    async def connect(self, timeout: float | None = None) -> dp.DescribeResponse:
+        """Opens a channel, waits for the data plane to be ready, and opens the Step stream."""
+        await self.close()
+        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        self.channel = grpc.aio.insecure_channel(self.target, options=options)
+        self.stub = dp_grpc.DataPlaneStub(self.channel)
+        try:
+            desc = await self.stub.Describe(dp.DescribeRequest(), timeout=timeout, wait_for_ready=True,
+                                            metadata=self.metadata)
+            await self.stub.Reset(dp.ResetRequest(), timeout=timeout, metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise DataPlaneLost(f"{self.target}: {exc.code().name}: {exc.details()}") from exc
+        self.stream = self.stub.Step(metadata=self.metadata)
+        return desc
+
+    async def step(self, plan: dp.StepPlan) -> dp.StepResult:
+        assert self.stream is not None, "step() before connect()"
+        try:
+            await self.stream.write(plan)
+            result = await self.stream.read()
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+            raise DataPlaneLost(str(exc)) from exc
+        if result is grpc.aio.EOF:
+            raise DataPlaneLost("the data plane closed the step stream")
+        return result
+
+    async def close(self) -> None:
+        if self.stream is not None:
+            self.stream.cancel()
+            self.stream = None
+        if self.channel is not None:
+            await self.channel.close()
+            self.channel = None

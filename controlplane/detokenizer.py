@@ -1,0 +1,70 @@
+"""Incremental detokenization and stop strings.
+
+Text is decoded a few tokens at a time, with a little left context so that
+tokenizers that drop leading spaces decode correctly; a delta that would end in
+half a UTF-8 character (U+FFFD) waits for the next token. Text that could be the
+beginning of a stop string is held back until it is known not to be one, so a
+stop string never reaches the client, not even in part.
+"""
+
+from __future__ import annotations
+
+from twinplane.controlplane.tokenizer import Tokenizer
+
+CONTEXT_TOKENS = 5  # left context decoded with each delta
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True,
+                 stop: tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = stop
+        self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.pending = ""  # decoded, not yet sent (may be the start of a stop string)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_token(self, token_id: int) -> None:
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.pending += new_text[len(prefix_text):]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            if self.prefix_offset > 4 * CONTEXT_TOKENS:  # keep the window small
+                drop = self.prefix_offset
+                self.ids = self.ids[drop:]
+                self.prefix_offset, self.read_offset = 0, self.read_offset - drop
+
+    def find_stop(self) -> str | None:
+        """The first stop string in the pending text; the text after it is dropped."""
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = self.pending.find(s)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        self.pending = self.pending[:best[0]]
+        return best[1]
+
+    def take_text(self, final: bool = False) -> str:
+        """Pending text that cannot be part of a stop string (all of it when final)."""
+        keep = 0 if final else self._partial_stop_len()
+        text, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+        return text
+
+    def _partial_stop_len(self) -> int:
+        """Length of the longest pending suffix that is a proper prefix of a stop string."""
+        longest = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.pending)), longest, -1):
+                if self.pending.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest

@@ -1,0 +1,25 @@
+"""Typed errors; the gRPC servicer turns each into its status code in one place."""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    """Base class: an error with a message meant for the client."""
+
+    code_name = "INTERNAL"
+
+
+class InvalidRequest(ServiceError):
+    code_name = "INVALID_ARGUMENT"
+
+
+class Overloaded(ServiceError):
+    code_name = "RESOURCE_EXHAUSTED"
+
+
+class NotReady(ServiceError):
+    code_name = "UNAVAILABLE"
+
+
+class StepFailed(ServiceError):
+    code_name = "INTERNAL"

@@ -1,0 +1,75 @@
+"""Runs the control plane: public gRPC server + engine, with graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+import grpc
+
+from twinplane.controlplane.auth import ApiKeyInterceptor
+from twinplane.controlplane.config import ControlPlaneConfig
+from twinplane.controlplane.engine import Engine
+from twinplane.controlplane.server import create_server
+
+log = logging.getLogger("twinplane.controlplane")
+
+
+@dataclass(frozen=True)
+class Security:
+    tls_cert: str | None = None  # PEM files; both or neither
+    tls_key: str | None = None
+    api_key: str | None = None  # clients send "authorization: Bearer <key>"
+
+    def credentials(self) -> grpc.ServerCredentials | None:
+        if not (self.tls_cert or self.tls_key):
+            return None
+        if not (self.tls_cert and self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        with open(self.tls_key, "rb") as key, open(self.tls_cert, "rb") as cert:
+            return grpc.ssl_server_credentials([(key.read(), cert.read())])
+
+
+class ControlPlane:
+    """An engine and its public server, started and stopped together."""
+
+    def __init__(self, config: ControlPlaneConfig, security: Security = Security()):
+        self.config = config
+        self.engine = Engine(config)
+        interceptors = [ApiKeyInterceptor(security.api_key)] if security.api_key else []
+        self.server, self.port = create_server(self.engine, config.listen, max_message_bytes=config.max_message_bytes,
+                                               credentials=security.credentials(), interceptors=interceptors)
+        self._start_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.server.start()
+        # health says NOT_SERVING until the data plane is ready
+        self._start_task = asyncio.create_task(self.engine.start())
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        await asyncio.wait_for(self.engine.ready.wait(), timeout)
+
+    async def shutdown(self, grace: float | None = None) -> None:
+        grace = self.config.shutdown_grace if grace is None else grace
+        if self.engine.scheduler is not None:
+            await self.engine.drain(grace)
+        await self.server.stop(1.0)
+        if self._start_task is not None and not self._start_task.done():
+            self._start_task.cancel()
+        await self.engine.stop()
+
+
+async def serve(config: ControlPlaneConfig, security: Security = Security()) -> None:
+    """Serves until SIGTERM or SIGINT, then shuts down gracefully."""
+    plane = ControlPlane(config, security)
+    await plane.start()
+    log.warning("control plane listening on %s (port %d), data plane %s", config.listen, plane.port, config.dataplane)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.warning("shutting down: in-flight requests get %.1f s", config.shutdown_grace)
+    await plane.shutdown()

@@ -1,0 +1,93 @@
+"""The control plane's side of the StepPlan / StepResult contract.
+
+Per-sequence and per-token integers travel as packed little-endian arrays
+(see proto/dataplane.proto): one ``tobytes`` per column instead of one
+protobuf field per element.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from twinplane.controlplane.api import TokenLogprobs
+from twinplane.controlplane.scheduler import SchedulerOutput
+from twinplane.controlplane.sequence import Sequence
+from twinplane.proto import dataplane_pb2 as dp
+
+
+def sequence_init(seq: Sequence, eos_token_ids: tuple[int, ...]) -> dp.SequenceInit:
+    params, s = seq.params, seq.params.sampling
+    masked = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    sampling = dp.SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, has_seed=s.seed is not None, seed=s.seed or 0,
+        num_logprobs=-1 if params.logprobs is None else params.logprobs,
+        min_tokens=params.min_tokens, stop_token_ids=sorted(masked) if params.min_tokens else [],
+    )
+    return dp.SequenceInit(seq_id=seq.seq_id, sampling=sampling, num_prompt_tokens=seq.num_prompt_tokens)
+
+
+def encode_plan(out: SchedulerOutput, block_size: int, eos_token_ids: tuple[int, ...]) -> dp.StepPlan:
+    seq_ids, num_tokens, start_pos, sample, num_new_blocks = [], [], [], [], []
+    token_ids: list[int] = []
+    slots: list[int] = []
+    new_blocks: list[int] = []
+    inits = []
+    for c in out.chunks:
+        seq = c.seq
+        seq_ids.append(seq.seq_id)
+        num_tokens.append(c.num_tokens)
+        start_pos.append(c.start_pos)
+        sample.append(c.sample)
+        num_new_blocks.append(len(c.new_block_ids))
+        new_blocks.extend(c.new_block_ids)
+        end = c.start_pos + c.num_tokens
+        token_ids.extend(seq.token_ids[c.start_pos:end])
+        if c.num_tokens == 1:
+            p = c.start_pos
+            slots.append(seq.block_table[p // block_size] * block_size + p % block_size)
+        else:
+            pos = np.arange(c.start_pos, end)
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            slots.extend((table[pos // block_size] * block_size + pos % block_size).tolist())
+        if c.is_new_mirror:
+            inits.append(sequence_init(seq, eos_token_ids))
+    return dp.StepPlan(
+        step_id=out.step_id,
+        seq_ids=np.asarray(seq_ids, dtype="<i8").tobytes(),
+        num_tokens=np.asarray(num_tokens, dtype="<i4").tobytes(),
+        start_pos=np.asarray(start_pos, dtype="<i4").tobytes(),
+        token_ids=np.asarray(token_ids, dtype="<i4").tobytes(),
+        slot_mapping=np.asarray(slots, dtype="<i4").tobytes(),
+        num_new_blocks=np.asarray(num_new_blocks, dtype="<i4").tobytes(),
+        new_block_ids=np.asarray(new_blocks, dtype="<i4").tobytes(),
+        sample=np.asarray(sample, dtype=np.uint8).tobytes(),
+        inits=inits,
+        dropped_seq_ids=out.dropped_seq_ids,
+    )
+
+
+@dataclass
+class StepTokens:
+    """A decoded StepResult: one entry per sampled sequence, in plan order."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    idle_us: int = 0
+    execute_us: int = 0
+
+
+def decode_result(res: dp.StepResult) -> StepTokens:
+    token_ids = np.frombuffer(res.sampled_token_ids, dtype="<i4").tolist()
+    logprobs: list[TokenLogprobs | None] = []
+    if res.sampled_logprobs:
+        values = np.frombuffer(res.sampled_logprobs, dtype="<f4").tolist()
+        top = {t.index: (np.frombuffer(t.token_ids, dtype="<i4").tolist(),
+                         np.frombuffer(t.logprobs, dtype="<f4").tolist()) for t in res.top_logprobs}
+        for i, (token_id, value) in enumerate(zip(token_ids, values)):
+            ids, lps = top.get(i, ([], []))
+            logprobs.append(TokenLogprobs(token_id, value, list(zip(ids, lps))))
+    return StepTokens(token_ids, logprobs, res.timings.idle_us, res.timings.execute_us)

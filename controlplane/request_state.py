@@ -1,0 +1,73 @@
+"""Per-request output handling: stop rules, detokenization, and output deltas."""
+
+from __future__ import annotations
+
+import asyncio
+
+from twinplane.controlplane.api import RequestOutput, TokenLogprobs
+from twinplane.controlplane.detokenizer import IncrementalDetokenizer
+from twinplane.controlplane.errors import ServiceError
+from twinplane.controlplane.sequence import FinishReason, Sequence
+from twinplane.controlplane.tokenizer import Tokenizer
+
+
+class RequestState:
+    """A sequence plus everything needed to turn its tokens into a stream."""
+
+    def __init__(self, seq: Sequence, tokenizer: Tokenizer | None, eos_token_ids: frozenset[int],
+                 max_model_len: int):
+        self.seq = seq
+        params = seq.params
+        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
+        self.max_model_len = max_model_len
+        self.detokenizer = None
+        if tokenizer is not None:
+            self.detokenizer = IncrementalDetokenizer(
+                tokenizer, seq.token_ids, params.skip_special_tokens, params.stop)
+        self.outputs: asyncio.Queue[RequestOutput | ServiceError] = asyncio.Queue()
+        self.pending = self._new_output()
+        self.finished = False
+
+    def _new_output(self) -> RequestOutput:
+        return RequestOutput(self.seq.request_id)
+
+    def add_token(self, token_id: int, logprobs: TokenLogprobs | None) -> FinishReason | None:
+        """Records a sampled token (already appended to the sequence); returns why it ends, if it does."""
+        seq, params, out = self.seq, self.seq.params, self.pending
+        out.token_ids.append(token_id)
+        if logprobs is not None and params.logprobs is not None:
+            out.logprobs.append(logprobs)
+        past_min = seq.num_output_tokens > params.min_tokens
+        if token_id in self.stop_ids and past_min:
+            return FinishReason.STOP_TOKEN
+        if self.detokenizer is not None:
+            self.detokenizer.add_token(token_id)
+            if params.stop and past_min:
+                matched = self.detokenizer.find_stop()
+                if matched is not None:
+                    out.matched_stop = matched
+                    return FinishReason.STOP_STRING
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def emit(self, finish_reason: FinishReason | None = None) -> None:
+        """Pushes what is pending to the stream; the last output carries the usage."""
+        out = self.pending
+        if self.detokenizer is not None:
+            out.text = self.detokenizer.take_text(final=finish_reason is not None)
+        if finish_reason is not None:
+            seq = self.seq
+            out.finish_reason = finish_reason
+            out.prompt_tokens = seq.num_prompt_tokens
+            out.completion_tokens = seq.num_output_tokens
+            out.cached_prompt_tokens = seq.num_cached_tokens
+            self.finished = True
+        elif not out.token_ids and not out.text:
+            return
+        self.outputs.put_nowait(out)
+        self.pending = self._new_output()
+
+    def fail(self, error: ServiceError) -> None:
+        self.finished = True
+        self.outputs.put_nowait(error)

@@ -1,0 +1,106 @@
+"""The public gRPC API: Generation service, health and reflection.
+
+The servicer is thin: from_pb -> engine -> to_pb. ServiceError subclasses
+become gRPC status codes here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from twinplane.controlplane.api import generate_call_from_pb, output_to_pb, prompt_from_pb
+from twinplane.controlplane.engine import Engine
+from twinplane.controlplane.errors import InvalidRequest, ServiceError
+from twinplane.proto import generation_pb2 as pb
+from twinplane.proto import generation_pb2_grpc as pb_grpc
+
+log = logging.getLogger("twinplane.controlplane")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: ServiceError) -> None:
+    await context.abort(getattr(grpc.StatusCode, exc.code_name), str(exc))
+
+
+def unary_errors(method):
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except ServiceError as exc:
+            await _abort(context, exc)
+    return wrapper
+
+
+def stream_errors(method):
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            async for item in method(self, request, context):
+                yield item
+        except ServiceError as exc:
+            await _abort(context, exc)
+    return wrapper
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    @stream_errors
+    async def Generate(self, request: pb.GenerateRequest, context):
+        await self.engine.wait_ready()
+        call = generate_call_from_pb(request, self.engine.limits)
+        async for out in self.engine.generate(call):
+            yield output_to_pb(out)
+
+    @unary_errors
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        await self.engine.wait_ready()
+        if request.WhichOneof("input") is None:
+            raise InvalidRequest("input is required: set text or chat")
+        ids = self.engine.tokenize(prompt_from_pb(request, self.engine.limits))
+        tok = self.engine.tokenizer
+        return pb.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token_text(i) for i in ids])
+
+    @unary_errors
+    async def GetModelInfo(self, request, context) -> pb.ModelInfo:
+        await self.engine.wait_ready()
+        d, limits = self.engine.describe, self.engine.limits
+        tok = self.engine.tokenizer
+        return pb.ModelInfo(
+            model=d.model, architecture=d.architecture, vocab_size=d.vocab_size, max_model_len=d.max_model_len,
+            dtype=d.dtype, block_size=d.block_size, num_kv_blocks=d.num_kv_blocks,
+            tensor_parallel_size=d.tensor_parallel_size, attention_backend=d.attention_backend,
+            eos_token_ids=list(d.eos_token_ids), max_logprobs=limits.max_logprobs,
+            has_chat_template=bool(tok and tok.chat_template))
+
+
+def create_server(engine: Engine, listen: str, *, max_message_bytes: int = 16 << 20,
+                  credentials: grpc.ServerCredentials | None = None,
+                  interceptors=()) -> tuple[grpc.aio.Server, int]:
+    """Builds the public server (not started); returns it and the bound port."""
+    options = [("grpc.max_receive_message_length", max_message_bytes),
+               ("grpc.max_send_message_length", max_message_bytes)]
+    server = grpc.aio.server(options=options, interceptors=list(interceptors))
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+
+    def set_health(ready: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            asyncio.ensure_future(health_servicer.set(name, status))
+
+    set_health(engine.ready.is_set() and engine.accepting)
+    engine.on_readiness.append(set_health)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    port = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
+    return server, port

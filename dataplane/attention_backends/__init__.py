@@ -1,0 +1,41 @@
+"""Attention backends by name: "torch" now; FlashAttention 4 / 2 slot in on GPU.
+
+To add a backend: subclass ``AttentionBackend`` in a new module of this package and add
+an entry to ``_FACTORIES`` (a zero-argument callable that imports lazily and raises
+``ImportError`` when its kernels are missing), then list its name in ``_AUTO_ORDER_CUDA``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from twinplane.dataplane.attention_backends.base import AttentionBackend, AttentionMetadata
+from twinplane.dataplane.attention_backends.torch_backend import TorchAttentionBackend
+
+
+def _torch_backend() -> AttentionBackend:
+    return TorchAttentionBackend()
+
+
+_FACTORIES: dict[str, Callable[[], AttentionBackend]] = {"torch": _torch_backend}
+# Preference order for "auto" on CUDA; names without a factory (yet) are skipped.
+_AUTO_ORDER_CUDA = ("flash_attn_4", "flash_attn_2", "torch")
+
+
+def get_attention_backend(name: str, device_type: str) -> AttentionBackend:
+    """The backend called ``name`` ("auto" picks the best available for ``device_type``)."""
+    if name == "auto":
+        order = _AUTO_ORDER_CUDA if device_type == "cuda" else ("torch",)
+        for candidate in order:
+            if candidate in _FACTORIES:
+                try:
+                    return _FACTORIES[candidate]()
+                except ImportError:
+                    continue
+        raise ValueError(f"no attention backend available on {device_type}")
+    if name not in _FACTORIES:
+        raise ValueError(f"attention backend {name!r} is not available; available: {sorted(_FACTORIES)}")
+    return _FACTORIES[name]()
+
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "TorchAttentionBackend", "get_attention_backend"]

@@ -1,0 +1,58 @@
+"""The attention backend interface and the per-step metadata every backend reads.
+
+One call form covers every row kind in a batch: full prefill, prefix-cached prefill,
+chunked prefill and decode. Sequence i contributes ``q_len_i = cu_seqlens_q[i+1] -
+cu_seqlens_q[i]`` new query tokens and attends, causally, to the first ``context_lens[i]``
+tokens stored in its blocks (the new tokens included, written just before). Query j of
+sequence i sits at position ``context_lens[i] - q_len_i + j``.
+
+The KV cache of one layer is a pair k_cache, v_cache, each
+[num_blocks, block_size, num_kv_heads, head_dim] (FlashAttention's paged layout).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step description of the batch, built by the model runner, read by attention."""
+
+    cu_seqlens_q: torch.Tensor  # int32 [n + 1]: query token offsets of each sequence
+    cu_seqlens_k: torch.Tensor  # int32 [n + 1]: cumulative context_lens (flash-attn 2 varlen)
+    context_lens: torch.Tensor  # int32 [n]: tokens in the cache after this step (seqused_k)
+    max_seqlen_q: int
+    max_seqlen_k: int
+    slot_mapping: torch.Tensor  # int32 [T]: cache slot of each new token; -1 = do not store
+    block_tables: torch.Tensor  # int32 [n, max_blocks]: block ids, padded with 0 (page_table)
+    # Host copies for backends that loop in Python (the torch backend); no device sync needed.
+    query_lens_host: list[int]
+    context_lens_host: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens_host)
+
+
+class AttentionBackend(ABC):
+    """Stores new K/V into the paged cache and attends over it."""
+
+    name: str = "base"
+
+    @abstractmethod
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store k, v [T, kv_heads, head_dim] at ``slot_mapping`` [T]; slots of -1 are skipped."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, heads, head_dim] -> attention output [T, heads, head_dim]."""

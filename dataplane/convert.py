@@ -1,0 +1,75 @@
+"""The data plane's edge: protobuf StepPlan -> plan objects, StepOutput -> StepResult."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from twinplane.dataplane.plan import SamplingParams, ScheduledSeq, SequenceInit, StepOutput, StepPlan
+from twinplane.proto import dataplane_pb2 as dp
+
+
+def _ints(data: bytes, dtype: str = "<i4") -> np.ndarray:
+    return np.frombuffer(data, dtype=dtype)
+
+
+def init_from_pb(init: dp.SequenceInit) -> SequenceInit:
+    s = init.sampling
+    sampling = SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, seed=s.seed if s.has_seed else None,
+        num_logprobs=s.num_logprobs, min_tokens=s.min_tokens, stop_token_ids=tuple(s.stop_token_ids),
+    )
+    return SequenceInit(sampling=sampling, num_prompt_tokens=init.num_prompt_tokens)
+
+
+def plan_from_pb(msg: dp.StepPlan) -> StepPlan:
+    seq_ids = _ints(msg.seq_ids, "<i8")
+    num_tokens = _ints(msg.num_tokens)
+    start_pos = _ints(msg.start_pos)
+    num_new_blocks = _ints(msg.num_new_blocks)
+    sample = _ints(msg.sample, np.uint8)
+    token_ids, slots, new_blocks = _ints(msg.token_ids), _ints(msg.slot_mapping), _ints(msg.new_block_ids)
+    n = len(seq_ids)
+    if not (len(num_tokens) == len(start_pos) == len(num_new_blocks) == len(sample) == n):
+        raise ValueError(f"plan columns disagree on the number of sequences ({n})")
+    if len(token_ids) != num_tokens.sum() or len(slots) != len(token_ids) or len(new_blocks) != num_new_blocks.sum():
+        raise ValueError("plan token or block columns do not match their counts")
+    inits = {i.seq_id: init_from_pb(i) for i in msg.inits}
+    tok_end = np.cumsum(num_tokens).tolist()
+    blk_end = np.cumsum(num_new_blocks).tolist()
+    seqs = []
+    tok_start = blk_start = 0
+    for i, seq_id in enumerate(seq_ids.tolist()):
+        seqs.append(ScheduledSeq(
+            seq_id=seq_id,
+            token_ids=token_ids[tok_start:tok_end[i]],
+            start_pos=int(start_pos[i]),
+            slot_mapping=slots[tok_start:tok_end[i]],
+            new_block_ids=new_blocks[blk_start:blk_end[i]],
+            sample=bool(sample[i]),
+            init=inits.get(seq_id),
+        ))
+        tok_start, blk_start = tok_end[i], blk_end[i]
+    return StepPlan(step_id=msg.step_id, seqs=seqs, dropped_seq_ids=list(msg.dropped_seq_ids))
+
+
+def output_to_pb(out: StepOutput) -> dp.StepResult:
+    result = dp.StepResult(
+        step_id=out.step_id,
+        sampled_token_ids=np.ascontiguousarray(out.sampled_token_ids, dtype="<i4").tobytes(),
+        timings=dp.StepTimings(prepare_us=out.prepare_us, execute_us=out.execute_us, idle_us=out.idle_us),
+    )
+    if out.sampled_logprobs is not None:
+        result.sampled_logprobs = np.ascontiguousarray(out.sampled_logprobs, dtype="<f4").tobytes()
+    for index, (ids, logprobs) in sorted(out.top_logprobs.items()):
+        result.top_logprobs.add(index=index, token_ids=np.ascontiguousarray(ids, dtype="<i4").tobytes(),
+                                logprobs=np.ascontiguousarray(logprobs, dtype="<f4").tobytes())
+    return result
+
+
+def describe_to_pb(description) -> dp.DescribeResponse:
+    """description: the runner's describe() dataclass, named like DescribeResponse's fields."""
+    return dp.DescribeResponse(**dataclasses.asdict(description))

@@ -1,0 +1,139 @@
+"""Build a model from a Hugging Face folder or a ``dummy:<shape>`` name and fill its weights.
+
+Every checkpoint tensor goes through the ``weight_loader`` of the parameter it belongs to
+(packed q/k/v and gate/up tensors through the packed layer's loader with their shard id),
+so tensor-parallel sharding lives in the layers, not here. Loading fails with ValueError
+on unknown tensors and on parameters the checkpoint leaves unset.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, PretrainedConfig
+
+from twinplane.dataplane.attention_backends.base import AttentionBackend
+from twinplane.dataplane.dummy import checkpoint_shapes, dummy_hf_config, dummy_weights, is_dummy
+from twinplane.dataplane.models.decoder import DecoderForCausalLM
+from twinplane.dataplane.models.registry import model_class_for
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass
+class LoadedModel:
+    model: DecoderForCausalLM
+    hf_config: PretrainedConfig
+    architecture: str
+    eos_token_ids: list[int]
+    tokenizer_path: str  # the model folder when it holds tokenizer files, else ""
+
+
+def load_hf_config(model: str) -> PretrainedConfig:
+    """The transformers config of a model folder or a ``dummy:<shape>`` name."""
+    if is_dummy(model):
+        return dummy_hf_config(model)
+    if not (Path(model) / "config.json").is_file():
+        raise ValueError(f"model {model!r} is neither a folder with config.json nor a dummy:<shape> name")
+    return AutoConfig.from_pretrained(model)
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def eos_token_ids_of(model: str, hf_config: PretrainedConfig) -> list[int]:
+    """EOS ids from generation_config.json when it names any, else from config.json."""
+    generation_config = Path(model) / "generation_config.json"
+    if not is_dummy(model) and generation_config.is_file():
+        ids = _as_id_list(json.loads(generation_config.read_text()).get("eos_token_id"))
+        if ids:
+            return ids
+    return _as_id_list(getattr(hf_config, "eos_token_id", None))
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(hf_config: PretrainedConfig, backend: AttentionBackend | None, dtype: torch.dtype,
+                device: torch.device) -> tuple[str, DecoderForCausalLM]:
+    """(architecture, model with uninitialised weights) built directly on ``device`` (may be meta)."""
+    architecture, model_cls = model_class_for(hf_config)
+    with _default_dtype(dtype), torch.device(device):
+        model = model_cls(hf_config, backend)
+    return architecture, model.eval()
+
+
+def _target(name: str, mapping: dict[str, tuple[str, str | int]]) -> tuple[str, str | int | None]:
+    for checkpoint_part, (packed_part, shard_id) in mapping.items():
+        if f".{checkpoint_part}." in name:
+            return name.replace(f".{checkpoint_part}.", f".{packed_part}."), shard_id
+    return name, None
+
+
+def load_weights(model: DecoderForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy (checkpoint name, full tensor) pairs into the model through the weight loaders."""
+    params = dict(model.named_parameters())
+    seen: set[str] = set()
+    for name, tensor in weights:
+        if "rotary_emb.inv_freq" in name or (model.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        param_name, shard_id = _target(name, model.packed_modules_mapping)
+        if param_name not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
+        param = params[param_name]
+        loader = getattr(param, "weight_loader", None)
+        if shard_id is not None:
+            loader(param, tensor, shard_id)
+        elif loader is not None:
+            loader(param, tensor)
+        else:
+            assert param.shape == tensor.shape, f"{name}: parameter {tuple(param.shape)}, checkpoint {tuple(tensor.shape)}"
+            param.data.copy_(tensor)
+        seen.add(param_name)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise ValueError(f"checkpoint leaves {len(missing)} parameters unset, e.g. {missing[:3]}")
+
+
+def safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in the folder's *.safetensors files (one or many shards)."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {folder!r}")
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def load_model(model: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
+               backend: AttentionBackend | None = None) -> LoadedModel:
+    """Config, model and weights for a folder or ``dummy:<shape>``."""
+    hf_config = load_hf_config(model)
+    architecture, net = build_model(hf_config, backend, dtype, device)
+    if is_dummy(model):
+        shapes = checkpoint_shapes(hf_config, net.spec_from_config(hf_config))
+        load_weights(net, dummy_weights(shapes, seed, dtype, device))
+        tokenizer_path = ""
+    else:
+        load_weights(net, safetensors_weights(model))
+        has_tokenizer = any((Path(model) / f).is_file() for f in TOKENIZER_FILES)
+        tokenizer_path = model if has_tokenizer else ""
+    return LoadedModel(net, hf_config, architecture, eos_token_ids_of(model, hf_config), tokenizer_path)

@@ -1,0 +1,34 @@
+"""Runs the data plane: load the model, size the KV cache, serve StepPlans."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import threading
+
+from twinplane.dataplane.config import DataPlaneConfig
+from twinplane.dataplane.embedded import resolve_model
+from twinplane.dataplane.server import create_server
+
+log = logging.getLogger("twinplane.dataplane")
+
+
+def serve(config: DataPlaneConfig, listen: str, token: str | None = None) -> None:
+    """Serves until SIGTERM or SIGINT; then stops the server and releases the runner."""
+    from twinplane.dataplane.model_runner import ModelRunner  # imports torch
+
+    config = dataclasses.replace(config, model=resolve_model(config.model))
+    runner = ModelRunner(config)
+    server, _ = create_server(runner, listen, token)
+    server.start()
+    desc = runner.describe()
+    log.warning("data plane ready on %s: %s, %s, %d KV blocks of %d tokens, attention %s",
+                listen, desc.model, desc.dtype, desc.num_kv_blocks, desc.block_size, desc.attention_backend)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=2.0).wait()
+    runner.close()
+    log.warning("data plane stopped")

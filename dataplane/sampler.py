@@ -1,0 +1,111 @@
+"""Batched next-token sampling from float32 logits [n, vocab].
+
+Order of operations per row (as vLLM): penalties (repetition over prompt + output,
+frequency and presence over output) and min_tokens masking of stop ids; greedy rows take
+the argmax here. Other rows: temperature, min_p, top_k, top_p, then an exponential race
+(argmax of probs / Exp(1) noise), which draws exactly from the filtered distribution. A
+seeded row's noise comes from a generator seeded by (seed, output position) alone, so its
+draws do not depend on batching or recomputation; other rows share one generator.
+Log-probabilities are the log_softmax of the raw model logits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from twinplane.dataplane.sampling_batch import PenaltyTensors, SamplingBatch
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # int64 [n]
+    logprobs: torch.Tensor | None = None  # float32 [n]: the sampled tokens' logprobs
+    top_ids: torch.Tensor | None = None  # int64 [n, max_num_logprobs], most likely first
+    top_logprobs: torch.Tensor | None = None  # float32 [n, max_num_logprobs]
+
+
+def seed_for_position(seed: int, output_pos: int) -> int:
+    """A 63-bit generator seed that depends only on (seed, output position)."""
+    digest = hashlib.blake2b(f"{seed}:{output_pos}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Tensor:
+    """Repetition divides positive / multiplies negative logits of seen tokens; then
+    logits -= frequency * output_count + presence * (output_count > 0)."""
+    seen = (penalties.prompt_counts + penalties.output_counts) > 0
+    repeated = torch.where(logits > 0, logits / penalties.repetition, logits * penalties.repetition)
+    logits = torch.where(seen, repeated, logits)
+    output_counts = penalties.output_counts
+    return logits - penalties.frequency * output_counts - penalties.presence * (output_counts > 0).float()
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the top probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Keep each row's top_k tokens, then the smallest prefix whose probability reaches top_p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    if top_k is not None:
+        ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        sorted_logits = sorted_logits.masked_fill(mass_before > top_p, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+class Sampler:
+    """Samples one token per row; owns the generator shared by unseeded rows."""
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def _race_noise(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, seed, output_pos in batch.seeded:
+            row_generator = torch.Generator(device=self.device).manual_seed(seed_for_position(seed, output_pos))
+            noise[row].exponential_(generator=row_generator)
+        return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+
+    def _random_sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        logits = logits / batch.temperature
+        if batch.min_p is not None:
+            logits = apply_min_p(logits, batch.min_p)
+        if batch.top_k is not None or batch.top_p is not None:
+            logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+        probs = logits.softmax(dim=-1)
+        return (probs / self._race_noise(probs, batch)).argmax(dim=-1)
+
+    def _logprobs(self, raw_logits: torch.Tensor, token_ids: torch.Tensor, out: SamplerOutput,
+                  max_num_logprobs: int) -> None:
+        logprobs = raw_logits.float().log_softmax(dim=-1)
+        out.logprobs = logprobs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+        if max_num_logprobs > 0:
+            out.top_logprobs, out.top_ids = logprobs.topk(max_num_logprobs, dim=-1)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, (
+            f"logits {tuple(logits.shape)} do not match {batch.num_rows} sampling rows")
+        raw_logits = logits
+        logits = logits.float()
+        if batch.penalties is not None:
+            logits = apply_penalties(logits, batch.penalties)
+        if batch.banned is not None:
+            logits = logits.index_put((batch.banned[0], batch.banned[1]), torch.tensor(float("-inf"), device=logits.device))
+        token_ids = logits.argmax(dim=-1)
+        if not batch.all_greedy:
+            token_ids = torch.where(batch.greedy, token_ids, self._random_sample(logits, batch))
+        out = SamplerOutput(token_ids=token_ids)
+        if batch.max_num_logprobs >= 0:
+            self._logprobs(raw_logits, token_ids, out, batch.max_num_logprobs)
+        return out

@@ -1,0 +1,115 @@
+"""Host-side preparation of one step's sampling parameters as device tensors.
+
+Built once per step from each sampled sequence's ``SamplingParams``, its output position
+(tokens generated so far) and its token history; the sampler then works on whole-batch
+tensors. Features no row uses stay ``None`` so the sampler can skip them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from twinplane.dataplane.plan import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One sampled sequence: its parameters, output position and history (-1 = unknown token)."""
+
+    params: SamplingParams
+    output_pos: int
+    prompt_ids: np.ndarray
+    output_ids: np.ndarray
+
+
+@dataclass
+class PenaltyTensors:
+    repetition: torch.Tensor  # float32 [n, 1]
+    presence: torch.Tensor  # float32 [n, 1]
+    frequency: torch.Tensor  # float32 [n, 1]
+    prompt_counts: torch.Tensor  # float32 [n, vocab]
+    output_counts: torch.Tensor  # float32 [n, vocab]
+
+
+@dataclass
+class SamplingBatch:
+    num_rows: int
+    all_greedy: bool
+    greedy: torch.Tensor  # bool [n]
+    temperature: torch.Tensor  # float32 [n, 1]; 1.0 on greedy rows
+    top_k: torch.Tensor | None  # int64 [n, 1]; vocab = off
+    top_p: torch.Tensor | None  # float32 [n, 1]
+    min_p: torch.Tensor | None  # float32 [n, 1]
+    penalties: PenaltyTensors | None
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) to mask to -inf (min_tokens)
+    seeded: list[tuple[int, int, int]]  # (row, seed, output position)
+    num_logprobs: list[int]  # per row; -1 = none
+
+    @property
+    def max_num_logprobs(self) -> int:
+        return max(self.num_logprobs, default=-1)
+
+
+def _column(values: list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).unsqueeze(1).to(device, non_blocking=True)
+
+
+def _token_counts(histories: list[np.ndarray], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """float32 [n, vocab]: occurrences of each token per row; ids outside [0, vocab) are ignored."""
+    width = max((len(h) for h in histories), default=0)
+    padded = np.full((len(histories), max(width, 1)), vocab_size, dtype=np.int64)
+    for row, history in enumerate(histories):
+        padded[row, : len(history)] = history
+    padded[(padded < 0) | (padded > vocab_size)] = vocab_size
+    ids = torch.from_numpy(padded).to(device, non_blocking=True)
+    counts = torch.zeros(len(histories), vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def _penalties(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> PenaltyTensors | None:
+    if not any(r.params.has_penalties for r in rows):
+        return None
+    with_history = [r if r.params.has_penalties else None for r in rows]
+    empty = np.empty(0, dtype=np.int64)
+    return PenaltyTensors(
+        repetition=_column([r.params.repetition_penalty for r in rows], torch.float32, device),
+        presence=_column([r.params.presence_penalty for r in rows], torch.float32, device),
+        frequency=_column([r.params.frequency_penalty for r in rows], torch.float32, device),
+        prompt_counts=_token_counts([r.prompt_ids if r else empty for r in with_history], vocab_size, device),
+        output_counts=_token_counts([r.output_ids if r else empty for r in with_history], vocab_size, device),
+    )
+
+
+def _banned(rows: list[SamplingRow], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    pairs = [(i, t) for i, r in enumerate(rows) if r.output_pos < r.params.min_tokens
+             for t in r.params.stop_token_ids]
+    if not pairs:
+        return None
+    row_ids, token_ids = zip(*pairs)
+    return (torch.tensor(row_ids, dtype=torch.int64).to(device, non_blocking=True),
+            torch.tensor(token_ids, dtype=torch.int64).to(device, non_blocking=True))
+
+
+def build_sampling_batch(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> SamplingBatch:
+    """Tensors for ``rows``, in row order."""
+    params = [r.params for r in rows]
+    greedy = [p.greedy for p in params]
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    return SamplingBatch(
+        num_rows=len(rows),
+        all_greedy=all(greedy),
+        greedy=torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True),
+        temperature=_column([1.0 if p.greedy else p.temperature for p in params], torch.float32, device),
+        top_k=_column(top_k, torch.int64, device) if any(k < vocab_size for k in top_k) else None,
+        top_p=_column([p.top_p for p in params], torch.float32, device) if any(p.top_p < 1.0 for p in params) else None,
+        min_p=_column([p.min_p for p in params], torch.float32, device) if any(p.min_p > 0.0 for p in params) else None,
+        penalties=_penalties(rows, vocab_size, device),
+        banned=_banned(rows, device),
+        seeded=[(i, r.params.seed, r.output_pos) for i, r in enumerate(rows)
+                if r.params.seed is not None and not r.params.greedy],
+        num_logprobs=[p.num_logprobs for p in params],
+    )

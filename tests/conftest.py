@@ -1,0 +1,140 @@
+"""Shared fixtures: real models on disk and both planes running over loopback gRPC.
+
+Every server binds a unix socket in a private temporary folder (or 127.0.0.1),
+never anything else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from twinplane.clients.client import Client
+from twinplane.controlplane.config import ControlPlaneConfig
+from twinplane.controlplane.main import ControlPlane
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=49152, max_position_embeddings=4096,
+                  initializer_range=0.1, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The embedded default model, converted once per cache folder."""
+    from twinplane.dataplane.embedded import DEFAULT_MODEL, resolve_model
+
+    return Path(resolve_model(DEFAULT_MODEL))
+
+
+def make_tiny_model(arch: str, folder: Path, tokenizer_dir: Path) -> Path:
+    """A random-weight transformers model with a real config, saved as a Hugging Face folder."""
+    import torch
+    import transformers
+
+    torch.manual_seed({"qwen3": 1, "llama": 2}[arch])
+    if arch == "qwen3":
+        config = transformers.Qwen3Config(**TINY_SHAPE, rope_theta=1e6, tie_word_embeddings=True)
+        model = transformers.Qwen3ForCausalLM(config)
+    else:
+        config = transformers.LlamaConfig(**TINY_SHAPE, rope_theta=1e5, tie_word_embeddings=False)
+        model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(folder, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, folder / name)
+    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2]}))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory, smollm2_dir) -> Path:
+    return make_tiny_model("qwen3", tmp_path_factory.mktemp("tiny-qwen3"), smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
+    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
+
+
+class Planes:
+    """A data-plane process plus a control plane on its own event-loop thread in this process."""
+
+    def __init__(self, folder: Path, model: str, dataplane_args: tuple[str, ...] = (), **config):
+        self.folder = folder
+        self.dp_address = f"unix://{folder}/dp.sock"
+        self.address = f"unix://{folder}/cp.sock"
+        self.dp_command = [sys.executable, "-m", "twinplane.clients.cli", "dataplane", "--model", str(model),
+                           "--device", "cpu", "--listen", self.dp_address, *dataplane_args]
+        self.config = ControlPlaneConfig(dataplane=self.dp_address, listen=self.address, **config)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.dataplane: subprocess.Popen | None = None
+        self.plane: ControlPlane | None = None
+
+    def start_dataplane(self) -> None:
+        self.dataplane = subprocess.Popen(self.dp_command, stdin=subprocess.DEVNULL)
+
+    def start(self, timeout: float = 120.0) -> Planes:
+        self.start_dataplane()
+        self.thread.start()
+
+        async def start() -> ControlPlane:
+            plane = ControlPlane(self.config)
+            await plane.start()
+            return plane
+
+        self.plane = self.call(start())
+        self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        self.call(self.plane.wait_ready(timeout), timeout + 5)
+
+    def call(self, coro, timeout: float | None = 60.0):
+        """Runs a coroutine on the control plane's loop and returns its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @property
+    def engine(self):
+        return self.plane.engine
+
+    def client(self) -> Client:
+        return Client(self.address)
+
+    def free_blocks(self) -> tuple[int, int]:
+        async def read() -> tuple[int, int]:
+            bm = self.engine.scheduler.block_manager
+            return bm.num_free_blocks, bm.num_blocks
+        return self.call(read())
+
+    def stop(self) -> None:
+        if self.plane is not None:
+            self.call(self.plane.shutdown(grace=0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        if self.dataplane is not None and self.dataplane.poll() is None:
+            self.dataplane.terminate()
+            self.dataplane.wait(30)
+
+
+@pytest.fixture
+def planes_factory(tmp_path_factory):
+    """Starts Planes on demand; stops them all after the test."""
+    started: list[Planes] = []
+
+    def make(model, *dataplane_args: str, **config) -> Planes:
+        planes = Planes(tmp_path_factory.mktemp("planes"), model, tuple(dataplane_args), **config)
+        started.append(planes)
+        return planes.start()
+
+    yield make
+    for planes in started:
+        planes.stop()

@@ -1,0 +1,133 @@
+"""Sampler: greedy, filters, seeded reproducibility, penalties, min_tokens and logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from twinplane.dataplane.plan import SamplingParams
+from twinplane.dataplane.sampler import Sampler, apply_min_p, apply_penalties
+from twinplane.dataplane.sampling_batch import SamplingRow, build_sampling_batch
+
+CPU = torch.device("cpu")
+EMPTY = np.empty(0, dtype=np.int32)
+
+
+def _rows(params: list[SamplingParams], output_pos: int = 0) -> list[SamplingRow]:
+    return [SamplingRow(p, output_pos, EMPTY, EMPTY) for p in params]
+
+
+def _sample(logits: torch.Tensor, rows: list[SamplingRow], seed: int = 0):
+    batch = build_sampling_batch(rows, logits.shape[-1], CPU)
+    return Sampler(seed, CPU)(logits, batch), batch
+
+
+def _random_logits(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax_on_the_fast_path() -> None:
+    logits = _random_logits(5, 100)
+    out, batch = _sample(logits, _rows([SamplingParams(temperature=0.0)] * 5))
+    assert batch.all_greedy and batch.penalties is None and out.logprobs is None
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(top_k=1), SamplingParams(top_p=1e-6),
+                                    SamplingParams(temperature=1e-4), SamplingParams(min_p=0.999)])
+def test_degenerate_filters_equal_greedy(params: SamplingParams) -> None:
+    logits = _random_logits(8, 300, seed=1)
+    out, _ = _sample(logits, _rows([params] * 8))
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+
+
+def test_min_p_keeps_only_likely_tokens() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    filtered = apply_min_p(probs.log().unsqueeze(0), torch.tensor([[0.5]]))
+    assert torch.isfinite(filtered[0]).tolist() == [True, True, False, False]
+    out, _ = _sample(probs.log().repeat(400, 1), _rows([SamplingParams(min_p=0.5)] * 400))
+    assert set(out.token_ids.tolist()) == {0, 1}
+
+
+def test_top_k_top_p_restrict_support() -> None:
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    out, _ = _sample(probs.log().repeat(400, 1), _rows([SamplingParams(top_k=3, top_p=0.6)] * 400))
+    assert set(out.token_ids.tolist()) == {0, 1}  # top_p 0.6 needs tokens 0 and 1
+
+
+def test_seeded_rows_ignore_batch_composition_and_order() -> None:
+    vocab = 1000
+    flat = torch.zeros(1, vocab)
+    seeded = SamplingParams(seed=7)
+    other = SamplingParams(seed=None)
+    alone, _ = _sample(flat, _rows([seeded], output_pos=3), seed=0)
+    rows = [SamplingRow(other, 0, EMPTY, EMPTY), SamplingRow(SamplingParams(seed=9), 3, EMPTY, EMPTY),
+            SamplingRow(seeded, 3, EMPTY, EMPTY)]
+    mixed, _ = _sample(flat.repeat(3, 1), rows, seed=123)
+    reordered, _ = _sample(flat.repeat(3, 1), rows[::-1], seed=5)
+    assert int(alone.token_ids[0]) == int(mixed.token_ids[2]) == int(reordered.token_ids[0])
+    assert int(mixed.token_ids[1]) == int(reordered.token_ids[1])
+    assert int(mixed.token_ids[1]) != int(mixed.token_ids[2]), "different seeds should differ"
+    later, _ = _sample(flat, _rows([seeded], output_pos=4))
+    assert int(later.token_ids[0]) != int(alone.token_ids[0]), "next position should draw anew"
+
+
+def test_unseeded_rows_follow_the_shared_generator() -> None:
+    flat = torch.zeros(4, 1000)
+    first, _ = _sample(flat, _rows([SamplingParams()] * 4), seed=1)
+    again, _ = _sample(flat, _rows([SamplingParams()] * 4), seed=1)
+    other, _ = _sample(flat, _rows([SamplingParams()] * 4), seed=2)
+    assert torch.equal(first.token_ids, again.token_ids)
+    assert not torch.equal(first.token_ids, other.token_ids)
+
+
+def test_penalties_follow_the_vllm_formula() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    rows = [SamplingRow(params, 3, np.array([0], np.int32), np.array([1, 1, 3], np.int32))]
+    batch = build_sampling_batch(rows, 4, CPU)
+    assert batch.penalties is not None
+    # token 0: in prompt, positive -> 2 / 2; token 1: output twice, negative -> -1 * 2 - 0.5 * 2 - 0.25;
+    # token 2: unseen; token 3: output once -> 3 / 2 - 0.5 - 0.25
+    expected = torch.tensor([[1.0, -3.25, 0.5, 0.75]])
+    torch.testing.assert_close(apply_penalties(logits, batch.penalties), expected)
+    out = Sampler(0, CPU)(logits, batch)
+    assert int(out.token_ids[0]) == 0
+
+
+def test_unknown_history_tokens_are_ignored() -> None:
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    rows = [SamplingRow(params, 0, np.array([-1, -1, 2], np.int32), EMPTY)]
+    batch = build_sampling_batch(rows, 4, CPU)
+    assert batch.penalties is not None
+    assert batch.penalties.prompt_counts.tolist() == [[0.0, 0.0, 1.0, 0.0]]
+
+
+def test_min_tokens_masks_stop_ids_until_reached() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0]])
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(1,))
+    early, _ = _sample(logits, _rows([params], output_pos=1))
+    done, _ = _sample(logits, _rows([params], output_pos=2))
+    assert int(early.token_ids[0]) == 2 and int(done.token_ids[0]) == 1
+
+
+def test_logprobs_are_log_softmax_of_raw_logits() -> None:
+    logits = _random_logits(3, 50, seed=4)
+    params = [SamplingParams(temperature=0.0, num_logprobs=5, repetition_penalty=1.5),
+              SamplingParams(temperature=0.7, num_logprobs=0, seed=3),
+              SamplingParams(temperature=0.0)]
+    rows = [SamplingRow(p, 1, np.array([0, 1, 2], np.int32), np.array([3], np.int32)) for p in params]
+    out, batch = _sample(logits, rows)
+    reference = logits.log_softmax(-1)
+    assert out.logprobs is not None and out.top_ids is not None and out.top_logprobs is not None
+    torch.testing.assert_close(out.logprobs, reference.gather(-1, out.token_ids.unsqueeze(-1)).squeeze(-1))
+    assert out.top_ids.shape == (3, 5)
+    top_values, top_ids = reference.topk(5, dim=-1)
+    assert torch.equal(out.top_ids, top_ids)
+    torch.testing.assert_close(out.top_logprobs, top_values)
+    assert bool((out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:]).all())
+    assert batch.num_logprobs == [5, 0, -1]
+    assert math.isclose(float(out.top_logprobs[0, 0]), float(reference[0].max()), rel_tol=1e-6)

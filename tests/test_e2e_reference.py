@@ -1,0 +1,67 @@
+"""Greedy outputs through both planes equal transformers' own models (float32, CPU)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+    "What is 12 times 12?",
+    "Give me one tip for learning to code.",
+]
+
+
+def hf_greedy(folder, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool) -> list[int]:
+    model = _hf_model(str(folder))
+    extra = {"min_new_tokens": max_new_tokens} if ignore_eos else {}
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long), **extra)
+    return out[0, len(prompt_ids):].tolist()
+
+
+_models: dict[str, transformers.PreTrainedModel] = {}
+
+
+def _hf_model(folder: str):
+    if folder not in _models:
+        _models[folder] = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return _models[folder]
+
+
+def random_prompts(n: int, seed: int, low: int = 3, high: int = 80) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(rng.randint(low, high))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_tiny_random_models_match_transformers(arch, request, planes_factory):
+    folder = request.getfixturevalue(f"tiny_{arch}_dir")
+    planes = planes_factory(folder, "--block-size", "16")
+    with planes.client() as client:
+        for prompt in random_prompts(4, seed=7):
+            got = [t for c in client.generate(token_ids=prompt, max_tokens=12, temperature=0, ignore_eos=True)
+                   for t in c.token_ids]
+            assert got == hf_greedy(folder, prompt, 12, ignore_eos=True)
+
+
+def test_smollm2_chat_matches_transformers(smollm2_dir, planes_factory):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(smollm2_dir))
+    planes = planes_factory(smollm2_dir)
+    with planes.client() as client:
+        for text in CHAT_PROMPTS:
+            messages = [{"role": "user", "content": text}]
+            chunks = list(client.generate(messages=messages, max_tokens=24, temperature=0))
+            got = [t for c in chunks for t in c.token_ids]
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            assert chunks[-1].usage.prompt_tokens == len(ids)
+            assert got == hf_greedy(smollm2_dir, list(ids), 24, ignore_eos=False), text
+            if text.startswith("What is the capital"):
+                assert "Paris" in "".join(c.text for c in chunks)
