@@ -171,7 +171,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from twinplane.controlplane.main import ControlPlane
 
     address = private_socket_address()
-    child = DataPlaneProcess(_dataplane_argv(args) + ["--listen", address], restart=False)
+    child = DataPlaneProcess(_dataplane_argv(args) + ["--listen", address], restart=False, log_level="WARNING")
     prompt = {"prompt": args.prompt} if args.no_chat else {"messages": [{"role": "user", "content": args.prompt}]}
 
     async def main() -> int:
@@ -216,7 +216,7 @@ def _run_async(coro):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="twinplane", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default=None, help="default: INFO for servers, WARNING otherwise")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("dataplane", help="run the data plane (model + KV cache)")
@@ -261,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    level = args.log_level or ("INFO" if args.command in ("dataplane", "controlplane", "serve") else "WARNING")
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return args.func(args) or 0
 
 

@@ -19,8 +19,8 @@ def private_socket_address() -> str:
 
 
 class DataPlaneProcess:
-    def __init__(self, args: list[str], restart: bool = True):
-        self.command = [sys.executable, "-m", "twinplane.clients.cli", "dataplane", *args]
+    def __init__(self, args: list[str], restart: bool = True, log_level: str = "INFO"):
+        self.command = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", log_level, "dataplane", *args]
         self.restart = restart
         self.process: subprocess.Popen | None = None
         self._watch: asyncio.Task | None = None

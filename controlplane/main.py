@@ -65,11 +65,11 @@ async def serve(config: ControlPlaneConfig, security: Security = Security()) -> 
     """Serves until SIGTERM or SIGINT, then shuts down gracefully."""
     plane = ControlPlane(config, security)
     await plane.start()
-    log.warning("control plane listening on %s (port %d), data plane %s", config.listen, plane.port, config.dataplane)
+    log.info("control plane listening on %s (port %d), data plane %s", config.listen, plane.port, config.dataplane)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.warning("shutting down: in-flight requests get %.1f s", config.shutdown_grace)
+    log.info("shutting down: in-flight requests get %.1f s", config.shutdown_grace)
     await plane.shutdown()

@@ -55,6 +55,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # oldest admission first
         self.dropped_seq_ids: list[int] = []  # to tell the data plane in the next plan
         self.step_id = 0
+        self.num_preemptions = 0  # since start, for stats
 
     @property
     def num_unfinished(self) -> int:
@@ -176,6 +177,7 @@ class Scheduler:
         self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def _release(self, seq: Sequence) -> None:

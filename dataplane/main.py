@@ -23,7 +23,7 @@ def serve(config: DataPlaneConfig, listen: str, token: str | None = None) -> Non
     server, _ = create_server(runner, listen, token)
     server.start()
     desc = runner.describe()
-    log.warning("data plane ready on %s: %s, %s, %d KV blocks of %d tokens, attention %s",
+    log.info("data plane ready on %s: %s, %s, %d KV blocks of %d tokens, attention %s",
                 listen, desc.model, desc.dtype, desc.num_kv_blocks, desc.block_size, desc.attention_backend)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -31,4 +31,4 @@ def serve(config: DataPlaneConfig, listen: str, token: str | None = None) -> Non
     stop.wait()
     server.stop(grace=2.0).wait()
     runner.close()
-    log.warning("data plane stopped")
+    log.info("data plane stopped")

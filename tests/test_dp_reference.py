@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from test_dp_helpers import DrivenSeq, PlanBuilder
+from tests.test_dp_helpers import DrivenSeq, PlanBuilder
 from twinplane.dataplane.config import DataPlaneConfig
 from twinplane.dataplane.model_runner import ModelRunner
 from twinplane.dataplane.plan import StepPlan
@@ -48,8 +48,8 @@ def _save_reference(kind: str, folder: Path, sharded: bool) -> torch.nn.Module:
 
 
 class Harness:
-    def __init__(self, reference: torch.nn.Module, runner: ModelRunner, block_size: int) -> None:
-        self.reference, self.runner = reference, runner
+    def __init__(self, reference: torch.nn.Module, runner: ModelRunner, block_size: int, atol: float = 1e-4) -> None:
+        self.reference, self.runner, self.atol = reference, runner, atol
         self.builder = PlanBuilder(block_size)
         self.step_id = 0
 
@@ -64,9 +64,10 @@ class Harness:
         assert len(output.sampled_token_ids) == len(sampled_seqs)
         for row, seq in enumerate(sampled_seqs):
             expected = self.reference_logits(seq.tokens)
-            torch.testing.assert_close(logits[row], expected, atol=1e-4, rtol=1e-4)
+            ours = logits[row].cpu()
+            torch.testing.assert_close(ours, expected, atol=self.atol, rtol=self.atol)
             token = int(output.sampled_token_ids[row])
-            assert token == int(logits[row].argmax()) == int(expected.argmax())
+            assert token == int(ours.argmax()) == int(expected.argmax())
             seq.tokens.append(token)
 
 

@@ -1,0 +1,63 @@
+"""Incremental detokenization and stop strings on the real SmolLM2 tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from twinplane.controlplane.detokenizer import IncrementalDetokenizer
+from twinplane.controlplane.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir) -> Tokenizer:
+    return Tokenizer(smollm2_dir)
+
+
+def stream(tokenizer, text: str, stop=()) -> tuple[list[str], str | None]:
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), True, stop)
+    deltas = []
+    for token_id in ids:
+        detok.add_token(token_id)
+        matched = detok.find_stop()
+        if matched is not None:
+            deltas.append(detok.take_text(final=True))
+            return deltas, matched
+        deltas.append(detok.take_text())
+    deltas.append(detok.take_text(final=True))
+    return deltas, None
+
+
+@pytest.mark.parametrize("text", ["Hello world, how are you?", "naïve café — 東京 🙂 done", "  spaced   out\n\nlines"])
+def test_deltas_join_to_the_full_text_and_are_whole_characters(tokenizer, text):
+    deltas, _ = stream(tokenizer, text)
+    assert "".join(deltas) == tokenizer.decode(tokenizer.encode(text))
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_emoji_split_over_tokens_waits_for_its_last_byte(tokenizer):
+    ids = tokenizer.encode("🙂")
+    assert len(ids) > 1  # byte-level pieces
+    deltas, _ = stream(tokenizer, "🙂")
+    assert [d for d in deltas if d] == ["🙂"]
+
+
+def test_stop_string_is_cut_and_never_emitted_in_part(tokenizer):
+    deltas, matched = stream(tokenizer, "The answer is STOP here and more", stop=("STOP",))
+    assert matched == "STOP"
+    assert "".join(deltas) == "The answer is "
+    assert not any("S" in d for d in deltas)
+
+
+def test_text_that_only_looks_like_a_stop_prefix_is_released(tokenizer):
+    deltas, matched = stream(tokenizer, "ST and STO but no stop", stop=("STOP",))
+    assert matched is None
+    assert "".join(deltas) == "ST and STO but no stop"
+
+
+def test_chat_template_matches_transformers(tokenizer, smollm2_dir):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(smollm2_dir))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    expected = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert tokenizer.render_chat(messages) == expected

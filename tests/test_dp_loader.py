@@ -1,0 +1,104 @@
+"""Loader: dummy weights (deterministic, tied, real shapes on the meta device) and HF folders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from twinplane.dataplane.dummy import DUMMY_SHAPES, checkpoint_shapes, dummy_hf_config
+from twinplane.dataplane.loader import build_model, eos_token_ids_of, load_hf_config, load_model, load_weights
+
+CPU = torch.device("cpu")
+META = torch.device("meta")
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_dummy_weights_are_deterministic_per_seed() -> None:
+    first = _state(load_model("dummy:tiny-qwen3", torch.float32, CPU, seed=0).model)
+    again = _state(load_model("dummy:tiny-qwen3", torch.float32, CPU, seed=0).model)
+    other = _state(load_model("dummy:tiny-qwen3", torch.float32, CPU, seed=1).model)
+    assert first.keys() == again.keys()
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert not torch.equal(first["model.layers.0.self_attn.qkv_proj.weight"], other["model.layers.0.self_attn.qkv_proj.weight"])
+    std = first["model.layers.0.mlp.gate_up_proj.weight"].std().item()
+    assert 0.015 < std < 0.025
+    assert torch.equal(first["model.layers.1.input_layernorm.weight"], torch.ones(64))
+
+
+@pytest.mark.parametrize("name", ["dummy:tiny-qwen3", "dummy:tiny-llama", "dummy:smollm2-135m"])
+def test_tied_embeddings_share_one_tensor(name: str) -> None:
+    model = load_model(name, torch.float32, CPU).model if "tiny" in name else build_model(
+        load_hf_config(name), None, torch.float32, META)[1]
+    assert model.tie_word_embeddings
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def _hf_meta_shapes(name: str) -> dict[str, tuple[int, ...]]:
+    config = dummy_hf_config(name)
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(config)
+    shapes = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight")
+    return shapes
+
+
+@pytest.mark.parametrize("name,expected_params", [
+    ("dummy:qwen3-0.6b", 596_049_920), ("dummy:qwen3-8b", 8_190_735_360), ("dummy:smollm2-135m", 134_515_008)])
+def test_real_shapes_on_meta(name: str, expected_params: int) -> None:
+    config = load_hf_config(name)
+    _, model = build_model(config, None, torch.bfloat16, META)
+    assert sum(p.numel() for p in model.parameters()) == expected_params
+    spec = model.spec_from_config(config)
+    assert checkpoint_shapes(config, spec) == _hf_meta_shapes(name)
+    assert sum(int(torch.tensor(s).prod()) for s in checkpoint_shapes(config, spec).values()) == expected_params
+
+
+def test_dummy_configs_match_the_brief() -> None:
+    small = dummy_hf_config("dummy:qwen3-0.6b")
+    assert (small.hidden_size, small.num_hidden_layers, small.num_attention_heads, small.num_key_value_heads,
+            small.head_dim, small.intermediate_size, small.vocab_size) == (1024, 28, 16, 8, 128, 3072, 151936)
+    assert small.tie_word_embeddings and small.max_position_embeddings == 40960
+    assert not dummy_hf_config("dummy:qwen3-8b").tie_word_embeddings
+    assert set(DUMMY_SHAPES) >= {"qwen3-0.6b", "qwen3-8b", "smollm2-135m", "tiny-qwen3", "tiny-llama"}
+    with pytest.raises(ValueError, match="unknown dummy model"):
+        load_hf_config("dummy:nope")
+
+
+def _tiny_folder(tmp_path: Path) -> Path:
+    config = dummy_hf_config("dummy:tiny-llama")
+    config.vocab_size = 128
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_eos_ids_and_tokenizer_path_from_folder(tmp_path: Path) -> None:
+    folder = _tiny_folder(tmp_path)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    loaded = load_model(str(folder), torch.float32, CPU)
+    assert loaded.eos_token_ids == [2, 7] and loaded.tokenizer_path == ""
+    (folder / "generation_config.json").write_text(json.dumps({}))
+    assert eos_token_ids_of(str(folder), loaded.hf_config) == [2]
+    (folder / "tokenizer_config.json").write_text("{}")
+    assert load_model(str(folder), torch.float32, CPU).tokenizer_path == str(folder)
+
+
+def test_checkpoint_problems_raise(tmp_path: Path) -> None:
+    folder = _tiny_folder(tmp_path)
+    _, model = build_model(load_hf_config(str(folder)), None, torch.float32, CPU)
+    with pytest.raises(ValueError, match="unset"):
+        load_weights(model, [("model.norm.weight", torch.ones(64))])
+    with pytest.raises(ValueError, match="no matching"):
+        load_weights(model, [("model.bogus.weight", torch.ones(64))])
+    save_file({"model.norm.weight": torch.ones(64)}, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match="unset"):
+        load_model(str(folder), torch.float32, CPU)

@@ -1,0 +1,115 @@
+"""ModelRunner on dummy:tiny-qwen3: describe, plan validation, mirrors, seeds and logprobs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from tests.test_dp_helpers import PlanBuilder
+from twinplane.dataplane.config import DataPlaneConfig
+from twinplane.dataplane.convert import describe_to_pb
+from twinplane.dataplane.model_runner import ModelRunner
+from twinplane.dataplane.plan import SamplingParams, StepPlan
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def runner() -> ModelRunner:
+    return ModelRunner(DataPlaneConfig(model="dummy:tiny-qwen3", block_size=BLOCK, num_kv_blocks=64,
+                                       max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64))
+
+
+def test_describe_fills_the_proto(runner: ModelRunner) -> None:
+    description = runner.describe()
+    assert (description.architecture, description.dtype, description.device) == ("Qwen3ForCausalLM", "float32", "cpu")
+    assert (description.vocab_size, description.num_kv_blocks, description.max_model_len) == (49152, 64, 64)
+    assert description.attention_backend == "torch" and description.eos_token_ids == [2]
+    assert describe_to_pb(description).max_logprobs == 20
+
+
+def test_cpu_cache_size_follows_the_gib_budget() -> None:
+    small = ModelRunner(DataPlaneConfig(model="dummy:tiny-qwen3", block_size=16, cpu_kv_cache_gib=1 / 1024))
+    per_block = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 tokens, 2 kv heads, head_dim 16, float32
+    assert small.num_kv_blocks == (1 << 20) // per_block
+
+
+def _bad_plans(builder: PlanBuilder) -> dict[str, StepPlan]:
+    def fresh(seq_id: int, prompt: list[int], **changes) -> StepPlan:
+        scheduled = builder.schedule(builder.new_seq(seq_id, prompt))
+        return StepPlan(0, [dataclasses.replace(scheduled, **changes)])
+
+    return {
+        "unknown": StepPlan(0, [dataclasses.replace(builder.schedule(builder.new_seq(50, [1, 2])), init=None)]),
+        "vocab": fresh(51, [1, 2], token_ids=np.array([1, 49152], np.int32)),
+        "slot": fresh(52, [1, 2], slot_mapping=np.array([0, 64 * BLOCK], np.int32)),
+        "table": fresh(53, [1, 2], slot_mapping=np.array([0, 1], np.int32)),
+        "max_model_len": fresh(54, [1, 2], start_pos=63),
+        "block id": fresh(55, [1, 2], new_block_ids=np.array([64], np.int32)),
+        "batch": fresh(56, [1] * 65),
+    }
+
+
+@pytest.mark.parametrize("case", ["unknown", "vocab", "slot", "table", "max_model_len", "block id", "batch"])
+def test_bad_plans_fail_the_step_not_the_runner(runner: ModelRunner, case: str) -> None:
+    runner.reset()
+    builder = PlanBuilder(BLOCK, first_block=20)
+    with pytest.raises(ValueError):
+        runner.step(_bad_plans(builder)[case])
+    assert len(runner.sequences) == 0, "a rejected plan must not change the mirrors"
+    good = builder.new_seq(1, [5, 6, 7])
+    assert runner.step(StepPlan(1, [builder.schedule(good)])).sampled_token_ids.shape == (1,)
+
+
+def test_drop_and_reset_forget_sequences(runner: ModelRunner) -> None:
+    runner.reset()
+    builder = PlanBuilder(BLOCK)
+    a, b = builder.new_seq(1, [3, 4, 5]), builder.new_seq(2, [6, 7])
+    runner.step(StepPlan(1, [builder.schedule(a), builder.schedule(b)]))
+    assert len(runner.sequences) == 2
+    out = runner.step(StepPlan(2, [], dropped_seq_ids=[1]))
+    assert out.sampled_token_ids.shape == (0,) and set(runner.sequences.mirrors) == {2}
+    runner.reset()
+    assert len(runner.sequences) == 0
+
+
+def _generate(runner: ModelRunner, prompt: list[int], steps: int, sampling: SamplingParams,
+              recompute_after: int | None = None) -> list[int]:
+    runner.reset()
+    builder = PlanBuilder(BLOCK)
+    seq = builder.new_seq(1, prompt, sampling)
+    for step in range(steps):
+        out = runner.step(StepPlan(step, [builder.schedule(seq)]))
+        seq.tokens.append(int(out.sampled_token_ids[0]))
+        if step == recompute_after:  # preempt: drop, then re-prefill prompt + outputs in new blocks
+            tokens, seq = seq.tokens, builder.new_seq(1, seq.tokens[: len(prompt)], sampling)
+            seq.tokens = list(tokens)
+            runner.step(StepPlan(100 + step, [], dropped_seq_ids=[1]))
+    return seq.tokens[len(prompt):]
+
+
+def test_seeded_sampling_survives_recompute(runner: ModelRunner) -> None:
+    sampling = SamplingParams(temperature=1.0, seed=11)
+    prompt = [10, 11, 12, 13, 14]
+    straight = _generate(runner, prompt, 6, sampling)
+    recomputed = _generate(runner, prompt, 6, sampling, recompute_after=2)
+    assert straight == recomputed
+    assert straight != _generate(runner, prompt, 6, SamplingParams(temperature=1.0, seed=12))
+
+
+def test_step_output_carries_logprobs(runner: ModelRunner) -> None:
+    runner.reset()
+    builder = PlanBuilder(BLOCK)
+    a = builder.new_seq(1, [1, 2, 3], SamplingParams(temperature=0.0, num_logprobs=3))
+    b = builder.new_seq(2, [4, 5], SamplingParams(temperature=0.0))
+    out, logits = runner.step_with_logits(StepPlan(1, [builder.schedule(a), builder.schedule(b)]))
+    assert out.sampled_logprobs is not None and out.sampled_logprobs.shape == (2,)
+    assert set(out.top_logprobs) == {0}
+    ids, logprobs = out.top_logprobs[0]
+    assert ids[0] == out.sampled_token_ids[0] and np.all(np.diff(logprobs) <= 0)
+    np.testing.assert_allclose(logprobs[0], logits[0].log_softmax(-1).max().item(), rtol=1e-5)
+    with pytest.raises(ValueError, match="num_logprobs"):
+        c = builder.new_seq(3, [1], SamplingParams(num_logprobs=21))
+        runner.step(StepPlan(2, [builder.schedule(c)]))

@@ -1,0 +1,132 @@
+"""Engine behaviour through both planes: batching, prefix cache, preemption, sampling, stops, cancel."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests.test_e2e_reference import random_prompts
+
+
+def tokens_of(stream) -> list[int]:
+    return [t for c in stream for t in c.token_ids]
+
+
+def run_concurrently(client, prompts, **kwargs) -> list[list[int]]:
+    results: list[list[int] | None] = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        results[i] = tokens_of(client.generate(token_ids=prompts[i], **kwargs))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
+
+
+@pytest.fixture(scope="module")
+def qwen3_planes(tiny_qwen3_dir, tmp_path_factory):
+    from tests.conftest import Planes
+
+    planes = Planes(tmp_path_factory.mktemp("qwen3"), tiny_qwen3_dir, ("--block-size", "16")).start()
+    yield planes
+    planes.stop()
+
+
+GREEDY = dict(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+def test_batch_invariance_16_mixed_prompts(qwen3_planes):
+    prompts = random_prompts(16, seed=11, low=1, high=300)
+    with qwen3_planes.client() as client:
+        alone = [tokens_of(client.generate(token_ids=p, **GREEDY)) for p in prompts]
+        together = run_concurrently(client, prompts, **GREEDY)
+    assert together == alone
+    assert qwen3_planes.free_blocks()[0] == qwen3_planes.free_blocks()[1]
+
+
+def test_prefix_cache_reports_cached_tokens_and_same_output(qwen3_planes):
+    prompt = random_prompts(1, seed=5, low=100, high=100)[0]
+    with qwen3_planes.client() as client:
+        first = list(client.generate(token_ids=prompt, **GREEDY))
+        second = list(client.generate(token_ids=prompt, **GREEDY))
+    assert first[-1].usage.cached_prompt_tokens == 0
+    assert second[-1].usage.cached_prompt_tokens == 96  # six full blocks of 16; the last token is recomputed
+    assert tokens_of(first) == tokens_of(second)
+
+
+def test_seeded_sampling_is_reproducible(qwen3_planes):
+    prompt = random_prompts(1, seed=3)[0]
+    kwargs = dict(token_ids=prompt, max_tokens=16, temperature=1.0, top_p=0.9, ignore_eos=True)
+    with qwen3_planes.client() as client:
+        a = tokens_of(client.generate(seed=1234, **kwargs))
+        b = tokens_of(client.generate(seed=1234, **kwargs))
+        others = run_concurrently(client, [prompt] * 4, seed=1234, **{k: v for k, v in kwargs.items()
+                                                                      if k != "token_ids"})
+        c = tokens_of(client.generate(seed=99, **kwargs))
+    assert a == b and all(o == a for o in others)
+    assert c != a
+
+
+def test_max_and_min_tokens(qwen3_planes):
+    prompt = random_prompts(1, seed=8)[0]
+    with qwen3_planes.client() as client:
+        chunks = list(client.generate(token_ids=prompt, max_tokens=5, temperature=0))
+        assert len(tokens_of(chunks)) <= 5
+        assert chunks[-1].finish_reason in ("length", "stop_token")
+        # the most likely first token, made a stop token: with min_tokens it cannot end the request early
+        first = tokens_of(client.generate(token_ids=prompt, max_tokens=1, temperature=0))[0]
+        stopped = list(client.generate(token_ids=prompt, max_tokens=8, temperature=0, stop_token_ids=[first]))
+        assert tokens_of(stopped) == [first] and stopped[-1].finish_reason == "stop_token"
+        held = list(client.generate(token_ids=prompt, max_tokens=8, min_tokens=4, temperature=0,
+                                    stop_token_ids=[first]))
+        out = tokens_of(held)
+        assert len(out) >= 4 and first not in out[:4]
+
+
+def test_stop_string_ends_and_is_never_emitted(smollm2_dir, planes_factory):
+    planes = planes_factory(smollm2_dir)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    with planes.client() as client:
+        full = "".join(c.text for c in client.generate(messages=messages, max_tokens=24, temperature=0))
+        assert "Paris" in full
+        chunks = list(client.generate(messages=messages, max_tokens=24, temperature=0, stop=["Paris"]))
+    text = "".join(c.text for c in chunks)
+    assert chunks[-1].finish_reason == "stop_string" and chunks[-1].matched_stop == "Paris"
+    assert text == full[:full.index("Paris")]
+    assert all("Par" not in c.text for c in chunks)
+
+
+def test_cancelled_stream_frees_its_blocks(qwen3_planes):
+    prompt = random_prompts(1, seed=9, low=200, high=200)[0]
+    with qwen3_planes.client() as client:
+        stream = client.generate(token_ids=prompt, max_tokens=2000, temperature=0, ignore_eos=True)
+        it = iter(stream)
+        next(it)
+        assert qwen3_planes.free_blocks()[0] < qwen3_planes.free_blocks()[1]
+        stream.cancel()
+    deadline = time.time() + 10
+    while time.time() < deadline and qwen3_planes.free_blocks()[0] != qwen3_planes.free_blocks()[1]:
+        time.sleep(0.05)
+    free, total = qwen3_planes.free_blocks()
+    assert free == total
+    assert not qwen3_planes.engine.requests
+
+
+def test_preemption_gives_same_outputs_and_frees_every_block(tiny_qwen3_dir, qwen3_planes, planes_factory):
+    prompts = random_prompts(8, seed=21, low=20, high=60)
+    kwargs = dict(max_tokens=40, temperature=0, ignore_eos=True)
+    with qwen3_planes.client() as client:
+        expected = [tokens_of(client.generate(token_ids=p, **kwargs)) for p in prompts]
+    # each request needs at most 100 tokens = 25 blocks of 4; 28 blocks hold one, not eight
+    small = planes_factory(tiny_qwen3_dir, "--block-size", "4", "--num-kv-blocks", "28")
+    with small.client() as client:
+        got = run_concurrently(client, prompts, **kwargs)
+    assert got == expected
+    assert small.engine.scheduler.num_preemptions > 0
+    free, total = small.free_blocks()
+    assert free == total
