@@ -17,7 +17,7 @@ from twinplane.controlplane.sequence import Sequence
 from twinplane.proto import dataplane_pb2 as dp
 
 
-def sequence_init(seq: Sequence, eos_token_ids: tuple[int, ...]) -> dp.SequenceInit:
+def sequence_init(seq: Sequence, eos_token_ids: tuple[int, ...], start_pos: int) -> dp.SequenceInit:
     params, s = seq.params, seq.params.sampling
     masked = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
     sampling = dp.SamplingParams(
@@ -27,7 +27,11 @@ def sequence_init(seq: Sequence, eos_token_ids: tuple[int, ...]) -> dp.SequenceI
         num_logprobs=-1 if params.logprobs is None else params.logprobs,
         min_tokens=params.min_tokens, stop_token_ids=sorted(masked) if params.min_tokens else [],
     )
-    return dp.SequenceInit(seq_id=seq.seq_id, sampling=sampling, num_prompt_tokens=seq.num_prompt_tokens)
+    init = dp.SequenceInit(seq_id=seq.seq_id, sampling=sampling, num_prompt_tokens=seq.num_prompt_tokens)
+    has_penalty = s.repetition_penalty != 1.0 or s.presence_penalty != 0.0 or s.frequency_penalty != 0.0
+    if has_penalty and start_pos > 0:  # the prefix came from the cache: the sampler needs its tokens
+        init.prior_token_ids = np.asarray(seq.token_ids[:start_pos], dtype="<i4").tobytes()
+    return init
 
 
 def encode_plan(out: SchedulerOutput, block_size: int, eos_token_ids: tuple[int, ...]) -> dp.StepPlan:
@@ -54,7 +58,7 @@ def encode_plan(out: SchedulerOutput, block_size: int, eos_token_ids: tuple[int,
             table = np.asarray(seq.block_table, dtype=np.int64)
             slots.extend((table[pos // block_size] * block_size + pos % block_size).tolist())
         if c.is_new_mirror:
-            inits.append(sequence_init(seq, eos_token_ids))
+            inits.append(sequence_init(seq, eos_token_ids, c.start_pos))
     return dp.StepPlan(
         step_id=out.step_id,
         seq_ids=np.asarray(seq_ids, dtype="<i8").tobytes(),

@@ -22,7 +22,8 @@ def init_from_pb(init: dp.SequenceInit) -> SequenceInit:
         frequency_penalty=s.frequency_penalty, seed=s.seed if s.has_seed else None,
         num_logprobs=s.num_logprobs, min_tokens=s.min_tokens, stop_token_ids=tuple(s.stop_token_ids),
     )
-    return SequenceInit(sampling=sampling, num_prompt_tokens=init.num_prompt_tokens)
+    prior = _ints(init.prior_token_ids) if init.prior_token_ids else None
+    return SequenceInit(sampling=sampling, num_prompt_tokens=init.num_prompt_tokens, prior_token_ids=prior)
 
 
 def plan_from_pb(msg: dp.StepPlan) -> StepPlan:

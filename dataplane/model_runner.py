@@ -17,7 +17,7 @@ import torch
 
 from twinplane.dataplane.attention_backends import get_attention_backend
 from twinplane.dataplane.config import DataPlaneConfig
-from twinplane.dataplane.distributed import tp_rank
+from twinplane.dataplane.distributed import tp_rank, tp_world_size
 from twinplane.dataplane.kv_cache import allocate_kv_cache, bytes_per_block, cpu_num_blocks, cuda_num_blocks
 from twinplane.dataplane.loader import load_model
 from twinplane.dataplane.plan import StepOutput, StepPlan
@@ -86,6 +86,9 @@ class ModelRunner:
 
     def __init__(self, config: DataPlaneConfig) -> None:
         self.config = config
+        if config.tensor_parallel_size != tp_world_size():
+            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} needs a torch.distributed group of "
+                             f"that size (found {tp_world_size()}); the caller starts the ranks")
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.init_model()

@@ -43,6 +43,7 @@ class SequenceInit:
 
     sampling: SamplingParams
     num_prompt_tokens: int
+    prior_token_ids: np.ndarray | None = None  # tokens before the first chunk, when penalties need them
 
 
 @dataclass

@@ -134,6 +134,9 @@ class SequenceTable:
         """Create (on init) or update the mirror of a checked ScheduledSeq."""
         if seq.init is not None:
             tokens = np.full(self.limits.max_model_len, -1, dtype=np.int32)
+            prior = seq.init.prior_token_ids
+            if prior is not None:
+                tokens[:min(len(prior), seq.start_pos)] = prior[:seq.start_pos]
             self.mirrors[seq.seq_id] = SequenceMirror(seq.init.sampling, seq.init.num_prompt_tokens, [], tokens)
         mirror = self.mirrors[seq.seq_id]
         mirror.block_table.extend(int(b) for b in seq.new_block_ids)

@@ -130,3 +130,14 @@ def test_preemption_gives_same_outputs_and_frees_every_block(tiny_qwen3_dir, qwe
     assert small.engine.scheduler.num_preemptions > 0
     free, total = small.free_blocks()
     assert free == total
+
+
+def test_penalties_see_the_prefix_served_from_the_cache(qwen3_planes):
+    prompt = random_prompts(1, seed=31, low=70, high=70)[0]
+    kwargs = dict(token_ids=prompt, max_tokens=12, temperature=0, ignore_eos=True,
+                  repetition_penalty=1.8, frequency_penalty=0.5, presence_penalty=0.5)
+    with qwen3_planes.client() as client:
+        first = list(client.generate(**kwargs))
+        second = list(client.generate(**kwargs))
+    assert second[-1].usage.cached_prompt_tokens == 64
+    assert tokens_of(first) == tokens_of(second)

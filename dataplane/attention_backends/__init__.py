@@ -1,4 +1,4 @@
-"""Attention backends by name: "torch" now; FlashAttention 4 / 2 slot in on GPU.
+"""Attention backends by name: "flash_attn_4" and "flash_attn_2" on GPU, "torch" anywhere.
 
 To add a backend: subclass ``AttentionBackend`` in a new module of this package and add
 an entry to ``_FACTORIES`` (a zero-argument callable that imports lazily and raises
@@ -17,7 +17,20 @@ def _torch_backend() -> AttentionBackend:
     return TorchAttentionBackend()
 
 
-_FACTORIES: dict[str, Callable[[], AttentionBackend]] = {"torch": _torch_backend}
+def _flash_attn_4() -> AttentionBackend:
+    from twinplane.dataplane.attention_backends.flash_attn import FlashAttention4Backend
+
+    return FlashAttention4Backend()
+
+
+def _flash_attn_2() -> AttentionBackend:
+    from twinplane.dataplane.attention_backends.flash_attn import FlashAttention2Backend
+
+    return FlashAttention2Backend()
+
+
+_FACTORIES: dict[str, Callable[[], AttentionBackend]] = {
+    "torch": _torch_backend, "flash_attn_4": _flash_attn_4, "flash_attn_2": _flash_attn_2}
 # Preference order for "auto" on CUDA; names without a factory (yet) are skipped.
 _AUTO_ORDER_CUDA = ("flash_attn_4", "flash_attn_2", "torch")
 

@@ -1,0 +1,63 @@
+"""FlashAttention over the paged KV cache (CUDA), with the Triton KV writer.
+
+- ``flash_attn_4``: FlashAttention-4 (``flash_attn.cute``, Hopper and Blackwell). One
+  ``flash_attn_varlen_func`` call with ``page_table`` and ``seqused_k`` handles every
+  row kind of a step: prefill, prefix-cached prefill, chunked prefill and decode.
+- ``flash_attn_2``: the flash-attn 2 package. ``flash_attn_with_kvcache`` for pure
+  decode steps, ``flash_attn_varlen_func(block_table=...)`` otherwise (its paged path
+  needs a block size that is a multiple of 256).
+
+FlashAttention reads whole pages, so rows past a sequence's length in its last page
+must hold finite values: the model runner allocates the cache zeroed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from twinplane.dataplane.attention_backends.base import AttentionBackend, AttentionMetadata
+
+
+class _TritonKVWriter:
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        from twinplane.kernels.kv_writer import store_kv
+
+        store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+class FlashAttention4Backend(_TritonKVWriter, AttentionBackend):
+    name = "flash_attn_4"
+
+    def __init__(self, num_splits: int = 0) -> None:
+        from flash_attn.cute import flash_attn_varlen_func  # ImportError when not installed
+
+        self._varlen = flash_attn_varlen_func
+        self.num_splits = num_splits  # 0 = FlashAttention's heuristic (split long contexts in decode)
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = self._varlen(q, k_cache, v_cache, cu_seqlens_q=metadata.cu_seqlens_q,
+                           seqused_k=metadata.context_lens, max_seqlen_q=metadata.max_seqlen_q,
+                           max_seqlen_k=metadata.max_seqlen_k, page_table=metadata.block_tables,
+                           softmax_scale=scale, causal=True, num_splits=self.num_splits)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class FlashAttention2Backend(_TritonKVWriter, AttentionBackend):
+    name = "flash_attn_2"
+
+    def __init__(self) -> None:
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+        self._varlen, self._with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        if metadata.max_seqlen_q == 1:  # decode only: one query per sequence
+            out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=metadata.context_lens,
+                                     block_table=metadata.block_tables, softmax_scale=scale, causal=True)
+            return out.squeeze(1)
+        return self._varlen(q, k_cache, v_cache, cu_seqlens_q=metadata.cu_seqlens_q,
+                            cu_seqlens_k=metadata.cu_seqlens_k, max_seqlen_q=metadata.max_seqlen_q,
+                            max_seqlen_k=metadata.max_seqlen_k, softmax_scale=scale, causal=True,
+                            block_table=metadata.block_tables)
