@@ -126,7 +126,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from twinplane.controlplane.main import serve
 
     address = args.dataplane_listen or private_socket_address()
-    child = DataPlaneProcess(_dataplane_argv(args) + ["--listen", address])
+    level = logging.getLevelName(logging.getLogger().level)
+    child = DataPlaneProcess(_dataplane_argv(args) + ["--listen", address], log_level=level)
     config, security = _controlplane(args, address, None)
 
     async def main() -> None:
@@ -255,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="throughput and latency benchmark through the gRPC path")
     _add_dataplane_args(p)
+    from twinplane.clients.bench import add_bench_args
+
+    add_bench_args(p)
     p.set_defaults(func=cmd_bench)
     return parser
 

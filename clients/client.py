@@ -93,6 +93,9 @@ class ModelInfo:
     eos_token_ids: list[int]
     max_logprobs: int
     has_chat_template: bool
+    weight_bytes: int = 0
+    kv_bytes_per_token: int = 0
+    device: str = ""
 
 
 # ---- protobuf edge: requests --------------------------------------------------------------
@@ -233,6 +236,10 @@ def model_info_from_pb(info: pb.ModelInfo) -> ModelInfo:
 # ---- channels -----------------------------------------------------------------------------
 
 
+def stats_from_pb(stats: pb.ServerStats) -> dict[str, int]:
+    return {f.name: getattr(stats, f.name) for f in stats.DESCRIPTOR.fields}
+
+
 def open_channel(
     api: Any, target: str, root_certificates: bytes | None, tls: bool | None, options: ChannelOptions
 ) -> Any:
@@ -345,6 +352,11 @@ class Client:
         """The served model and its limits."""
         reply = self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self._metadata)
         return model_info_from_pb(reply)
+
+    def stats(self, *, timeout: float | None = None) -> dict[str, int]:
+        """The engine's counters since start-up (ServerStats fields)."""
+        reply = self._stub.GetStats(pb.GetStatsRequest(), timeout=timeout, metadata=self._metadata)
+        return stats_from_pb(reply)
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Polls grpc.health.v1 Check until SERVING; TimeoutError after timeout seconds."""
@@ -464,6 +476,11 @@ class AsyncClient:
         """The served model and its limits."""
         reply = await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self._metadata)
         return model_info_from_pb(reply)
+
+    async def stats(self, *, timeout: float | None = None) -> dict[str, int]:
+        """The engine's counters since start-up (ServerStats fields)."""
+        reply = await self._stub.GetStats(pb.GetStatsRequest(), timeout=timeout, metadata=self._metadata)
+        return stats_from_pb(reply)
 
     async def wait_ready(self, timeout: float = 30.0) -> None:
         """Polls grpc.health.v1 Check until SERVING; TimeoutError after timeout seconds."""

@@ -10,8 +10,15 @@ from twinplane.proto import dataplane_pb2_grpc as dp_grpc
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # plans of long prompts are large
 
 
+FATAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
 class DataPlaneLost(Exception):
-    """The data plane went away (crash, restart, network)."""
+    """The data plane went away (crash, restart, network), or refused us (fatal: wrong token)."""
+
+    def __init__(self, message: str, fatal: bool = False):
+        super().__init__(message)
+        self.fatal = fatal
 
 
 class DataPlaneClient:
@@ -21,6 +28,8 @@ class DataPlaneClient:
         self.channel: grpc.aio.Channel | None = None
         self.stub: dp_grpc.DataPlaneStub | None = None
         self.stream = None
+        self.lost = False  # the Step stream ended without close(): the data plane is gone
+        self.on_lost = lambda: None  # called once when that happens
 
     async def connect(self, timeout: float | None = None) -> dp.DescribeResponse:
         """Opens a channel, waits for the data plane to be ready, and opens the Step stream."""
@@ -34,9 +43,17 @@ class DataPlaneClient:
                                             metadata=self.metadata)
             await self.stub.Reset(dp.ResetRequest(), timeout=timeout, metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
-            raise DataPlaneLost(f"{self.target}: {exc.code().name}: {exc.details()}") from exc
+            raise DataPlaneLost(f"{self.target}: {exc.code().name}: {exc.details()}",
+                                fatal=exc.code() in FATAL_CODES) from exc
         self.stream = self.stub.Step(metadata=self.metadata)
+        self.stream.add_done_callback(self._stream_done)
+        self.lost = False
         return desc
+
+    def _stream_done(self, call) -> None:
+        if call is self.stream and not self.lost:  # not one that close() cancelled
+            self.lost = True
+            self.on_lost()
 
     async def step(self, plan: dp.StepPlan) -> dp.StepResult:
         assert self.stream is not None, "step() before connect()"
@@ -51,8 +68,8 @@ class DataPlaneClient:
 
     async def close(self) -> None:
         if self.stream is not None:
-            self.stream.cancel()
-            self.stream = None
+            stream, self.stream = self.stream, None
+            stream.cancel()
         if self.channel is not None:
             await self.channel.close()
             self.channel = None

@@ -19,7 +19,7 @@ from twinplane.controlplane.api import GenerateCall, Limits, Prompt, RequestOutp
 from twinplane.controlplane.block_manager import BlockManager
 from twinplane.controlplane.config import ControlPlaneConfig
 from twinplane.controlplane.dataplane_client import DataPlaneClient, DataPlaneLost
-from twinplane.controlplane.errors import InvalidRequest, NotReady, Overloaded, StepFailed
+from twinplane.controlplane.errors import InvalidRequest, NotReady, Overloaded, ServiceError, StepFailed
 from twinplane.controlplane.plan_codec import decode_result, encode_plan
 from twinplane.controlplane.request_state import RequestState
 from twinplane.controlplane.scheduler import Scheduler, SchedulerConfig
@@ -28,7 +28,8 @@ from twinplane.controlplane.tokenizer import TemplateError, Tokenizer
 from twinplane.proto import dataplane_pb2 as dp
 
 log = logging.getLogger("twinplane.controlplane")
-RECONNECT_DELAY = 0.5
+RECONNECT_DELAY = 0.5  # seconds between attempts to reach a data plane
+RECONNECT_TIMEOUT = 2.0  # seconds one attempt waits for the data plane to answer
 
 
 class Engine:
@@ -41,11 +42,14 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self.requests: dict[str, RequestState] = {}
         self.ready = asyncio.Event()  # a data plane is connected
-        self.wakeup = asyncio.Event()  # new work arrived
+        self.wakeup = asyncio.Event()  # new work arrived, or the data plane was lost
+        self.stopping = asyncio.Event()  # set once the engine stops accepting requests
         self.accepting = True
+        self.num_waiting_ready = 0  # requests waiting for a data plane (they count as waiting)
+        self.dataplane.on_lost = self._on_dataplane_lost
         self._seq_ids = itertools.count(1)
         self._loop_task: asyncio.Task | None = None
-        self.stats = {"steps": 0, "idle_us": 0, "execute_us": 0}
+        self.stats = {"steps": 0, "idle_us": 0, "execute_us": 0, "computed_tokens": 0}
         self.on_readiness: list = []  # callbacks(bool), e.g. the health service
 
     def _set_ready(self, ready: bool) -> None:
@@ -55,13 +59,13 @@ class Engine:
 
     # ---- lifecycle ----------------------------------------------------------------------
 
-    async def start(self, timeout: float | None = None) -> None:
-        """Connects to the data plane (capacity first), then starts the step loop."""
-        self._on_connected(await self.dataplane.connect(timeout))
+    async def start(self) -> None:
+        """Starts the step loop, which first connects to the data plane (capacity first)."""
         self._loop_task = asyncio.create_task(self._run(), name="twinplane-engine")
 
     def stop_accepting(self) -> None:
         self.accepting = False
+        self.stopping.set()
         self._set_ready(self.ready.is_set())
 
     async def drain(self, grace: float) -> None:
@@ -72,9 +76,7 @@ class Engine:
         while self.requests and loop.time() < deadline:
             await asyncio.sleep(0.05)
         for state in list(self.requests.values()):
-            self.scheduler.finish(state.seq)
-            self.requests.pop(state.seq.request_id, None)
-            state.fail(NotReady("the server shut down before this request finished"))
+            self._fail(state, NotReady("the server shut down before this request finished"))
 
     async def stop(self) -> None:
         self.stop_accepting()
@@ -125,8 +127,12 @@ class Engine:
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[RequestOutput]:
         """Runs one request; yields its outputs. Closing the iterator aborts the request."""
-        await self.wait_ready()
-        state = self._add(call)
+        await self.wait_ready(queued=True)
+        async for out in self.outputs(self.add(call)):
+            yield out
+
+    async def outputs(self, state: RequestState) -> AsyncIterator[RequestOutput]:
+        """Yields a request's outputs until it finishes; leaving early aborts it."""
         try:
             while True:
                 item = await state.outputs.get()
@@ -136,59 +142,105 @@ class Engine:
                 if item.finish_reason is not None:
                     return
         finally:
-            if not state.finished:
-                self._finish(state, FinishReason.ABORTED)
+            self.abort(state)
 
-    async def wait_ready(self) -> None:
-        """Returns once a data plane is connected (requests wait for it, up to their deadline)."""
+    def abort(self, state: RequestState) -> None:
+        """Ends a request the client gave up on (cancelled, deadline passed); frees its blocks now."""
+        if not state.finished:
+            self._finish(state, FinishReason.ABORTED)
+
+    async def wait_ready(self, queued: bool = False) -> None:
+        """Returns once a data plane is connected; calls wait for it, up to their deadline.
+
+        Queued calls (generations) count against max_waiting_requests while they wait, so an
+        outage cannot pile up memory; they get RESOURCE_EXHAUSTED when there is no room.
+        """
+        if queued:
+            self._check_room()
+        elif not self.accepting:
+            raise NotReady("the server is shutting down")
+        if self.ready.is_set():
+            return
+        self.num_waiting_ready += queued
+        try:
+            await _first_of(self.ready, self.stopping)
+        finally:
+            self.num_waiting_ready -= queued
         if not self.accepting:
             raise NotReady("the server is shutting down")
-        await self.ready.wait()
 
-    def _add(self, call: GenerateCall) -> RequestState:
+    def _check_room(self) -> None:
         if not self.accepting:
             raise NotReady("the server is shutting down")
-        sched, limits = self.scheduler, self.limits
-        if len(sched.waiting) >= self.config.max_waiting_requests:
-            raise Overloaded(f"too many waiting requests ({len(sched.waiting)}); retry later")
+        waiting = self.num_waiting_ready + (len(self.scheduler.waiting) if self.scheduler else 0)
+        if waiting >= self.config.max_waiting_requests:
+            raise Overloaded(f"too many waiting requests ({waiting}, max_waiting_requests "
+                             f"{self.config.max_waiting_requests}); retry later")
+
+    def add(self, call: GenerateCall) -> RequestState:
+        """Queues a validated request (call after wait_ready); returns its state."""
+        self._check_room()
+        sched = self.scheduler
         request_id = call.request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidRequest(f"request_id {request_id!r} is already in flight")
-        prompt = self.tokenize(call.prompt)
-        if call.truncate_prompt_tokens and len(prompt) > call.truncate_prompt_tokens:
-            prompt = prompt[-call.truncate_prompt_tokens:]
-        if not prompt:
-            raise InvalidRequest("the prompt is empty after tokenization")
-        room = limits.max_model_len - len(prompt)
-        if room < 1:
-            raise InvalidRequest(f"the prompt has {len(prompt)} tokens; at most {limits.max_model_len - 1} fit "
-                                 f"(max_model_len {limits.max_model_len}); shorten it or set truncate_prompt_tokens")
-        max_tokens = call.params.max_tokens or room
-        if max_tokens > room:
-            raise InvalidRequest(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds "
-                                 f"max_model_len ({limits.max_model_len}); set max_tokens <= {room}")
-        bm = sched.block_manager
-        if bm.blocks_for(len(prompt) + max_tokens) > bm.num_blocks:
-            raise InvalidRequest(f"prompt + max_tokens ({len(prompt) + max_tokens} tokens) can never fit in the "
-                                 f"KV cache ({bm.num_blocks * bm.block_size} tokens); lower max_tokens")
-        params = call.params if call.params.max_tokens else replace(call.params, max_tokens=max_tokens)
+        prompt = self._prompt_tokens(call)
+        params = self._resolve_max_tokens(call.params, len(prompt))
         seq = Sequence(next(self._seq_ids), request_id, prompt, params)
-        state = RequestState(seq, self.tokenizer, frozenset(self.describe.eos_token_ids), limits.max_model_len)
+        state = RequestState(seq, self.tokenizer, frozenset(self.describe.eos_token_ids), self.limits.max_model_len)
         self.requests[request_id] = state
         sched.add(seq)
         self.wakeup.set()
         return state
+
+    def _prompt_tokens(self, call: GenerateCall) -> list[int]:
+        prompt = self.tokenize(call.prompt)
+        if call.truncate_prompt_tokens and len(prompt) > call.truncate_prompt_tokens:
+            prompt = prompt[-call.truncate_prompt_tokens:]
+        if not prompt:
+            raise InvalidRequest("input: the prompt is empty after tokenization; send at least one token")
+        limit = self.limits.max_model_len
+        if len(prompt) >= limit:
+            raise InvalidRequest(f"input: the prompt has {len(prompt)} tokens; at most {limit - 1} fit "
+                                 f"(max_model_len {limit}); shorten it or set truncate_prompt_tokens")
+        return prompt
+
+    def _resolve_max_tokens(self, params, num_prompt_tokens: int):
+        """Checks max_tokens/min_tokens against the room the prompt leaves; fills in the default."""
+        limit = self.limits.max_model_len
+        room = limit - num_prompt_tokens
+        max_tokens = params.max_tokens or room
+        if max_tokens > room:
+            raise InvalidRequest(f"max_tokens: prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) "
+                                 f"exceeds max_model_len ({limit}); set max_tokens <= {room}")
+        if params.min_tokens > max_tokens:
+            raise InvalidRequest(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens}, "
+                                 f"what fits after the {num_prompt_tokens}-token prompt)")
+        bm = self.scheduler.block_manager
+        if bm.blocks_for(num_prompt_tokens + max_tokens) > bm.num_blocks:
+            raise InvalidRequest(f"max_tokens: prompt + max_tokens ({num_prompt_tokens + max_tokens} tokens) can "
+                                 f"never fit in the KV cache ({bm.num_blocks * bm.block_size} tokens); lower it")
+        return params if params.max_tokens else replace(params, max_tokens=max_tokens)
 
     def _finish(self, state: RequestState, reason: FinishReason) -> None:
         self.scheduler.finish(state.seq)
         self.requests.pop(state.seq.request_id, None)
         state.emit(reason)
 
+    def _fail(self, state: RequestState, error: ServiceError) -> None:
+        self.scheduler.finish(state.seq)
+        self.requests.pop(state.seq.request_id, None)
+        state.fail(error)
+
     # ---- the step loop ------------------------------------------------------------------
 
     async def _run(self) -> None:
+        await self._connect()
         while True:
-            out = self.scheduler.schedule() if self.ready.is_set() else None
+            if self.dataplane.lost:
+                await self._reconnect("the step stream ended")
+                continue
+            out = self.scheduler.schedule()
             if out is None:
                 self.wakeup.clear()
                 await self.wakeup.wait()
@@ -197,8 +249,7 @@ class Engine:
             try:
                 result = await self.dataplane.step(plan)
             except DataPlaneLost as exc:
-                log.warning("data plane lost (%s); waiting for it to come back", exc)
-                await self._reconnect()
+                await self._reconnect(str(exc))
                 continue
             if result.error:
                 self._fail_step(out, result.error)
@@ -211,6 +262,7 @@ class Engine:
         self.stats["steps"] += 1
         self.stats["idle_us"] += tokens.idle_us
         self.stats["execute_us"] += tokens.execute_us
+        self.stats["computed_tokens"] += out.num_batched_tokens
         touched = []
         for seq, token, index in self.scheduler.update(out, tokens.token_ids):
             state = self.requests.get(seq.request_id)
@@ -234,14 +286,34 @@ class Engine:
                 self.scheduler.finish(chunk.seq)
                 state.fail(StepFailed(f"the data plane failed to run this request: {error}"))
 
-    async def _reconnect(self) -> None:
+    def _on_dataplane_lost(self) -> None:
+        """The Step stream ended on its own: say NOT_SERVING now, and let the loop reconnect."""
         self._set_ready(False)
+        self.wakeup.set()
+
+    async def _reconnect(self, why: str) -> None:
+        log.warning("data plane lost (%s); waiting for it to come back", why)
+        self._set_ready(False)
+        await self._connect()
+        log.warning("data plane is back; recomputing %d sequences", len(self.scheduler.waiting))
+
+    async def _connect(self) -> None:
+        """Connects to a data plane, retrying until one answers; then sizes (or resets) the BlockManager."""
         while True:
             try:
-                self._on_connected(await self.dataplane.connect(timeout=RECONNECT_DELAY * 4))
-                log.warning("data plane is back; recomputing %d running sequences", len(self.scheduler.waiting))
+                self._on_connected(await self.dataplane.connect(timeout=RECONNECT_TIMEOUT))
                 return
-            except DataPlaneLost:
+            except DataPlaneLost as exc:
+                if exc.fatal:
+                    log.error("the data plane refused the control plane: %s", exc)
                 await asyncio.sleep(RECONNECT_DELAY)
 
 
+async def _first_of(*events: asyncio.Event) -> None:
+    """Waits until any of events is set."""
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()

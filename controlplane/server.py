@@ -24,8 +24,16 @@ log = logging.getLogger("twinplane.controlplane")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: ServiceError) -> None:
-    await context.abort(getattr(grpc.StatusCode, exc.code_name), str(exc))
+def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The one place where errors become gRPC status codes."""
+    if isinstance(exc, ServiceError):
+        return getattr(grpc.StatusCode, exc.code_name), str(exc)
+    log.exception("unexpected error while serving a call", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); the server keeps serving"
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    await context.abort(*status_of(exc))
 
 
 def unary_errors(method):
@@ -33,7 +41,9 @@ def unary_errors(method):
     async def wrapper(self, request, context):
         try:
             return await method(self, request, context)
-        except ServiceError as exc:
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 -- mapped to a status code, never lost
             await _abort(context, exc)
     return wrapper
 
@@ -44,7 +54,9 @@ def stream_errors(method):
         try:
             async for item in method(self, request, context):
                 yield item
-        except ServiceError as exc:
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 -- mapped to a status code, never lost
             await _abort(context, exc)
     return wrapper
 
@@ -55,9 +67,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     @stream_errors
     async def Generate(self, request: pb.GenerateRequest, context):
-        await self.engine.wait_ready()
-        call = generate_call_from_pb(request, self.engine.limits)
-        async for out in self.engine.generate(call):
+        engine = self.engine
+        await engine.wait_ready(queued=True)
+        state = engine.add(generate_call_from_pb(request, engine.limits))
+        # cancelled, deadline passed or connection lost: free the blocks now, not when the handler unwinds
+        context.add_done_callback(lambda _: engine.abort(state))
+        async for out in engine.outputs(state):
             yield output_to_pb(out)
 
     @unary_errors
@@ -79,7 +94,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             dtype=d.dtype, block_size=d.block_size, num_kv_blocks=d.num_kv_blocks,
             tensor_parallel_size=d.tensor_parallel_size, attention_backend=d.attention_backend,
             eos_token_ids=list(d.eos_token_ids), max_logprobs=limits.max_logprobs,
-            has_chat_template=bool(tok and tok.chat_template))
+            has_chat_template=bool(tok and tok.chat_template), weight_bytes=d.weight_bytes,
+            kv_bytes_per_token=d.kv_bytes_per_token, device=d.device)
+
+
+    @unary_errors
+    async def GetStats(self, request, context) -> pb.ServerStats:
+        await self.engine.wait_ready()
+        e, sched = self.engine, self.engine.scheduler
+        return pb.ServerStats(
+            steps=e.stats["steps"], execute_us=e.stats["execute_us"], idle_us=e.stats["idle_us"],
+            preemptions=sched.num_preemptions, waiting=len(sched.waiting), running=len(sched.running),
+            free_kv_blocks=sched.block_manager.num_free_blocks, computed_tokens=e.stats["computed_tokens"])
 
 
 def create_server(engine: Engine, listen: str, *, max_message_bytes: int = 16 << 20,

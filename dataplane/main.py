@@ -19,8 +19,13 @@ def serve(config: DataPlaneConfig, listen: str, token: str | None = None) -> Non
     from twinplane.dataplane.model_runner import ModelRunner  # imports torch
 
     config = dataclasses.replace(config, model=resolve_model(config.model))
+    workers = None
+    if config.tensor_parallel_size > 1:
+        from twinplane.dataplane.tensor_parallel import TensorParallelWorkers
+
+        workers = TensorParallelWorkers(config)  # spawns ranks 1..N-1; this process becomes rank 0
     runner = ModelRunner(config)
-    server, _ = create_server(runner, listen, token)
+    server, _ = create_server(runner, listen, token, workers)
     server.start()
     desc = runner.describe()
     log.info("data plane ready on %s: %s, %s, %d KV blocks of %d tokens, attention %s",
@@ -30,5 +35,7 @@ def serve(config: DataPlaneConfig, listen: str, token: str | None = None) -> Non
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     server.stop(grace=2.0).wait()
+    if workers is not None:
+        workers.stop()
     runner.close()
     log.info("data plane stopped")

@@ -17,6 +17,7 @@ import torch
 
 from twinplane.dataplane.attention_backends import get_attention_backend
 from twinplane.dataplane.config import DataPlaneConfig
+from twinplane.dataplane.cuda_graphs import DecodeGraphs
 from twinplane.dataplane.distributed import tp_rank, tp_world_size
 from twinplane.dataplane.kv_cache import allocate_kv_cache, bytes_per_block, cpu_num_blocks, cuda_num_blocks
 from twinplane.dataplane.loader import load_model
@@ -48,6 +49,8 @@ class DataPlaneDescription:
     eos_token_ids: list[int]
     max_logprobs: int
     device: str
+    weight_bytes: int
+    kv_bytes_per_token: int
 
 
 def resolve_device(name: str) -> torch.device:
@@ -93,6 +96,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.init_model()
         self.init_kv_cache()
+        self.init_cuda_graphs()
         self.sampler = Sampler(config.seed, self.device)
         self.sequences = SequenceTable(PlanLimits(
             vocab_size=self.vocab_size, num_kv_blocks=self.num_kv_blocks, block_size=config.block_size,
@@ -118,7 +122,20 @@ class ModelRunner:
                 self.max_model_len, self.config.max_num_seqs, self.config.gpu_memory_utilization)
         else:
             self.num_kv_blocks = cpu_num_blocks(self.config.cpu_kv_cache_gib, bytes_per_block(layers, block_size, self.dtype))
+        if tp_world_size() > 1:  # every rank must hold the same number of blocks
+            count = torch.tensor([self.num_kv_blocks], device=self.device)
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN)
+            self.num_kv_blocks = int(count.item())
         self.kv_cache = allocate_kv_cache(layers, self.num_kv_blocks, block_size, self.dtype, self.device)
+
+    def init_cuda_graphs(self) -> None:
+        self.graphs = None
+        if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name == "torch":
+            return  # the torch backend loops over host-side lengths, which a graph would freeze
+        c = self.config
+        self.graphs = DecodeGraphs(self.model, int(self.loaded.hf_config.hidden_size), self.dtype, self.device,
+                                   c.max_num_seqs, self.max_model_len, c.block_size)
+        self.graphs.capture()
 
     def describe(self) -> DataPlaneDescription:
         c = self.config
@@ -129,7 +146,14 @@ class ModelRunner:
             max_model_len=self.max_model_len, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens, tensor_parallel_size=c.tensor_parallel_size,
             attention_backend=self.backend.name, vocab_size=self.vocab_size,
-            eos_token_ids=list(self.loaded.eos_token_ids), max_logprobs=MAX_LOGPROBS, device=device)
+            eos_token_ids=list(self.loaded.eos_token_ids), max_logprobs=MAX_LOGPROBS, device=device,
+            weight_bytes=self._weight_bytes() * c.tensor_parallel_size,
+            kv_bytes_per_token=bytes_per_block(self.model.attention_layers(), 1, self.dtype) * c.tensor_parallel_size)
+
+    def _weight_bytes(self) -> int:
+        """This rank's weight bytes (tied embeddings counted once)."""
+        unique = {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
+        return sum(unique.values())
 
     def reset(self) -> None:
         """Forget every sequence (e.g. when the control plane reconnects)."""
@@ -140,7 +164,7 @@ class ModelRunner:
         self.sequences.reset()
         for layer in self.model.attention_layers():
             layer.bind_kv_cache(torch.empty(0, 0, layer.num_kv_heads, layer.head_dim), torch.empty(0, 0, layer.num_kv_heads, layer.head_dim))
-        del self.kv_cache, self.model, self.loaded
+        del self.kv_cache, self.model, self.loaded, self.graphs
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -161,7 +185,10 @@ class ModelRunner:
         if plan.seqs:
             inputs = build_step_inputs(plan.seqs, mirrors, self.config.block_size, self.vocab_size, self.device)
             prepared = time.perf_counter()
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+            if self.graphs is not None and self.graphs.can_run(inputs.metadata):
+                hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
+            else:
+                hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
             if inputs.sampling is not None:
                 rank_logits = self.model.compute_logits(hidden[inputs.sample_indices])
                 if rank_logits is not None:  # None on tensor-parallel ranks other than 0

@@ -155,7 +155,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "dtype", "block_size", "num_kv_blocks", "tensor_parallel_size", "attention_backend", "eos_token_ids", "max_logprobs", "has_chat_template")
+    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "dtype", "block_size", "num_kv_blocks", "tensor_parallel_size", "attention_backend", "eos_token_ids", "max_logprobs", "has_chat_template", "weight_bytes", "kv_bytes_per_token", "device")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,9 @@ class ModelInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     vocab_size: int
@@ -180,4 +183,31 @@ class ModelInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_logprobs: int
     has_chat_template: bool
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
+    weight_bytes: int
+    kv_bytes_per_token: int
+    device: str
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerStats(_message.Message):
+    __slots__ = ("steps", "execute_us", "idle_us", "preemptions", "waiting", "running", "free_kv_blocks", "computed_tokens")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTE_US_FIELD_NUMBER: _ClassVar[int]
+    IDLE_US_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    execute_us: int
+    idle_us: int
+    preemptions: int
+    waiting: int
+    running: int
+    free_kv_blocks: int
+    computed_tokens: int
+    def __init__(self, steps: _Optional[int] = ..., execute_us: _Optional[int] = ..., idle_us: _Optional[int] = ..., preemptions: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., computed_tokens: _Optional[int] = ...) -> None: ...

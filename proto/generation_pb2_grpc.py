@@ -50,6 +50,11 @@ class GenerationStub:
                 request_serializer=twinplane_dot_proto_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=twinplane_dot_proto_dot_generation__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.GetStats = channel.unary_unary(
+                '/twinplane.v1.Generation/GetStats',
+                request_serializer=twinplane_dot_proto_dot_generation__pb2.GetStatsRequest.SerializeToString,
+                response_deserializer=twinplane_dot_proto_dot_generation__pb2.ServerStats.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -78,6 +83,13 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStats(self, request, context):
+        """Counters of the engine since start-up (for monitoring and benchmarks).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +107,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=twinplane_dot_proto_dot_generation__pb2.GetModelInfoRequest.FromString,
                     response_serializer=twinplane_dot_proto_dot_generation__pb2.ModelInfo.SerializeToString,
+            ),
+            'GetStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStats,
+                    request_deserializer=twinplane_dot_proto_dot_generation__pb2.GetStatsRequest.FromString,
+                    response_serializer=twinplane_dot_proto_dot_generation__pb2.ServerStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +196,33 @@ class Generation:
             '/twinplane.v1.Generation/GetModelInfo',
             twinplane_dot_proto_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
             twinplane_dot_proto_dot_generation__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/twinplane.v1.Generation/GetStats',
+            twinplane_dot_proto_dot_generation__pb2.GetStatsRequest.SerializeToString,
+            twinplane_dot_proto_dot_generation__pb2.ServerStats.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,164 @@
+"""``twinplane bench``: a workload through the full gRPC path, with throughput, latency and roofline.
+
+The default workload is nano-vLLM's bench.py: seed 0, 256 requests, prompts of
+uniform length in [100, 1024] made of random token ids in [0, 10000), max_tokens
+uniform in [100, 1024], temperature 0.6, ignore_eos, on ``dummy:qwen3-0.6b`` with
+max_model_len 4096. Without ``--server`` it starts both planes itself (``twinplane
+serve`` as a child process). With ``--request-rate`` requests arrive as a Poisson
+process instead of all at once, and time to first token and inter-token latency
+are what matter.
+
+The roofline is the time the GPU would need to move this workload's bytes at its
+peak memory bandwidth: the weights once per decode step (at least as many steps as
+the longest output) and, for every generated token, the K/V of its whole context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+H200_BANDWIDTH_GBS = 4800.0  # HBM3e, per GPU, datasheet
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_tokens: int
+    sent: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+
+
+def make_workload(args: argparse.Namespace) -> list[Request]:
+    rng = random.Random(args.seed)
+    requests = []
+    for _ in range(args.num_requests):
+        n = rng.randint(args.min_input, args.max_input)
+        requests.append(Request([rng.randrange(args.vocab_limit) for _ in range(n)],
+                                rng.randint(args.min_output, args.max_output)))
+    return requests
+
+
+def roofline_seconds(requests: list[Request], weight_bytes: int, kv_bytes_per_token: int, max_num_seqs: int,
+                     bandwidth_bytes: float) -> float:
+    outputs = [r.max_tokens for r in requests]
+    steps = max(max(outputs), -(-sum(outputs) // max_num_seqs))
+    kv_read = sum(len(r.prompt) * r.max_tokens + r.max_tokens * (r.max_tokens - 1) // 2 for r in requests)
+    kv_written = sum(len(r.prompt) + r.max_tokens for r in requests)
+    return (steps * weight_bytes + (kv_read + kv_written) * kv_bytes_per_token) / bandwidth_bytes
+
+
+async def _one(client, req: Request, args, progress) -> None:
+    req.sent = time.perf_counter()
+    stream = client.generate(token_ids=req.prompt, max_tokens=req.max_tokens, temperature=args.temperature,
+                             ignore_eos=True)
+    async for chunk in stream:
+        now = time.perf_counter()
+        req.token_times.extend([now] * len(chunk.token_ids))
+    progress.update(1)
+
+
+async def _drive(target: str, requests: list[Request], args) -> tuple[float, dict, dict, object]:
+    from tqdm import tqdm
+
+    from twinplane.clients.client import AsyncClient
+
+    async with AsyncClient(target, options=[("grpc.max_receive_message_length", 64 << 20)]) as client:
+        await client.wait_ready(timeout=args.ready_timeout)
+        info = await client.model_info()
+        warm = Request([1, 2, 3], 8)
+        with tqdm(disable=True) as none:
+            await _one(client, warm, args, none)  # compiles kernels outside the timed run
+        before = await client.stats()
+        rng = np.random.default_rng(args.seed)
+        started = time.perf_counter()
+        with tqdm(total=len(requests), desc="requests", unit="req", file=sys.stderr) as progress:
+            tasks = []
+            for req in requests:
+                if args.request_rate != float("inf"):
+                    await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
+                tasks.append(asyncio.create_task(_one(client, req, args, progress)))
+            await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - started
+        after = await client.stats()
+    return elapsed, before, after, info
+
+
+def _percentiles(values: list[float]) -> str:
+    if not values:
+        return "n/a"
+    p50, p99 = np.percentile(values, [50, 99])
+    return f"p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms"
+
+
+def report(requests: list[Request], elapsed: float, before: dict, after: dict, info, args) -> dict:
+    output_tokens = sum(len(r.token_times) for r in requests)
+    ttft = [r.token_times[0] - r.sent for r in requests if r.token_times]
+    itl = [b - a for r in requests for a, b in zip(r.token_times, r.token_times[1:])]
+    bandwidth = args.peak_bandwidth_gbs * 1e9 * info.tensor_parallel_size
+    roofline = roofline_seconds(requests, info.weight_bytes, info.kv_bytes_per_token, args.max_num_seqs, bandwidth)
+    steps = after["steps"] - before["steps"]
+    idle_us, execute_us = after["idle_us"] - before["idle_us"], after["execute_us"] - before["execute_us"]
+    figures = {
+        "output_tokens": output_tokens, "seconds": elapsed, "tokens_per_s": output_tokens / elapsed,
+        "roofline_s": roofline, "roofline_fraction": roofline / elapsed, "steps": steps,
+        "idle_fraction": idle_us / max(execute_us, 1), "preemptions": after["preemptions"] - before["preemptions"],
+    }
+    print(f"model {info.model} ({info.dtype}, TP={info.tensor_parallel_size}, {info.device}, "
+          f"attention {info.attention_backend}, {info.num_kv_blocks} KV blocks of {info.block_size})")
+    print(f"requests {len(requests)}, output tokens {output_tokens}, time {elapsed:.2f} s, "
+          f"throughput {figures['tokens_per_s']:.0f} tok/s")
+    print(f"roofline {roofline:.2f} s at {args.peak_bandwidth_gbs:.0f} GB/s per GPU "
+          f"(weights {info.weight_bytes / 1e9:.2f} GB/step, KV {info.kv_bytes_per_token} B/token): "
+          f"{100 * figures['roofline_fraction']:.1f}% of roofline")
+    print(f"data plane: {steps} steps, {execute_us / max(steps, 1) / 1e3:.2f} ms per step, idle between steps "
+          f"{100 * figures['idle_fraction']:.1f}% of step time; preemptions {figures['preemptions']}")
+    print(f"TTFT {_percentiles(ttft)}; inter-token latency {_percentiles(itl)}")
+    return figures
+
+
+def _start_server(args) -> tuple[subprocess.Popen, str]:
+    from twinplane.clients.cli import _dataplane_argv
+
+    address = f"unix://{tempfile.mkdtemp(prefix='twinplane-bench-')}/api.sock"
+    command = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", "WARNING", "serve",
+               *_dataplane_argv(args), "--listen", address, "--max-waiting-requests", str(args.num_requests + 16)]
+    return subprocess.Popen(command, stdin=subprocess.DEVNULL), address
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    requests = make_workload(args)
+    server, target = (None, args.server) if args.server else _start_server(args)
+    try:
+        elapsed, before, after, info = asyncio.run(_drive(target, requests, args))
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(60)
+    report(requests, elapsed, before, after, info, args)
+    return 0
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--server", default=None, help="benchmark a running server instead of starting one")
+    g.add_argument("--num-requests", type=int, default=256)
+    g.add_argument("--min-input", type=int, default=100)
+    g.add_argument("--max-input", type=int, default=1024)
+    g.add_argument("--min-output", type=int, default=100)
+    g.add_argument("--max-output", type=int, default=1024)
+    g.add_argument("--vocab-limit", type=int, default=10000, help="prompt token ids are drawn from [0, this)")
+    g.add_argument("--temperature", type=float, default=0.6)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (default: all at once)")
+    g.add_argument("--peak-bandwidth-gbs", type=float, default=H200_BANDWIDTH_GBS, help="per GPU, for the roofline")
+    g.add_argument("--ready-timeout", type=float, default=600.0)
+    p.set_defaults(model="dummy:qwen3-0.6b")

@@ -1,0 +1,132 @@
+"""Tensor parallelism: the server process is rank 0 and drives ranks 1..N-1.
+
+Rank 0 spawns one process per other rank (spawn context), and every rank joins one
+NCCL group and builds its own ModelRunner over its shard of the weights. For each
+StepPlan, rank 0 copies the plan's protobuf bytes into a shared-memory buffer and
+wakes the workers; every rank runs the same step (the layers all-reduce between
+them) and only rank 0 samples. A worker acknowledges each message once it has
+copied it, and rank 0 waits for those acknowledgements before writing the next.
+Nothing is pickled: the plan travels as the same protobuf bytes as on the wire.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import socket
+import struct
+from multiprocessing import get_context
+from multiprocessing.shared_memory import SharedMemory
+
+import torch
+import torch.distributed as dist
+
+from twinplane.dataplane.config import DataPlaneConfig
+
+log = logging.getLogger("twinplane.dataplane")
+BUFFER_BYTES = 64 << 20  # the largest plan: max_num_batched_tokens tokens and slots, and block tables
+HEADER = struct.Struct("<II")  # command, payload length
+
+
+class Command(enum.IntEnum):
+    STEP = 1
+    RESET = 2
+    EXIT = 3
+
+
+def init_process_group(rank: int, world_size: int, port: int) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            device_id=torch.device("cuda", rank))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_main(config: DataPlaneConfig, rank: int, port: int, shm_name: str, wake, ack) -> None:
+    """A tensor-parallel rank > 0: runs every step rank 0 sends, until EXIT."""
+    from twinplane.dataplane.convert import plan_from_pb
+    from twinplane.dataplane.model_runner import ModelRunner
+    from twinplane.proto import dataplane_pb2 as dp
+
+    init_process_group(rank, config.tensor_parallel_size, port)
+    runner = ModelRunner(config)
+    shm = SharedMemory(name=shm_name)
+    try:
+        while True:
+            wake.wait()
+            wake.clear()
+            command, length = HEADER.unpack_from(shm.buf, 0)
+            payload = bytes(shm.buf[HEADER.size:HEADER.size + length])
+            ack.set()
+            if command == Command.EXIT:
+                break
+            if command == Command.RESET:
+                runner.reset()
+                continue
+            try:
+                runner.step(plan_from_pb(dp.StepPlan.FromString(payload)))
+            except ValueError:
+                pass  # a bad plan: rank 0 fails the same check and reports it
+    finally:
+        shm.close()
+        runner.close()
+        dist.destroy_process_group()
+
+
+class TensorParallelWorkers:
+    """Ranks 1..N-1 and the channel rank 0 uses to send them every plan."""
+
+    def __init__(self, config: DataPlaneConfig) -> None:
+        world = config.tensor_parallel_size
+        assert world > 1, "no workers needed for tensor_parallel_size 1"
+        if torch.cuda.device_count() < world:
+            raise ValueError(f"tensor_parallel_size={world} needs {world} GPUs, found {torch.cuda.device_count()}")
+        ctx = get_context("spawn")
+        port = _free_port()
+        self.shm = SharedMemory(create=True, size=BUFFER_BYTES)
+        self.wakes = [ctx.Event() for _ in range(world - 1)]
+        self.acks = [ctx.Event() for _ in range(world - 1)]
+        for ack in self.acks:
+            ack.set()
+        self.processes = [
+            ctx.Process(target=worker_main, args=(config, rank, port, self.shm.name, self.wakes[rank - 1],
+                                                  self.acks[rank - 1]), daemon=True, name=f"twinplane-tp{rank}")
+            for rank in range(1, world)]
+        for p in self.processes:
+            p.start()
+        init_process_group(0, world, port)  # this process is rank 0
+
+    def _send(self, command: Command, payload: bytes = b"") -> None:
+        assert HEADER.size + len(payload) <= BUFFER_BYTES, f"plan of {len(payload)} bytes exceeds the buffer"
+        for ack in self.acks:  # every worker has copied the previous message
+            ack.wait()
+            ack.clear()
+        HEADER.pack_into(self.shm.buf, 0, command, len(payload))
+        self.shm.buf[HEADER.size:HEADER.size + len(payload)] = payload
+        for wake in self.wakes:
+            wake.set()
+
+    def step(self, plan_bytes: bytes) -> None:
+        self._send(Command.STEP, plan_bytes)
+
+    def reset(self) -> None:
+        self._send(Command.RESET)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stops and joins every worker, then releases the shared memory and the NCCL group."""
+        if any(p.is_alive() for p in self.processes):
+            self._send(Command.EXIT)
+        for p in self.processes:
+            p.join(timeout)
+            if p.is_alive():
+                log.warning("tensor-parallel worker %s did not exit; terminating it", p.name)
+                p.terminate()
+                p.join(5)
+        self.shm.close()
+        self.shm.unlink()
+        if dist.is_initialized():
+            dist.destroy_process_group()
