@@ -181,6 +181,8 @@ def _convert(gguf_path: Path, out_dir: Path, log: Log) -> None:
     folder, name = str(gguf_path.parent), gguf_path.name
     quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    # transformers versions read the GGUF's special tokens differently: set SmolLM2-Instruct's own.
+    tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token = IM_START, IM_END, IM_END
     _check_tokenizer(tokenizer)
     log(f"writing float32 safetensors to {out_dir.parent}…")
     model = _fresh_model(quantized)

@@ -105,7 +105,8 @@ class ModelRunner:
         self._last_step_end: float | None = None
 
     def init_model(self) -> None:
-        self.backend = get_attention_backend(self.config.attention_backend, self.device.type)
+        half = self.dtype in (torch.bfloat16, torch.float16)
+        self.backend = get_attention_backend(self.config.attention_backend, self.device.type, half)
         self.loaded = load_model(self.config.model, self.dtype, self.device, self.config.seed, self.backend)
         self.model = self.loaded.model
         hf_config = self.loaded.hf_config

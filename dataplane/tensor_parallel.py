@@ -15,7 +15,7 @@ import enum
 import logging
 import socket
 import struct
-from multiprocessing import get_context
+from multiprocessing import get_context, resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 
 import torch
@@ -55,6 +55,7 @@ def worker_main(config: DataPlaneConfig, rank: int, port: int, shm_name: str, wa
     init_process_group(rank, config.tensor_parallel_size, port)
     runner = ModelRunner(config)
     shm = SharedMemory(name=shm_name)
+    resource_tracker.unregister(shm._name, "shared_memory")  # rank 0 owns and unlinks it
     try:
         while True:
             wake.wait()

@@ -35,10 +35,13 @@ _FACTORIES: dict[str, Callable[[], AttentionBackend]] = {
 _AUTO_ORDER_CUDA = ("flash_attn_4", "flash_attn_2", "torch")
 
 
-def get_attention_backend(name: str, device_type: str) -> AttentionBackend:
-    """The backend called ``name`` ("auto" picks the best available for ``device_type``)."""
+def get_attention_backend(name: str, device_type: str, half_precision: bool = True) -> AttentionBackend:
+    """The backend called ``name``; "auto" picks the best available for ``device_type``.
+
+    FlashAttention runs only in bfloat16/float16, so float32 models get the torch backend.
+    """
     if name == "auto":
-        order = _AUTO_ORDER_CUDA if device_type == "cuda" else ("torch",)
+        order = _AUTO_ORDER_CUDA if device_type == "cuda" and half_precision else ("torch",)
         for candidate in order:
             if candidate in _FACTORIES:
                 try:

@@ -28,11 +28,11 @@ class _TritonKVWriter:
 class FlashAttention4Backend(_TritonKVWriter, AttentionBackend):
     name = "flash_attn_4"
 
-    def __init__(self, num_splits: int = 0) -> None:
+    def __init__(self, num_splits: int = 1) -> None:
         from flash_attn.cute import flash_attn_varlen_func  # ImportError when not installed
 
         self._varlen = flash_attn_varlen_func
-        self.num_splits = num_splits  # 0 = FlashAttention's heuristic (split long contexts in decode)
+        self.num_splits = num_splits  # split-KV is not supported on SM 9.0 (Hopper)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
