@@ -130,6 +130,9 @@ def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits) -> GenerateCa
     _check(len(req.request_id) <= MAX_REQUEST_ID_LEN,
            f"request_id must be at most {MAX_REQUEST_ID_LEN} characters, got {len(req.request_id)}")
     prompt = prompt_from_pb(req, limits)
+    _check(req.truncate_prompt_tokens < limits.max_model_len,
+           f"truncate_prompt_tokens must be below max_model_len ({limits.max_model_len}), 0 for no truncation; "
+           f"got {req.truncate_prompt_tokens}")
     max_tokens = req.max_tokens if req.HasField("max_tokens") else 0
     if req.HasField("max_tokens"):
         _check(0 < max_tokens <= limits.max_model_len,

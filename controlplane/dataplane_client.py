@@ -55,16 +55,28 @@ class DataPlaneClient:
             self.lost = True
             self.on_lost()
 
-    async def step(self, plan: dp.StepPlan) -> dp.StepResult:
-        assert self.stream is not None, "step() before connect()"
+    async def send(self, plan: dp.StepPlan) -> None:
+        """Sends a plan; its result is read with receive(), so work can go on in between."""
+        assert self.stream is not None, "send() before connect()"
         try:
             await self.stream.write(plan)
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+            raise DataPlaneLost(str(exc)) from exc
+
+    async def receive(self) -> dp.StepResult:
+        """The result of the oldest plan sent and not yet received."""
+        assert self.stream is not None, "receive() before connect()"
+        try:
             result = await self.stream.read()
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
             raise DataPlaneLost(str(exc)) from exc
         if result is grpc.aio.EOF:
             raise DataPlaneLost("the data plane closed the step stream")
         return result
+
+    async def step(self, plan: dp.StepPlan) -> dp.StepResult:
+        await self.send(plan)
+        return await self.receive()
 
     async def close(self) -> None:
         if self.stream is not None:

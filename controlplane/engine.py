@@ -51,6 +51,7 @@ class Engine:
         self._loop_task: asyncio.Task | None = None
         self.stats = {"steps": 0, "idle_us": 0, "execute_us": 0, "computed_tokens": 0}
         self.on_readiness: list = []  # callbacks(bool), e.g. the health service
+        self._deferred: list = []  # the last step's tokens, streamed while the next step runs
 
     def _set_ready(self, ready: bool) -> None:
         (self.ready.set if ready else self.ready.clear)()
@@ -241,50 +242,69 @@ class Engine:
                 await self._reconnect("the step stream ended")
                 continue
             out = self.scheduler.schedule()
+            if out is None and self._deferred:  # stop strings may end requests: look again after
+                self._emit(self._deferred)
+                continue
             if out is None:
                 self.wakeup.clear()
                 await self.wakeup.wait()
                 continue
             plan = encode_plan(out, self.scheduler.block_manager.block_size, tuple(self.describe.eos_token_ids))
             try:
-                result = await self.dataplane.step(plan)
+                await self.dataplane.send(plan)
+                # the previous step's text and streams are handled while the data plane computes this one
+                self._emit(self._deferred)
+                result = await self.dataplane.receive()
             except DataPlaneLost as exc:
+                self._emit(self._deferred)
                 await self._reconnect(str(exc))
                 continue
             if result.error:
                 self._fail_step(out, result.error)
                 continue
-            self._postprocess(out, result)
-            await asyncio.sleep(0)  # let handlers run between steps
+            self._deferred = self._apply(out, result)
 
-    def _postprocess(self, out, result: dp.StepResult) -> None:
+    def _apply(self, out, result: dp.StepResult) -> list[tuple[RequestState, int, FinishReason | None]]:
+        """The critical path between two steps: new tokens and the token stop rules.
+
+        Requests a stop token or the length ends are finished here, so they are not
+        scheduled again; detokenization, stop strings and streaming wait for _emit.
+        """
         tokens = decode_result(result)
         self.stats["steps"] += 1
         self.stats["idle_us"] += tokens.idle_us
         self.stats["execute_us"] += tokens.execute_us
         self.stats["computed_tokens"] += out.num_batched_tokens
-        touched = []
+        recorded = []
         for seq, token, index in self.scheduler.update(out, tokens.token_ids):
             state = self.requests.get(seq.request_id)
             if state is None:
                 continue
-            logprobs = tokens.logprobs[index] if tokens.logprobs else None
-            reason = state.add_token(token, logprobs)
+            reason = state.record_token(token, tokens.logprobs[index] if tokens.logprobs else None)
+            if reason is not None:
+                self.scheduler.finish(seq)
+            recorded.append((state, token, reason))
+        return recorded
+
+    def _emit(self, recorded: list[tuple[RequestState, int, FinishReason | None]]) -> None:
+        """Detokenizes, applies stop strings and pushes each request's new output to its stream."""
+        self._deferred = []
+        for state, token, reason in recorded:
+            if state.finished:  # aborted meanwhile
+                continue
+            reason = state.add_text(token, reason)
             if reason is not None:
                 self._finish(state, reason)
             else:
-                touched.append(state)
-        for state in touched:
-            state.emit()
+                state.emit()
 
     def _fail_step(self, out, error: str) -> None:
         """A step the data plane could not run fails only the requests in it."""
         log.error("step %d failed on the data plane: %s", out.step_id, error)
         for chunk in out.chunks:
-            state = self.requests.pop(chunk.seq.request_id, None)
+            state = self.requests.get(chunk.seq.request_id)
             if state is not None:
-                self.scheduler.finish(chunk.seq)
-                state.fail(StepFailed(f"the data plane failed to run this request: {error}"))
+                self._fail(state, StepFailed(f"the data plane failed to run this request: {error}"))
 
     def _on_dataplane_lost(self) -> None:
         """The Step stream ended on its own: say NOT_SERVING now, and let the loop reconnect."""

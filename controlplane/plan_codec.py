@@ -47,13 +47,15 @@ def encode_plan(out: SchedulerOutput, block_size: int, eos_token_ids: tuple[int,
         start_pos.append(c.start_pos)
         sample.append(c.sample)
         num_new_blocks.append(len(c.new_block_ids))
-        new_blocks.extend(c.new_block_ids)
-        end = c.start_pos + c.num_tokens
-        token_ids.extend(seq.token_ids[c.start_pos:end])
-        if c.num_tokens == 1:
+        if c.new_block_ids:
+            new_blocks.extend(c.new_block_ids)
+        if c.num_tokens == 1:  # decode: the hot path
             p = c.start_pos
+            token_ids.append(seq.token_ids[p])
             slots.append(seq.block_table[p // block_size] * block_size + p % block_size)
         else:
+            end = c.start_pos + c.num_tokens
+            token_ids.extend(seq.token_ids[c.start_pos:end])
             pos = np.arange(c.start_pos, end)
             table = np.asarray(seq.block_table, dtype=np.int64)
             slots.extend((table[pos // block_size] * block_size + pos % block_size).tolist())

@@ -31,25 +31,42 @@ class RequestState:
     def _new_output(self) -> RequestOutput:
         return RequestOutput(self.seq.request_id)
 
-    def add_token(self, token_id: int, logprobs: TokenLogprobs | None) -> FinishReason | None:
-        """Records a sampled token (already appended to the sequence); returns why it ends, if it does."""
+    def record_token(self, token_id: int, logprobs: TokenLogprobs | None) -> FinishReason | None:
+        """Records a sampled token (already appended to the sequence).
+
+        Returns why the request ends if a token rule says so (a stop token, or the
+        length); cheap, so it runs before the next step is scheduled.
+        """
         seq, params, out = self.seq, self.seq.params, self.pending
         out.token_ids.append(token_id)
         if logprobs is not None and params.logprobs is not None:
             out.logprobs.append(logprobs)
-        past_min = seq.num_output_tokens > params.min_tokens
-        if token_id in self.stop_ids and past_min:
+        if token_id in self.stop_ids and seq.num_output_tokens > params.min_tokens:
             return FinishReason.STOP_TOKEN
-        if self.detokenizer is not None:
-            self.detokenizer.add_token(token_id)
-            if params.stop and past_min:
-                matched = self.detokenizer.find_stop()
-                if matched is not None:
-                    out.matched_stop = matched
-                    return FinishReason.STOP_STRING
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+    def add_text(self, token_id: int, reason: FinishReason | None) -> FinishReason | None:
+        """Detokenizes a recorded token and applies stop strings; returns the final reason.
+
+        Runs while the data plane computes the next step, which may then hold one token of
+        a request that a stop string ended: that token is discarded.
+        """
+        if reason is FinishReason.STOP_TOKEN or self.detokenizer is None:
+            return reason  # a stop token's text is never part of the output
+        self.detokenizer.add_token(token_id)
+        params = self.seq.params
+        if params.stop and self.seq.num_output_tokens > params.min_tokens:
+            matched = self.detokenizer.find_stop()
+            if matched is not None:
+                self.pending.matched_stop = matched
+                return FinishReason.STOP_STRING
+        return reason
+
+    def add_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> FinishReason | None:
+        """record_token and add_text in one go."""
+        return self.add_text(token_id, self.record_token(token_id, logprobs))
 
     def emit(self, finish_reason: FinishReason | None = None) -> None:
         """Pushes what is pending to the stream; the last output carries the usage."""

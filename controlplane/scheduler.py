@@ -24,7 +24,7 @@ class SchedulerConfig:
     max_model_len: int = 4096
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     """One sequence's share of a step: tokens [start_pos, start_pos + num_tokens)."""
 
@@ -84,14 +84,19 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         # 1. decode: every running sequence with one token to compute
+        block_size = self.block_manager.block_size
+        prefilling = []
         for seq in list(self.running):
-            if seq.num_uncomputed_tokens == 1 and seq.status is SequenceStatus.RUNNING and budget > 0:
-                if self._reserve(seq, 1):
+            if len(seq.token_ids) - seq.num_computed_tokens != 1:
+                prefilling.append(seq)
+            elif budget > 0 and seq.status is SequenceStatus.RUNNING:
+                # the common case, room left in the last block, needs no allocation at all
+                if seq.num_computed_tokens < len(seq.block_table) * block_size or self._reserve(seq, 1):
                     chunks.append(self._chunk(seq, 1))
                     budget -= 1
         # 2. running sequences still in prefill (prompt chunks, or recompute)
-        for seq in list(self.running):
-            if seq.num_uncomputed_tokens > 1 and seq.status is SequenceStatus.RUNNING and budget > 0:
+        for seq in prefilling:
+            if seq.status is SequenceStatus.RUNNING and budget > 0:
                 num_tokens = min(seq.num_uncomputed_tokens, budget)
                 if self._reserve(seq, num_tokens):
                     chunks.append(self._chunk(seq, num_tokens))
@@ -132,12 +137,14 @@ class Scheduler:
             f"{len(sampled_token_ids)} tokens for {num_sampled} sampled sequences")
         appended = []
         index = 0
+        block_size = self.block_manager.block_size
         for chunk in output.chunks:
             seq = chunk.seq
             alive = seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens == chunk.start_pos
             if alive:  # else aborted or preempted while the step ran
                 seq.num_computed_tokens += chunk.num_tokens
-                self.block_manager.cache_full_blocks(seq)
+                if seq.num_computed_tokens >= (len(seq.block_hashes) + 1) * block_size:  # a block filled up
+                    self.block_manager.cache_full_blocks(seq)
             if chunk.sample:
                 if alive:
                     seq.append_token(sampled_token_ids[index])
@@ -188,15 +195,10 @@ class Scheduler:
         seq.forget_kv()
 
     def _chunk(self, seq: Sequence, num_tokens: int) -> ScheduledChunk:
-        new_blocks = seq.block_table[seq.num_blocks_mirrored:]
-        chunk = ScheduledChunk(
-            seq=seq,
-            start_pos=seq.num_computed_tokens,
-            num_tokens=num_tokens,
-            new_block_ids=new_blocks,
-            sample=seq.num_computed_tokens + num_tokens == seq.num_tokens,
-            is_new_mirror=not seq.mirrored,
-        )
-        seq.num_blocks_mirrored = len(seq.block_table)
+        start, table = seq.num_computed_tokens, seq.block_table
+        new_blocks = table[seq.num_blocks_mirrored:] if seq.num_blocks_mirrored < len(table) else []
+        chunk = ScheduledChunk(seq, start, num_tokens, new_blocks, start + num_tokens == len(seq.token_ids),
+                               not seq.mirrored)
+        seq.num_blocks_mirrored = len(table)
         seq.mirrored = True
         return chunk

@@ -11,6 +11,7 @@ import functools
 import logging
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -36,10 +37,41 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     await context.abort(*status_of(exc))
 
 
+class Undecodable:
+    """Stands in for a request whose bytes are not a valid message, so the servicer can refuse it."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _check_decoded(request) -> None:
+    if isinstance(request, Undecodable):
+        raise InvalidRequest(f"the request is not a valid protobuf message of this method: {request.error}")
+
+
+class DecodeErrorsInterceptor(grpc.aio.ServerInterceptor):
+    """Undecodable requests to the Generation service become INVALID_ARGUMENT (gRPC says UNKNOWN)."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith(f"/{SERVICE_NAME}/"):
+            return handler
+        decode = handler.request_deserializer
+
+        def lenient(data: bytes):
+            try:
+                return decode(data)
+            except DecodeError as exc:
+                return Undecodable(exc)
+
+        return handler._replace(request_deserializer=lenient)
+
+
 def unary_errors(method):
     @functools.wraps(method)
     async def wrapper(self, request, context):
         try:
+            _check_decoded(request)
             return await method(self, request, context)
         except grpc.aio.AbortError:
             raise
@@ -52,6 +84,7 @@ def stream_errors(method):
     @functools.wraps(method)
     async def wrapper(self, request, context):
         try:
+            _check_decoded(request)
             async for item in method(self, request, context):
                 yield item
         except grpc.aio.AbortError:
@@ -114,7 +147,7 @@ def create_server(engine: Engine, listen: str, *, max_message_bytes: int = 16 <<
     """Builds the public server (not started); returns it and the bound port."""
     options = [("grpc.max_receive_message_length", max_message_bytes),
                ("grpc.max_send_message_length", max_message_bytes)]
-    server = grpc.aio.server(options=options, interceptors=list(interceptors))
+    server = grpc.aio.server(options=options, interceptors=[*interceptors, DecodeErrorsInterceptor()])
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -18,7 +18,7 @@ import pytest
 
 from twinplane.clients.client import Client
 from twinplane.controlplane.config import ControlPlaneConfig
-from twinplane.controlplane.main import ControlPlane
+from twinplane.controlplane.main import ControlPlane, Security
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -67,13 +67,17 @@ def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
 class Planes:
     """A data-plane process plus a control plane on its own event-loop thread in this process."""
 
-    def __init__(self, folder: Path, model: str, dataplane_args: tuple[str, ...] = (), **config):
+    def __init__(self, folder: Path, model: str, dataplane_args: tuple[str, ...] = (), *,
+                 security: Security = Security(), dp_program: tuple[str, ...] = ("-m", "twinplane.clients.cli"),
+                 **config):
         self.folder = folder
         self.dp_address = f"unix://{folder}/dp.sock"
-        self.address = f"unix://{folder}/cp.sock"
-        self.dp_command = [sys.executable, "-m", "twinplane.clients.cli", "dataplane", "--model", str(model),
+        self.address = config.pop("listen", f"unix://{folder}/cp.sock")
+        # dp_program: what runs the data plane (a test script may stand in for the CLI)
+        self.dp_command = [sys.executable, *dp_program, "dataplane", "--model", str(model),
                            "--device", "cpu", "--listen", self.dp_address, *dataplane_args]
         self.config = ControlPlaneConfig(dataplane=self.dp_address, listen=self.address, **config)
+        self.security = security
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.dataplane: subprocess.Popen | None = None
@@ -87,11 +91,13 @@ class Planes:
         self.thread.start()
 
         async def start() -> ControlPlane:
-            plane = ControlPlane(self.config)
+            plane = ControlPlane(self.config, self.security)
             await plane.start()
             return plane
 
         self.plane = self.call(start())
+        if self.address.endswith(":0"):  # a TCP port chosen by the OS
+            self.address = self.address.removesuffix(":0") + f":{self.plane.port}"
         self.wait_ready(timeout)
         return self
 
@@ -106,8 +112,8 @@ class Planes:
     def engine(self):
         return self.plane.engine
 
-    def client(self) -> Client:
-        return Client(self.address)
+    def client(self, **kwargs) -> Client:
+        return Client(self.address, **kwargs)
 
     def free_blocks(self) -> tuple[int, int]:
         async def read() -> tuple[int, int]:
@@ -131,6 +137,7 @@ def planes_factory(tmp_path_factory):
     started: list[Planes] = []
 
     def make(model, *dataplane_args: str, **config) -> Planes:
+        """config: ControlPlaneConfig fields, plus Planes' security and dp_program."""
         planes = Planes(tmp_path_factory.mktemp("planes"), model, tuple(dataplane_args), **config)
         started.append(planes)
         return planes.start()
@@ -138,3 +145,13 @@ def planes_factory(tmp_path_factory):
     yield make
     for planes in started:
         planes.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_planes(tiny_qwen3_dir, tmp_path_factory):
+    """Tiny Qwen3 through both planes (max_model_len 512, 1 MiB messages), shared by the reliability
+    tests that leave it as they found it: nothing in flight, every KV block free."""
+    planes = Planes(tmp_path_factory.mktemp("shared"), tiny_qwen3_dir,
+                    ("--block-size", "16", "--max-model-len", "512"), max_message_bytes=1 << 20).start()
+    yield planes
+    planes.stop()

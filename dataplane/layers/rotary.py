@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from twinplane.dataplane.layers.fusion import on_cuda
+
 
 def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict or None for plain RoPE) from a Hugging Face config."""
@@ -67,6 +69,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return rotated.to(x.dtype)
 
 
+@on_cuda
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, heads, d], k [T, kv_heads, d] rotated by the cached cos/sin at positions [T]."""
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to q [T, heads, head_dim] and k [T, kv_heads, head_dim] at ``positions`` [T]."""
 
@@ -84,5 +94,4 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return apply_rotary(q, k, self.cos_sin_cache, positions)

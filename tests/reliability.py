@@ -1,0 +1,52 @@
+"""Helpers shared by the tests/test_reliability_*.py files (not a test module itself)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import grpc
+
+from twinplane.clients.client import AsyncClient
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str, poll: float = 0.02) -> None:
+    """Polls predicate until it holds; AssertionError naming what after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(poll)
+
+
+def all_blocks_free(planes) -> bool:
+    free, total = planes.free_blocks()
+    return free == total and not planes.engine.requests
+
+
+async def tokens_async(client: AsyncClient, prompt: list[int], **kwargs) -> list[int]:
+    """Generates from token ids and returns every token of the stream."""
+    return [t async for chunk in client.generate(token_ids=prompt, **kwargs) for t in chunk.token_ids]
+
+
+async def greedy_references(address: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy outputs of prompts run concurrently, undisturbed (batch invariance is tested elsewhere)."""
+    async with AsyncClient(address) as client:
+        return list(await asyncio.gather(*(tokens_async(client, p, max_tokens=max_tokens, **GREEDY)
+                                           for p in prompts)))
+
+
+def status_code(error: BaseException) -> grpc.StatusCode | None:
+    return error.code() if isinstance(error, grpc.RpcError) else None
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a process, from /proc (Linux)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")

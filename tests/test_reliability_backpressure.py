@@ -1,0 +1,92 @@
+"""Back-pressure: a bounded waiting queue; beyond it RESOURCE_EXHAUSTED at once, and memory stays bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import grpc
+import pytest
+
+from tests.reliability import GREEDY, all_blocks_free, wait_until
+from twinplane.clients.client import AsyncClient
+
+MAX_WAITING, MAX_RUNNING, NUM_CALLS, MAX_TOKENS = 4, 2, 30, 100
+
+
+@pytest.fixture(scope="module")
+def small_queue(tiny_qwen3_dir, tmp_path_factory):
+    from tests.conftest import Planes
+
+    planes = Planes(tmp_path_factory.mktemp("queue"), tiny_qwen3_dir,
+                    ("--block-size", "16", "--max-model-len", "512", "--max-num-seqs", str(MAX_RUNNING)),
+                    max_waiting_requests=MAX_WAITING).start()
+    yield planes
+    planes.stop()
+
+
+async def _one(client: AsyncClient, i: int, timeout: float = 60) -> tuple[str, float, object]:
+    """('ok', seconds, tokens) or ('error', seconds, RpcError)."""
+    started = time.monotonic()
+    try:
+        tokens = [t async for c in client.generate(token_ids=[5 + i] * 10, max_tokens=MAX_TOKENS, timeout=timeout,
+                                                   **GREEDY) for t in c.token_ids]
+        return "ok", time.monotonic() - started, tokens
+    except grpc.aio.AioRpcError as error:
+        return "error", time.monotonic() - started, error
+
+
+async def _burst(address: str, n: int, timeout: float = 60) -> list[tuple[str, float, object]]:
+    async with AsyncClient(address) as client:
+        return list(await asyncio.gather(*(_one(client, i, timeout) for i in range(n))))
+
+
+async def _watch_queue(engine, peaks: dict) -> None:
+    while True:
+        peaks["waiting"] = max(peaks["waiting"], len(engine.scheduler.waiting) + engine.num_waiting_ready)
+        peaks["requests"] = max(peaks["requests"], len(engine.requests))
+        await asyncio.sleep(0)
+
+
+def test_beyond_the_queue_requests_are_refused_at_once(small_queue):
+    peaks = {"waiting": 0, "requests": 0}
+    watcher = asyncio.run_coroutine_threadsafe(_watch_queue(small_queue.engine, peaks), small_queue.loop)
+    try:
+        results = asyncio.run(_burst(small_queue.address, NUM_CALLS))
+    finally:
+        watcher.cancel()
+    served = [r for r in results if r[0] == "ok"]
+    refused = [r for r in results if r[0] == "error"]
+    assert all(r[2].code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused), [r[2] for r in refused]
+    assert all("max_waiting_requests" in r[2].details() for r in refused)
+    assert len(refused) >= NUM_CALLS // 2 and len(served) >= MAX_RUNNING + MAX_WAITING
+    assert max(r[1] for r in refused) < 2.0  # refused at once, not after waiting
+    assert all(len(r[2]) == MAX_TOKENS for r in served)
+    # memory is bounded: never more than max_waiting_requests queued, nor more than queued + running held
+    assert peaks["waiting"] <= MAX_WAITING
+    assert peaks["requests"] <= MAX_WAITING + MAX_RUNNING
+    wait_until(lambda: all_blocks_free(small_queue), 10, "every KV block to be free")
+    assert all(r[0] == "ok" for r in asyncio.run(_burst(small_queue.address, MAX_WAITING)))
+
+
+def test_calls_waiting_for_a_data_plane_count_against_the_queue(small_queue):
+    """During an outage new requests wait, but no more than max_waiting_requests of them."""
+    small_queue.dataplane.send_signal(signal.SIGKILL)
+    small_queue.dataplane.wait(10)
+    wait_until(lambda: not small_queue.engine.ready.is_set(), 10, "the control plane to notice the loss")
+
+    async def outage() -> list[tuple[str, float, object]]:
+        burst = asyncio.ensure_future(_burst(small_queue.address, MAX_WAITING + 3, timeout=120))
+        await asyncio.sleep(1.0)
+        assert small_queue.engine.num_waiting_ready == MAX_WAITING
+        await asyncio.to_thread(small_queue.start_dataplane)
+        return await burst
+
+    results = asyncio.run(outage())
+    refused = [r for r in results if r[0] == "error"]
+    assert len(refused) == 3 and all(r[2].code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused)
+    assert all(r[1] < 1.0 for r in refused)
+    served = [r for r in results if r[0] == "ok"]
+    assert len(served) == MAX_WAITING and all(len(r[2]) == MAX_TOKENS for r in served)
+    wait_until(lambda: all_blocks_free(small_queue), 10, "every KV block to be free")

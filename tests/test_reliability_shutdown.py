@@ -1,0 +1,86 @@
+"""Graceful shutdown: SIGTERM on either plane, as an orchestrator sends it."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from tests.reliability import GREEDY, all_blocks_free, tokens_async, wait_until
+from twinplane.clients.client import AsyncClient, Client
+
+CLI = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", "WARNING"]
+GRACE = 3.0
+
+
+def _start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([*CLI, *args], stdin=subprocess.DEVNULL)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.wait(10)
+
+
+async def _sigterm_with_streams_in_flight(address: str, control_plane: subprocess.Popen) -> dict:
+    report = {}
+    async with AsyncClient(address) as client:
+        short = client.generate(token_ids=[11] * 20, max_tokens=150, **GREEDY).__aiter__()
+        long = client.generate(token_ids=[12] * 20, max_tokens=4000, **GREEDY).__aiter__()
+        firsts = [await short.__anext__(), await long.__anext__()]
+        control_plane.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await tokens_async(client, [13] * 5, max_tokens=3, timeout=10, **GREEDY)
+        report["new_request"] = refused.value.code()
+        report["short"] = firsts[0].token_ids + [t async for c in short for t in c.token_ids]
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            async for _ in long:
+                pass
+        report["long"] = (ended.value.code(), ended.value.details(), time.monotonic() - started)
+    return report
+
+
+def test_sigterm_on_the_control_plane_drains_then_ends_the_rest(tmp_path):
+    dp_address, cp_address = f"unix://{tmp_path}/dp.sock", f"unix://{tmp_path}/cp.sock"
+    dataplane = _start("dataplane", "--model", "dummy:tiny-qwen3", "--device", "cpu", "--block-size", "16",
+                       "--listen", dp_address)
+    control = _start("controlplane", "--dataplane", dp_address, "--listen", cp_address,
+                     "--shutdown-grace", str(GRACE))
+    try:
+        with Client(cp_address) as client:
+            client.wait_ready(timeout=120)
+        report = asyncio.run(_sigterm_with_streams_in_flight(cp_address, control))
+        assert report["new_request"] == grpc.StatusCode.UNAVAILABLE  # stops accepting at once
+        assert len(report["short"]) == 150  # in-flight streams may finish within the grace period
+        code, details, waited = report["long"]
+        assert code == grpc.StatusCode.UNAVAILABLE and "shut down" in details
+        assert 1.0 < waited < GRACE + 5  # ended when the grace period ran out, not at once
+        assert control.wait(GRACE + 10) == 0
+        dataplane.send_signal(signal.SIGTERM)
+        assert dataplane.wait(30) == 0
+    finally:
+        _stop(control)
+        _stop(dataplane)
+
+
+def test_sigterm_on_the_data_plane_exits_cleanly_and_nothing_is_lost(tiny_qwen3_dir, planes_factory):
+    planes = planes_factory(tiny_qwen3_dir, "--block-size", "16", "--max-model-len", "512")
+    with planes.client() as client:
+        expected = [t for c in client.generate(token_ids=[21] * 30, max_tokens=300, **GREEDY) for t in c.token_ids]
+        stream = iter(client.generate(token_ids=[21] * 30, max_tokens=300, **GREEDY))
+        got = list(next(stream).token_ids)
+        planes.dataplane.send_signal(signal.SIGTERM)
+        assert planes.dataplane.wait(30) == 0  # clean exit, even with a Step stream open
+        wait_until(lambda: not planes.engine.ready.is_set(), 10, "the control plane to notice")
+        planes.start_dataplane()  # the stream waited for it
+        got += [t for c in stream for t in c.token_ids]
+    assert got == expected
+    wait_until(lambda: all_blocks_free(planes), 10, "every KV block to be free")

@@ -1,0 +1,127 @@
+"""Every bad input gets INVALID_ARGUMENT naming the field and what is allowed; the server keeps serving.
+
+Requests are built as raw GenerateRequest messages (not through the client's
+build_request), so values the client would refuse still reach the server.
+"""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import pytest
+
+from tests.reliability import all_blocks_free, wait_until
+from twinplane.proto import generation_pb2 as pb
+from twinplane.proto import generation_pb2_grpc as pb_grpc
+
+VOCAB, MAX_MODEL_LEN = 49152, 512  # shared_planes: tiny Qwen3, --max-model-len 512
+OK_IDS = [5, 6, 7, 8]
+
+
+def request(token_ids=OK_IDS, sampling=None, **fields) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(**fields)
+    if token_ids is not None and not any(k in fields for k in ("text", "chat")):
+        req.token_ids.ids.extend(token_ids)
+    if sampling:
+        req.sampling.CopyFrom(pb.SamplingParams(**sampling))
+    return req
+
+
+def chat(*roles: str) -> pb.ChatInput:
+    return pb.ChatInput(messages=[pb.ChatMessage(role=r, content="hi") for r in roles])
+
+
+# (case id, request, text the message must contain: the field name)
+BAD_REQUESTS = [
+    ("empty-text", request(None, text=""), "text"),
+    ("empty-token-ids", request([]), "token_ids"),
+    ("no-input", request(None), "input"),
+    ("empty-chat", request(None, chat=chat()), "chat.messages"),
+    ("unknown-chat-role", request(None, chat=chat("user", "wizard")), "chat.messages[1].role"),
+    ("token-id-beyond-vocab", request([1, VOCAB]), "token_ids"),
+    ("token-id-max-uint32", request([2**32 - 1]), "token_ids"),
+    ("prompt-longer-than-model", request([5] * MAX_MODEL_LEN), "input"),
+    ("prompt-plus-max-tokens-too-long", request([5] * 500, max_tokens=20), "max_tokens"),
+    ("truncation-still-too-long", request([5] * 600, truncate_prompt_tokens=600), "truncate_prompt_tokens"),
+    ("temperature-negative", request(sampling=dict(temperature=-0.5)), "sampling.temperature"),
+    ("temperature-nan", request(sampling=dict(temperature=math.nan)), "sampling.temperature"),
+    ("temperature-inf", request(sampling=dict(temperature=math.inf)), "sampling.temperature"),
+    ("top-p-zero", request(sampling=dict(top_p=0.0)), "sampling.top_p"),
+    ("top-p-above-one", request(sampling=dict(top_p=1.5)), "sampling.top_p"),
+    ("top-p-nan", request(sampling=dict(top_p=math.nan)), "sampling.top_p"),
+    ("top-k-below-minus-one", request(sampling=dict(top_k=-2)), "sampling.top_k"),
+    ("min-p-negative", request(sampling=dict(min_p=-0.1)), "sampling.min_p"),
+    ("min-p-above-one", request(sampling=dict(min_p=1.01)), "sampling.min_p"),
+    ("repetition-penalty-zero", request(sampling=dict(repetition_penalty=0.0)), "sampling.repetition_penalty"),
+    ("repetition-penalty-high", request(sampling=dict(repetition_penalty=2.5)), "sampling.repetition_penalty"),
+    ("presence-penalty-high", request(sampling=dict(presence_penalty=2.5)), "sampling.presence_penalty"),
+    ("frequency-penalty-low", request(sampling=dict(frequency_penalty=-2.5)), "sampling.frequency_penalty"),
+    ("frequency-penalty-inf", request(sampling=dict(frequency_penalty=-math.inf)), "sampling.frequency_penalty"),
+    ("max-tokens-zero", request(max_tokens=0), "max_tokens"),
+    ("max-tokens-above-limit", request(max_tokens=MAX_MODEL_LEN + 1), "max_tokens"),
+    ("min-tokens-above-max-tokens", request(max_tokens=4, min_tokens=5), "min_tokens"),
+    ("min-tokens-above-room", request(min_tokens=MAX_MODEL_LEN - 2), "min_tokens"),
+    ("too-many-stop-strings", request(stop=["x"] * 17), "stop"),
+    ("stop-string-too-long", request(stop=["x" * 257]), "stop[0]"),
+    ("stop-string-empty", request(stop=["ok", ""]), "stop[1]"),
+    ("stop-token-beyond-vocab", request(stop_token_ids=[VOCAB + 3]), "stop_token_ids"),
+    ("too-many-stop-tokens", request(stop_token_ids=[3] * 65), "stop_token_ids"),
+    ("logprobs-above-limit", request(logprobs=21), "logprobs"),
+    ("request-id-too-long", request(request_id="r" * 257), "request_id"),
+]
+
+
+@pytest.fixture(scope="module")
+def stub(shared_planes):
+    with grpc.insecure_channel(shared_planes.address) as channel:
+        yield pb_grpc.GenerationStub(channel)
+
+
+@pytest.mark.parametrize("req,field", [c[1:] for c in BAD_REQUESTS], ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_input_is_invalid_argument_naming_the_field(stub, req, field):
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(req, timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert field in info.value.details()
+
+
+def test_valid_requests_still_succeed_after_the_bad_ones(stub, shared_planes):
+    for req in (request(max_tokens=5, sampling=dict(temperature=0)),
+                request([5] * 600, truncate_prompt_tokens=100, max_tokens=3),  # truncated, then fits
+                request(sampling=dict(top_k=-1, top_p=1.0, min_p=0.0), max_tokens=3),  # -1 and 0: "off"
+                request(sampling=dict(top_k=0), max_tokens=3, min_tokens=3, ignore_eos=True)):
+        responses = list(stub.Generate(req, timeout=30))
+        assert responses[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
+        assert responses[-1].usage.completion_tokens >= 1
+    wait_until(lambda: all_blocks_free(shared_planes), 10, "every block free")
+
+
+def test_duplicate_request_id_in_flight(stub, shared_planes):
+    first = stub.Generate(request(request_id="dup", max_tokens=400, ignore_eos=True,
+                                  sampling=dict(temperature=0)), timeout=60)
+    next(first)  # in flight now
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(request(request_id="dup", max_tokens=3), timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "request_id" in info.value.details() and "dup" in info.value.details()
+    first.cancel()
+    wait_until(lambda: all_blocks_free(shared_planes), 10, "the first request's blocks to be freed")
+    assert list(stub.Generate(request(request_id="dup", max_tokens=3), timeout=30))  # the id is free again
+
+
+def test_message_over_the_size_limit_is_resource_exhausted(stub):
+    # shared_planes sets max_message_bytes to 1 MiB; gRPC itself refuses a bigger message
+    for req in (request(None, text="a" * (2 << 20)), request([40000] * (400 << 10))):  # 3 bytes per id
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(req, timeout=30))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert list(stub.Generate(request(max_tokens=2), timeout=30))
+
+
+def test_tokenize_refuses_bad_input_too(stub):
+    for req, field in ((pb.TokenizeRequest(), "input"), (pb.TokenizeRequest(text=""), "text"),
+                       (pb.TokenizeRequest(chat=chat("robot")), "chat.messages[0].role")):
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Tokenize(req, timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in info.value.details()
