@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from twinplane.dataplane.plan import SamplingParams, ScheduledSeq, SequenceInit, StepOutput, StepPlan
+from twinplane.dataplane.plan import PlanColumns, SamplingParams, SequenceInit, StepOutput, StepPlan
 from twinplane.proto import dataplane_pb2 as dp
 
 
@@ -27,34 +27,25 @@ def init_from_pb(init: dp.SequenceInit) -> SequenceInit:
 
 
 def plan_from_pb(msg: dp.StepPlan) -> StepPlan:
-    seq_ids = _ints(msg.seq_ids, "<i8")
-    num_tokens = _ints(msg.num_tokens)
-    start_pos = _ints(msg.start_pos)
-    num_new_blocks = _ints(msg.num_new_blocks)
-    sample = _ints(msg.sample, np.uint8)
-    token_ids, slots, new_blocks = _ints(msg.token_ids), _ints(msg.slot_mapping), _ints(msg.new_block_ids)
-    n = len(seq_ids)
-    if not (len(num_tokens) == len(start_pos) == len(num_new_blocks) == len(sample) == n):
+    columns = PlanColumns(
+        seq_ids=_ints(msg.seq_ids, "<i8"),
+        num_tokens=_ints(msg.num_tokens),
+        start_pos=_ints(msg.start_pos),
+        token_ids=_ints(msg.token_ids),
+        slot_mapping=_ints(msg.slot_mapping),
+        num_new_blocks=_ints(msg.num_new_blocks),
+        new_block_ids=_ints(msg.new_block_ids),
+        sample=_ints(msg.sample, np.uint8).astype(bool),
+        inits={i.seq_id: init_from_pb(i) for i in msg.inits},
+    )
+    n = len(columns.seq_ids)
+    if not (len(columns.num_tokens) == len(columns.start_pos) == len(columns.num_new_blocks)
+            == len(columns.sample) == n):
         raise ValueError(f"plan columns disagree on the number of sequences ({n})")
-    if len(token_ids) != num_tokens.sum() or len(slots) != len(token_ids) or len(new_blocks) != num_new_blocks.sum():
+    if (len(columns.token_ids) != columns.num_tokens.sum() or len(columns.slot_mapping) != len(columns.token_ids)
+            or len(columns.new_block_ids) != columns.num_new_blocks.sum()):
         raise ValueError("plan token or block columns do not match their counts")
-    inits = {i.seq_id: init_from_pb(i) for i in msg.inits}
-    tok_end = np.cumsum(num_tokens).tolist()
-    blk_end = np.cumsum(num_new_blocks).tolist()
-    seqs = []
-    tok_start = blk_start = 0
-    for i, seq_id in enumerate(seq_ids.tolist()):
-        seqs.append(ScheduledSeq(
-            seq_id=seq_id,
-            token_ids=token_ids[tok_start:tok_end[i]],
-            start_pos=int(start_pos[i]),
-            slot_mapping=slots[tok_start:tok_end[i]],
-            new_block_ids=new_blocks[blk_start:blk_end[i]],
-            sample=bool(sample[i]),
-            init=inits.get(seq_id),
-        ))
-        tok_start, blk_start = tok_end[i], blk_end[i]
-    return StepPlan(step_id=msg.step_id, seqs=seqs, dropped_seq_ids=list(msg.dropped_seq_ids))
+    return StepPlan(step_id=msg.step_id, dropped_seq_ids=list(msg.dropped_seq_ids), columns=columns)
 
 
 def output_to_pb(out: StepOutput) -> dp.StepResult:

@@ -24,8 +24,7 @@ from twinplane.dataplane.loader import load_model
 from twinplane.dataplane.plan import StepOutput, StepPlan
 from twinplane.dataplane.sampler import Sampler, SamplerOutput
 from twinplane.dataplane.sampling_batch import SamplingBatch
-from twinplane.dataplane.sequence_state import PlanLimits, SequenceTable
-from twinplane.dataplane.step_inputs import build_step_inputs
+from twinplane.dataplane.input_batch import InputBatch, PlanLimits
 
 MAX_LOGPROBS = 20
 
@@ -98,10 +97,10 @@ class ModelRunner:
         self.init_kv_cache()
         self.init_cuda_graphs()
         self.sampler = Sampler(config.seed, self.device)
-        self.sequences = SequenceTable(PlanLimits(
+        self.sequences = InputBatch(PlanLimits(
             vocab_size=self.vocab_size, num_kv_blocks=self.num_kv_blocks, block_size=config.block_size,
             max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, max_logprobs=MAX_LOGPROBS))
+            max_num_batched_tokens=config.max_num_batched_tokens, max_logprobs=MAX_LOGPROBS), self.device)
         self._last_step_end: float | None = None
 
     def init_model(self) -> None:
@@ -177,15 +176,11 @@ class ModelRunner:
         """Like ``step``, also returning the raw logits [num_sampled, vocab] (for tests)."""
         started = time.perf_counter()
         idle_us = 0 if self._last_step_end is None else int((started - self._last_step_end) * 1e6)
-        self.sequences.check_plan(plan)
-        self.sequences.drop(plan.dropped_seq_ids)
-        mirrors = [self.sequences.apply(seq) for seq in plan.seqs]
+        inputs = self.sequences.prepare(plan)
         logits = torch.empty(0, self.vocab_size, device=self.device)
         output = StepOutput(step_id=plan.step_id, sampled_token_ids=np.empty(0, np.int32))
-        prepared = started
-        if plan.seqs:
-            inputs = build_step_inputs(plan.seqs, mirrors, self.config.block_size, self.vocab_size, self.device)
-            prepared = time.perf_counter()
+        prepared = time.perf_counter()
+        if inputs is not None:
             if self.graphs is not None and self.graphs.can_run(inputs.metadata):
                 hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
             else:

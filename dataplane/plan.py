@@ -69,10 +69,51 @@ class ScheduledSeq:
 
 
 @dataclass
+class PlanColumns:
+    """A step as columns (the wire form): entry i of each per-sequence array is sequence i;
+    per-token and per-block arrays are those of all sequences concatenated in order."""
+
+    seq_ids: np.ndarray  # int64 [n]
+    num_tokens: np.ndarray  # int32 [n]
+    start_pos: np.ndarray  # int32 [n]
+    token_ids: np.ndarray  # int32 [T]
+    slot_mapping: np.ndarray  # int32 [T]
+    num_new_blocks: np.ndarray  # int32 [n]
+    new_block_ids: np.ndarray  # int32 [sum(num_new_blocks)]
+    sample: np.ndarray  # bool [n]
+    inits: dict[int, SequenceInit]  # seq_id -> init, for sequences seen for the first time
+
+    @classmethod
+    def from_seqs(cls, seqs: list[ScheduledSeq]) -> PlanColumns:
+        def cat(arrays: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate(arrays).astype(np.int32) if arrays else np.empty(0, np.int32)
+
+        return cls(
+            seq_ids=np.array([s.seq_id for s in seqs], dtype=np.int64),
+            num_tokens=np.array([s.num_tokens for s in seqs], dtype=np.int32),
+            start_pos=np.array([s.start_pos for s in seqs], dtype=np.int32),
+            token_ids=cat([s.token_ids for s in seqs]),
+            slot_mapping=cat([s.slot_mapping for s in seqs]),
+            num_new_blocks=np.array([len(s.new_block_ids) for s in seqs], dtype=np.int32),
+            new_block_ids=cat([s.new_block_ids for s in seqs]),
+            sample=np.array([s.sample for s in seqs], dtype=bool),
+            inits={s.seq_id: s.init for s in seqs if s.init is not None},
+        )
+
+
+@dataclass
 class StepPlan:
+    """One step: built from ScheduledSeq objects (tests, tools) or directly as columns (the server)."""
+
     step_id: int
-    seqs: list[ScheduledSeq]
+    seqs: list[ScheduledSeq] = field(default_factory=list)
     dropped_seq_ids: list[int] = field(default_factory=list)
+    columns: PlanColumns | None = None
+
+    def cols(self) -> PlanColumns:
+        if self.columns is None:
+            self.columns = PlanColumns.from_seqs(self.seqs)
+        return self.columns
 
 
 @dataclass

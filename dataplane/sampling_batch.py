@@ -52,6 +52,33 @@ class SamplingBatch:
     def max_num_logprobs(self) -> int:
         return max(self.num_logprobs, default=-1)
 
+    @classmethod
+    def from_plain_values(cls, values: np.ndarray, vocab_size: int, device: torch.device) -> SamplingBatch:
+        """Rows that only use temperature, top_p, top_k and min_p: values float32 [n, 4] in that order.
+
+        One host-to-device copy; no Python loop over rows.
+        """
+        n = len(values)
+        temperature, top_p, top_k, min_p = values.T
+        greedy_host = temperature == 0.0
+        on_device = torch.from_numpy(np.ascontiguousarray(values)).to(device, non_blocking=True)
+        greedy = on_device[:, 0] == 0.0
+        use_top_k = (top_k > 0) & (top_k < vocab_size)
+        return cls(
+            num_rows=n,
+            all_greedy=bool(greedy_host.all()),
+            greedy=greedy,
+            temperature=torch.where(greedy, 1.0, on_device[:, 0]).unsqueeze(1),
+            top_k=torch.where(on_device[:, 2] > 0, on_device[:, 2], vocab_size).clamp_(max=vocab_size)
+            .long().unsqueeze(1) if use_top_k.any() else None,
+            top_p=on_device[:, 1:2] if (top_p < 1.0).any() else None,
+            min_p=on_device[:, 3:4] if (min_p > 0.0).any() else None,
+            penalties=None,
+            banned=None,
+            seeded=[],
+            num_logprobs=[-1] * n,
+        )
+
 
 def _column(values: list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype).unsqueeze(1).to(device, non_blocking=True)

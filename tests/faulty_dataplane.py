@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
+
 POISON_TOKEN = 48999
 
 
@@ -18,9 +20,11 @@ def install() -> None:
 
     class FaultyRunner(model_runner.ModelRunner):
         def step(self, plan):
-            for seq in plan.seqs:
-                if seq.init is not None and seq.start_pos == 0 and int(seq.token_ids[0]) == POISON_TOKEN:
-                    raise RuntimeError(f"injected fault in step {plan.step_id} (seq {seq.seq_id})")
+            cols = plan.cols()
+            firsts = np.concatenate([[0], np.cumsum(cols.num_tokens)[:-1]]).astype(int)
+            for seq_id, start, first in zip(cols.seq_ids.tolist(), cols.start_pos.tolist(), firsts.tolist()):
+                if seq_id in cols.inits and start == 0 and int(cols.token_ids[first]) == POISON_TOKEN:
+                    raise RuntimeError(f"injected fault in step {plan.step_id} (seq {seq_id})")
             return super().step(plan)
 
     model_runner.ModelRunner = FaultyRunner  # dataplane.main imports it when serving starts

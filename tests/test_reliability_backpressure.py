@@ -60,7 +60,8 @@ def test_beyond_the_queue_requests_are_refused_at_once(small_queue):
     refused = [r for r in results if r[0] == "error"]
     assert all(r[2].code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused), [r[2] for r in refused]
     assert all("max_waiting_requests" in r[2].details() for r in refused)
-    assert len(refused) >= NUM_CALLS // 2 and len(served) >= MAX_RUNNING + MAX_WAITING
+    # the queue always takes MAX_WAITING; how many start running before the burst fills it is timing
+    assert len(refused) >= NUM_CALLS // 2 and len(served) >= MAX_WAITING
     assert max(r[1] for r in refused) < 2.0  # refused at once, not after waiting
     assert all(len(r[2]) == MAX_TOKENS for r in served)
     # memory is bounded: never more than max_waiting_requests queued, nor more than queued + running held
