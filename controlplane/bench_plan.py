@@ -48,10 +48,10 @@ def main() -> None:
         out = sched.schedule()
         data = encode_plan(out, args.block_size, (0,)).SerializeToString()
         planned = time.perf_counter()
-        sched.update(out, [1] * len(out.chunks))
+        sched.update(out, [1] * out.num_batched_tokens)
         update_times.append(time.perf_counter() - planned)
         plan_times.append(planned - started)
-    assert len(out.chunks) == args.num_seqs and all(c.num_tokens == 1 for c in out.chunks), "not a decode step"
+    assert len(out.decode_seqs) == args.num_seqs, "not a plain decode step"
     print(f"{args.num_seqs} sequences in decode: plan + encode {statistics.median(plan_times) * 1e3:.3f} ms "
           f"(plan message {len(data)} bytes), update {statistics.median(update_times) * 1e3:.3f} ms")
 

@@ -301,8 +301,8 @@ class Engine:
     def _fail_step(self, out, error: str) -> None:
         """A step the data plane could not run fails only the requests in it."""
         log.error("step %d failed on the data plane: %s", out.step_id, error)
-        for chunk in out.chunks:
-            state = self.requests.get(chunk.seq.request_id)
+        for seq in out.seqs:
+            state = self.requests.get(seq.request_id)
             if state is not None:
                 self._fail(state, StepFailed(f"the data plane failed to run this request: {error}"))
 

@@ -35,30 +35,29 @@ def sequence_init(seq: Sequence, eos_token_ids: tuple[int, ...], start_pos: int)
 
 
 def encode_plan(out: SchedulerOutput, block_size: int, eos_token_ids: tuple[int, ...]) -> dp.StepPlan:
-    seq_ids, num_tokens, start_pos, sample, num_new_blocks = [], [], [], [], []
-    token_ids: list[int] = []
-    slots: list[int] = []
+    decodes, starts = out.decode_seqs, out.decode_start
+    # plain decodes first: one token each, sampled, no new block, already mirrored
+    seq_ids = [s.seq_id for s in decodes]
+    token_ids = [s.token_ids[p] for s, p in zip(decodes, starts)]
+    slots = [s.block_table[p // block_size] * block_size + p % block_size for s, p in zip(decodes, starts)]
+    start_pos = list(starts)
+    num_tokens = [1] * len(decodes)
+    sample = [1] * len(decodes)
+    num_new_blocks = [0] * len(decodes)
     new_blocks: list[int] = []
     inits = []
-    for c in out.chunks:
-        seq = c.seq
+    for c in out.other_chunks:
+        seq, end = c.seq, c.start_pos + c.num_tokens
         seq_ids.append(seq.seq_id)
         num_tokens.append(c.num_tokens)
         start_pos.append(c.start_pos)
         sample.append(c.sample)
         num_new_blocks.append(len(c.new_block_ids))
-        if c.new_block_ids:
-            new_blocks.extend(c.new_block_ids)
-        if c.num_tokens == 1:  # decode: the hot path
-            p = c.start_pos
-            token_ids.append(seq.token_ids[p])
-            slots.append(seq.block_table[p // block_size] * block_size + p % block_size)
-        else:
-            end = c.start_pos + c.num_tokens
-            token_ids.extend(seq.token_ids[c.start_pos:end])
-            pos = np.arange(c.start_pos, end)
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            slots.extend((table[pos // block_size] * block_size + pos % block_size).tolist())
+        new_blocks.extend(c.new_block_ids)
+        token_ids.extend(seq.token_ids[c.start_pos:end])
+        pos = np.arange(c.start_pos, end)
+        table = np.asarray(seq.block_table, dtype=np.int64)
+        slots.extend((table[pos // block_size] * block_size + pos % block_size).tolist())
         if c.is_new_mirror:
             inits.append(sequence_init(seq, eos_token_ids, c.start_pos))
     return dp.StepPlan(

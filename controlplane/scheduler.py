@@ -38,13 +38,29 @@ class ScheduledChunk:
 
 @dataclass
 class SchedulerOutput:
+    """One step. Plain decodes (one token, no new block) are kept as bare sequences, the hot
+    path of a large batch; every other share is a ScheduledChunk. Plan order: decodes, then chunks."""
+
     step_id: int
-    chunks: list[ScheduledChunk]
+    decode_seqs: list[Sequence]  # each computes its last token and samples
+    decode_start: list[int]  # their positions (= num_computed_tokens when scheduled)
+    other_chunks: list[ScheduledChunk]
     dropped_seq_ids: list[int] = field(default_factory=list)
 
     @property
+    def chunks(self) -> list[ScheduledChunk]:
+        """Every share of the step as a ScheduledChunk, in plan order."""
+        decodes = [ScheduledChunk(seq, start, 1, [], True, False)
+                   for seq, start in zip(self.decode_seqs, self.decode_start)]
+        return decodes + self.other_chunks
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return self.decode_seqs + [c.seq for c in self.other_chunks]
+
+    @property
     def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        return len(self.decode_seqs) + sum(c.num_tokens for c in self.other_chunks)
 
 
 class Scheduler:
@@ -56,6 +72,7 @@ class Scheduler:
         self.dropped_seq_ids: list[int] = []  # to tell the data plane in the next plan
         self.step_id = 0
         self.num_preemptions = 0  # since start, for stats
+        self._preempted_now: set[int] = set()  # preempted during the current schedule()
 
     @property
     def num_unfinished(self) -> int:
@@ -82,16 +99,20 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput | None:
         """Builds the next step, or returns None when nothing can run."""
         budget = self.config.max_num_batched_tokens
-        chunks: list[ScheduledChunk] = []
-        # 1. decode: every running sequence with one token to compute
         block_size = self.block_manager.block_size
-        prefilling = []
+        decodes: list[Sequence] = []
+        chunks: list[ScheduledChunk] = []
+        prefilling: list[Sequence] = []
+        self._preempted_now: set[int] = set()
+        # 1. decode: every running sequence with one token to compute
         for seq in list(self.running):
             if len(seq.token_ids) - seq.num_computed_tokens != 1:
                 prefilling.append(seq)
             elif budget > 0 and seq.status is SequenceStatus.RUNNING:
-                # the common case, room left in the last block, needs no allocation at all
-                if seq.num_computed_tokens < len(seq.block_table) * block_size or self._reserve(seq, 1):
+                if seq.num_computed_tokens < len(seq.block_table) * block_size:
+                    decodes.append(seq)  # room left in the last block: no allocation, no new block
+                    budget -= 1
+                elif self._reserve(seq, 1):
                     chunks.append(self._chunk(seq, 1))
                     budget -= 1
         # 2. running sequences still in prefill (prompt chunks, or recompute)
@@ -101,11 +122,13 @@ class Scheduler:
                 if self._reserve(seq, num_tokens):
                     chunks.append(self._chunk(seq, num_tokens))
                     budget -= num_tokens
-        # 3. admit waiting sequences, first come first served
+        # 3. admit waiting sequences, first come first served (not one preempted in this very step)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.seq_id in self._preempted_now:
+                break
             cached = self.block_manager.find_cached_blocks(seq)
-            num_tokens = min(seq.num_tokens - len(cached) * self.block_manager.block_size, budget)
+            num_tokens = min(seq.num_tokens - len(cached) * block_size, budget)
             if not self.block_manager.can_allocate(seq, cached, num_tokens):
                 break
             self.waiting.popleft()
@@ -117,12 +140,14 @@ class Scheduler:
             self.running.append(seq)
             chunks.append(self._chunk(seq, num_tokens))
             budget -= num_tokens
-        # a preempted sequence may already be in chunks: it must not run
-        chunks = [c for c in chunks if c.seq.status is SequenceStatus.RUNNING]
-        if not chunks:
+        if self._preempted_now:  # a sequence preempted after it was scheduled must not run
+            decodes = [s for s in decodes if s.status is SequenceStatus.RUNNING]
+            chunks = [c for c in chunks if c.seq.status is SequenceStatus.RUNNING]
+        if not decodes and not chunks:
             return None
         self.step_id += 1
-        output = SchedulerOutput(self.step_id, chunks, self.dropped_seq_ids)
+        output = SchedulerOutput(self.step_id, decodes, [s.num_computed_tokens for s in decodes], chunks,
+                                 self.dropped_seq_ids)
         self.dropped_seq_ids = []
         return output
 
@@ -130,20 +155,28 @@ class Scheduler:
         """Applies a step's result: advances computed tokens, appends sampled tokens.
 
         Returns (sequence, token, index among the step's sampled sequences) for
-        every sampled sequence still alive.
+        every sampled sequence still alive (not aborted or preempted while the step ran).
         """
-        num_sampled = sum(c.sample for c in output.chunks)
+        num_sampled = len(output.decode_seqs) + sum(c.sample for c in output.other_chunks)
         assert num_sampled == len(sampled_token_ids), (
             f"{len(sampled_token_ids)} tokens for {num_sampled} sampled sequences")
-        appended = []
-        index = 0
         block_size = self.block_manager.block_size
-        for chunk in output.chunks:
+        running = SequenceStatus.RUNNING
+        appended = []
+        for index, (seq, start, token) in enumerate(zip(output.decode_seqs, output.decode_start, sampled_token_ids)):
+            if seq.status is running and seq.num_computed_tokens == start:
+                seq.num_computed_tokens = start + 1
+                if start + 1 >= (len(seq.block_hashes) + 1) * block_size:  # a block filled up
+                    self.block_manager.cache_full_blocks(seq)
+                seq.token_ids.append(token)
+                appended.append((seq, token, index))
+        index = len(output.decode_seqs)
+        for chunk in output.other_chunks:
             seq = chunk.seq
-            alive = seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens == chunk.start_pos
-            if alive:  # else aborted or preempted while the step ran
+            alive = seq.status is running and seq.num_computed_tokens == chunk.start_pos
+            if alive:
                 seq.num_computed_tokens += chunk.num_tokens
-                if seq.num_computed_tokens >= (len(seq.block_hashes) + 1) * block_size:  # a block filled up
+                if seq.num_computed_tokens >= (len(seq.block_hashes) + 1) * block_size:
                     self.block_manager.cache_full_blocks(seq)
             if chunk.sample:
                 if alive:
@@ -180,6 +213,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        self._preempted_now.add(seq.seq_id)
         self.running.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.WAITING
