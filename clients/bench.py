@@ -131,6 +131,8 @@ def _start_server(args) -> tuple[subprocess.Popen, str]:
     address = f"unix://{tempfile.mkdtemp(prefix='twinplane-bench-')}/api.sock"
     command = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", "WARNING", "serve",
                *_dataplane_argv(args), "--listen", address, "--max-waiting-requests", str(args.num_requests + 16)]
+    if args.max_prefill_tokens_with_decode:
+        command += ["--max-prefill-tokens-with-decode", str(args.max_prefill_tokens_with_decode)]
     return subprocess.Popen(command, stdin=subprocess.DEVNULL), address
 
 
@@ -161,4 +163,6 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (default: all at once)")
     g.add_argument("--peak-bandwidth-gbs", type=float, default=H200_BANDWIDTH_GBS, help="per GPU, for the roofline")
     g.add_argument("--ready-timeout", type=float, default=600.0)
+    g.add_argument("--max-prefill-tokens-with-decode", type=int, default=None,
+                   help="passed to the server it starts (see twinplane serve --help)")
     p.set_defaults(model="dummy:qwen3-0.6b")

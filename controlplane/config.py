@@ -20,9 +20,10 @@ class ControlPlaneConfig:
     max_stop_string_len: int = 256
     max_message_bytes: int = 16 * 1024 * 1024
     shutdown_grace: float = 10.0  # seconds in-flight streams get to finish on SIGTERM
+    max_prefill_tokens_with_decode: int | None = None  # cap on prefill tokens in steps that also decode
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_tokens_with_decode"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")

@@ -102,7 +102,7 @@ class Engine:
             max_num_seqs=min(c.max_num_seqs or desc.max_num_seqs, desc.max_num_seqs),
             max_num_batched_tokens=min(c.max_num_batched_tokens or desc.max_num_batched_tokens,
                                        desc.max_num_batched_tokens),
-            max_model_len=desc.max_model_len)
+            max_model_len=desc.max_model_len, max_prefill_tokens_with_decode=c.max_prefill_tokens_with_decode)
         block_manager = BlockManager(desc.num_kv_blocks, desc.block_size, c.enable_prefix_caching)
         if self.scheduler is None:
             self.scheduler = Scheduler(sched_config, block_manager)

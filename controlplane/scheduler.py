@@ -22,6 +22,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # sequences in one step
     max_num_batched_tokens: int = 8192  # tokens in one step
     max_model_len: int = 4096
+    # Most prefill tokens in a step that also decodes (None: only max_num_batched_tokens
+    # bounds them). Lower values keep inter-token latency steady while long prompts arrive.
+    max_prefill_tokens_with_decode: int | None = None
 
 
 @dataclass(slots=True)
@@ -115,6 +118,9 @@ class Scheduler:
                 elif self._reserve(seq, 1):
                     chunks.append(self._chunk(seq, 1))
                     budget -= 1
+        cap = self.config.max_prefill_tokens_with_decode
+        if cap is not None and (decodes or chunks):
+            budget = min(budget, cap)
         # 2. running sequences still in prefill (prompt chunks, or recompute)
         for seq in prefilling:
             if seq.status is SequenceStatus.RUNNING and budget > 0:

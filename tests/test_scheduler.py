@@ -140,3 +140,16 @@ def test_finish_frees_blocks_and_records_drop():
     assert out is None
     add(sched, 2, 1)
     assert sched.schedule().dropped_seq_ids == [1]
+
+
+def test_prefill_share_of_a_decoding_step_can_be_capped():
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_tokens_with_decode=5)
+    sched = Scheduler(config, BlockManager(64, 4))
+    add(sched, 1, 3)
+    step(sched)  # nothing decodes yet: the prompt goes in whole
+    add(sched, 2, 40, first_token=50)
+    out = step(sched)
+    assert [(c.seq.seq_id, c.num_tokens) for c in out.chunks] == [(1, 1), (2, 5)]
+    sched.finish(sched.running[0])
+    out = step(sched)  # no decode left in the step: the whole budget again
+    assert [(c.seq.seq_id, c.start_pos, c.num_tokens) for c in out.chunks] == [(2, 5, 35)]
