@@ -5,10 +5,8 @@
         for chunk in client.generate(messages=[("user", "Hi!")], max_tokens=32):
             print(chunk.text, end="")
 
-``build_request`` turns keyword arguments into a GenerateRequest (None leaves a
-proto3 optional field unset, so the server's documented default applies), and
-``chunk_from_pb`` / ``model_info_from_pb`` turn responses into the plain
-dataclasses below: no generated message class leaves this module. ``Client`` is
+Requests are built and responses converted by ``twinplane.clients.messages``
+(re-exported here, so one import gives the whole client API). ``Client`` is
 synchronous; ``AsyncClient`` has the same methods on grpc.aio.
 
 Errors: every method lets ``grpc.RpcError`` (``grpc.aio.AioRpcError`` for the
@@ -21,223 +19,36 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, fields
-from typing import Any, Union
+from collections.abc import AsyncIterator, Iterable, Iterator
+from typing import Any
 
 import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from twinplane.clients.messages import (  # noqa: F401  (re-exported: the client's whole API in one import)
+    FINISH_REASONS,
+    ChannelOptions,
+    GenerateChunk,
+    Message,
+    ModelInfo,
+    PositionLogprobs,
+    Usage,
+    build_request,
+    build_tokenize_request,
+    chat_input,
+    chunk_from_pb,
+    model_info_from_pb,
+    stats_from_pb,
+)
 from twinplane.proto import generation_pb2 as pb
 from twinplane.proto import generation_pb2_grpc as pb_grpc
 
-Message = Union[Mapping[str, str], tuple[str, str]]  # {"role", "content"} or (role, content)
-ChannelOptions = Sequence[tuple[str, Any]]
-
-FINISH_REASONS: dict[int, str | None] = {
-    pb.FINISH_REASON_UNSPECIFIED: None,
-    pb.FINISH_REASON_STOP_TOKEN: "stop_token",
-    pb.FINISH_REASON_STOP_STRING: "stop_string",
-    pb.FINISH_REASON_LENGTH: "length",
-    pb.FINISH_REASON_ABORTED: "aborted",
-}
 READY_POLL_S = 0.2  # pause between health checks in wait_ready
 HEALTH_REQUEST = health_pb2.HealthCheckRequest(service="")  # "" = the server as a whole
 
 
-@dataclass(frozen=True)
-class PositionLogprobs:
-    """Log-probabilities at one generated position."""
-
-    token_id: int  # the sampled token
-    logprob: float  # its natural-log probability
-    top: list[tuple[int, float]]  # (token_id, logprob) of the most likely tokens, best first
-
-
-@dataclass(frozen=True)
-class Usage:
-    """Token counts of a finished request."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int  # prompt tokens whose KV cache was reused
-
-
-@dataclass(frozen=True)
-class GenerateChunk:
-    """One message of a generation stream: what was generated since the previous one."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    logprobs: list[PositionLogprobs]  # one per token id, when requested
-    finish_reason: str | None  # a FINISH_REASONS value: None while running ("unknown" if newer than us)
-    usage: Usage | None  # on the last chunk only
-    matched_stop: str  # the stop string that ended the request, else ""
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """The served model and the limits that requests must respect."""
-
-    model: str
-    architecture: str
-    vocab_size: int
-    max_model_len: int
-    dtype: str
-    block_size: int
-    num_kv_blocks: int
-    tensor_parallel_size: int
-    attention_backend: str
-    eos_token_ids: list[int]
-    max_logprobs: int
-    has_chat_template: bool
-    weight_bytes: int = 0
-    kv_bytes_per_token: int = 0
-    device: str = ""
-
-
-# ---- protobuf edge: requests --------------------------------------------------------------
-
-
-def build_request(
-    prompt: str | None = None,
-    *,
-    token_ids: Iterable[int] | None = None,
-    messages: Iterable[Message] | None = None,
-    request_id: str = "",
-    max_tokens: int | None = None,
-    min_tokens: int = 0,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    min_p: float | None = None,
-    repetition_penalty: float | None = None,
-    presence_penalty: float | None = None,
-    frequency_penalty: float | None = None,
-    seed: int | None = None,
-    stop: str | Iterable[str] = (),
-    stop_token_ids: Iterable[int] = (),
-    ignore_eos: bool = False,
-    logprobs: int | None = None,
-    truncate_prompt_tokens: int = 0,
-    skip_special_tokens: bool | None = None,
-) -> pb.GenerateRequest:
-    """A GenerateRequest from exactly one of prompt, token_ids and messages.
-
-    None leaves an optional field unset (the server's default applies). Raises
-    ValueError unless exactly one input is given or when messages are malformed.
-    """
-    _check_one_input(prompt=prompt, token_ids=token_ids, messages=messages)
-    sampling = pb.SamplingParams(
-        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-        repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty, seed=seed,
-    )
-    request = pb.GenerateRequest(
-        request_id=request_id, max_tokens=max_tokens, min_tokens=min_tokens,
-        stop=[stop] if isinstance(stop, str) else list(stop), stop_token_ids=list(stop_token_ids),
-        ignore_eos=ignore_eos, logprobs=logprobs, truncate_prompt_tokens=truncate_prompt_tokens,
-        skip_special_tokens=skip_special_tokens,
-    )
-    if sampling.ListFields():
-        request.sampling.CopyFrom(sampling)
-    if prompt is not None:
-        request.text = prompt
-    elif token_ids is not None:
-        request.token_ids.ids.extend(_token_ids(token_ids))
-    else:
-        request.chat.CopyFrom(chat_input(messages or ()))
-    return request
-
-
-def build_tokenize_request(
-    text: str | None = None, messages: Iterable[Message] | None = None
-) -> pb.TokenizeRequest:
-    """A TokenizeRequest from exactly one of text and messages (else ValueError)."""
-    _check_one_input(text=text, messages=messages)
-    if text is not None:
-        return pb.TokenizeRequest(text=text)
-    return pb.TokenizeRequest(chat=chat_input(messages or ()))
-
-
-def chat_input(messages: Iterable[Message]) -> pb.ChatInput:
-    """Chat messages, each {"role", "content"} or (role, content), as a ChatInput."""
-    chat = pb.ChatInput()
-    for message in messages:
-        role, content = _role_and_content(message)
-        chat.messages.add(role=role, content=content)
-    return chat
-
-
-def _check_one_input(**inputs: object) -> None:
-    given = [name for name, value in inputs.items() if value is not None]
-    if len(given) != 1:
-        names = ", ".join(inputs)
-        raise ValueError(f"give exactly one of {names}; got {', '.join(given) or 'none'}")
-
-
-def _role_and_content(message: Message) -> tuple[str, str]:
-    if isinstance(message, Mapping):
-        if "role" not in message or "content" not in message:
-            raise ValueError(f"a chat message needs 'role' and 'content', got keys {sorted(message)}")
-        role, content = message["role"], message["content"]
-    elif isinstance(message, tuple) and len(message) == 2:
-        role, content = message
-    else:
-        raise ValueError(f"a chat message is a dict or a (role, content) tuple, got {message!r}")
-    if not isinstance(role, str) or not isinstance(content, str):
-        raise ValueError(f"chat role and content must be strings, got {message!r}")
-    return role, content
-
-
-def _token_ids(ids: Iterable[int]) -> list[int]:
-    result = [int(i) for i in ids]
-    if any(i < 0 for i in result):
-        raise ValueError("token ids must be >= 0")
-    return result
-
-
-# ---- protobuf edge: responses -------------------------------------------------------------
-
-
-def chunk_from_pb(response: pb.GenerateResponse) -> GenerateChunk:
-    """A GenerateResponse as a GenerateChunk."""
-    usage = None
-    if response.HasField("usage"):
-        u = response.usage
-        usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
-    return GenerateChunk(
-        request_id=response.request_id,
-        token_ids=list(response.token_ids),
-        text=response.text,
-        logprobs=[_position_logprobs(p) for p in response.logprobs],
-        finish_reason=FINISH_REASONS.get(response.finish_reason, "unknown"),
-        usage=usage,
-        matched_stop=response.matched_stop,
-    )
-
-
-def _position_logprobs(position: pb.PositionLogprobs) -> PositionLogprobs:
-    return PositionLogprobs(
-        token_id=position.sampled.token_id,
-        logprob=position.sampled.logprob,
-        top=[(t.token_id, t.logprob) for t in position.top],
-    )
-
-
-def model_info_from_pb(info: pb.ModelInfo) -> ModelInfo:
-    """A ModelInfo message as a ModelInfo dataclass (fields of the same names)."""
-    values = {f.name: getattr(info, f.name) for f in fields(ModelInfo)}
-    return ModelInfo(**{**values, "eos_token_ids": list(info.eos_token_ids)})
-
-
 # ---- channels -----------------------------------------------------------------------------
-
-
-def stats_from_pb(stats: pb.ServerStats) -> dict[str, int]:
-    return {f.name: getattr(stats, f.name) for f in stats.DESCRIPTOR.fields}
 
 
 def open_channel(
