@@ -26,7 +26,7 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from twinplane.clients.messages import (  # noqa: F401  (re-exported: the client's whole API in one import)
+from twinplane.clients.messages import (  # re-exported: the client's whole API in one import
     FINISH_REASONS,
     ChannelOptions,
     GenerateChunk,
@@ -43,6 +43,14 @@ from twinplane.clients.messages import (  # noqa: F401  (re-exported: the client
 )
 from twinplane.proto import generation_pb2 as pb
 from twinplane.proto import generation_pb2_grpc as pb_grpc
+
+__all__ = [
+    "AsyncClient", "AsyncGenerateStream", "Client", "GenerateStream", "open_channel",
+    # from twinplane.clients.messages
+    "FINISH_REASONS", "ChannelOptions", "GenerateChunk", "Message", "ModelInfo", "PositionLogprobs", "Usage",
+    "build_request", "build_tokenize_request", "chat_input", "chunk_from_pb", "model_info_from_pb",
+    "stats_from_pb",
+]
 
 READY_POLL_S = 0.2  # pause between health checks in wait_ready
 HEALTH_REQUEST = health_pb2.HealthCheckRequest(service="")  # "" = the server as a whole

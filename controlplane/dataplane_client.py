@@ -74,10 +74,6 @@ class DataPlaneClient:
             raise DataPlaneLost("the data plane closed the step stream")
         return result
 
-    async def step(self, plan: dp.StepPlan) -> dp.StepResult:
-        await self.send(plan)
-        return await self.receive()
-
     async def close(self) -> None:
         if self.stream is not None:
             stream, self.stream = self.stream, None

@@ -64,10 +64,6 @@ class RequestState:
                 return FinishReason.STOP_STRING
         return reason
 
-    def add_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> FinishReason | None:
-        """record_token and add_text in one go."""
-        return self.add_text(token_id, self.record_token(token_id, logprobs))
-
     def emit(self, finish_reason: FinishReason | None = None) -> None:
         """Pushes what is pending to the stream; the last output carries the usage."""
         out = self.pending
