@@ -21,12 +21,15 @@ class ControlPlaneConfig:
     max_message_bytes: int = 16 * 1024 * 1024
     shutdown_grace: float = 10.0  # seconds in-flight streams get to finish on SIGTERM
     max_prefill_tokens_with_decode: int | None = None  # cap on prefill tokens in steps that also decode
+    stream_interval: int = 1  # tokens per streamed message (fewer messages at high load)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_tokens_with_decode"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        if self.stream_interval <= 0:
+            raise ValueError(f"stream_interval must be > 0, got {self.stream_interval}")
         if self.max_waiting_requests <= 0:
             raise ValueError("max_waiting_requests must be > 0")
         if self.max_logprobs < 0:

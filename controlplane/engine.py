@@ -188,7 +188,8 @@ class Engine:
         prompt = self._prompt_tokens(call)
         params = self._resolve_max_tokens(call.params, len(prompt))
         seq = Sequence(next(self._seq_ids), request_id, prompt, params)
-        state = RequestState(seq, self.tokenizer, frozenset(self.describe.eos_token_ids), self.limits.max_model_len)
+        state = RequestState(seq, self.tokenizer, frozenset(self.describe.eos_token_ids), self.limits.max_model_len,
+                             self.config.stream_interval)
         self.requests[request_id] = state
         sched.add(seq)
         self.wakeup.set()

@@ -15,8 +15,9 @@ class RequestState:
     """A sequence plus everything needed to turn its tokens into a stream."""
 
     def __init__(self, seq: Sequence, tokenizer: Tokenizer | None, eos_token_ids: frozenset[int],
-                 max_model_len: int):
+                 max_model_len: int, stream_interval: int = 1):
         self.seq = seq
+        self.stream_interval = stream_interval  # tokens per message (the last message may hold fewer)
         params = seq.params
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
         self.max_model_len = max_model_len
@@ -68,7 +69,9 @@ class RequestState:
         """Pushes what is pending to the stream; the last output carries the usage."""
         out = self.pending
         if self.detokenizer is not None:
-            out.text = self.detokenizer.take_text(final=finish_reason is not None)
+            out.text += self.detokenizer.take_text(final=finish_reason is not None)
+        if finish_reason is None and len(out.token_ids) < self.stream_interval:
+            return  # fewer new tokens than one message carries
         if finish_reason is not None:
             seq = self.seq
             out.finish_reason = finish_reason
@@ -76,8 +79,6 @@ class RequestState:
             out.completion_tokens = seq.num_output_tokens
             out.cached_prompt_tokens = seq.num_cached_tokens
             self.finished = True
-        elif not out.token_ids and not out.text:
-            return
         self.outputs.put_nowait(out)
         self.pending = self._new_output()
 

@@ -141,3 +141,12 @@ def test_penalties_see_the_prefix_served_from_the_cache(qwen3_planes):
         second = list(client.generate(**kwargs))
     assert second[-1].usage.cached_prompt_tokens == 64
     assert tokens_of(first) == tokens_of(second)
+
+
+def test_stream_interval_batches_tokens_per_message(tiny_qwen3_dir, planes_factory):
+    planes = planes_factory(tiny_qwen3_dir, "--block-size", "16", stream_interval=3)
+    prompt = random_prompts(1, seed=41)[0]
+    with planes.client() as client:
+        chunks = list(client.generate(token_ids=prompt, max_tokens=10, temperature=0, ignore_eos=True))
+    assert [len(c.token_ids) for c in chunks] == [3, 3, 3, 1]
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 10

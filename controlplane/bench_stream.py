@@ -1,0 +1,68 @@
+"""The control plane's own ceiling: the bench workload against a data plane that computes nothing.
+
+    python -m twinplane.controlplane.bench_stream [twinplane bench options]
+
+A stand-in data plane (in this process) answers every StepPlan at once with one token
+per sampled sequence, so the figures measure only the control plane (scheduling,
+plans, streaming to 256 clients over gRPC) and the benchmark client: the output
+tokens per second that no GPU speed-up can push the service beyond.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from concurrent import futures
+
+import grpc
+import numpy as np
+
+from twinplane.proto import dataplane_pb2 as dp
+from twinplane.proto import dataplane_pb2_grpc as dp_grpc
+
+QWEN3_0_6B = dp.DescribeResponse(
+    model="null:qwen3-0.6b", architecture="Qwen3ForCausalLM", dtype="bfloat16", block_size=256,
+    num_kv_blocks=4500, max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192,
+    tensor_parallel_size=1, attention_backend="none", vocab_size=151936, eos_token_ids=[151645],
+    max_logprobs=20, device="none", weight_bytes=1192099840, kv_bytes_per_token=114688)
+
+
+class NullDataPlane(dp_grpc.DataPlaneServicer):
+    """Samples token 1 for every sequence that samples, instantly."""
+
+    def Describe(self, request, context):
+        return QWEN3_0_6B
+
+    def Reset(self, request, context):
+        return dp.ResetResponse()
+
+    def Step(self, request_iterator, context):
+        for plan in request_iterator:
+            sampled = int(np.frombuffer(plan.sample, dtype=np.uint8).sum())
+            yield dp.StepResult(step_id=plan.step_id,
+                                sampled_token_ids=np.ones(sampled, dtype="<i4").tobytes())
+
+
+def main() -> int:
+    folder = tempfile.mkdtemp(prefix="twinplane-null-")
+    dp_address, api = f"unix://{folder}/dp.sock", f"unix://{folder}/api.sock"
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    dp_grpc.add_DataPlaneServicer_to_server(NullDataPlane(), server)
+    server.add_insecure_port(dp_address)
+    server.start()
+    cli = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", "WARNING"]
+    args = sys.argv[1:]
+    interval = args[args.index("--stream-interval") + 1] if "--stream-interval" in args else "1"
+    control = subprocess.Popen([*cli, "controlplane", "--dataplane", dp_address, "--listen", api,
+                                "--max-waiting-requests", "100000", "--stream-interval", interval])
+    try:
+        return subprocess.call([*cli, "bench", "--server", api, *args])
+    finally:
+        control.terminate()
+        control.wait(30)
+        server.stop(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
