@@ -10,6 +10,7 @@ tokens per second that no GPU speed-up can push the service beyond.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -44,6 +45,12 @@ class NullDataPlane(dp_grpc.DataPlaneServicer):
                                 sampled_token_ids=np.ones(sampled, dtype="<i4").tobytes())
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a live process has used (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> int:
     folder = tempfile.mkdtemp(prefix="twinplane-null-")
     dp_address, api = f"unix://{folder}/dp.sock", f"unix://{folder}/api.sock"
@@ -57,7 +64,9 @@ def main() -> int:
     control = subprocess.Popen([*cli, "controlplane", "--dataplane", dp_address, "--listen", api,
                                 "--max-waiting-requests", "100000", "--stream-interval", interval])
     try:
-        return subprocess.call([*cli, "bench", "--server", api, *args])
+        code = subprocess.call([*cli, "bench", "--server", api, *args])
+        print(f"control plane CPU time: {_cpu_seconds(control.pid):.2f} s (user + system, start-up included)")
+        return code
     finally:
         control.terminate()
         control.wait(30)
