@@ -126,12 +126,6 @@ class Engine:
         except TemplateError as exc:
             raise InvalidRequest(str(exc)) from exc
 
-    async def generate(self, call: GenerateCall) -> AsyncIterator[RequestOutput]:
-        """Runs one request; yields its outputs. Closing the iterator aborts the request."""
-        await self.wait_ready(queued=True)
-        async for out in self.outputs(self.add(call)):
-            yield out
-
     async def outputs(self, state: RequestState) -> AsyncIterator[RequestOutput]:
         """Yields a request's outputs until it finishes; leaving early aborts it."""
         try:
@@ -244,7 +238,7 @@ class Engine:
                 continue
             out = self.scheduler.schedule()
             if out is None and self._deferred:  # stop strings may end requests: look again after
-                self._emit(self._deferred)
+                self._emit_deferred()
                 continue
             if out is None:
                 self.wakeup.clear()
@@ -254,10 +248,10 @@ class Engine:
             try:
                 await self.dataplane.send(plan)
                 # the previous step's text and streams are handled while the data plane computes this one
-                self._emit(self._deferred)
+                self._emit_deferred()
                 result = await self.dataplane.receive()
             except DataPlaneLost as exc:
-                self._emit(self._deferred)
+                self._emit_deferred()
                 await self._reconnect(str(exc))
                 continue
             if result.error:
@@ -269,7 +263,7 @@ class Engine:
         """The critical path between two steps: new tokens and the token stop rules.
 
         Requests a stop token or the length ends are finished here, so they are not
-        scheduled again; detokenization, stop strings and streaming wait for _emit.
+        scheduled again; detokenization, stop strings and streaming wait for _emit_deferred.
         """
         tokens = decode_result(result)
         self.stats["steps"] += 1
@@ -287,9 +281,9 @@ class Engine:
             recorded.append((state, token, reason))
         return recorded
 
-    def _emit(self, recorded: list[tuple[RequestState, int, FinishReason | None]]) -> None:
+    def _emit_deferred(self) -> None:
         """Detokenizes, applies stop strings and pushes each request's new output to its stream."""
-        self._deferred = []
+        recorded, self._deferred = self._deferred, []
         for state, token, reason in recorded:
             if state.finished:  # aborted meanwhile
                 continue
