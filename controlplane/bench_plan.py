@@ -28,7 +28,7 @@ def build(num_seqs: int, prompt_len: int, block_size: int) -> Scheduler:
     rng = np.random.default_rng(0)
     for i in range(num_seqs):
         sched.add(Sequence(i, str(i), rng.integers(0, 10000, prompt_len).tolist(), RequestParams(max_tokens=1024)))
-    while any(s.num_uncomputed_tokens > 1 or s.num_output_tokens == 0 for s in sched.waiting) or sched.waiting:
+    while sched.waiting or any(s.num_uncomputed_tokens != 1 for s in sched.running):
         out = sched.schedule()  # prefill until every sequence is in decode
         sched.update(out, [1] * sum(c.sample for c in out.chunks))
     return sched

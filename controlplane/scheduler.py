@@ -77,10 +77,6 @@ class Scheduler:
         self.num_preemptions = 0  # since start, for stats
         self._preempted_now: set[int] = set()  # preempted during the current schedule()
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -166,30 +162,35 @@ class Scheduler:
         num_sampled = len(output.decode_seqs) + sum(c.sample for c in output.other_chunks)
         assert num_sampled == len(sampled_token_ids), (
             f"{len(sampled_token_ids)} tokens for {num_sampled} sampled sequences")
-        block_size = self.block_manager.block_size
-        running = SequenceStatus.RUNNING
         appended = []
+        block_size, running = self.block_manager.block_size, SequenceStatus.RUNNING
         for index, (seq, start, token) in enumerate(zip(output.decode_seqs, output.decode_start, sampled_token_ids)):
+            # _advance(seq, start, 1) inlined: this loop runs for every decoding sequence every step
             if seq.status is running and seq.num_computed_tokens == start:
                 seq.num_computed_tokens = start + 1
-                if start + 1 >= (len(seq.block_hashes) + 1) * block_size:  # a block filled up
+                if start + 1 >= (len(seq.block_hashes) + 1) * block_size:
                     self.block_manager.cache_full_blocks(seq)
                 seq.token_ids.append(token)
                 appended.append((seq, token, index))
         index = len(output.decode_seqs)
         for chunk in output.other_chunks:
-            seq = chunk.seq
-            alive = seq.status is running and seq.num_computed_tokens == chunk.start_pos
-            if alive:
-                seq.num_computed_tokens += chunk.num_tokens
-                if seq.num_computed_tokens >= (len(seq.block_hashes) + 1) * block_size:
-                    self.block_manager.cache_full_blocks(seq)
+            alive = self._advance(chunk.seq, chunk.start_pos, chunk.num_tokens)
             if chunk.sample:
                 if alive:
-                    seq.append_token(sampled_token_ids[index])
-                    appended.append((seq, sampled_token_ids[index], index))
+                    chunk.seq.append_token(sampled_token_ids[index])
+                    appended.append((chunk.seq, sampled_token_ids[index], index))
                 index += 1
         return appended
+
+    def _advance(self, seq: Sequence, start: int, num_tokens: int) -> bool:
+        """Marks tokens [start, start + num_tokens) computed; False if seq was aborted or
+        preempted while the step ran. Blocks that filled up join the prefix cache."""
+        if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != start:
+            return False
+        seq.num_computed_tokens = start + num_tokens
+        if seq.num_computed_tokens >= (len(seq.block_hashes) + 1) * self.block_manager.block_size:
+            self.block_manager.cache_full_blocks(seq)
+        return True
 
     def reset(self) -> None:
         """The data plane lost its KV cache: every running sequence is recomputed."""
