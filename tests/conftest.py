@@ -88,6 +88,12 @@ class Planes:
 
     def start(self, timeout: float = 120.0) -> Planes:
         self.start_dataplane()
+        self.start_controlplane()
+        self.wait_ready(timeout)
+        return self
+
+    def start_controlplane(self) -> None:
+        """Starts the control plane on its thread; it connects to the data plane when one answers."""
         self.thread.start()
 
         async def start() -> ControlPlane:
@@ -98,8 +104,6 @@ class Planes:
         self.plane = self.call(start())
         if self.address.endswith(":0"):  # a TCP port chosen by the OS
             self.address = self.address.removesuffix(":0") + f":{self.plane.port}"
-        self.wait_ready(timeout)
-        return self
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         self.call(self.plane.wait_ready(timeout), timeout + 5)

@@ -18,7 +18,7 @@ from twinplane.clients.cli import build_parser
 from twinplane.clients.client import Client
 from twinplane.controlplane.config import ControlPlaneConfig
 from twinplane.controlplane.dataplane_client import DataPlaneLost, DataPlaneClient
-from twinplane.controlplane.main import ControlPlane, Security
+from twinplane.controlplane.main import Security
 from twinplane.proto import dataplane_pb2 as dp
 from twinplane.proto import dataplane_pb2_grpc as dp_grpc
 
@@ -63,15 +63,7 @@ def secure(tiny_qwen3_dir, tmp_path_factory):
     cert, key = self_signed_cert(folder)
     planes = Planes(folder, tiny_qwen3_dir, ("--block-size", "16", "--max-model-len", "512", "--token", DP_TOKEN),
                     security=Security(str(cert), str(key), API_KEY), listen="127.0.0.1:0", dataplane_token=DP_TOKEN)
-    planes.thread.start()
-
-    async def start() -> ControlPlane:
-        plane = ControlPlane(planes.config, planes.security)
-        await plane.start()
-        return plane
-
-    planes.plane = planes.call(start())
-    planes.address = f"127.0.0.1:{planes.plane.port}"
+    planes.start_controlplane()
     planes.cert = cert.read_bytes()
     planes.health_before_dataplane = _health(planes)
     planes.start_dataplane()
