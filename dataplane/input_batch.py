@@ -8,6 +8,10 @@ StepPlan arrives as columns, so checking it and building the forward pass's tens
 are whole-array operations, not a Python loop per sequence: the hot path of a large
 decode step. A plan that fails a check raises ValueError and leaves every row as it
 was, apart from its drops.
+
+A plan may arrive before the previous step's tokens are on the host: a decode token of
+-1 (PENDING) stands for the token that sequence sampled in the previous plan, which stays
+on the device (``last_token``, one entry per row) and is gathered into the inputs there.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import torch
 from twinplane.dataplane.attention_backends.base import AttentionMetadata
 from twinplane.dataplane.plan import PlanColumns, SamplingParams, SequenceInit, StepPlan
 from twinplane.dataplane.sampling_batch import SamplingBatch, SamplingRow, build_sampling_batch
+
+PENDING = -1  # a decode token the data plane sampled in the previous plan
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,17 @@ class StepInputs:
     metadata: AttentionMetadata
     sample_indices: torch.Tensor  # int32 [num_sampled]: rows of the hidden states to sample from
     sampling: SamplingBatch | None  # None when no sequence samples
+    sample_rows: torch.Tensor  # int32 [num_sampled]: their batch rows (where last_token is kept)
+    sampled: "SampledRows"  # the same, on the host, to record the tokens when they arrive
+
+
+@dataclass
+class SampledRows:
+    """Host-side identity of a step's sampled sequences: row, seq_id and the new token's position."""
+
+    rows: np.ndarray
+    seq_ids: np.ndarray
+    positions: np.ndarray
 
 
 def _fail(message: str) -> None:
@@ -76,10 +93,14 @@ class InputBatch:
         self.device = device
         self.max_blocks = -(-limits.max_model_len // limits.block_size)
         self.row_of: dict[int, int] = {}
+        self.plan_index = 0  # plans prepared so far
+        self.wait_for_tokens = lambda: None  # brings the previous plan's tokens to the host
         self._allocate(max(limits.max_num_seqs, 8))
-        staging = 3 * limits.max_num_batched_tokens + (self.max_blocks + 4) * limits.max_num_seqs + 8
-        self._staging = torch.empty(staging, dtype=torch.int32, pin_memory=device.type == "cuda")
-        self._staging_np = self._staging.numpy()
+        staging = 4 * limits.max_num_batched_tokens + (self.max_blocks + 5) * limits.max_num_seqs + 8
+        pinned = device.type == "cuda"
+        # two staging buffers, alternating: one may still be copying while the next plan is prepared
+        self._staging = [torch.empty(staging, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
+        self._staging_copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
 
     def _allocate(self, rows: int) -> None:
         self.free_rows = list(range(rows - 1, -1, -1))
@@ -90,16 +111,21 @@ class InputBatch:
         self.params: list[SamplingParams | None] = [None] * rows
         self.plain = np.zeros(rows, dtype=bool)
         self.sampling_values = np.zeros((rows, 4), dtype=np.float32)  # temperature, top_p, top_k, min_p
+        self.owner = np.full(rows, -1, dtype=np.int64)  # seq_id of each row, -1 = free
+        self.sampled_at = np.full(rows, -1, dtype=np.int64)  # plan_index of the row's last sample
+        self.last_token = torch.zeros(rows, dtype=torch.int32, device=self.device)  # that sample
 
     def _grow(self) -> None:
         old = len(self.params)
-        saved = (self.block_table, self.num_blocks, self.num_prompt, self.tokens, self.params, self.plain,
-                 self.sampling_values)
+        arrays = ("block_table", "num_blocks", "num_prompt", "tokens", "plain", "sampling_values", "owner",
+                  "sampled_at", "last_token")
+        saved = [getattr(self, name) for name in arrays]
+        params = self.params
         self._allocate(2 * old)
         self.free_rows = list(range(2 * old - 1, old - 1, -1))
-        for new, kept in zip((self.block_table, self.num_blocks, self.num_prompt, self.tokens), saved):
-            new[:old] = kept
-        self.params[:old], self.plain[:old], self.sampling_values[:old] = saved[4], saved[5], saved[6]
+        for name, kept in zip(arrays, saved):
+            getattr(self, name)[:old] = kept
+        self.params[:old] = params
 
     # ---- mirrors ------------------------------------------------------------------------
 
@@ -118,14 +144,19 @@ class InputBatch:
         for seq_id in seq_ids:
             row = self.row_of.pop(int(seq_id), None)
             if row is not None:
-                self.params[row] = None
-                self.free_rows.append(row)
+                self._free(row)
+
+    def _free(self, row: int) -> None:
+        self.params[row] = None
+        self.owner[row] = self.sampled_at[row] = -1
+        self.free_rows.append(row)
 
     def _add(self, seq_id: int, init: SequenceInit, start_pos: int) -> int:
         if not self.free_rows:
             self._grow()
         row = self.free_rows.pop()
         self.row_of[seq_id] = row
+        self.owner[row] = seq_id
         p = init.sampling
         self.params[row] = p
         self.plain[row] = _is_plain(p)
@@ -143,22 +174,44 @@ class InputBatch:
     def prepare(self, plan: StepPlan) -> StepInputs | None:
         """Checks the plan, updates the rows, and builds the step's tensors (None for an empty plan)."""
         cols = plan.cols()
+        self.plan_index += 1
         self.drop(plan.dropped_seq_ids)
         self._check_shapes(cols)
         if len(cols.seq_ids) == 0:
             return None
         rows, undo = self._rows(cols)
         try:
+            pending = self._check_pending(cols, rows)
             positions = self._apply_blocks_and_check(cols, rows)
         except ValueError:
             self._undo(undo)
             raise
         for old_row in undo[1].values():  # rows of sequences that were sent again from scratch
-            self.params[old_row] = None
-            self.free_rows.append(old_row)
+            self._free(old_row)
         context = cols.start_pos + cols.num_tokens
-        self.tokens[np.repeat(rows, cols.num_tokens), positions] = cols.token_ids
-        return self._build(cols, rows, positions, context)
+        known = cols.token_ids != PENDING
+        self.tokens[np.repeat(rows, cols.num_tokens)[known], positions[known]] = cols.token_ids[known]
+        if pending.any() and not self.plain[rows[pending]].all():
+            self.wait_for_tokens()  # penalties read the history, PENDING tokens included
+        self.sampled_at[rows[cols.sample]] = self.plan_index
+        return self._build(cols, rows, positions, context, pending)
+
+    def _check_pending(self, cols: PlanColumns, rows: np.ndarray) -> np.ndarray:
+        """Which sequences decode a PENDING token; each must have sampled in the previous plan."""
+        pending = cols.token_ids[np.cumsum(cols.num_tokens) - 1] == PENDING
+        if not pending.any():
+            return pending
+        single = cols.num_tokens[pending] == 1
+        sampled_last = self.sampled_at[rows[pending]] == self.plan_index - 1
+        if not (single.all() and sampled_last.all()) or int((cols.token_ids == PENDING).sum()) != int(pending.sum()):
+            _fail(f"token id {PENDING} (pending) is allowed only as the one token of a sequence that sampled "
+                  "in the previous plan")
+        return pending
+
+    def record_sampled(self, sampled: SampledRows, token_ids: np.ndarray) -> None:
+        """Writes a step's sampled tokens into the history of rows still held by the same sequences."""
+        alive = self.owner[sampled.rows] == sampled.seq_ids
+        self.tokens[sampled.rows[alive], sampled.positions[alive]] = token_ids[alive]
 
     def _check_shapes(self, cols: PlanColumns) -> None:
         lim = self.limits
@@ -175,8 +228,8 @@ class InputBatch:
             _fail("every scheduled sequence needs at least one token and a start position >= 0")
         if (cols.start_pos + cols.num_tokens).max() > lim.max_model_len:
             _fail(f"positions exceed max_model_len {lim.max_model_len}")
-        if cols.token_ids.min() < 0 or cols.token_ids.max() >= lim.vocab_size:
-            _fail(f"token ids must be in [0, {lim.vocab_size})")
+        if cols.token_ids.min() < PENDING or cols.token_ids.max() >= lim.vocab_size:
+            _fail(f"token ids must be in [0, {lim.vocab_size}) or {PENDING} (pending)")
         blocks = cols.new_block_ids
         if blocks.size and (blocks.min() < 0 or blocks.max() >= lim.num_kv_blocks):
             _fail(f"new_block_ids must be in [0, {lim.num_kv_blocks})")
@@ -240,32 +293,50 @@ class InputBatch:
             self.num_blocks[rows] = saved
             raise
 
-    def _build(self, cols: PlanColumns, rows: np.ndarray, positions: np.ndarray, context: np.ndarray) -> StepInputs:
+    def _build(self, cols: PlanColumns, rows: np.ndarray, positions: np.ndarray, context: np.ndarray,
+               pending: np.ndarray) -> StepInputs:
         n, t = len(rows), len(cols.token_ids)
         width = max(int((-(-context // self.limits.block_size)).max()), 1)
         cu_q = np.concatenate([[0], np.cumsum(cols.num_tokens)])
         sample_idx = cu_q[1:][cols.sample] - 1
+        sample_rows = rows[cols.sample]
         parts = [cols.token_ids, positions, cols.slot_mapping, cu_q, np.concatenate([[0], np.cumsum(context)]),
-                 context, self.block_table[rows, :width].ravel(), sample_idx]
+                 context, self.block_table[rows, :width].ravel(), sample_idx, sample_rows, cu_q[1:][pending] - 1,
+                 rows[pending]]
         views = self._to_device(parts)
+        input_ids = views[0]
+        if pending.any():  # the previous plan's samples, still on the device
+            input_ids = input_ids.index_put((views[9].long(),), self.last_token[views[10].long()])
         metadata = AttentionMetadata(
             cu_seqlens_q=views[3], cu_seqlens_k=views[4], context_lens=views[5],
             max_seqlen_q=int(cols.num_tokens.max()), max_seqlen_k=int(context.max()), slot_mapping=views[2],
             block_tables=views[6].view(n, width), query_lens_host=cols.num_tokens.tolist(),
             context_lens_host=context.tolist())
-        sampling = self._sampling(cols, rows[cols.sample], context[cols.sample]) if len(sample_idx) else None
-        assert views[0].shape[0] == t
-        return StepInputs(views[0], views[1], metadata, views[7], sampling)
+        sampling = self._sampling(cols, sample_rows, context[cols.sample]) if len(sample_idx) else None
+        sampled = SampledRows(sample_rows, cols.seq_ids[cols.sample], context[cols.sample])
+        assert input_ids.shape[0] == t
+        return StepInputs(input_ids, views[1], metadata, views[7], sampling, views[8], sampled)
+
+    def set_last_tokens(self, sample_rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Keeps a step's sampled tokens on the device, as inputs for PENDING tokens of the next plan."""
+        self.last_token.index_copy_(0, sample_rows.long(), token_ids.to(torch.int32))
 
     def _to_device(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
         """One host-to-device copy for every int32 array of the step."""
         sizes = [len(p) for p in parts]
         total = sum(sizes)
-        assert total <= len(self._staging_np), "step inputs exceed the staging buffer"
+        k = self.plan_index % 2
+        staging, copied = self._staging[k], self._staging_copied[k]
+        assert total <= len(staging), "step inputs exceed the staging buffer"
+        if copied is not None:
+            copied.synchronize()  # the plan before last may still be reading this buffer
+        host = staging.numpy()
         ends = np.cumsum(sizes)
         for part, end, size in zip(parts, ends, sizes):
-            self._staging_np[end - size:end] = part
-        device = self._staging[:total].to(self.device, non_blocking=True)
+            host[end - size:end] = part
+        device = staging[:total].to(self.device, non_blocking=True)
+        if copied is not None:
+            copied.record()
         return [device[end - size:end] for end, size in zip(ends.tolist(), sizes)]
 
     def _sampling(self, cols: PlanColumns, rows: np.ndarray, context: np.ndarray) -> SamplingBatch:

@@ -5,12 +5,16 @@ with its attention backend, size and allocate the KV cache, set up the sampler. 
 checks a StepPlan, applies its drops and mirror updates, builds the input tensors, runs
 one forward pass, computes logits only for the rows that sample, samples, and returns the
 StepOutput in plan order. A bad plan raises ValueError before any state changes.
+
+``step`` is ``launch`` then ``LaunchedStep.result``: ``launch`` only queues the device work
+(the sampled tokens stay on the device as the next plan's PENDING inputs and start their
+copy to the host), so the server can launch the next plan before this one's tokens are read.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,7 +28,7 @@ from twinplane.dataplane.loader import load_model
 from twinplane.dataplane.plan import StepOutput, StepPlan
 from twinplane.dataplane.sampler import Sampler, SamplerOutput
 from twinplane.dataplane.sampling_batch import SamplingBatch
-from twinplane.dataplane.input_batch import InputBatch, PlanLimits
+from twinplane.dataplane.input_batch import InputBatch, PlanLimits, SampledRows
 
 MAX_LOGPROBS = 20
 
@@ -68,19 +72,69 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def _to_step_output(step_id: int, sampled: SamplerOutput, batch: SamplingBatch) -> StepOutput:
-    output = StepOutput(step_id=step_id, sampled_token_ids=sampled.token_ids.to(torch.int32).cpu().numpy())
-    if sampled.logprobs is None:
+@dataclass
+class LaunchedStep:
+    """A step whose device work is queued; ``result`` waits for it and returns the StepOutput."""
+
+    step_id: int
+    prepare_us: int
+    idle_us: int = 0  # CPU: time between the previous step's end and this one's start
+    execute_us: int = 0  # CPU: forward pass and sampling
+    sampled: SampledRows | None = None
+    sampler_output: SamplerOutput | None = None  # host copies, valid once `done` is reached
+    num_logprobs: list[int] = field(default_factory=list)
+    logits: torch.Tensor | None = None  # kept only when asked (tests)
+    begin: torch.cuda.Event | None = None  # CUDA: the device reached this step's work
+    done: torch.cuda.Event | None = None  # CUDA: ... finished it, tokens copied to the host
+    previous_done: torch.cuda.Event | None = None  # CUDA: the step before finished
+    record: object = None  # callback(sampled, token_ids) that stores the tokens in the history
+    _output: StepOutput | None = None
+
+    def wait(self) -> None:
+        """Blocks until the step's tokens are on the host."""
+        if self.done is not None:
+            self.done.synchronize()
+
+    def result(self) -> StepOutput:
+        if self._output is None:
+            self.wait()
+            self._output = self._build_output()
+        return self._output
+
+    def _build_output(self) -> StepOutput:
+        output = StepOutput(step_id=self.step_id, sampled_token_ids=np.empty(0, np.int32))
+        sampled = self.sampler_output
+        if sampled is not None:
+            output.sampled_token_ids = sampled.token_ids.numpy()
+            if self.record is not None:
+                self.record(self.sampled, output.sampled_token_ids)
+            if sampled.logprobs is not None:
+                output.sampled_logprobs = sampled.logprobs.numpy()
+                top_ids = sampled.top_ids.numpy().astype(np.int32) if sampled.top_ids is not None else None
+                top_lps = sampled.top_logprobs.numpy() if sampled.top_logprobs is not None else None
+                for row, n in enumerate(self.num_logprobs):
+                    if n >= 0:
+                        ids = top_ids[row, :n] if top_ids is not None else np.empty(0, np.int32)
+                        lps = top_lps[row, :n] if top_lps is not None else np.empty(0, np.float32)
+                        output.top_logprobs[row] = (ids, lps)
+        output.prepare_us, output.idle_us, output.execute_us = self.prepare_us, self.idle_us, self.execute_us
+        if self.begin is not None:  # device time, measured by events: CPU work that overlaps costs nothing
+            output.execute_us = int(self.begin.elapsed_time(self.done) * 1000)
+            if self.previous_done is not None:
+                output.idle_us = max(int(self.previous_done.elapsed_time(self.begin) * 1000), 0)
         return output
-    output.sampled_logprobs = sampled.logprobs.float().cpu().numpy()
-    top_ids = sampled.top_ids.cpu().numpy().astype(np.int32) if sampled.top_ids is not None else None
-    top_lps = sampled.top_logprobs.float().cpu().numpy() if sampled.top_logprobs is not None else None
-    for row, n in enumerate(batch.num_logprobs):
-        if n >= 0:
-            ids = top_ids[row, :n] if top_ids is not None else np.empty(0, np.int32)
-            lps = top_lps[row, :n] if top_lps is not None else np.empty(0, np.float32)
-            output.top_logprobs[row] = (ids, lps)
-    return output
+
+
+def _to_host(sampled: SamplerOutput) -> SamplerOutput:
+    """Starts copying a step's sampler output to (pinned) host memory."""
+    def host(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to("cpu", non_blocking=True)
+
+    def host_float(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else host(t.float())
+
+    return SamplerOutput(host(sampled.token_ids.to(torch.int32)), host_float(sampled.logprobs),
+                         host(sampled.top_ids), host_float(sampled.top_logprobs))
 
 
 class ModelRunner:
@@ -101,7 +155,9 @@ class ModelRunner:
             vocab_size=self.vocab_size, num_kv_blocks=self.num_kv_blocks, block_size=config.block_size,
             max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_logprobs=MAX_LOGPROBS), self.device)
-        self._last_step_end: float | None = None
+        self.sequences.wait_for_tokens = self._wait_for_last_step
+        self._last: LaunchedStep | None = None  # the most recently launched step
+        self._last_end: float | None = None  # CPU timing: when the previous step's work ended
 
     def init_model(self) -> None:
         half = self.dtype in (torch.bfloat16, torch.float16)
@@ -169,29 +225,60 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def step(self, plan: StepPlan) -> StepOutput:
-        return self.step_with_logits(plan)[0]
+        return self.launch(plan).result()
 
-    @torch.inference_mode()
     def step_with_logits(self, plan: StepPlan) -> tuple[StepOutput, torch.Tensor]:
         """Like ``step``, also returning the raw logits [num_sampled, vocab] (for tests)."""
+        launched = self.launch(plan, keep_logits=True)
+        logits = launched.logits if launched.logits is not None else torch.empty(0, self.vocab_size)
+        return launched.result(), logits
+
+    def _wait_for_last_step(self) -> None:
+        if self._last is not None:
+            self._last.result()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, keep_logits: bool = False) -> LaunchedStep:
+        """Checks the plan and queues its forward pass and sampling on the device."""
         started = time.perf_counter()
-        idle_us = 0 if self._last_step_end is None else int((started - self._last_step_end) * 1e6)
         inputs = self.sequences.prepare(plan)
-        logits = torch.empty(0, self.vocab_size, device=self.device)
-        output = StepOutput(step_id=plan.step_id, sampled_token_ids=np.empty(0, np.int32))
         prepared = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        step = LaunchedStep(plan.step_id, int((prepared - started) * 1e6))
+        if cuda:
+            step.begin, step.done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            step.begin.record()
+            step.previous_done = self._last.done if self._last is not None else None
         if inputs is not None:
             if self.graphs is not None and self.graphs.can_run(inputs.metadata):
                 hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
             if inputs.sampling is not None:
-                rank_logits = self.model.compute_logits(hidden[inputs.sample_indices])
-                if rank_logits is not None:  # None on tensor-parallel ranks other than 0
-                    logits = rank_logits.float()
-                    output = _to_step_output(plan.step_id, self.sampler(logits, inputs.sampling), inputs.sampling)
-        finished = time.perf_counter()
-        output.prepare_us, output.execute_us, output.idle_us = (
-            int((prepared - started) * 1e6), int((finished - prepared) * 1e6), idle_us)
-        self._last_step_end = finished
-        return output, logits
+                self._sample(step, inputs, hidden, keep_logits)
+        if cuda:
+            step.done.record()
+        else:
+            now = time.perf_counter()
+            step.idle_us = 0 if self._last_end is None else int((started - self._last_end) * 1e6)
+            step.execute_us, self._last_end = int((now - prepared) * 1e6), now
+        self._last = step
+        return step
+
+    def _sample(self, step: LaunchedStep, inputs, hidden: torch.Tensor, keep_logits: bool) -> None:
+        """Samples on rank 0; every rank keeps the sampled tokens for the next plan's PENDING inputs."""
+        rank_logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        if rank_logits is not None:  # rank 0
+            logits = rank_logits.float()
+            sampled = self.sampler(logits, inputs.sampling)
+            token_ids = sampled.token_ids.to(torch.int32)
+            step.sampler_output = _to_host(sampled)
+            step.sampled, step.num_logprobs = inputs.sampled, inputs.sampling.num_logprobs
+            step.record = self.sequences.record_sampled
+            if keep_logits:
+                step.logits = logits
+        else:
+            token_ids = torch.empty(len(inputs.sampled.rows), dtype=torch.int32, device=self.device)
+        if tp_world_size() > 1:
+            torch.distributed.broadcast(token_ids, src=0)
+        self.sequences.set_last_tokens(inputs.sample_rows, token_ids)

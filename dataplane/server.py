@@ -1,15 +1,20 @@
 """The data plane's gRPC server: Describe, Step (one result per plan, in order), Reset.
 
-The model runner is single-threaded; one Step stream is served at a time. A
-plan that fails is answered with an error result for that step only, and the
-process keeps serving.
+One Step stream is served at a time. Its plans are launched as soon as they arrive,
+so the device already holds the next step when the current one ends: a reader thread
+queues incoming plans, a watcher thread reports each launched step as it finishes on
+the device, and the stream's handler launches plans and sends results in plan order
+as those events come in. A plan that fails is answered with an error result for that
+step only, and the process keeps serving.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import queue
 import threading
+from collections import deque
 from concurrent import futures
 
 import grpc
@@ -57,17 +62,80 @@ class DataPlaneServicer(dp_grpc.DataPlaneServicer):
         self._authorize(context)
         with self.lock:
             self._reset()  # a new stream means a new control-plane session
-            for msg in request_iterator:
-                yield self._step(msg)
+            yield from _StepPipeline(self._launch).run(request_iterator)
 
-    def _step(self, msg: dp.StepPlan) -> dp.StepResult:
+    def _launch(self, msg: dp.StepPlan):
+        """Queues a plan on the device; returns its LaunchedStep, or a StepResult if it failed."""
         try:
             if self.workers is not None:
                 self.workers.step(msg.SerializeToString())
-            return output_to_pb(self.runner.step(plan_from_pb(msg)))
+            return self.runner.launch(plan_from_pb(msg))
         except Exception as exc:  # the step fails, the process keeps serving
-            log.exception("step %d failed", msg.step_id)
-            return dp.StepResult(step_id=msg.step_id, error=f"{type(exc).__name__}: {exc}")
+            return _failed(msg.step_id, exc)
+
+
+def _failed(step_id: int, exc: Exception) -> dp.StepResult:
+    log.error("step %d failed: %s: %s", step_id, type(exc).__name__, exc, exc_info=not isinstance(exc, ValueError))
+    return dp.StepResult(step_id=step_id, error=f"{type(exc).__name__}: {exc}")
+
+
+_FINISHED = object()  # the watcher saw the oldest launched step finish
+
+
+class _StepPipeline:
+    """Launches each plan on arrival and yields the results in order as steps finish."""
+
+    def __init__(self, launch) -> None:
+        self.launch = launch
+        self.events: queue.SimpleQueue = queue.SimpleQueue()  # plans, _FINISHED, or None (stream ended)
+        self.to_watch: queue.SimpleQueue = queue.SimpleQueue()
+
+    def run(self, requests):
+        threading.Thread(target=self._read, args=(requests,), daemon=True, name="twinplane-plans").start()
+        threading.Thread(target=self._watch, daemon=True, name="twinplane-watch").start()
+        launched = deque()
+        try:
+            while (event := self.events.get()) is not None:
+                if event is _FINISHED:
+                    yield self._result(launched.popleft())
+                    continue
+                step = self.launch(event)
+                launched.append(step)
+                self.to_watch.put(step)
+            while launched:  # no more plans: the results still due, in order
+                yield self._result(launched.popleft())
+        finally:
+            self.to_watch.put(None)
+            for step in launched:  # the stream is gone; let queued device work end before the next one
+                if not isinstance(step, dp.StepResult):
+                    step.wait()
+
+    @staticmethod
+    def _result(step) -> dp.StepResult:
+        if isinstance(step, dp.StepResult):  # failed at launch
+            return step
+        try:
+            return output_to_pb(step.result())
+        except Exception as exc:
+            return _failed(step.step_id, exc)
+
+    def _read(self, requests) -> None:
+        try:
+            for msg in requests:
+                self.events.put(msg)
+        except Exception:  # the stream was cancelled or broke: end it
+            pass
+        finally:
+            self.events.put(None)
+
+    def _watch(self) -> None:
+        while (step := self.to_watch.get()) is not None:
+            if not isinstance(step, dp.StepResult):
+                try:
+                    step.wait()
+                except Exception:  # a device fault: result() reports it
+                    pass
+            self.events.put(_FINISHED)
 
 
 def create_server(runner, listen: str, token: str | None = None, workers=None) -> tuple[grpc.Server, int]:

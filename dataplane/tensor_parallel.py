@@ -68,8 +68,8 @@ def worker_main(config: DataPlaneConfig, rank: int, port: int, shm_name: str, wa
             if command == Command.RESET:
                 runner.reset()
                 continue
-            try:
-                runner.step(plan_from_pb(dp.StepPlan.FromString(payload)))
+            try:  # queued on the device; rank 0 reads the tokens, so nothing waits here
+                runner.launch(plan_from_pb(dp.StepPlan.FromString(payload)))
             except ValueError:
                 pass  # a bad plan: rank 0 fails the same check and reports it
     finally:

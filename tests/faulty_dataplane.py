@@ -19,13 +19,13 @@ def install() -> None:
     from twinplane.dataplane import model_runner
 
     class FaultyRunner(model_runner.ModelRunner):
-        def step(self, plan):
+        def launch(self, plan, keep_logits=False):
             cols = plan.cols()
             firsts = np.concatenate([[0], np.cumsum(cols.num_tokens)[:-1]]).astype(int)
             for seq_id, start, first in zip(cols.seq_ids.tolist(), cols.start_pos.tolist(), firsts.tolist()):
                 if seq_id in cols.inits and start == 0 and int(cols.token_ids[first]) == POISON_TOKEN:
                     raise RuntimeError(f"injected fault in step {plan.step_id} (seq {seq_id})")
-            return super().step(plan)
+            return super().launch(plan, keep_logits)
 
     model_runner.ModelRunner = FaultyRunner  # dataplane.main imports it when serving starts
 

@@ -113,3 +113,41 @@ def test_step_output_carries_logprobs(runner: ModelRunner) -> None:
     with pytest.raises(ValueError, match="num_logprobs"):
         c = builder.new_seq(3, [1], SamplingParams(num_logprobs=21))
         runner.step(StepPlan(2, [builder.schedule(c)]))
+
+
+def _pending_decode(builder: PlanBuilder, seq) -> "ScheduledSeq":
+    """The next decode of seq with its last token PENDING (sampled by the previous plan, not yet read)."""
+    seq.tokens.append(-1)
+    return builder.schedule(seq)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0),
+                                      SamplingParams(temperature=0.0, repetition_penalty=1.5, seed=3)])
+def test_pending_tokens_are_fed_back_on_the_device(runner: ModelRunner, sampling: SamplingParams) -> None:
+    """Plans launched before the previous result is read decode the tokens it sampled."""
+    prompt = [10, 11, 12, 13, 14]
+    expected = _generate(runner, prompt, 5, sampling)
+    runner.reset()
+    builder = PlanBuilder(BLOCK)
+    seq = builder.new_seq(1, prompt, sampling)
+    launched = [runner.launch(StepPlan(0, [builder.schedule(seq)]))]
+    for step in range(1, 5):  # every plan goes out before the previous step's tokens are read
+        launched.append(runner.launch(StepPlan(step, [_pending_decode(builder, seq)])))
+    tokens = [int(step.result().sampled_token_ids[0]) for step in launched]
+    assert tokens == expected
+    assert runner.sequences.tokens[runner.sequences.row_of[1], 5:10].tolist() == tokens
+
+
+def test_pending_token_needs_a_sample_in_the_previous_plan(runner: ModelRunner) -> None:
+    runner.reset()
+    builder = PlanBuilder(BLOCK)
+    a, b = builder.new_seq(1, [1, 2, 3]), builder.new_seq(2, [4, 5, 6])
+    runner.step(StepPlan(1, [builder.schedule(a), builder.schedule(b, sample=False)]))
+    with pytest.raises(ValueError, match="pending"):  # b sampled nothing
+        runner.step(StepPlan(2, [_pending_decode(builder, b)]))
+    runner.step(StepPlan(3, []))
+    with pytest.raises(ValueError, match="pending"):  # a sampled two plans ago
+        runner.step(StepPlan(4, [_pending_decode(builder, a)]))
+    c = builder.new_seq(3, [7, 8])
+    with pytest.raises(ValueError, match="pending"):  # not the single token of its chunk
+        runner.step(StepPlan(5, [dataclasses.replace(builder.schedule(c), token_ids=np.array([7, -1], np.int32))]))
