@@ -78,9 +78,9 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Hashes seq's blocks that became full and computed, making them reusable."""
-        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+    def cache_full_blocks(self, seq: Sequence, num_known: int) -> None:
+        """Hashes seq's blocks below num_known (tokens known and their K/V written), making them reusable."""
+        num_full = num_known // self.block_size
         for i in range(len(seq.block_hashes), num_full):
             tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
             prefix_hash = seq.block_hashes[-1] if seq.block_hashes else None

@@ -231,33 +231,41 @@ class Engine:
     # ---- the step loop ------------------------------------------------------------------
 
     async def _run(self) -> None:
+        """Plans step N+1 before step N's result is back, so the data plane always has the next
+        step queued: send N+1, stream the outputs of N-1, then receive and apply N."""
         await self._connect()
+        in_flight = None  # the step the data plane is computing; its result is not applied yet
         while True:
             if self.dataplane.lost:
                 await self._reconnect("the step stream ended")
+                in_flight = None  # lost with the stream; the reset recomputes its sequences
                 continue
             out = self.scheduler.schedule()
-            if out is None and self._deferred:  # stop strings may end requests: look again after
-                self._emit_deferred()
-                continue
-            if out is None:
+            if out is None and in_flight is None:
+                if self._deferred:  # stop strings may end requests: look again after
+                    self._emit_deferred()
+                    continue
                 self.wakeup.clear()
                 await self.wakeup.wait()
                 continue
-            plan = encode_plan(out, self.scheduler.block_manager.block_size, tuple(self.describe.eos_token_ids))
             try:
-                await self.dataplane.send(plan)
-                # the previous step's text and streams are handled while the data plane computes this one
-                self._emit_deferred()
-                result = await self.dataplane.receive()
+                if out is not None:
+                    plan = encode_plan(out, self.scheduler.block_manager.block_size,
+                                       tuple(self.describe.eos_token_ids))
+                    await self.dataplane.send(plan)
+                self._emit_deferred()  # while the data plane computes
+                result = await self.dataplane.receive() if in_flight is not None else None
             except DataPlaneLost as exc:
                 self._emit_deferred()
                 await self._reconnect(str(exc))
+                in_flight = None
                 continue
-            if result.error:
-                self._fail_step(out, result.error)
-                continue
-            self._deferred = self._apply(out, result)
+            if result is not None:
+                if result.error:
+                    self._fail_step(in_flight, result.error)
+                else:
+                    self._deferred = self._apply(in_flight, result)
+            in_flight = out
 
     def _apply(self, out, result: dp.StepResult) -> list[tuple[RequestState, int, FinishReason | None]]:
         """The critical path between two steps: new tokens and the token stop rules.
@@ -271,11 +279,11 @@ class Engine:
         self.stats["execute_us"] += tokens.execute_us
         self.stats["computed_tokens"] += out.num_batched_tokens
         recorded = []
-        for seq, token, index in self.scheduler.update(out, tokens.token_ids):
+        for seq, token, index, position in self.scheduler.update(out, tokens.token_ids):
             state = self.requests.get(seq.request_id)
             if state is None:
                 continue
-            reason = state.record_token(token, tokens.logprobs[index] if tokens.logprobs else None)
+            reason = state.record_token(token, position, tokens.logprobs[index] if tokens.logprobs else None)
             if reason is not None:
                 self.scheduler.finish(seq)
             recorded.append((state, token, reason))

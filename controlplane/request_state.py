@@ -27,24 +27,26 @@ class RequestState:
                 tokenizer, seq.token_ids, params.skip_special_tokens, params.stop)
         self.outputs: asyncio.Queue[RequestOutput | ServiceError] = asyncio.Queue()
         self.pending = self._new_output()
+        self.num_outputs = 0  # output tokens recorded so far
         self.finished = False
 
     def _new_output(self) -> RequestOutput:
         return RequestOutput(self.seq.request_id)
 
-    def record_token(self, token_id: int, logprobs: TokenLogprobs | None) -> FinishReason | None:
-        """Records a sampled token (already appended to the sequence).
+    def record_token(self, token_id: int, position: int, logprobs: TokenLogprobs | None) -> FinishReason | None:
+        """Records a sampled token (already in the sequence, at position).
 
         Returns why the request ends if a token rule says so (a stop token, or the
         length); cheap, so it runs before the next step is scheduled.
         """
-        seq, params, out = self.seq, self.seq.params, self.pending
+        params, out = self.seq.params, self.pending
         out.token_ids.append(token_id)
         if logprobs is not None and params.logprobs is not None:
             out.logprobs.append(logprobs)
-        if token_id in self.stop_ids and seq.num_output_tokens > params.min_tokens:
+        self.num_outputs = num_outputs = position + 1 - self.seq.num_prompt_tokens
+        if token_id in self.stop_ids and num_outputs > params.min_tokens:
             return FinishReason.STOP_TOKEN
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_outputs >= params.max_tokens or position + 1 >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
@@ -58,7 +60,7 @@ class RequestState:
             return reason  # a stop token's text is never part of the output
         self.detokenizer.add_token(token_id)
         params = self.seq.params
-        if params.stop and self.seq.num_output_tokens > params.min_tokens:
+        if params.stop and self.num_outputs > params.min_tokens:
             matched = self.detokenizer.find_stop()
             if matched is not None:
                 self.pending.matched_stop = matched

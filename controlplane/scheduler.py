@@ -6,6 +6,11 @@ still in prefill first, then newly admitted ones (first come, first served).
 So a long prompt never stalls running streams, and steps mix prefill and
 decode freely. When KV blocks run out, the newest running sequence is
 preempted: its blocks are freed and it is recomputed later.
+
+A step may be planned while the previous one is still in flight: scheduling advances
+each sequence at once, and a sequence whose token is still being sampled decodes that
+PENDING token (the data plane feeds its own sampled token back). ``update`` fills the
+token in when the result arrives, and only then do full blocks join the prefix cache.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from twinplane.controlplane.block_manager import BlockManager
-from twinplane.controlplane.sequence import Sequence, SequenceStatus
+from twinplane.controlplane.sequence import PENDING, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,7 @@ class Scheduler:
         else:
             return
         self._release(seq)
+        seq.drop_pending()  # a step in flight may still compute it; its result is ignored
         seq.status = SequenceStatus.FINISHED
 
     def schedule(self) -> SchedulerOutput | None:
@@ -103,10 +109,13 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         prefilling: list[Sequence] = []
         self._preempted_now: set[int] = set()
+        max_model_len = self.config.max_model_len
         # 1. decode: every running sequence with one token to compute
         for seq in list(self.running):
             if len(seq.token_ids) - seq.num_computed_tokens != 1:
                 prefilling.append(seq)
+            elif seq.num_output_tokens >= seq.params.max_tokens or len(seq.token_ids) >= max_model_len:
+                continue  # its last token is in flight; the result ends it
             elif budget > 0 and seq.status is SequenceStatus.RUNNING:
                 if seq.num_computed_tokens < len(seq.block_table) * block_size:
                     decodes.append(seq)  # room left in the last block: no allocation, no new block
@@ -129,6 +138,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.seq_id in self._preempted_now:
                 break
+            assert not seq.has_pending, f"{seq} waits for a token and cannot be admitted"
             cached = self.block_manager.find_cached_blocks(seq)
             num_tokens = min(seq.num_tokens - len(cached) * block_size, budget)
             if not self.block_manager.can_allocate(seq, cached, num_tokens):
@@ -151,54 +161,54 @@ class Scheduler:
         output = SchedulerOutput(self.step_id, decodes, [s.num_computed_tokens for s in decodes], chunks,
                                  self.dropped_seq_ids)
         self.dropped_seq_ids = []
+        for seq in decodes:  # planned as computed; the sampled token is PENDING until update
+            seq.num_computed_tokens += 1
+            seq.token_ids.append(PENDING)
+        for c in chunks:
+            c.seq.num_computed_tokens = c.start_pos + c.num_tokens
+            if c.sample:
+                c.seq.token_ids.append(PENDING)
         return output
 
-    def update(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[tuple[Sequence, int, int]]:
-        """Applies a step's result: advances computed tokens, appends sampled tokens.
+    def update(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[tuple[Sequence, int, int, int]]:
+        """Applies a step's result: fills in the sampled tokens; full blocks join the prefix cache.
 
-        Returns (sequence, token, index among the step's sampled sequences) for
-        every sampled sequence still alive (not aborted or preempted while the step ran).
+        Returns (sequence, token, index among the step's sampled sequences, token position)
+        for every sampled sequence not finished meanwhile. A sequence preempted while the
+        step ran keeps its token (it was sampled from a complete context).
         """
         num_sampled = len(output.decode_seqs) + sum(c.sample for c in output.other_chunks)
         assert num_sampled == len(sampled_token_ids), (
             f"{len(sampled_token_ids)} tokens for {num_sampled} sampled sequences")
         appended = []
-        block_size, running = self.block_manager.block_size, SequenceStatus.RUNNING
+        block_size, running, finished = self.block_manager.block_size, SequenceStatus.RUNNING, SequenceStatus.FINISHED
         for index, (seq, start, token) in enumerate(zip(output.decode_seqs, output.decode_start, sampled_token_ids)):
-            # _advance(seq, start, 1) inlined: this loop runs for every decoding sequence every step
-            if seq.status is running and seq.num_computed_tokens == start:
-                seq.num_computed_tokens = start + 1
-                if start + 1 >= (len(seq.block_hashes) + 1) * block_size:
-                    self.block_manager.cache_full_blocks(seq)
-                seq.token_ids.append(token)
-                appended.append((seq, token, index))
+            if seq.status is finished:
+                continue
+            pos = start + 1
+            seq.token_ids[pos] = token
+            if seq.status is running and pos >= (len(seq.block_hashes) + 1) * block_size:
+                self.block_manager.cache_full_blocks(seq, pos)
+            appended.append((seq, token, index, pos))
         index = len(output.decode_seqs)
         for chunk in output.other_chunks:
-            alive = self._advance(chunk.seq, chunk.start_pos, chunk.num_tokens)
+            seq, end = chunk.seq, chunk.start_pos + chunk.num_tokens
+            if seq.status is running and end >= (len(seq.block_hashes) + 1) * block_size:
+                self.block_manager.cache_full_blocks(seq, end)
             if chunk.sample:
-                if alive:
-                    chunk.seq.append_token(sampled_token_ids[index])
-                    appended.append((chunk.seq, sampled_token_ids[index], index))
+                if seq.status is not finished:
+                    seq.token_ids[end] = sampled_token_ids[index]
+                    appended.append((seq, sampled_token_ids[index], index, end))
                 index += 1
         return appended
-
-    def _advance(self, seq: Sequence, start: int, num_tokens: int) -> bool:
-        """Marks tokens [start, start + num_tokens) computed; False if seq was aborted or
-        preempted while the step ran. Blocks that filled up join the prefix cache."""
-        if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != start:
-            return False
-        seq.num_computed_tokens = start + num_tokens
-        if seq.num_computed_tokens >= (len(seq.block_hashes) + 1) * self.block_manager.block_size:
-            self.block_manager.cache_full_blocks(seq)
-        return True
 
     def reset(self) -> None:
         """The data plane lost its KV cache: every running sequence is recomputed."""
         for seq in reversed(self.running):
-            seq.forget_kv()
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
         for seq in self.waiting:
+            seq.drop_pending()  # the step that was sampling it is lost
             seq.forget_kv()
         self.running = []
         self.dropped_seq_ids = []

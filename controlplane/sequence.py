@@ -5,6 +5,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+# Stands in the token list for a token a step in flight is sampling; the data plane feeds
+# that step's sampled token back as the next input, and the result replaces it here.
+PENDING = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
@@ -53,6 +57,8 @@ class Sequence:
     One rule drives prefill, chunked prefill, prefix caching and decode alike:
     the tokens in ``token_ids[num_computed_tokens:]`` still need a forward pass;
     when a step computes up to ``num_tokens``, the model samples the next token.
+    Scheduling a step advances ``num_computed_tokens`` at once and, if the step samples,
+    appends PENDING, so the next step can be planned before this one's result is back.
     """
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: RequestParams):
@@ -63,7 +69,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.status = SequenceStatus.WAITING
-        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache, or being computed
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hash of each full, computed block
@@ -88,8 +94,16 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
+    @property
+    def has_pending(self) -> bool:
+        """Whether a step in flight is sampling this sequence's last token."""
+        return self.token_ids[-1] == PENDING
+
+    def drop_pending(self) -> None:
+        """Forgets tokens whose steps will never report back (data plane lost, sequence ended);
+        two steps may be in flight, so there may be two."""
+        while self.token_ids[-1] == PENDING:
+            self.token_ids.pop()
 
     def forget_kv(self) -> None:
         """Drops every trace of KV state (after preemption or a data-plane reset)."""

@@ -14,7 +14,7 @@ def compute(bm: BlockManager, s: Sequence, num_tokens: int) -> None:
     """What the scheduler does around a step: room first, then the step's result."""
     bm.append(s, num_tokens)
     s.num_computed_tokens += num_tokens
-    bm.cache_full_blocks(s)
+    bm.cache_full_blocks(s, s.num_computed_tokens)
 
 
 def test_allocate_gives_lowest_free_blocks_and_counts_refs():
@@ -45,7 +45,7 @@ def test_prefix_hit_shares_blocks_and_leaves_last_token_to_compute():
     a = seq(1, prompt)
     bm.allocate(a, [], 12)
     a.num_computed_tokens = 12
-    bm.cache_full_blocks(a)
+    bm.cache_full_blocks(a, 12)
     assert a.block_hashes[1] == chain_hash(prompt[4:8], chain_hash(prompt[:4], None))
     b = seq(2, prompt)
     cached = bm.find_cached_blocks(b)

@@ -1,8 +1,11 @@
 """Scheduler: token budget, decode first, chunked prefill, preemption, exact blocks."""
 
+import numpy as np
+
 from twinplane.controlplane.block_manager import BlockManager
+from twinplane.controlplane.plan_codec import encode_plan
 from twinplane.controlplane.scheduler import Scheduler, SchedulerConfig
-from twinplane.controlplane.sequence import RequestParams, Sequence, SequenceStatus
+from twinplane.controlplane.sequence import PENDING, RequestParams, Sequence, SequenceStatus
 
 PARAMS = RequestParams(max_tokens=100)
 
@@ -153,3 +156,47 @@ def test_prefill_share_of_a_decoding_step_can_be_capped():
     sched.finish(sched.running[0])
     out = step(sched)  # no decode left in the step: the whole budget again
     assert [(c.seq.seq_id, c.start_pos, c.num_tokens) for c in out.chunks] == [(2, 5, 35)]
+
+
+def test_next_step_is_planned_before_the_result_arrives():
+    sched = make()
+    a = add(sched, 1, 6)
+    first = sched.schedule()
+    assert summary(first) == [(1, 0, 6, [0, 1], True)]
+    assert a.token_ids[-1] == PENDING and a.num_computed_tokens == 6
+    second = sched.schedule()  # decodes the token the first step is still sampling
+    assert summary(second) == [(1, 6, 1, [], True)]
+    plan = encode_plan(second, 4, (2,))
+    assert np.frombuffer(plan.token_ids, "<i4").tolist() == [PENDING]
+    assert [(s.seq_id, t, i, p) for s, t, i, p in sched.update(first, [11])] == [(1, 11, 0, 6)]
+    assert a.token_ids == [0, 1, 2, 3, 4, 5, 11, PENDING] and len(a.block_hashes) == 1
+    third = sched.schedule()  # position 8 needs a new block
+    assert summary(third) == [(1, 7, 1, [], True)]
+    sched.update(second, [12])
+    assert summary(sched.schedule()) == [(1, 8, 1, [2], True)]
+    sched.update(third, [13])
+    assert a.token_ids[6:9] == [11, 12, 13] and len(a.block_hashes) == 2  # positions 0..7 known and computed
+
+
+def test_a_sequence_whose_last_token_is_in_flight_is_not_planned_again():
+    sched = make()
+    s = Sequence(1, "1", [1, 2, 3], RequestParams(max_tokens=2))
+    sched.add(s)
+    assert sched.schedule() is not None and sched.schedule() is not None
+    assert sched.schedule() is None  # the second output ends it by length
+
+
+def test_preempted_while_in_flight_keeps_its_token_and_reset_forgets_pending():
+    sched = make(num_blocks=3)
+    a, b = add(sched, 1, 4), add(sched, 2, 4, first_token=20)
+    first = sched.schedule()
+    assert summary(first) == [(1, 0, 4, [0], True), (2, 0, 4, [1], True)]
+    second = sched.schedule()  # both need a new block; only one is free: b is preempted
+    assert summary(second) == [(1, 4, 1, [2], True)]
+    assert b.status is SequenceStatus.WAITING and b.block_table == [] and b.token_ids[-1] == PENDING
+    sched.update(first, [5, 6])
+    assert b.token_ids == [20, 21, 22, 23, 6] and a.token_ids == [0, 1, 2, 3, 5, PENDING]
+    assert summary(sched.schedule()) == [(1, 5, 1, [], True)]
+    assert a.token_ids[-2:] == [PENDING, PENDING]
+    sched.reset()  # the data plane was lost with two steps in flight
+    assert a.token_ids == [0, 1, 2, 3, 5] and a.num_computed_tokens == 0
