@@ -159,3 +159,13 @@ def shared_planes(tiny_qwen3_dir, tmp_path_factory):
                     ("--block-size", "16", "--max-model-len", "512"), max_message_bytes=1 << 20).start()
     yield planes
     planes.stop()
+
+
+@pytest.fixture(scope="session")
+def loopback_planes(tiny_qwen3_dir, tmp_path_factory):
+    """Tiny Qwen3 through both planes, the public API on 127.0.0.1 (a free port): for clients that
+    reach the server as any gRPC client would (other languages, reflection)."""
+    planes = Planes(tmp_path_factory.mktemp("loopback"), tiny_qwen3_dir, ("--block-size", "16"),
+                    listen="127.0.0.1:0").start()
+    yield planes
+    planes.stop()

@@ -1,0 +1,160 @@
+'use strict';
+/**
+ * Node.js client of the twinplane Generation service (twinplane.v1, gRPC).
+ *
+ *     const { Client } = require('./twinplane');
+ *     const client = new Client('127.0.0.1:50051');
+ *     const stream = client.generate({ messages: [{ role: 'user', content: 'Hi!' }], maxTokens: 32 });
+ *     for await (const chunk of stream) process.stdout.write(chunk.text);
+ *     console.log(stream.final.finishReason, stream.final.usage);
+ *     client.close();
+ *
+ * The contract, proto/generation.proto, is loaded at run time with @grpc/proto-loader, so
+ * nothing is generated. Field names are camelCase (max_tokens is maxTokens), enums are strings
+ * and 64-bit integers are numbers. A failed call rejects (or throws from the iteration) with
+ * grpc-js's ServiceError: `code` (a grpc.status value), `details` (the server's message).
+ */
+
+const path = require('node:path');
+const grpc = require('@grpc/grpc-js');
+const protoLoader = require('@grpc/proto-loader');
+
+const PROTO_PATH = path.join(__dirname, '..', '..', 'proto', 'generation.proto');
+const definition = protoLoader.loadSync(PROTO_PATH, { longs: Number, enums: String, defaults: true });
+const { Generation } = grpc.loadPackageDefinition(definition).twinplane.v1;
+
+/** Field names of a twinplane.v1 message, as the loaded definition spells them (camelCase). */
+function fieldNames(message) {
+  return new Set(definition[`twinplane.v1.${message}`].type.field.map((field) => field.name));
+}
+
+const SAMPLING_FIELDS = fieldNames('SamplingParams');
+const INPUT_FIELDS = new Set(['text', 'tokenIds', 'chat', 'sampling']); // set from the options below
+const REQUEST_FIELDS = new Set([...fieldNames('GenerateRequest')].filter((name) => !INPUT_FIELDS.has(name)));
+
+/** Chat messages as {role, content} objects or [role, content] pairs, as a ChatInput. */
+function chatInput(messages) {
+  return { messages: messages.map((m) => (Array.isArray(m) ? { role: m[0], content: m[1] } : m)) };
+}
+
+/** The prompt of a request: exactly one of `prompt` (text), `tokenIds` or `messages` (chat). */
+function inputOf({ prompt, tokenIds, messages }) {
+  const given = [prompt, tokenIds, messages].filter((value) => value !== undefined);
+  if (given.length !== 1) throw new TypeError('give exactly one of prompt, tokenIds or messages');
+  if (prompt !== undefined) return { text: prompt };
+  if (tokenIds !== undefined) return { tokenIds: { ids: tokenIds } };
+  return { chat: chatInput(messages) };
+}
+
+/**
+ * A GenerateRequest from flat options: the prompt (see inputOf), any SamplingParams field
+ * (temperature, topP, topK, minP, seed, ...) and any other GenerateRequest field (maxTokens,
+ * stop, ignoreEos, ...). Undefined or null leaves a field unset, so the server's default applies.
+ */
+function buildRequest(options) {
+  const { prompt, tokenIds, messages, ...rest } = options;
+  const request = { ...inputOf({ prompt, tokenIds, messages }), sampling: {} };
+  for (const [key, value] of Object.entries(rest)) {
+    if (value === undefined || value === null) continue;
+    if (SAMPLING_FIELDS.has(key)) request.sampling[key] = value;
+    else if (REQUEST_FIELDS.has(key)) request[key] = value;
+    else throw new TypeError(`unknown option ${key}`);
+  }
+  return request;
+}
+
+/** 'FINISH_REASON_STOP_TOKEN' -> 'stop_token'; null while the stream runs. */
+function finishReasonOf(name) {
+  return name === 'FINISH_REASON_UNSPECIFIED' ? null : name.replace('FINISH_REASON_', '').toLowerCase();
+}
+
+/** One GenerateResponse as a plain chunk; finishReason and usage are set on the last one only. */
+function chunkOf(response) {
+  return {
+    requestId: response.requestId,
+    tokenIds: response.tokenIds,
+    text: response.text,
+    logprobs: response.logprobs,
+    finishReason: finishReasonOf(response.finishReason),
+    usage: response.usage,
+    matchedStop: response.matchedStop,
+  };
+}
+
+/**
+ * A running Generate call. Iterate it once with `for await` for chunks; `final` is the last
+ * chunk once the stream has ended. `cancel()`, or leaving the loop early, aborts the request
+ * (the server frees its KV cache at once) and ends the iteration quietly.
+ */
+class GenerateStream {
+  constructor(call) {
+    this.call = call;
+    this.cancelled = false;
+    this.final = null;
+  }
+
+  async *[Symbol.asyncIterator]() {
+    try {
+      for await (const response of this.call) {
+        const chunk = chunkOf(response);
+        if (chunk.finishReason !== null) this.final = chunk;
+        yield chunk;
+      }
+    } catch (error) {
+      if (!(this.cancelled && error.code === grpc.status.CANCELLED)) throw error;
+    } finally {
+      if (this.final === null) this.cancel();
+    }
+  }
+
+  /** Aborts the request. */
+  cancel() {
+    this.cancelled = true;
+    this.call.cancel();
+  }
+
+  /** Consumes the stream and returns all of its text. */
+  async text() {
+    let text = '';
+    for await (const chunk of this) text += chunk.text;
+    return text;
+  }
+}
+
+/** Client of one server. `credentials`: grpc.credentials.createSsl(...) for TLS; plaintext by default. */
+class Client {
+  constructor(address, { apiKey = null, credentials = grpc.credentials.createInsecure() } = {}) {
+    this.stub = new Generation(address, credentials);
+    this.metadata = new grpc.Metadata();
+    if (apiKey) this.metadata.set('authorization', `Bearer ${apiKey}`);
+  }
+
+  /** Starts a generation; options are those of buildRequest. */
+  generate(options) {
+    return new GenerateStream(this.stub.generate(buildRequest(options), this.metadata));
+  }
+
+  /** Token ids (and the text of each) of `text`, or of chat `messages` rendered with the chat template. */
+  tokenize({ text, messages }) {
+    const request = messages === undefined ? { text } : { chat: chatInput(messages) };
+    return this.unary('tokenize', request);
+  }
+
+  /** The served model and the limits that requests must respect. */
+  modelInfo() {
+    return this.unary('getModelInfo', {});
+  }
+
+  unary(method, request) {
+    return new Promise((resolve, reject) => {
+      this.stub[method](request, this.metadata, (error, reply) => (error ? reject(error) : resolve(reply)));
+    });
+  }
+
+  /** Closes the channel; calls in flight are cancelled. */
+  close() {
+    this.stub.close();
+  }
+}
+
+module.exports = { Client, GenerateStream, buildRequest, status: grpc.status, PROTO_PATH };
