@@ -1,4 +1,4 @@
-"""The ``twinplane`` command: run either plane, both, a prompt, or a benchmark."""
+"""The ``twinplane`` command: run either plane, both, a prompt, a health check, or a benchmark."""
 
 from __future__ import annotations
 
@@ -155,6 +155,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return _stream_to_terminal(client.generate(**prompt, **_sampling_kwargs(args)))
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    """One health check, for container health checks: exit 0 when the server says SERVING, else 1."""
+    import grpc
+
+    from twinplane.clients.client import Client
+
+    with Client(args.server) as client:
+        try:
+            status = client.health_status(args.timeout)
+        except grpc.RpcError as error:
+            status = f"{error.code().name} ({error.details()})"
+    if status != "SERVING":
+        print(f"twinplane health: {args.server} is {status}", file=sys.stderr)
+        return 1
+    print(status)
+    return 0
+
+
 def _stream_to_terminal(stream) -> int:
     finish = None
     for chunk in stream:
@@ -251,6 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("health", help="check a server's grpc.health.v1 status: exit 0 when SERVING, 1 otherwise")
+    p.add_argument("--server", default=DEFAULT_LISTEN, help="either plane's address, e.g. unix:///path")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
+    p.set_defaults(func=cmd_health)
 
     p = sub.add_parser("run", help="start both planes on loopback, answer one prompt, stop")
     p.add_argument("prompt")

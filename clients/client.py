@@ -181,14 +181,16 @@ class Client:
         """Polls grpc.health.v1 Check until SERVING; TimeoutError after timeout seconds."""
         deadline = time.monotonic() + timeout
         while True:
-            status = self._health_status(_deadline_left(deadline))
+            status = self.health_status(_deadline_left(deadline))
             if status == "SERVING":
                 return
             if _deadline_left(deadline) <= 0:
                 raise _not_ready(status)
             time.sleep(min(READY_POLL_S, _deadline_left(deadline)))
 
-    def _health_status(self, timeout: float) -> str:
+    def health_status(self, timeout: float) -> str:
+        """One grpc.health.v1 Check: the serving status (SERVING, NOT_SERVING, ...), or the code name of a
+        failure that may pass later (UNAVAILABLE, DEADLINE_EXCEEDED); other failures raise."""
         try:
             reply = self._health.Check(HEALTH_REQUEST, timeout=max(timeout, 0.01), metadata=self._metadata)
         except grpc.RpcError as error:
@@ -305,14 +307,16 @@ class AsyncClient:
         """Polls grpc.health.v1 Check until SERVING; TimeoutError after timeout seconds."""
         deadline = time.monotonic() + timeout
         while True:
-            status = await self._health_status(_deadline_left(deadline))
+            status = await self.health_status(_deadline_left(deadline))
             if status == "SERVING":
                 return
             if _deadline_left(deadline) <= 0:
                 raise _not_ready(status)
             await asyncio.sleep(min(READY_POLL_S, _deadline_left(deadline)))
 
-    async def _health_status(self, timeout: float) -> str:
+    async def health_status(self, timeout: float) -> str:
+        """One grpc.health.v1 Check: the serving status (SERVING, NOT_SERVING, ...), or the code name of a
+        failure that may pass later (UNAVAILABLE, DEADLINE_EXCEEDED); other failures raise."""
         try:
             reply = await self._health.Check(HEALTH_REQUEST, timeout=max(timeout, 0.01), metadata=self._metadata)
         except grpc.aio.AioRpcError as error:

@@ -1,4 +1,4 @@
-"""The command line: `twinplane run`, and `twinplane serve` + `twinplane generate`."""
+"""The command line: `twinplane run`, `twinplane serve` + `twinplane generate`, and `twinplane health`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+from tests.conftest import Planes
 from twinplane.clients.client import Client
 
 CLI = [sys.executable, "-m", "twinplane.clients.cli"]
@@ -35,3 +36,31 @@ def test_serve_then_generate_streams_text(smollm2_dir, tmp_path):
         start = time.time()
         assert server.wait(60) == 0
         assert time.time() - start < 30
+
+
+def _health(address: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, "health", "--server", address], capture_output=True, text=True, timeout=60)
+
+
+def test_health_exits_0_only_once_the_planes_serve(tiny_qwen3_dir, tmp_path):
+    """The order Docker Compose starts them in: the control plane's probe fails until its data plane is up."""
+    planes = Planes(tmp_path, tiny_qwen3_dir, ("--block-size", "16", "--max-model-len", "512"), listen="127.0.0.1:0")
+    try:
+        planes.start_controlplane()
+        waiting = _health(planes.address)
+        assert waiting.returncode == 1 and f"{planes.address} is NOT_SERVING" in waiting.stderr, waiting.stderr
+        planes.start_dataplane()
+        planes.wait_ready(120)
+        for address in (planes.address, planes.dp_address):
+            serving = _health(address)
+            assert serving.returncode == 0, serving.stderr
+            assert serving.stdout.strip() == "SERVING"
+    finally:
+        planes.stop()
+
+
+def test_health_fails_on_a_dead_address(tmp_path):
+    for address in (f"unix://{tmp_path}/nobody.sock", "127.0.0.1:1"):
+        result = _health(address)
+        assert result.returncode == 1
+        assert f"{address} is UNAVAILABLE" in result.stderr
