@@ -80,6 +80,10 @@ def _add_controlplane_args(p: argparse.ArgumentParser, listen_default: str = DEF
     g.add_argument("--tls-cert", default=None)
     g.add_argument("--tls-key", default=None)
     g.add_argument("--api-key", default=None, help="require this key (default: $TWINPLANE_API_KEY if set)")
+    g.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics over HTTP on this port (/metrics); off when not given")
+    g.add_argument("--metrics-host", default=None,
+                   help="address /metrics binds to (default: the host of --listen, or 127.0.0.1 for a unix socket)")
 
 
 def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None):
@@ -90,7 +94,7 @@ def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None):
         dataplane=dataplane, dataplane_token=token, listen=args.listen, tokenizer=args.tokenizer,
         max_waiting_requests=args.max_waiting_requests, enable_prefix_caching=not args.no_prefix_caching,
         shutdown_grace=args.shutdown_grace, max_prefill_tokens_with_decode=args.max_prefill_tokens_with_decode,
-        stream_interval=args.stream_interval)
+        stream_interval=args.stream_interval, metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     security = Security(args.tls_cert, args.tls_key, args.api_key or os.environ.get("TWINPLANE_API_KEY"))
     return config, security
 

@@ -35,3 +35,11 @@ def test_serve_then_generate_streams_text(smollm2_dir, tmp_path):
         start = time.time()
         assert server.wait(60) == 0
         assert time.time() - start < 30
+
+
+def test_metrics_flags_reach_the_control_plane_config():
+    from twinplane.clients.cli import _controlplane, build_parser
+
+    args = build_parser().parse_args(["controlplane", "--metrics-port", "9400", "--metrics-host", "0.0.0.0"])
+    config, _ = _controlplane(args, args.dataplane, None)
+    assert (config.metrics_port, config.metrics_host) == (9400, "0.0.0.0")
