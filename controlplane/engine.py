@@ -12,7 +12,6 @@ import asyncio
 import itertools
 import logging
 import time
-import uuid
 from dataclasses import replace
 from collections.abc import AsyncIterator
 
@@ -30,6 +29,7 @@ from twinplane.controlplane.tokenizer import TemplateError, Tokenizer
 from twinplane.proto import dataplane_pb2 as dp
 
 log = logging.getLogger("twinplane.controlplane")
+request_log = logging.getLogger("twinplane.controlplane.requests")  # one line per finished request
 RECONNECT_DELAY = 0.5  # seconds between attempts to reach a data plane
 RECONNECT_TIMEOUT = 2.0  # seconds one attempt waits for the data plane to answer
 
@@ -180,7 +180,7 @@ class Engine:
         arrival_time = time.monotonic()
         self._check_room()
         sched = self.scheduler
-        request_id = call.request_id or uuid.uuid4().hex
+        request_id = call.request_id
         if request_id in self.requests:
             raise InvalidRequest(f"request_id {request_id!r} is already in flight")
         prompt = self._prompt_tokens(call)
@@ -227,11 +227,13 @@ class Engine:
         self.requests.pop(state.seq.request_id, None)
         state.emit(reason)
         self.metrics.request_finished(reason, time.monotonic() - state.arrival_time)
+        request_log.info(state.summary(reason.value))
 
     def _fail(self, state: RequestState, error: ServiceError) -> None:
         self.scheduler.finish(state.seq)
         self.requests.pop(state.seq.request_id, None)
         state.fail(error)
+        request_log.info(state.summary(f"error:{error.code_name}"))
 
     # ---- the step loop ------------------------------------------------------------------
 

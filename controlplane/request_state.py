@@ -103,6 +103,14 @@ class RequestState:
         self.last_token_time = now
         metrics.generation_tokens += num_tokens
 
+    def summary(self, outcome: str) -> str:
+        """The request's one log line, written when it ends."""
+        seq, now = self.seq, time.monotonic()
+        ttft = "-" if self.first_token_time is None else f"{self.first_token_time - self.arrival_time:.4f}s"
+        return (f"request finished: id={seq.request_id!r} reason={outcome} prompt_tokens={seq.num_prompt_tokens} "
+                f"output_tokens={seq.num_output_tokens} cached_tokens={seq.num_cached_tokens} "
+                f"ttft={ttft} total={now - self.arrival_time:.4f}s")
+
     def fail(self, error: ServiceError) -> None:
         self.finished = True
         self.outputs.put_nowait(error)

@@ -1,14 +1,18 @@
-"""Prometheus metrics on /metrics, through both planes."""
+"""Prometheus metrics on /metrics and the per-request log line, through both planes."""
 
 from __future__ import annotations
 
+import logging
 import urllib.request
 
+import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.test_e2e_reference import random_prompts
+from twinplane.clients.messages import build_request
 from twinplane.controlplane.metrics import metrics_host
+from twinplane.proto import generation_pb2_grpc as pb_grpc
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -95,6 +99,46 @@ def test_success_counter_is_labelled_with_the_finish_reason(planes):
     assert final.finish_reason == "stop_token"
     assert growth(before, after, 'request_success_total{finished_reason="stop_token"}') == 1
     assert growth(before, after, 'request_success_total{finished_reason="length"}') == 0
+
+
+def generate_with_metadata(planes, metadata, **kwargs):
+    """Runs Generate on the raw stub; returns (responses, initial metadata as a dict)."""
+    with grpc.insecure_channel(planes.address) as channel:
+        call = pb_grpc.GenerationStub(channel).Generate(build_request(**kwargs), metadata=metadata, timeout=60)
+        responses = list(call)
+        return responses, dict(call.initial_metadata())
+
+
+def test_request_id_from_metadata_is_echoed_and_logged(planes, caplog):
+    caplog.set_level(logging.INFO, logger="twinplane.controlplane.requests")
+    prompt = random_prompts(1, seed=34, low=20, high=20)[0]
+    responses, echoed = generate_with_metadata(planes, (("x-request-id", "abc-123"),),
+                                               token_ids=prompt, max_tokens=7, **GREEDY)
+    assert echoed["x-request-id"] == "abc-123"
+    assert {r.request_id for r in responses} == {"abc-123"}
+    usage = responses[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (20, 7)
+    lines = [r.getMessage() for r in caplog.records if "'abc-123'" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "reason=length prompt_tokens=20 output_tokens=7 cached_tokens=0 ttft=" in lines[0]
+    assert "total=" in lines[0]
+
+
+def test_request_id_is_generated_and_echoed_without_metadata(planes):
+    prompt = random_prompts(1, seed=35, low=5, high=5)[0]
+    responses, echoed = generate_with_metadata(planes, (), token_ids=prompt, max_tokens=2, **GREEDY)
+    assert len(echoed["x-request-id"]) == 32 and {r.request_id for r in responses} == {echoed["x-request-id"]}
+    # the request's own field wins over the header
+    responses, echoed = generate_with_metadata(planes, (("x-request-id", "from-header"),), request_id="from-field",
+                                               token_ids=prompt, max_tokens=2, **GREEDY)
+    assert echoed["x-request-id"] == "from-field" == responses[-1].request_id
+
+
+def test_too_long_request_id_header_is_refused(planes):
+    with pytest.raises(grpc.RpcError) as info:
+        generate_with_metadata(planes, (("x-request-id", "x" * 300),), token_ids=[5, 6], max_tokens=2)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "x-request-id must be at most 256 characters" in info.value.details()
 
 
 def test_metrics_bind_to_the_listen_host():
