@@ -7,6 +7,8 @@ what is allowed. Nothing past this module handles generated protobuf classes.
 from __future__ import annotations
 
 import math
+import string
+import urllib.parse
 import uuid
 from dataclasses import dataclass, field
 
@@ -17,6 +19,7 @@ from twinplane.proto import generation_pb2 as pb
 
 MAX_REQUEST_ID_LEN = 256
 REQUEST_ID_HEADER = "x-request-id"  # metadata a client may send its request id in; echoed back
+_PERCENT_ENCODE_SAFE = "".join(c for c in string.printable if c not in string.whitespace and c != "%")
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,14 @@ def request_id_of(req: pb.GenerateRequest, header: str | None) -> str:
         _check(len(value) <= MAX_REQUEST_ID_LEN,
                f"{name} must be at most {MAX_REQUEST_ID_LEN} characters, got {len(value)}")
     return req.request_id or header or uuid.uuid4().hex
+
+
+def request_id_header_value(request_id: str) -> str:
+    """request_id as a metadata value: unchanged when it is printable ASCII (any id sent in the header
+    is), else percent-encoded as UTF-8, since metadata values cannot hold other characters."""
+    if request_id.isascii() and request_id.isprintable():
+        return request_id
+    return urllib.parse.quote(request_id, safe=_PERCENT_ENCODE_SAFE)
 
 
 def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, header_request_id: str | None = None

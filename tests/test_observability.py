@@ -124,7 +124,7 @@ def test_request_id_from_metadata_is_echoed_and_logged(planes, caplog):
     assert "total=" in lines[0]
 
 
-def test_request_id_is_generated_and_echoed_without_metadata(planes):
+def test_request_id_without_metadata_is_echoed(planes):
     prompt = random_prompts(1, seed=35, low=5, high=5)[0]
     responses, echoed = generate_with_metadata(planes, (), token_ids=prompt, max_tokens=2, **GREEDY)
     assert len(echoed["x-request-id"]) == 32 and {r.request_id for r in responses} == {echoed["x-request-id"]}
@@ -132,6 +132,10 @@ def test_request_id_is_generated_and_echoed_without_metadata(planes):
     responses, echoed = generate_with_metadata(planes, (("x-request-id", "from-header"),), request_id="from-field",
                                                token_ids=prompt, max_tokens=2, **GREEDY)
     assert echoed["x-request-id"] == "from-field" == responses[-1].request_id
+    # characters a metadata value cannot hold are percent-encoded in the echo
+    responses, echoed = generate_with_metadata(planes, (), request_id="é\x1c 1", token_ids=prompt, max_tokens=2,
+                                               **GREEDY)
+    assert echoed["x-request-id"] == "%C3%A9%1C%201" and responses[-1].request_id == "é\x1c 1"
 
 
 def test_too_long_request_id_header_is_refused(planes):
