@@ -10,6 +10,7 @@ import sys
 
 DEFAULT_DATAPLANE = "127.0.0.1:50061"
 DEFAULT_LISTEN = "127.0.0.1:50051"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def _add_dataplane_args(p: argparse.ArgumentParser) -> None:
@@ -80,6 +81,10 @@ def _add_controlplane_args(p: argparse.ArgumentParser, listen_default: str = DEF
     g.add_argument("--tls-cert", default=None)
     g.add_argument("--tls-key", default=None)
     g.add_argument("--api-key", default=None, help="require this key (default: $TWINPLANE_API_KEY if set)")
+    g.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics over HTTP on this port (/metrics); off when not given")
+    g.add_argument("--metrics-host", default=None,
+                   help="address /metrics binds to (default: the host of --listen, or 127.0.0.1 for a unix socket)")
 
 
 def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None):
@@ -90,7 +95,7 @@ def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None):
         dataplane=dataplane, dataplane_token=token, listen=args.listen, tokenizer=args.tokenizer,
         max_waiting_requests=args.max_waiting_requests, enable_prefix_caching=not args.no_prefix_caching,
         shutdown_grace=args.shutdown_grace, max_prefill_tokens_with_decode=args.max_prefill_tokens_with_decode,
-        stream_interval=args.stream_interval)
+        stream_interval=args.stream_interval, metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     security = Security(args.tls_cert, args.tls_key, args.api_key or os.environ.get("TWINPLANE_API_KEY"))
     return config, security
 
@@ -126,13 +131,19 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dataplane_child(args: argparse.Namespace, address: str, restart: bool = True):
+    """The data plane as a child process, with args' data-plane flags and log level."""
+    from twinplane.clients.launcher import DataPlaneProcess
+
+    return DataPlaneProcess(_dataplane_argv(args) + ["--listen", address], restart=restart, log_level=args.log_level)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    from twinplane.clients.launcher import DataPlaneProcess, private_socket_address
+    from twinplane.clients.launcher import private_socket_address
     from twinplane.controlplane.main import serve
 
     address = args.dataplane_listen or private_socket_address()
-    level = logging.getLevelName(logging.getLogger().level)
-    child = DataPlaneProcess(_dataplane_argv(args) + ["--listen", address], log_level=level)
+    child = _dataplane_child(args, address)
     config, security = _controlplane(args, address, None)
 
     async def main() -> None:
@@ -190,12 +201,12 @@ def _stream_to_terminal(stream) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     """Both planes on loopback, one prompt, then both stop."""
     from twinplane.clients.client import AsyncClient
-    from twinplane.clients.launcher import DataPlaneProcess, private_socket_address
+    from twinplane.clients.launcher import private_socket_address
     from twinplane.controlplane.config import ControlPlaneConfig
     from twinplane.controlplane.main import ControlPlane
 
     address = private_socket_address()
-    child = DataPlaneProcess(_dataplane_argv(args) + ["--listen", address], restart=False, log_level="WARNING")
+    child = _dataplane_child(args, address, restart=False)
     prompt = {"prompt": args.prompt} if args.no_chat else {"messages": [{"role": "user", "content": args.prompt}]}
 
     async def main() -> int:
@@ -238,9 +249,14 @@ def _run_async(coro):
         return asyncio.run(coro)
 
 
+def _add_log_level(p: argparse.ArgumentParser, default=None) -> None:
+    p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=default,
+                   help="default: INFO for servers, WARNING otherwise")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="twinplane", description=__doc__)
-    parser.add_argument("--log-level", default=None, help="default: INFO for servers, WARNING otherwise")
+    _add_log_level(parser)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("dataplane", help="run the data plane (model + KV cache)")
@@ -248,18 +264,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default=DEFAULT_DATAPLANE, help="address, e.g. 127.0.0.1:50061 or unix:///path")
     p.add_argument("--token", default=None, help="require this token from the control plane "
                                                  "(default: $TWINPLANE_DATAPLANE_TOKEN if set)")
+    _add_log_level(p, argparse.SUPPRESS)  # here, or before the command
     p.set_defaults(func=cmd_dataplane)
 
     p = sub.add_parser("controlplane", help="run the control plane (public API + scheduler)")
     p.add_argument("--dataplane", default=DEFAULT_DATAPLANE, help="data-plane address")
     p.add_argument("--dataplane-token", default=os.environ.get("TWINPLANE_DATAPLANE_TOKEN"))
     _add_controlplane_args(p)
+    _add_log_level(p, argparse.SUPPRESS)
     p.set_defaults(func=cmd_controlplane)
 
     p = sub.add_parser("serve", help="run both planes (the data plane as a child process)")
     _add_dataplane_args(p)
     _add_controlplane_args(p)
     p.add_argument("--dataplane-listen", default=None, help="data-plane address (default: a private unix socket)")
+    _add_log_level(p, argparse.SUPPRESS)  # the data plane gets it too
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="stream a completion from a running server")
@@ -280,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-chat", action="store_true", help="send the prompt as plain text, not as a chat message")
     _add_dataplane_args(p)
     _add_sampling_args(p)
+    _add_log_level(p, argparse.SUPPRESS)  # the data plane gets it too
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("bench", help="throughput and latency benchmark through the gRPC path")
@@ -293,8 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    level = args.log_level or ("INFO" if args.command in ("dataplane", "controlplane", "serve") else "WARNING")
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.log_level is None:
+        args.log_level = "INFO" if args.command in ("dataplane", "controlplane", "serve") else "WARNING"
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return args.func(args) or 0
 
 

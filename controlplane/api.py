@@ -7,6 +7,9 @@ what is allowed. Nothing past this module handles generated protobuf classes.
 from __future__ import annotations
 
 import math
+import string
+import urllib.parse
+import uuid
 from dataclasses import dataclass, field
 
 from twinplane.controlplane.errors import InvalidRequest
@@ -15,6 +18,8 @@ from twinplane.controlplane.tokenizer import CHAT_ROLES
 from twinplane.proto import generation_pb2 as pb
 
 MAX_REQUEST_ID_LEN = 256
+REQUEST_ID_HEADER = "x-request-id"  # metadata a client may send its request id in; echoed back
+_PERCENT_ENCODE_SAFE = "".join(c for c in string.printable if c not in string.whitespace and c != "%")
 
 
 @dataclass(frozen=True)
@@ -126,9 +131,25 @@ def prompt_from_pb(req: pb.GenerateRequest | pb.TokenizeRequest, limits: Limits)
     raise InvalidRequest("input is required: set one of text, token_ids or chat")
 
 
-def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits) -> GenerateCall:
-    _check(len(req.request_id) <= MAX_REQUEST_ID_LEN,
-           f"request_id must be at most {MAX_REQUEST_ID_LEN} characters, got {len(req.request_id)}")
+def request_id_of(req: pb.GenerateRequest, header: str | None) -> str:
+    """The request's id: the request_id field, else the x-request-id header, else a new one."""
+    for name, value in (("request_id", req.request_id), (REQUEST_ID_HEADER, header or "")):
+        _check(len(value) <= MAX_REQUEST_ID_LEN,
+               f"{name} must be at most {MAX_REQUEST_ID_LEN} characters, got {len(value)}")
+    return req.request_id or header or uuid.uuid4().hex
+
+
+def request_id_header_value(request_id: str) -> str:
+    """request_id as a metadata value: unchanged when it is printable ASCII (any id sent in the header
+    is), else percent-encoded as UTF-8, since metadata values cannot hold other characters."""
+    if request_id.isascii() and request_id.isprintable():
+        return request_id
+    return urllib.parse.quote(request_id, safe=_PERCENT_ENCODE_SAFE)
+
+
+def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, header_request_id: str | None = None
+                          ) -> GenerateCall:
+    request_id = request_id_of(req, header_request_id)
     prompt = prompt_from_pb(req, limits)
     _check(req.truncate_prompt_tokens < limits.max_model_len,
            f"truncate_prompt_tokens must be below max_model_len ({limits.max_model_len}), 0 for no truncation; "
@@ -163,7 +184,7 @@ def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits) -> GenerateCa
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens if req.HasField("skip_special_tokens") else True,
     )
-    return GenerateCall(req.request_id, prompt, params, req.truncate_prompt_tokens)
+    return GenerateCall(request_id, prompt, params, req.truncate_prompt_tokens)
 
 
 _FINISH_TO_PB = {

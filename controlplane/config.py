@@ -22,6 +22,8 @@ class ControlPlaneConfig:
     shutdown_grace: float = 10.0  # seconds in-flight streams get to finish on SIGTERM
     max_prefill_tokens_with_decode: int | None = None  # cap on prefill tokens in steps that also decode
     stream_interval: int = 1  # tokens per streamed message (fewer messages at high load)
+    metrics_port: int | None = None  # Prometheus /metrics over HTTP on this port (0: any free one); None: off
+    metrics_host: str | None = None  # default: the host of listen (127.0.0.1 for a unix socket)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_tokens_with_decode"):
@@ -32,5 +34,7 @@ class ControlPlaneConfig:
             raise ValueError(f"stream_interval must be > 0, got {self.stream_interval}")
         if self.max_waiting_requests <= 0:
             raise ValueError("max_waiting_requests must be > 0")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.max_logprobs < 0:
             raise ValueError("max_logprobs must be >= 0")

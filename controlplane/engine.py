@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import uuid
+import time
 from dataclasses import replace
 from collections.abc import AsyncIterator
 
@@ -20,6 +20,7 @@ from twinplane.controlplane.block_manager import BlockManager
 from twinplane.controlplane.config import ControlPlaneConfig
 from twinplane.controlplane.dataplane_client import DataPlaneClient, DataPlaneLost
 from twinplane.controlplane.errors import InvalidRequest, NotReady, Overloaded, ServiceError, StepFailed
+from twinplane.controlplane.metrics import EngineMetrics
 from twinplane.controlplane.plan_codec import decode_result, encode_plan
 from twinplane.controlplane.request_state import RequestState
 from twinplane.controlplane.scheduler import Scheduler, SchedulerConfig
@@ -28,6 +29,7 @@ from twinplane.controlplane.tokenizer import TemplateError, Tokenizer
 from twinplane.proto import dataplane_pb2 as dp
 
 log = logging.getLogger("twinplane.controlplane")
+request_log = logging.getLogger("twinplane.controlplane.requests")  # one line per finished request
 RECONNECT_DELAY = 0.5  # seconds between attempts to reach a data plane
 RECONNECT_TIMEOUT = 2.0  # seconds one attempt waits for the data plane to answer
 
@@ -50,6 +52,7 @@ class Engine:
         self._seq_ids = itertools.count(1)
         self._loop_task: asyncio.Task | None = None
         self.stats = {"steps": 0, "idle_us": 0, "execute_us": 0, "computed_tokens": 0}
+        self.metrics = EngineMetrics()
         self.on_readiness: list = []  # callbacks(bool), e.g. the health service
         self._deferred: list = []  # the last step's tokens, streamed while the next step runs
 
@@ -174,16 +177,17 @@ class Engine:
 
     def add(self, call: GenerateCall) -> RequestState:
         """Queues a validated request (call after wait_ready); returns its state."""
+        arrival_time = time.monotonic()
         self._check_room()
         sched = self.scheduler
-        request_id = call.request_id or uuid.uuid4().hex
+        request_id = call.request_id
         if request_id in self.requests:
             raise InvalidRequest(f"request_id {request_id!r} is already in flight")
         prompt = self._prompt_tokens(call)
         params = self._resolve_max_tokens(call.params, len(prompt))
         seq = Sequence(next(self._seq_ids), request_id, prompt, params)
         state = RequestState(seq, self.tokenizer, frozenset(self.describe.eos_token_ids), self.limits.max_model_len,
-                             self.config.stream_interval)
+                             self.config.stream_interval, self.metrics, arrival_time)
         self.requests[request_id] = state
         sched.add(seq)
         self.wakeup.set()
@@ -222,11 +226,14 @@ class Engine:
         self.scheduler.finish(state.seq)
         self.requests.pop(state.seq.request_id, None)
         state.emit(reason)
+        self.metrics.request_finished(reason, time.monotonic() - state.arrival_time)
+        request_log.info(state.summary(reason.value))
 
     def _fail(self, state: RequestState, error: ServiceError) -> None:
         self.scheduler.finish(state.seq)
         self.requests.pop(state.seq.request_id, None)
         state.fail(error)
+        request_log.info(state.summary(f"error:{error.code_name}"))
 
     # ---- the step loop ------------------------------------------------------------------
 
@@ -278,6 +285,7 @@ class Engine:
         self.stats["idle_us"] += tokens.idle_us
         self.stats["execute_us"] += tokens.execute_us
         self.stats["computed_tokens"] += out.num_batched_tokens
+        self.metrics.dataplane_step.observe((tokens.prepare_us + tokens.execute_us) * 1e-6)
         recorded = []
         for seq, token, index, position in self.scheduler.update(out, tokens.token_ids):
             state = self.requests.get(seq.request_id)

@@ -12,6 +12,7 @@ import grpc
 from twinplane.controlplane.auth import ApiKeyInterceptor
 from twinplane.controlplane.config import ControlPlaneConfig
 from twinplane.controlplane.engine import Engine
+from twinplane.controlplane.metrics import metrics_host, registry_for, serve_metrics
 from twinplane.controlplane.server import create_server
 
 log = logging.getLogger("twinplane.controlplane")
@@ -41,12 +42,23 @@ class ControlPlane:
         interceptors = [ApiKeyInterceptor(security.api_key)] if security.api_key else []
         self.server, self.port = create_server(self.engine, config.listen, max_message_bytes=config.max_message_bytes,
                                                credentials=security.credentials(), interceptors=interceptors)
+        self.metrics_registry = registry_for(self.engine)
+        self.metrics_server = None  # the HTTP server of /metrics, once started
         self._start_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.server.start()
+        if self.config.metrics_port is not None:
+            host = self.config.metrics_host or metrics_host(self.config.listen)
+            self.metrics_server = serve_metrics(self.metrics_registry, host, self.config.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", host, self.metrics_port)
         # health says NOT_SERVING until the data plane is ready
         self._start_task = asyncio.create_task(self.engine.start())
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port /metrics is served on (the one the OS chose for port 0), or None."""
+        return self.metrics_server.server_port if self.metrics_server else None
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         await asyncio.wait_for(self.engine.ready.wait(), timeout)
@@ -59,6 +71,9 @@ class ControlPlane:
         if self._start_task is not None and not self._start_task.done():
             self._start_task.cancel()
         await self.engine.stop()
+        if self.metrics_server is not None:
+            await asyncio.to_thread(self.metrics_server.shutdown)
+            self.metrics_server.server_close()
 
 
 async def serve(config: ControlPlaneConfig, security: Security = Security()) -> None:

@@ -83,6 +83,7 @@ class StepTokens:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     idle_us: int = 0
     execute_us: int = 0
+    prepare_us: int = 0
 
 
 def decode_result(res: dp.StepResult) -> StepTokens:
@@ -95,4 +96,5 @@ def decode_result(res: dp.StepResult) -> StepTokens:
         for i, (token_id, value) in enumerate(zip(token_ids, values)):
             ids, lps = top.get(i, ([], []))
             logprobs.append(TokenLogprobs(token_id, value, list(zip(ids, lps))))
-    return StepTokens(token_ids, logprobs, res.timings.idle_us, res.timings.execute_us)
+    t = res.timings
+    return StepTokens(token_ids, logprobs, t.idle_us, t.execute_us, t.prepare_us)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from twinplane.controlplane.api import RequestOutput, TokenLogprobs
 from twinplane.controlplane.detokenizer import IncrementalDetokenizer
 from twinplane.controlplane.errors import ServiceError
+from twinplane.controlplane.metrics import EngineMetrics
 from twinplane.controlplane.sequence import FinishReason, Sequence
 from twinplane.controlplane.tokenizer import Tokenizer
 
@@ -15,8 +17,12 @@ class RequestState:
     """A sequence plus everything needed to turn its tokens into a stream."""
 
     def __init__(self, seq: Sequence, tokenizer: Tokenizer | None, eos_token_ids: frozenset[int],
-                 max_model_len: int, stream_interval: int = 1):
+                 max_model_len: int, stream_interval: int, metrics: EngineMetrics, arrival_time: float):
         self.seq = seq
+        self.metrics = metrics
+        self.arrival_time = arrival_time  # time.monotonic() when the request arrived
+        self.first_token_time: float | None = None  # when the first token was streamed
+        self.last_token_time = 0.0  # when the latest message with tokens was streamed
         self.stream_interval = stream_interval  # tokens per message (the last message may hold fewer)
         params = seq.params
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
@@ -81,8 +87,31 @@ class RequestState:
             out.completion_tokens = seq.num_output_tokens
             out.cached_prompt_tokens = seq.num_cached_tokens
             self.finished = True
+        if out.token_ids:
+            self._count_streamed(len(out.token_ids))
         self.outputs.put_nowait(out)
         self.pending = self._new_output()
+
+    def _count_streamed(self, num_tokens: int) -> None:
+        """Times a message of num_tokens tokens: the first one gives the time to first token, each
+        later one num_tokens inter-token latencies of (time since the previous message) / num_tokens."""
+        metrics, now = self.metrics, time.monotonic()
+        if self.first_token_time is None:
+            self.first_token_time = now
+            metrics.prompt_tokens += self.seq.num_prompt_tokens
+            metrics.time_to_first_token.observe(now - self.arrival_time)
+        else:
+            metrics.inter_token_latency.observe((now - self.last_token_time) / num_tokens, num_tokens)
+        self.last_token_time = now
+        metrics.generation_tokens += num_tokens
+
+    def summary(self, outcome: str) -> str:
+        """The request's one log line, written when it ends."""
+        seq, now = self.seq, time.monotonic()
+        ttft = "-" if self.first_token_time is None else f"{self.first_token_time - self.arrival_time:.4f}s"
+        return (f"request finished: id={seq.request_id!r} reason={outcome} prompt_tokens={seq.num_prompt_tokens} "
+                f"output_tokens={seq.num_output_tokens} cached_tokens={seq.num_cached_tokens} "
+                f"ttft={ttft} total={now - self.arrival_time:.4f}s")
 
     def fail(self, error: ServiceError) -> None:
         self.finished = True

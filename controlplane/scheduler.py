@@ -80,6 +80,8 @@ class Scheduler:
         self.dropped_seq_ids: list[int] = []  # to tell the data plane in the next plan
         self.step_id = 0
         self.num_preemptions = 0  # since start, for stats
+        self.num_prefix_cache_queries = 0  # tokens looked up in the prefix cache at admission, since start
+        self.num_prefix_cache_hits = 0  # of those, tokens found there
         self._preempted_now: set[int] = set()  # preempted during the current schedule()
 
     def has_work(self) -> bool:
@@ -148,6 +150,9 @@ class Scheduler:
             self.block_manager.allocate(seq, cached, num_tokens)
             if first_admission:
                 seq.num_cached_tokens = seq.num_computed_tokens
+            if self.block_manager.enable_prefix_caching:
+                self.num_prefix_cache_queries += seq.num_tokens
+                self.num_prefix_cache_hits += seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunks.append(self._chunk(seq, num_tokens))

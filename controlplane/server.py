@@ -15,7 +15,8 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from twinplane.controlplane.api import generate_call_from_pb, output_to_pb, prompt_from_pb
+from twinplane.controlplane.api import (REQUEST_ID_HEADER, generate_call_from_pb, output_to_pb, prompt_from_pb,
+                                        request_id_header_value)
 from twinplane.controlplane.engine import Engine
 from twinplane.controlplane.errors import InvalidRequest, ServiceError
 from twinplane.proto import generation_pb2 as pb
@@ -102,9 +103,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         engine = self.engine
         await engine.wait_ready(queued=True)
-        state = engine.add(generate_call_from_pb(request, engine.limits))
+        header = dict(context.invocation_metadata() or ()).get(REQUEST_ID_HEADER)
+        state = engine.add(generate_call_from_pb(request, engine.limits, header))
         # cancelled, deadline passed or connection lost: free the blocks now, not when the handler unwinds
         context.add_done_callback(lambda _: engine.abort(state))
+        await context.send_initial_metadata(((REQUEST_ID_HEADER, request_id_header_value(state.seq.request_id)),))
         async for out in engine.outputs(state):
             yield output_to_pb(out)
 

@@ -64,3 +64,22 @@ def test_health_fails_on_a_dead_address(tmp_path):
         result = _health(address)
         assert result.returncode == 1
         assert f"{address} is UNAVAILABLE" in result.stderr
+
+
+def test_metrics_flags_reach_the_control_plane_config():
+    from twinplane.clients.cli import _controlplane, build_parser
+
+    args = build_parser().parse_args(["controlplane", "--metrics-port", "9400", "--metrics-host", "0.0.0.0"])
+    config, _ = _controlplane(args, args.dataplane, None)
+    assert (config.metrics_port, config.metrics_host) == (9400, "0.0.0.0")
+
+
+def test_log_level_on_each_plane_and_passed_on_to_the_data_plane():
+    from twinplane.clients.cli import _dataplane_child, build_parser
+
+    assert build_parser().parse_args(["controlplane", "--log-level", "debug"]).log_level == "DEBUG"
+    assert build_parser().parse_args(["--log-level", "error", "dataplane"]).log_level == "ERROR"
+    assert build_parser().parse_args(["dataplane"]).log_level is None  # main() picks INFO for servers
+    for command in (["serve", "--log-level", "warning"], ["run", "hi", "--log-level", "warning"]):
+        child = _dataplane_child(build_parser().parse_args(command), "unix:///tmp/dp.sock")
+        assert child.command[child.command.index("--log-level") + 1] == "WARNING"

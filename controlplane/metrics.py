@@ -1,0 +1,159 @@
+"""Prometheus metrics of the control plane, on a registry of each server's own.
+
+The step loop only bumps plain numbers (ints and bucket counts, a few hundred
+nanoseconds per streamed message); prometheus_client turns them into the text
+format when /metrics is scraped, on its HTTP server's thread. Gauges (running,
+waiting, KV usage) and the scheduler's counters are read at scrape time. Only the
+event loop writes, and the scrape copies each list before it reads it, so no lock
+is needed.
+
+Names follow vLLM's (``vllm:`` becomes ``twinplane:``) where the meaning is the same.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
+
+from twinplane.controlplane.sequence import FinishReason
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from twinplane.controlplane.engine import Engine
+
+PREFIX = "twinplane:"
+# Bucket upper bounds, in seconds.
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+INTER_TOKEN_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
+                       0.25, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0)
+STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Histogram:
+    """Bucket counts and a sum; observe() is one bisect and two additions."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # per bucket (not cumulative); the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float, count: int = 1) -> None:
+        """Records value count times."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += count
+        self.sum += value * count
+
+    def family(self, name: str, documentation: str) -> HistogramMetricFamily:
+        counts, total = list(self.counts), self.sum
+        cumulative, buckets = 0, []
+        for bound, count in zip((*self.bounds, math.inf), counts):
+            cumulative += count
+            buckets.append((floatToGoString(bound), cumulative))
+        return HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=total)
+
+
+class EngineMetrics:
+    """What the step loop counts as requests stream and finish."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0  # counted when a request's first token goes out (its prefill is done)
+        self.generation_tokens = 0  # counted as streamed
+        self.finished = dict.fromkeys(FinishReason, 0)  # every label exists from the start
+        self.time_to_first_token = Histogram(TTFT_BUCKETS)
+        self.inter_token_latency = Histogram(INTER_TOKEN_BUCKETS)
+        self.e2e_request_latency = Histogram(E2E_BUCKETS)
+        self.dataplane_step = Histogram(STEP_BUCKETS)
+
+    def request_finished(self, reason: FinishReason, seconds: float) -> None:
+        self.finished[reason] += 1
+        self.e2e_request_latency.observe(seconds)
+
+
+class EngineCollector:
+    """Reads an engine's numbers into Prometheus metric families at scrape time."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._gauges()
+        yield from self._counters()
+        yield from self._histograms()
+
+    def _gauges(self) -> Iterator[Metric]:
+        engine, sched = self.engine, self.engine.scheduler
+        running = len(sched.running) if sched else 0
+        waiting = engine.num_waiting_ready + (len(sched.waiting) if sched else 0)
+        usage = 0.0
+        if sched is not None:
+            bm = sched.block_manager
+            usage = min(1.0, max(0.0, 1.0 - bm.num_free_blocks / bm.num_blocks))
+        yield GaugeMetricFamily(f"{PREFIX}num_requests_running", "Requests holding KV blocks and scheduled "
+                                "every step.", value=running)
+        yield GaugeMetricFamily(f"{PREFIX}num_requests_waiting", "Requests queued for admission (including "
+                                "preempted ones and those waiting for a data plane).", value=waiting)
+        yield GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc", "Share of KV-cache blocks held by requests "
+                                "(0 to 1).", value=usage)
+
+    def _counters(self) -> Iterator[Metric]:
+        m, sched = self.engine.metrics, self.engine.scheduler
+
+        def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(f"{PREFIX}{name}", documentation, value=value)
+
+        yield counter("prefix_cache_queries", "Tokens looked up in the prefix cache at admission.",
+                      sched.num_prefix_cache_queries if sched else 0)
+        yield counter("prefix_cache_hits", "Tokens found in the prefix cache at admission.",
+                      sched.num_prefix_cache_hits if sched else 0)
+        yield counter("num_preemptions", "Sequences preempted (KV blocks freed, recomputed later).",
+                      sched.num_preemptions if sched else 0)
+        yield counter("prompt_tokens", "Prompt tokens of requests that produced a first token.", m.prompt_tokens)
+        yield counter("generation_tokens", "Tokens generated and streamed.", m.generation_tokens)
+        success = CounterMetricFamily(f"{PREFIX}request_success", "Requests finished, by finish reason.",
+                                      labels=["finished_reason"])
+        for reason, count in list(m.finished.items()):
+            success.add_metric([reason.value], count)
+        yield success
+
+    def _histograms(self) -> Iterator[Metric]:
+        m = self.engine.metrics
+        yield m.time_to_first_token.family(f"{PREFIX}time_to_first_token_seconds",
+                                           "Seconds from admission to the first streamed token.")
+        yield m.inter_token_latency.family(f"{PREFIX}inter_token_latency_seconds",
+                                           "Seconds between streamed tokens (a message's gap over its tokens).")
+        yield m.e2e_request_latency.family(f"{PREFIX}e2e_request_latency_seconds",
+                                           "Seconds from admission to the end of a request.")
+        yield m.dataplane_step.family(f"{PREFIX}dataplane_step_seconds",
+                                      "Seconds the data plane spent on one step (plan decoding, forward, sampling).")
+
+
+def registry_for(engine: Engine) -> CollectorRegistry:
+    """A registry of this engine's metrics alone (not the process-wide default one)."""
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine))
+    return registry
+
+
+def metrics_host(listen: str) -> str:
+    """The host of a TCP listen address ("[::]:50051" -> "::"); 127.0.0.1 for a unix socket."""
+    if listen.startswith("unix:"):
+        return "127.0.0.1"
+    return listen.rpartition(":")[0].strip("[]") or "127.0.0.1"
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> WSGIServer:
+    """Serves registry over HTTP (/metrics) on its own daemon thread; port 0 lets the OS choose."""
+    try:
+        server, _ = start_http_server(port, host, registry)
+    except OSError as exc:
+        raise OSError(f"cannot serve metrics on {host}:{port}: {exc}") from exc
+    return server

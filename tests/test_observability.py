@@ -1,0 +1,151 @@
+"""Prometheus metrics on /metrics and the per-request log line, through both planes."""
+
+from __future__ import annotations
+
+import logging
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.test_e2e_reference import random_prompts
+from twinplane.clients.messages import build_request
+from twinplane.controlplane.metrics import metrics_host
+from twinplane.proto import generation_pb2_grpc as pb_grpc
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def planes(tiny_qwen3_dir, tmp_path_factory):
+    from tests.conftest import Planes
+
+    planes = Planes(tmp_path_factory.mktemp("observability"), tiny_qwen3_dir, ("--block-size", "16"),
+                    metrics_port=0).start()
+    yield planes
+    planes.stop()
+
+
+def scrape(planes) -> dict[str, float]:
+    """Every sample of /metrics, keyed by name and labels: 'name{label="value"}'."""
+    url = f"http://127.0.0.1:{planes.plane.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
+
+
+def growth(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    return after[f"twinplane:{name}"] - before[f"twinplane:{name}"]
+
+
+def test_metrics_move_during_and_after_a_generation(planes):
+    prompt = random_prompts(1, seed=31, low=40, high=40)[0]
+    before = scrape(planes)
+    with planes.client() as client:
+        chunks = iter(client.generate(token_ids=prompt, max_tokens=400, **GREEDY))
+        first = next(chunks)
+        during = scrape(planes)
+        rest = list(chunks)
+    after = scrape(planes)
+    usage = rest[-1].usage
+    assert first.token_ids and usage.completion_tokens == 400
+
+    assert during["twinplane:num_requests_running"] == 1
+    assert 0 < during["twinplane:kv_cache_usage_perc"] <= 1
+    assert after["twinplane:num_requests_running"] == 0 and after["twinplane:num_requests_waiting"] == 0
+    assert after["twinplane:kv_cache_usage_perc"] == 0  # every block freed (cached ones are reusable)
+
+    assert growth(before, after, "prompt_tokens_total") == usage.prompt_tokens == 40
+    assert growth(before, after, "generation_tokens_total") == usage.completion_tokens
+    assert growth(before, after, 'request_success_total{finished_reason="length"}') == 1
+    assert growth(before, after, 'request_success_total{finished_reason="stop_token"}') == 0
+    assert growth(before, after, "time_to_first_token_seconds_count") == 1
+    assert growth(before, after, "e2e_request_latency_seconds_count") == 1
+    assert growth(before, after, "inter_token_latency_seconds_count") == usage.completion_tokens - 1
+    assert growth(before, after, "dataplane_step_seconds_count") >= usage.completion_tokens
+    assert growth(before, after, "e2e_request_latency_seconds_sum") >= growth(
+        before, after, "time_to_first_token_seconds_sum") > 0
+    # a histogram's +Inf bucket holds every observation
+    assert after['twinplane:e2e_request_latency_seconds_bucket{le="+Inf"}'] == \
+        after["twinplane:e2e_request_latency_seconds_count"]
+
+
+def test_prefix_cache_counters_count_tokens(planes):
+    prompt = random_prompts(1, seed=32, low=100, high=100)[0]
+    before = scrape(planes)
+    with planes.client() as client:
+        usages = [list(client.generate(token_ids=prompt, max_tokens=4, **GREEDY))[-1].usage for _ in range(2)]
+    after = scrape(planes)
+    assert [u.cached_prompt_tokens for u in usages] == [0, 96]  # six full blocks of 16 on the second time
+    assert growth(before, after, "prefix_cache_hits_total") == 96
+    assert growth(before, after, "prefix_cache_queries_total") == 200
+    assert growth(before, after, "num_preemptions_total") == 0
+
+
+def test_success_counter_is_labelled_with_the_finish_reason(planes):
+    prompt = random_prompts(1, seed=33, low=20, high=20)[0]
+    with planes.client() as client:
+        first_token = list(client.generate(token_ids=prompt, max_tokens=1, **GREEDY))[0].token_ids[0]
+        before = scrape(planes)
+        final = list(client.generate(token_ids=prompt, max_tokens=8, stop_token_ids=[first_token],
+                                     temperature=0))[-1]
+    after = scrape(planes)
+    assert final.finish_reason == "stop_token"
+    assert growth(before, after, 'request_success_total{finished_reason="stop_token"}') == 1
+    assert growth(before, after, 'request_success_total{finished_reason="length"}') == 0
+
+
+def generate_with_metadata(planes, metadata, **kwargs):
+    """Runs Generate on the raw stub; returns (responses, initial metadata as a dict)."""
+    with grpc.insecure_channel(planes.address) as channel:
+        call = pb_grpc.GenerationStub(channel).Generate(build_request(**kwargs), metadata=metadata, timeout=60)
+        responses = list(call)
+        return responses, dict(call.initial_metadata())
+
+
+def test_request_id_from_metadata_is_echoed_and_logged(planes, caplog):
+    caplog.set_level(logging.INFO, logger="twinplane.controlplane.requests")
+    prompt = random_prompts(1, seed=34, low=20, high=20)[0]
+    responses, echoed = generate_with_metadata(planes, (("x-request-id", "abc-123"),),
+                                               token_ids=prompt, max_tokens=7, **GREEDY)
+    assert echoed["x-request-id"] == "abc-123"
+    assert {r.request_id for r in responses} == {"abc-123"}
+    usage = responses[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (20, 7)
+    lines = [r.getMessage() for r in caplog.records if "'abc-123'" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "reason=length prompt_tokens=20 output_tokens=7 cached_tokens=0 ttft=" in lines[0]
+    assert "total=" in lines[0]
+
+
+def test_request_id_without_metadata_is_echoed(planes):
+    prompt = random_prompts(1, seed=35, low=5, high=5)[0]
+    responses, echoed = generate_with_metadata(planes, (), token_ids=prompt, max_tokens=2, **GREEDY)
+    assert len(echoed["x-request-id"]) == 32 and {r.request_id for r in responses} == {echoed["x-request-id"]}
+    # the request's own field wins over the header
+    responses, echoed = generate_with_metadata(planes, (("x-request-id", "from-header"),), request_id="from-field",
+                                               token_ids=prompt, max_tokens=2, **GREEDY)
+    assert echoed["x-request-id"] == "from-field" == responses[-1].request_id
+    # characters a metadata value cannot hold are percent-encoded in the echo
+    responses, echoed = generate_with_metadata(planes, (), request_id="é\x1c 1", token_ids=prompt, max_tokens=2,
+                                               **GREEDY)
+    assert echoed["x-request-id"] == "%C3%A9%1C%201" and responses[-1].request_id == "é\x1c 1"
+
+
+def test_too_long_request_id_header_is_refused(planes):
+    with pytest.raises(grpc.RpcError) as info:
+        generate_with_metadata(planes, (("x-request-id", "x" * 300),), token_ids=[5, 6], max_tokens=2)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "x-request-id must be at most 256 characters" in info.value.details()
+
+
+def test_metrics_bind_to_the_listen_host():
+    assert metrics_host("unix:///tmp/cp.sock") == "127.0.0.1"
+    assert metrics_host("0.0.0.0:50051") == "0.0.0.0"
+    assert metrics_host("[::1]:50051") == "::1"
