@@ -61,8 +61,8 @@ def test_documented_defaults_match_the_parsers(parser):
     rows = table_rows()
     wrong = set()
     for action in documented_options(parser):
-        if action.default in (None, False):  # no default, or a switch that is off: described in words
-            continue
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+            continue  # no default, or a switch that is off: described in words
         cells = [rest for flags, rest in rows if flags & set(action.option_strings)]
         if not any(f"`{action.default}`" in rest for rest in cells):
             wrong.add(f"{action.option_strings[0]} (default {action.default!r})")
