@@ -46,6 +46,7 @@ class Engine:
         self.ready = asyncio.Event()  # a data plane is connected
         self.wakeup = asyncio.Event()  # new work arrived, or the data plane was lost
         self.stopping = asyncio.Event()  # set once the engine stops accepting requests
+        self.crashed = asyncio.Event()  # the step loop died of an unexpected error (logged)
         self.accepting = True
         self.num_waiting_ready = 0  # requests waiting for a data plane (they count as waiting)
         self.dataplane.on_lost = self._on_dataplane_lost
@@ -161,7 +162,7 @@ class Engine:
             return
         self.num_waiting_ready += queued
         try:
-            await _first_of(self.ready, self.stopping)
+            await first_of(self.ready, self.stopping)
         finally:
             self.num_waiting_ready -= queued
         if not self.accepting:
@@ -238,6 +239,14 @@ class Engine:
     # ---- the step loop ------------------------------------------------------------------
 
     async def _run(self) -> None:
+        try:
+            await self._step_loop()
+        except Exception:
+            log.critical("the control plane's engine stopped on an unexpected error", exc_info=True)
+            self.crashed.set()
+            raise
+
+    async def _step_loop(self) -> None:
         """Plans step N+1 before step N's result is back, so the data plane always has the next
         step queued: send N+1, stream the outputs of N-1, then receive and apply N."""
         await self._connect()
@@ -340,7 +349,7 @@ class Engine:
                 await asyncio.sleep(RECONNECT_DELAY)
 
 
-async def _first_of(*events: asyncio.Event) -> None:
+async def first_of(*events: asyncio.Event) -> None:
     """Waits until any of events is set."""
     waiters = [asyncio.ensure_future(e.wait()) for e in events]
     try:

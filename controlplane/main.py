@@ -11,7 +11,7 @@ import grpc
 
 from twinplane.controlplane.auth import ApiKeyInterceptor
 from twinplane.controlplane.config import ControlPlaneConfig
-from twinplane.controlplane.engine import Engine
+from twinplane.controlplane.engine import Engine, first_of
 from twinplane.controlplane.metrics import metrics_host, registry_for, serve_metrics
 from twinplane.controlplane.server import create_server
 
@@ -85,6 +85,9 @@ async def serve(config: ControlPlaneConfig, security: Security = Security()) -> 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await first_of(stop, plane.engine.crashed)
+    if plane.engine.crashed.is_set():  # e.g. an unreadable tokenizer folder: say so and exit, don't hang
+        await plane.shutdown(grace=0.0)
+        raise SystemExit("the control plane stopped: its engine failed (see the error above)")
     log.info("shutting down: in-flight requests get %.1f s", config.shutdown_grace)
     await plane.shutdown()

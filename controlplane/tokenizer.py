@@ -38,6 +38,9 @@ class Tokenizer:
     def __init__(self, folder: str | Path):
         folder = Path(folder)
         self.folder = folder
+        if not (folder / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {folder}: point --tokenizer at the model's tokenizer "
+                                    "files (tokenizer.json, tokenizer_config.json)")
         self._tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
         config_path = folder / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}

@@ -128,8 +128,9 @@ class Planes:
     def stop(self) -> None:
         if self.plane is not None:
             self.call(self.plane.shutdown(grace=0))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        if self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
         if self.dataplane is not None and self.dataplane.poll() is None:
             self.dataplane.terminate()
             self.dataplane.wait(30)

@@ -83,3 +83,19 @@ def test_log_level_on_each_plane_and_passed_on_to_the_data_plane():
     for command in (["serve", "--log-level", "warning"], ["run", "hi", "--log-level", "warning"]):
         child = _dataplane_child(build_parser().parse_args(command), "unix:///tmp/dp.sock")
         assert child.command[child.command.index("--log-level") + 1] == "WARNING"
+
+
+def test_controlplane_exits_with_the_reason_when_its_engine_fails(tiny_qwen3_dir, tmp_path):
+    """An unreadable tokenizer folder is found only once the data plane answers: the process must
+    say why and exit non-zero (so a supervisor restarts it), not stay NOT_SERVING for ever."""
+    planes = Planes(tmp_path, tiny_qwen3_dir, ("--block-size", "16", "--max-model-len", "512"))
+    empty = tmp_path / "no-tokenizer"
+    empty.mkdir()
+    try:
+        planes.start_dataplane()
+        result = subprocess.run([*CLI, "controlplane", "--dataplane", planes.dp_address, "--listen", "127.0.0.1:0",
+                                 "--tokenizer", str(empty)], capture_output=True, text=True, timeout=180)
+    finally:
+        planes.stop()
+    assert result.returncode != 0
+    assert "engine stopped on an unexpected error" in result.stderr and str(empty) in result.stderr, result.stderr[-2000:]

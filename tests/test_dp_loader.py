@@ -102,3 +102,15 @@ def test_checkpoint_problems_raise(tmp_path: Path) -> None:
     save_file({"model.norm.weight": torch.ones(64)}, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match="unset"):
         load_model(str(folder), torch.float32, CPU)
+
+
+def test_a_missing_attention_package_says_what_to_install() -> None:
+    import importlib.util
+
+    from twinplane.dataplane.attention_backends import get_attention_backend
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is installed here")
+    with pytest.raises(ValueError, match=r"'flash_attn_4' cannot be loaded: .*twinplane\[gpu\]"):
+        get_attention_backend("flash_attn_4", "cuda")
+    assert get_attention_backend("auto", "cpu").name == "torch"

@@ -51,7 +51,13 @@ def get_attention_backend(name: str, device_type: str, half_precision: bool = Tr
         raise ValueError(f"no attention backend available on {device_type}")
     if name not in _FACTORIES:
         raise ValueError(f"attention backend {name!r} is not available; available: {sorted(_FACTORIES)}")
-    return _FACTORIES[name]()
+    try:
+        return _FACTORIES[name]()
+    except ImportError as exc:
+        extra = {"flash_attn_4": "gpu", "flash_attn_2": "gpu-fa2"}.get(name)
+        hint = f" (pip install 'twinplane[{extra}]')" if extra else ""
+        raise ValueError(f"attention backend {name!r} cannot be loaded: {exc}{hint}; "
+                         "--attention-backend auto picks one that is installed") from exc
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "TorchAttentionBackend", "get_attention_backend"]
