@@ -99,7 +99,8 @@ def test_planes_meet_on_a_socket_in_a_shared_volume_and_see_the_same_model_paths
 
 
 def test_public_api_on_port_50051_of_loopback_by_default(services):
-    assert services["controlplane"]["ports"] == ["127.0.0.1:50051:50051/tcp"]
+    assert services["controlplane"]["ports"] == ["127.0.0.1:50051:50051/tcp", "127.0.0.1:9400:9400/tcp"]
+    assert _args(services["controlplane"]).metrics_port == 9400
     assert _args(services["controlplane"]).listen == "0.0.0.0:50051"
 
 
@@ -109,7 +110,7 @@ def test_variables_reach_the_commands():
     dataplane = _args(resolved["dataplane"])
     assert (dataplane.model, dataplane.tensor_parallel_size) == ("/models/Qwen3-0.6B", 2)
     assert resolved["controlplane"]["environment"]["TWINPLANE_API_KEY"] == "k"
-    assert resolved["controlplane"]["ports"] == ["0.0.0.0:50051:50051/tcp"]
+    assert resolved["controlplane"]["ports"] == ["0.0.0.0:50051:50051/tcp", "0.0.0.0:9400:9400/tcp"]
 
 
 def test_both_files_run_the_same_control_plane():

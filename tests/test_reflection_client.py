@@ -99,7 +99,8 @@ def test_readme_grpcurl_commands_work_through_reflection(loopback_planes):
             results[argv[-1]] = client.call(argv[-1], body)
 
     assert set(results) == {"list", "twinplane.v1.Generation/Generate", "twinplane.v1.Generation/Tokenize",
-                            "twinplane.v1.Generation/GetModelInfo", "grpc.health.v1.Health/Check"}
+                            "twinplane.v1.Generation/GetModelInfo", "twinplane.v1.Generation/GetStats",
+                            "grpc.health.v1.Health/Check"}
     assert "twinplane.v1.Generation" in results["list"]
     generated = results["twinplane.v1.Generation/Generate"]
     assert generated[-1]["finish_reason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_STOP_TOKEN")
@@ -109,3 +110,4 @@ def test_readme_grpcurl_commands_work_through_reflection(loopback_planes):
             python_client.tokenize("Hello world"))
     assert results["twinplane.v1.Generation/GetModelInfo"][0]["vocab_size"] == 49152
     assert results["grpc.health.v1.Health/Check"] == [{"status": "SERVING"}]
+    assert int(results["twinplane.v1.Generation/GetStats"][0]["steps"]) > 0
