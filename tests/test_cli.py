@@ -99,3 +99,31 @@ def test_controlplane_exits_with_the_reason_when_its_engine_fails(tiny_qwen3_dir
         planes.stop()
     assert result.returncode != 0
     assert "engine stopped on an unexpected error" in result.stderr and str(empty) in result.stderr, result.stderr[-2000:]
+
+
+def test_a_data_plane_that_keeps_failing_is_restarted_with_growing_delays(monkeypatch):
+    import asyncio
+
+    from twinplane.clients import launcher
+
+    delays: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def no_wait(seconds: float) -> None:
+        delays.append(seconds)
+        await real_sleep(0)
+
+    monkeypatch.setattr(launcher.asyncio, "sleep", no_wait)
+    child = launcher.DataPlaneProcess([])
+    child.command = [sys.executable, "-c", "raise SystemExit(3)"]  # exits at once, like a bad model path
+
+    async def run() -> None:
+        child.start()
+        watching = asyncio.create_task(child.watch())
+        while child.restarts < 8:
+            await real_sleep(0.05)
+        child.stop()
+        await asyncio.gather(watching, return_exceptions=True)
+
+    asyncio.run(asyncio.wait_for(run(), 60))
+    assert delays[:8] == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
