@@ -25,7 +25,7 @@ def serve(config: DataPlaneConfig, listen: str, token: str | None = None) -> Non
 
         workers = TensorParallelWorkers(config)  # spawns ranks 1..N-1; this process becomes rank 0
     runner = ModelRunner(config)
-    server, _ = create_server(runner, listen, token, workers)
+    server, _, servicer = create_server(runner, listen, token, workers)
     server.start()
     desc = runner.describe()
     log.info("data plane ready on %s: %s, %s, %d KV blocks of %d tokens, attention %s",
@@ -35,7 +35,5 @@ def serve(config: DataPlaneConfig, listen: str, token: str | None = None) -> Non
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     server.stop(grace=2.0).wait()
-    if workers is not None:
-        workers.stop()
-    runner.close()
+    servicer.close()  # waits for a Step stream's last launch, then stops the workers and the runner
     log.info("data plane stopped")

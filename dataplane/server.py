@@ -47,6 +47,20 @@ class DataPlaneServicer(dp_grpc.DataPlaneServicer):
         self._authorize(context)
         return describe_to_pb(self.runner.describe())
 
+    def close(self, timeout: float = 10.0) -> None:
+        """Stops the tensor-parallel workers and releases the runner once no Step stream uses them
+        any more (call after the server stopped: a stream's handler may still be launching a plan)."""
+        idle = self.lock.acquire(timeout=timeout)
+        if not idle:
+            log.warning("a Step stream is still running after %.0f s; releasing the runner anyway", timeout)
+        try:
+            if self.workers is not None:
+                self.workers.stop()
+            self.runner.close()
+        finally:
+            if idle:
+                self.lock.release()
+
     def Reset(self, request, context) -> dp.ResetResponse:
         self._authorize(context)
         with self.lock:
@@ -138,14 +152,17 @@ class _StepPipeline:
             self.events.put(_FINISHED)
 
 
-def create_server(runner, listen: str, token: str | None = None, workers=None) -> tuple[grpc.Server, int]:
-    """Builds the data-plane server (not started); returns it and the bound port (0 for unix sockets)."""
+def create_server(runner, listen: str, token: str | None = None,
+                  workers=None) -> tuple[grpc.Server, int, DataPlaneServicer]:
+    """Builds the data-plane server (not started); returns it, the bound port (0 for unix sockets)
+    and the servicer (whose ``close`` releases the runner after the server stopped)."""
     options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=options)
-    dp_grpc.add_DataPlaneServicer_to_server(DataPlaneServicer(runner, token, workers), server)
+    servicer = DataPlaneServicer(runner, token, workers)
+    dp_grpc.add_DataPlaneServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(listen)
-    return server, port
+    return server, port, servicer

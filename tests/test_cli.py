@@ -17,6 +17,8 @@ def test_run_answers_with_the_embedded_model(smollm2_dir):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Paris" in result.stdout
+    # shutting down while a step planned ahead is still in flight must be quiet
+    assert "Traceback" not in result.stderr and " ERROR " not in result.stderr, result.stderr[-2000:]
 
 
 def test_serve_then_generate_streams_text(smollm2_dir, tmp_path):
