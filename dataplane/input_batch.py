@@ -180,8 +180,9 @@ class InputBatch:
         if len(cols.seq_ids) == 0:
             return None
         rows, undo = self._rows(cols)
+        unknown = cols.token_ids == PENDING
         try:
-            pending = self._check_pending(cols, rows)
+            pending = self._check_pending(cols, rows, unknown)
             positions = self._apply_blocks_and_check(cols, rows)
         except ValueError:
             self._undo(undo)
@@ -189,21 +190,22 @@ class InputBatch:
         for old_row in undo[1].values():  # rows of sequences that were sent again from scratch
             self._free(old_row)
         context = cols.start_pos + cols.num_tokens
-        known = cols.token_ids != PENDING
+        known = ~unknown
         self.tokens[np.repeat(rows, cols.num_tokens)[known], positions[known]] = cols.token_ids[known]
         if pending.any() and not self.plain[rows[pending]].all():
             self.wait_for_tokens()  # penalties read the history, PENDING tokens included
         self.sampled_at[rows[cols.sample]] = self.plan_index
         return self._build(cols, rows, positions, context, pending)
 
-    def _check_pending(self, cols: PlanColumns, rows: np.ndarray) -> np.ndarray:
-        """Which sequences decode a PENDING token; each must have sampled in the previous plan."""
-        pending = cols.token_ids[np.cumsum(cols.num_tokens) - 1] == PENDING
+    def _check_pending(self, cols: PlanColumns, rows: np.ndarray, unknown: np.ndarray) -> np.ndarray:
+        """Which sequences decode a PENDING token (unknown: per token, whether it is PENDING);
+        each must have sampled in the previous plan."""
+        pending = unknown[np.cumsum(cols.num_tokens) - 1]
         if not pending.any():
             return pending
         single = cols.num_tokens[pending] == 1
         sampled_last = self.sampled_at[rows[pending]] == self.plan_index - 1
-        if not (single.all() and sampled_last.all()) or int((cols.token_ids == PENDING).sum()) != int(pending.sum()):
+        if not (single.all() and sampled_last.all()) or int(unknown.sum()) != int(pending.sum()):
             _fail(f"token id {PENDING} (pending) is allowed only as the one token of a sequence that sampled "
                   "in the previous plan")
         return pending

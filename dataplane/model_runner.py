@@ -14,6 +14,7 @@ copy to the host), so the server can launch the next plan before this one's toke
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -87,7 +88,7 @@ class LaunchedStep:
     begin: torch.cuda.Event | None = None  # CUDA: the device reached this step's work
     done: torch.cuda.Event | None = None  # CUDA: ... finished it, tokens copied to the host
     previous_done: torch.cuda.Event | None = None  # CUDA: the step before finished
-    record: object = None  # callback(sampled, token_ids) that stores the tokens in the history
+    record: Callable[[SampledRows, np.ndarray], None] | None = None  # stores the tokens in the history
     _output: StepOutput | None = None
 
     def wait(self) -> None:
@@ -125,15 +126,15 @@ class LaunchedStep:
         return output
 
 
-def _to_host(sampled: SamplerOutput) -> SamplerOutput:
-    """Starts copying a step's sampler output to (pinned) host memory."""
+def _to_host(sampled: SamplerOutput, token_ids: torch.Tensor) -> SamplerOutput:
+    """Starts copying a step's sampler output (token_ids: its ids as int32) to (pinned) host memory."""
     def host(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to("cpu", non_blocking=True)
 
     def host_float(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else host(t.float())
 
-    return SamplerOutput(host(sampled.token_ids.to(torch.int32)), host_float(sampled.logprobs),
+    return SamplerOutput(host(token_ids), host_float(sampled.logprobs),
                          host(sampled.top_ids), host_float(sampled.top_logprobs))
 
 
@@ -272,7 +273,7 @@ class ModelRunner:
             logits = rank_logits.float()
             sampled = self.sampler(logits, inputs.sampling)
             token_ids = sampled.token_ids.to(torch.int32)
-            step.sampler_output = _to_host(sampled)
+            step.sampler_output = _to_host(sampled, token_ids)
             step.sampled, step.num_logprobs = inputs.sampled, inputs.sampling.num_logprobs
             step.record = self.sequences.record_sampled
             if keep_logits:
