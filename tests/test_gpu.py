@@ -1,5 +1,5 @@
-"""GPU data plane (skipped without CUDA): KV writer, FlashAttention logits vs transformers,
-CUDA graphs vs eager, prefix-cache hit vs miss, the real SmolLM2, and TP=2 vs TP=1.
+"""GPU data plane (skipped without CUDA): KV writer, decode attention kernel, FlashAttention
+logits vs transformers, CUDA graphs vs eager, prefix-cache hit vs miss, the real SmolLM2, and TP=2 vs TP=1.
 
 Tolerance for bf16 logits: our forward and transformers' own bf16 forward are both compared
 with transformers in float32 on the same weights; ours must be no further from that reference
@@ -59,6 +59,42 @@ def test_triton_kv_writer_matches_torch(head_dim, kv_heads, block_size):
     store_kv(ks, ks, caches[0], caches[1], slots)
     write_kv_by_slot(ks, ks, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2])
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,num_seqs",
+                         [(16, 8, 128, 256, 3), (32, 8, 128, 16, 5), (16, 4, 128, 128, 40), (9, 3, 64, 32, 200)])
+def test_triton_decode_attention_matches_torch(heads, kv_heads, head_dim, block_size, num_seqs):
+    from twinplane.dataplane.attention_backends.torch_backend import TorchAttentionBackend
+    from twinplane.dataplane.attention_backends.base import AttentionMetadata
+    from twinplane.kernels.decode_attention import decode_splits, paged_decode_attention
+
+    torch.manual_seed(0)
+    max_blocks = -(-2048 // block_size)
+    num_blocks = num_seqs * max_blocks
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    block_tables = torch.randperm(num_blocks, device="cuda").view(num_seqs, max_blocks).to(torch.int32)
+    lens = torch.randint(1, 2048, (num_seqs,))
+    lens[0] = 1  # a single key
+    q = torch.randn(num_seqs, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    metadata = AttentionMetadata(
+        cu_seqlens_q=torch.arange(num_seqs + 1, device="cuda", dtype=torch.int32), cu_seqlens_k=None,
+        context_lens=lens.to("cuda", torch.int32), max_seqlen_q=1, max_seqlen_k=2048, slot_mapping=None,
+        block_tables=block_tables, query_lens_host=[1] * num_seqs, context_lens_host=lens.tolist())
+    scale = head_dim ** -0.5
+    expected = TorchAttentionBackend().forward(q.float(), k_cache.float(), v_cache.float(), metadata, scale)
+    bf16_error = (expected.to(torch.bfloat16).float() - expected).abs().max().item()
+    for splits in sorted({1, 4, decode_splits(num_seqs, kv_heads, q.device)}):
+        out = paged_decode_attention(q, k_cache, v_cache, block_tables, metadata.context_lens, scale,
+                                     num_splits=splits)
+        error = (out.float() - expected).abs().max().item()
+        assert error <= 4 * bf16_error + 1e-3, f"{splits} splits: max error {error} (bf16 rounding {bf16_error})"
+    # rows of a padded CUDA-graph batch have context 0: zeros, and the other rows are unchanged
+    padded = metadata.context_lens.clone()
+    padded[1:] = 0
+    out = paged_decode_attention(q, k_cache, v_cache, block_tables, padded, scale, num_splits=4)
+    assert out[1:].abs().max().item() == 0
+    assert (out[0].float() - expected[0]).abs().max().item() <= 4 * bf16_error + 1e-3
 
 
 @pytest.fixture(scope="module")

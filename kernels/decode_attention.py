@@ -1,0 +1,150 @@
+"""Triton paged attention for decode steps (one query token per sequence), with split-KV.
+
+A decode step reads every sequence's whole K/V context once and does little arithmetic
+with it, so it is bound by memory bandwidth. The kernel is shaped for that:
+
+- One program per (sequence, KV head, split). It loads the queries of all the heads that
+  share the KV head (grouped-query attention) as one small matrix, so each K/V row is read
+  from memory once per step, not once per query head.
+- Split-KV: when the batch is too small to fill the GPU (batch x KV heads programs well
+  under two per SM), each sequence's context is cut into ``num_splits`` ranges that run in
+  parallel (only while batch x KV heads is under the number of SMs: measured on an H200,
+  splitting a batch that already fills the GPU is slower); a second kernel merges their partial outputs by their log-sum-exp. The split
+  count depends only on the batch size, so it is fixed inside a CUDA graph, and every
+  sequence divides its own context at run time.
+
+The cache of one layer is [num_blocks, block_size, kv_heads, head_dim]; ``BLOCK_N`` divides
+``block_size``, so each tile of keys lies in one page. Sequences with context 0 (the
+padding rows of a CUDA graph) produce zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, block_table_ptr, context_lens_ptr, out_ptr, lse_ptr,
+                   scale_log2, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
+                   stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context = tl.load(context_lens_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(context, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, context)
+
+    rows = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + rows
+    row_ok = rows < GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=row_ok[:, None], other=0.0)
+
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    cols = tl.arange(0, BLOCK_N)
+    table = block_table_ptr + seq.to(tl.int64) * stride_bt
+    for n in range(start, end, BLOCK_N):
+        page = tl.load(table + n // PAGE).to(tl.int64)
+        token_ok = n + cols < end
+        offsets = page * stride_kb + (n % PAGE + cols)[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
+        k = tl.load(k_ptr + offsets, mask=token_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.where(token_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + offsets, mask=token_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    has_keys = l > 0
+    out = acc / tl.where(has_keys, l, 1.0)[:, None]
+    out_offsets = split * stride_os + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if NUM_SPLITS > 1:
+        lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
+        tl.store(lse_ptr + split * stride_ls + seq * stride_lt + heads, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(part_ptr, lse_ptr, out_ptr, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                  stride_ot, stride_oh, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, HEAD_DIM)
+    lse = tl.load(lse_ptr + splits * stride_ls + seq * stride_lt + head)
+    top = tl.max(lse, 0)
+    weights = tl.where(lse > float("-inf"), tl.exp2(lse - top), 0.0)
+    total = tl.sum(weights, 0)
+    parts = tl.load(part_ptr + splits[:, None] * stride_ps + seq * stride_pt + head * stride_ph + dims[None, :])
+    out = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device, max_splits: int = 16) -> int:
+    """Splits per sequence so that the programs cover every SM (1 once batch x KV heads does)."""
+    programs = max(1, num_seqs * num_kv_heads)
+    sms = _num_sms(device.index or 0)
+    return min(max_splits, triton.next_power_of_2(-(-sms // programs))) if programs < sms else 1
+
+
+def supports(head_dim: int, block_size: int) -> bool:
+    """Whether the kernel takes this shape (tl.dot needs power-of-two tiles of at least 16)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and block_size % 16 == 0
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           num_splits: int | None = None, block_n: int = 128, num_warps: int = 4,
+                           num_stages: int = 2) -> torch.Tensor:
+    """q [n, heads, d] (one query per sequence, at its last position) -> [n, heads, d].
+
+    Sequence i attends to the first ``context_lens[i]`` tokens of its pages
+    ``block_tables[i]`` in the caches [num_blocks, block_size, kv_heads, d].
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    assert num_heads == group * num_kv_heads, f"{num_heads} heads not a multiple of {num_kv_heads} kv heads"
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
+    assert supports(head_dim, page), f"head_dim {head_dim} / block size {page} not supported"
+    block_n = min(block_n, page & -page)  # the largest power of two that divides the page
+    if num_splits is None:
+        num_splits = decode_splits(num_seqs, num_kv_heads, q.device)
+    out = torch.empty_like(q)
+    if num_splits > 1:
+        part = torch.empty((num_splits, num_seqs, num_heads, head_dim), dtype=torch.float32, device=q.device)
+        lse = torch.empty((num_splits, num_seqs, num_heads), dtype=torch.float32, device=q.device)
+    else:
+        part, lse = out.unsqueeze(0), out  # written straight to out; lse unused
+    if num_seqs == 0:
+        return out
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, part, lse, scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=num_stages)
+    if num_splits > 1:
+        _merge_kernel[(num_seqs, num_heads)](
+            part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1), HEAD_DIM=head_dim, NUM_SPLITS=num_splits)
+    return out
