@@ -1,12 +1,21 @@
-"""CUDA graphs for decode steps: one graph per bucketed batch size, replayed with static buffers.
+"""CUDA graphs for decode and mixed steps: captured once per padded shape, replayed with static buffers.
 
-A decode step (one new token per sequence) has the same kernels for every batch of a
-given size, so it is captured once per bucket and replayed: the step's inputs are
-copied into static buffers, padding rows get slot -1 (nothing stored) and context 0,
-and the hidden states of the real rows are read back. Buffers are sized for the
-largest bucket and for ``max_model_len`` (a block table row holds
-ceil(max_model_len / block_size) blocks, so a sequence of full length fits too).
-Mixed and prefill steps run eagerly.
+A step's forward pass launches the same kernels for every batch of a given shape, so it
+is captured once per shape and replayed: the step's inputs are copied into static
+buffers and the hidden states of the real rows are read back.
+
+- Decode steps (one new token per sequence) are captured per bucketed batch size.
+- Mixed steps (prompt chunks next to decodes) are captured per (sequence bucket, token
+  bucket), when the attention backend allows it (``graphs_mixed_steps``: its launch may
+  depend on the number of query tokens and of sequences, never on their lengths, which it
+  reads from device memory). Without them, every such step would pay the host cost of
+  launching ~400 kernels eagerly (~28 ms for Qwen3-0.6B), and each running stream would
+  see that gap whenever a new request is admitted. Larger steps run eagerly.
+
+Padding tokens get slot -1 (nothing stored) and belong to no sequence; padding sequences
+have no query tokens and context 0. Buffers are sized for the largest shape and for
+``max_model_len`` (a block table row holds ceil(max_model_len / block_size) blocks, so a
+sequence of full length fits too).
 """
 
 from __future__ import annotations
@@ -16,6 +25,9 @@ import torch
 from twinplane.dataplane.attention_backends.base import AttentionMetadata
 from twinplane.dataplane.models.decoder import DecoderForCausalLM
 
+MIXED_SEQ_BUCKETS = (16, 32, 64, 128, 256)
+MIXED_TOKEN_BUCKETS = (256, 512, 1024, 2048)
+
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 16 up to max_num_seqs (and max_num_seqs itself)."""
@@ -23,64 +35,89 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes + [max_num_seqs]))
 
 
-class DecodeGraphs:
-    """Captured decode forwards, keyed by padded batch size."""
+def mixed_shapes(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> list[tuple[int, int]]:
+    """(sequences, tokens) buckets of mixed steps that a plan can fill, smallest token count first."""
+    seqs = sorted({min(s, max_num_seqs) for s in MIXED_SEQ_BUCKETS})
+    tokens = [t for t in MIXED_TOKEN_BUCKETS if t <= max_num_batched_tokens]
+    return [(s, t) for t in tokens for s in seqs if s < t <= s * max_model_len]
+
+
+class StepGraphs:
+    """Captured forwards, keyed by (padded sequences, padded tokens)."""
 
     def __init__(self, model: DecoderForCausalLM, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 max_num_seqs: int, max_model_len: int, block_size: int) -> None:
+                 max_num_seqs: int, max_model_len: int, block_size: int, max_num_batched_tokens: int,
+                 mixed: bool) -> None:
         self.model = model
         self.max_model_len = max_model_len
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
-        max_bs = self.batch_sizes[-1]
+        self.mixed_shapes = mixed_shapes(max_num_seqs, max_num_batched_tokens, max_model_len) if mixed else []
+        max_seqs = self.batch_sizes[-1]
+        max_tokens = max([max_seqs] + [t for _, t in self.mixed_shapes])
         max_blocks = -(-max_model_len // block_size)
         i32 = dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((max_bs,), -1, **i32)
-        self.context_lens = torch.zeros(max_bs, **i32)
-        self.cu_seqlens_q = torch.arange(max_bs + 1, **i32)
-        self.block_tables = torch.zeros(max_bs, max_blocks, **i32)
-        self.hidden = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_tokens,), -1, **i32)
+        self.cu_seqlens_q = torch.arange(max_seqs + 1, **i32)
+        self.context_lens = torch.zeros(max_seqs, **i32)
+        self.block_tables = torch.zeros(max_seqs, max_blocks, **i32)
+        self.hidden = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.replays = {"decode": 0, "mixed": 0}
         self.pool = None
 
-    def _metadata(self, bs: int) -> AttentionMetadata:
+    def _metadata(self, seqs: int, tokens: int) -> AttentionMetadata:
         return AttentionMetadata(
-            cu_seqlens_q=self.cu_seqlens_q[:bs + 1], cu_seqlens_k=self.cu_seqlens_q[:bs + 1],
-            context_lens=self.context_lens[:bs], max_seqlen_q=1, max_seqlen_k=self.max_model_len,
-            slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
-            query_lens_host=[1] * bs, context_lens_host=[1] * bs)
+            cu_seqlens_q=self.cu_seqlens_q[:seqs + 1], cu_seqlens_k=self.cu_seqlens_q[:seqs + 1],
+            context_lens=self.context_lens[:seqs], max_seqlen_q=1 if seqs == tokens else tokens,
+            max_seqlen_k=self.max_model_len, slot_mapping=self.slot_mapping[:tokens],
+            block_tables=self.block_tables[:seqs], query_lens_host=[1] * seqs, context_lens_host=[1] * seqs)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Captures every bucket, largest first, sharing one memory pool."""
-        self.context_lens.fill_(1)  # warm-up rows read block 0; their slot is -1 so nothing is stored
-        for bs in reversed(self.batch_sizes):
-            metadata = self._metadata(bs)
-            args = (self.input_ids[:bs], self.positions[:bs], metadata)
-            self.hidden[:bs] = self.model(*args)  # warm-up: compiles kernels, settles allocations
+        """Captures every shape, most tokens first, sharing one memory pool."""
+        shapes = [(bs, bs) for bs in self.batch_sizes] + self.mixed_shapes
+        for seqs, tokens in sorted(shapes, key=lambda shape: (-shape[1], -shape[0])):
+            # Warm-up lengths: the tokens spread over the sequences, each seeing only its own
+            # queries in block 0; slots are -1, so nothing is stored.
+            cu = torch.arange(seqs + 1, device=self.cu_seqlens_q.device) * tokens // seqs
+            self.cu_seqlens_q[:seqs + 1] = cu
+            self.context_lens[:seqs] = cu[1:] - cu[:-1]
+            metadata = self._metadata(seqs, tokens)
+            args = (self.input_ids[:tokens], self.positions[:tokens], metadata)
+            self.hidden[:tokens] = self.model(*args)  # warm-up: compiles kernels, settles allocations
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, self.pool):
-                self.hidden[:bs] = self.model(*args)
+                self.hidden[:tokens] = self.model(*args)
             if self.pool is None:
                 self.pool = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[(seqs, tokens)] = graph
         torch.cuda.synchronize()
 
-    def can_run(self, metadata: AttentionMetadata) -> bool:
-        return (bool(self.graphs) and metadata.max_seqlen_q == 1 and metadata.num_seqs <= self.batch_sizes[-1])
+    def shape_for(self, metadata: AttentionMetadata, num_tokens: int) -> tuple[int, int] | None:
+        """The smallest captured shape that holds this step, or None (run it eagerly)."""
+        num_seqs = metadata.num_seqs
+        if metadata.max_seqlen_q == 1:
+            bs = next((b for b in self.batch_sizes if b >= num_seqs), None)
+            return None if bs is None or not self.graphs else (bs, bs)
+        return next(((s, t) for s, t in self.mixed_shapes if s >= num_seqs and t >= num_tokens), None)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """Replays the smallest bucket that holds this decode step; returns hidden [n, hidden]."""
-        n = input_ids.shape[0]
-        bs = next(b for b in self.batch_sizes if b >= n)
+    def run(self, shape: tuple[int, int], input_ids: torch.Tensor, positions: torch.Tensor,
+            metadata: AttentionMetadata) -> torch.Tensor:
+        """Replays the graph of ``shape`` (from ``shape_for``); returns hidden [num_tokens, hidden]."""
+        seqs, tokens = shape
+        n, s = input_ids.shape[0], metadata.num_seqs
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions
         self.slot_mapping[:n] = metadata.slot_mapping
-        self.slot_mapping[n:bs] = -1
-        self.context_lens[:n] = metadata.context_lens
-        self.context_lens[n:bs] = 0
+        self.slot_mapping[n:tokens] = -1
+        self.cu_seqlens_q[:s + 1] = metadata.cu_seqlens_q
+        self.cu_seqlens_q[s + 1:seqs + 1] = n
+        self.context_lens[:s] = metadata.context_lens
+        self.context_lens[s:seqs] = 0
         width = metadata.block_tables.shape[1]
-        self.block_tables[:n, :width] = metadata.block_tables
-        self.graphs[bs].replay()
+        self.block_tables[:s, :width] = metadata.block_tables
+        self.graphs[shape].replay()
+        self.replays["decode" if seqs == tokens else "mixed"] += 1
         return self.hidden[:n]

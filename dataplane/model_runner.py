@@ -22,7 +22,7 @@ import torch
 
 from twinplane.dataplane.attention_backends import get_attention_backend
 from twinplane.dataplane.config import DataPlaneConfig
-from twinplane.dataplane.cuda_graphs import DecodeGraphs
+from twinplane.dataplane.cuda_graphs import StepGraphs
 from twinplane.dataplane.distributed import tp_rank, tp_world_size
 from twinplane.dataplane.kv_cache import allocate_kv_cache, bytes_per_block, cpu_num_blocks, cuda_num_blocks
 from twinplane.dataplane.loader import load_model
@@ -190,8 +190,9 @@ class ModelRunner:
         if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name == "torch":
             return  # the torch backend loops over host-side lengths, which a graph would freeze
         c = self.config
-        self.graphs = DecodeGraphs(self.model, int(self.loaded.hf_config.hidden_size), self.dtype, self.device,
-                                   c.max_num_seqs, self.max_model_len, c.block_size)
+        self.graphs = StepGraphs(self.model, int(self.loaded.hf_config.hidden_size), self.dtype, self.device,
+                                 c.max_num_seqs, self.max_model_len, c.block_size, c.max_num_batched_tokens,
+                                 mixed=self.backend.graphs_mixed_steps)
         self.graphs.capture()
 
     def describe(self) -> DataPlaneDescription:
@@ -251,8 +252,9 @@ class ModelRunner:
             step.begin.record()
             step.previous_done = self._last.done if self._last is not None else None
         if inputs is not None:
-            if self.graphs is not None and self.graphs.can_run(inputs.metadata):
-                hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
+            shape = None if self.graphs is None else self.graphs.shape_for(inputs.metadata, len(inputs.input_ids))
+            if shape is not None:
+                hidden = self.graphs.run(shape, inputs.input_ids, inputs.positions, inputs.metadata)
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
             if inputs.sampling is not None:

@@ -173,6 +173,38 @@ def test_cuda_graphs_give_the_same_tokens_as_eager(qwen3_folder):
     assert with_graphs == without
 
 
+def _drive_with_arrival(runner) -> list[list[int]]:
+    """Two sequences decode while a third prompt arrives beside them in chunks of 100 tokens."""
+    builder = PlanBuilder(16)
+    seqs = [builder.new_seq(i, p) for i, p in enumerate(_prompts(3, seed=5, low=150, high=300))]
+    running, arriving = seqs[:2], seqs[2]
+    for step in range(10):
+        rows = [(s, builder.schedule(s)) for s in running]
+        if arriving.num_computed < len(arriving.tokens):
+            n = min(100, len(arriving.tokens) - arriving.num_computed)
+            last = arriving.num_computed + n == len(arriving.tokens)
+            rows.append((arriving, builder.schedule(arriving, n, sample=last)))
+            running = running + [arriving] if last else running
+        out = runner.step(StepPlan(step, [scheduled for _, scheduled in rows]))
+        for s, t in zip([s for s, scheduled in rows if scheduled.sample], out.sampled_token_ids.tolist()):
+            s.tokens.append(t)
+    return [s.tokens[s.num_prompt_tokens:] for s in seqs]
+
+
+def test_mixed_steps_replay_graphs_with_the_same_tokens_as_eager(qwen3_folder):
+    graphed = _runner(qwen3_folder)
+    if not graphed.backend.graphs_mixed_steps:
+        pytest.skip(f"{graphed.backend.name} runs mixed steps eagerly")
+    with_graphs = _drive_with_arrival(graphed)
+    replays = dict(graphed.graphs.replays)
+    graphed.close()
+    eager = _runner(qwen3_folder, enforce_eager=True)
+    without = _drive_with_arrival(eager)
+    eager.close()
+    assert replays["mixed"] >= 3 and replays["decode"] >= 3, replays  # prompt chunks beside decodes, then decodes
+    assert with_graphs == without and all(len(tokens) >= 5 for tokens in with_graphs)
+
+
 def test_graph_buffers_hold_a_full_length_sequence(qwen3_folder):
     runner = _runner(qwen3_folder, max_model_len=64, num_kv_blocks=32, max_num_seqs=4)
     prompt = _prompts(1, seed=3, low=60, high=61)[0]

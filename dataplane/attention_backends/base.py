@@ -46,6 +46,9 @@ class AttentionBackend(ABC):
     """Stores new K/V into the paged cache and attends over it."""
 
     name: str = "base"
+    # Whether one CUDA graph can serve every step with the same number of query tokens and
+    # sequences: the launch must not depend on host-side lengths (max_seqlen_q aside).
+    graphs_mixed_steps: bool = False
 
     @abstractmethod
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

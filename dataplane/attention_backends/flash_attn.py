@@ -32,6 +32,7 @@ class _TritonKVWriter:
 
 class FlashAttention4Backend(_TritonKVWriter, AttentionBackend):
     name = "flash_attn_4"
+    graphs_mixed_steps = True  # its varlen grid follows the token and sequence counts only
 
     def __init__(self, num_splits: int = 1) -> None:
         from flash_attn.cute import flash_attn_varlen_func  # ImportError when not installed
