@@ -1,0 +1,70 @@
+"""Decode attention alone: our Triton split-KV kernel against FlashAttention-4, same paged cache.
+
+    python -m twinplane.kernels.bench_attention [--block-size 256]
+
+For each (batch, context, q heads, kv heads) case it prints the time per call
+(``triton.testing.do_bench``: wall clock, so under ~50 us it is the launch cost) and the
+bandwidth it implies (K and V bytes read / time), for FlashAttention-4's
+``flash_attn_varlen_func`` and for ``paged_decode_attention`` with each of a few tile configs.
+Needs a CUDA GPU and ``flash_attn.cute``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+
+from twinplane.kernels.decode_attention import decode_splits, paged_decode_attention
+
+CASES = [(1, 1024, 16, 8), (8, 1024, 16, 8), (64, 1024, 16, 8), (256, 1024, 16, 8), (256, 0, 16, 8),
+         (128, 0, 16, 8), (256, 1024, 16, 4), (64, 1024, 16, 4)]  # context 0: uniform in [100, 2048)
+CONFIGS = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (32, 4, 4)]  # block_n, warps, stages
+
+
+def make_case(batch: int, context: int, heads: int, kv_heads: int, page: int, head_dim: int = 128):
+    device = torch.device("cuda")
+    max_blocks = -(-4096 // page)
+    k_cache = torch.randn(batch * max_blocks, page, kv_heads, head_dim, device=device, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(batch * max_blocks, device=device).view(batch, max_blocks).to(torch.int32)
+    lens = (torch.randint(100, 2048, (batch,)) if context == 0 else torch.full((batch,), context)).to(device, torch.int32)
+    q = torch.randn(batch, heads, head_dim, device=device, dtype=torch.bfloat16)
+    return q, k_cache, v_cache, tables, lens
+
+
+def main() -> None:
+    from flash_attn.cute import flash_attn_varlen_func
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--block-size", type=int, default=256)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    print(f"{'case':>24} {'FA4 us':>8} {'TB/s':>5} | {'Triton us':>9} {'TB/s':>5} (block_n, warps, stages, splits)")
+    for batch, context, heads, kv_heads in CASES:
+        q, k_cache, v_cache, tables, lens = make_case(batch, context, heads, kv_heads, args.block_size)
+        scale = q.shape[-1] ** -0.5
+        nbytes = int(lens.sum()) * kv_heads * q.shape[-1] * 2 * k_cache.element_size()
+        cu = torch.arange(batch + 1, device=q.device, dtype=torch.int32)
+
+        def fa4():
+            return flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=cu, seqused_k=lens, max_seqlen_q=1,
+                                          max_seqlen_k=4096, page_table=tables, softmax_scale=scale, causal=True)
+
+        t_fa4 = triton.testing.do_bench(fa4, warmup=20, rep=100) * 1e3
+        best = None
+        for block_n, warps, stages in CONFIGS:
+            for splits in sorted({1, decode_splits(batch, kv_heads, q.device)}):
+                t = triton.testing.do_bench(lambda: paged_decode_attention(
+                    q, k_cache, v_cache, tables, lens, scale, num_splits=splits, block_n=block_n,
+                    num_warps=warps, num_stages=stages), warmup=20, rep=100) * 1e3
+                if best is None or t < best[0]:
+                    best = (t, (block_n, warps, stages, splits))
+        name = f"{batch}x{context or 'U[100,2048)'} {heads}/{kv_heads}"
+        print(f"{name:>24} {t_fa4:>8.1f} {nbytes / t_fa4 / 1e6:>5.2f} | {best[0]:>9.1f} "
+              f"{nbytes / best[0] / 1e6:>5.2f} {best[1]}")
+
+
+if __name__ == "__main__":
+    main()
