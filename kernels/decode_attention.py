@@ -6,12 +6,11 @@ with it, so it is bound by memory bandwidth. The kernel is shaped for that:
 - One program per (sequence, KV head, split). It loads the queries of all the heads that
   share the KV head (grouped-query attention) as one small matrix, so each K/V row is read
   from memory once per step, not once per query head.
-- Split-KV: when the batch is too small to fill the GPU (batch x KV heads programs well
-  under two per SM), each sequence's context is cut into ``num_splits`` ranges that run in
-  parallel (only while batch x KV heads is under the number of SMs: measured on an H200,
-  splitting a batch that already fills the GPU is slower); a second kernel merges their partial outputs by their log-sum-exp. The split
-  count depends only on the batch size, so it is fixed inside a CUDA graph, and every
-  sequence divides its own context at run time.
+- Split-KV: while batch x KV heads is under the number of SMs, each sequence's context is
+  cut into ``num_splits`` ranges that run in parallel, and a second kernel merges their
+  partial outputs by their log-sum-exp. (Measured on an H200: splitting a batch that
+  already fills the GPU is slower.) The split count depends only on the batch size, so it
+  is fixed inside a CUDA graph, and every sequence divides its own context at run time.
 
 The cache of one layer is [num_blocks, block_size, kv_heads, head_dim]; ``BLOCK_N`` divides
 ``block_size``, so each tile of keys lies in one page. Sequences with context 0 (the
