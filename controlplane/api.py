@@ -73,6 +73,15 @@ class RequestOutput:
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
 
+    def absorb(self, later: RequestOutput) -> None:
+        """Appends the output that followed this one, so both go out as one message."""
+        self.token_ids += later.token_ids
+        self.text += later.text
+        self.logprobs += later.logprobs
+        self.finish_reason, self.matched_stop = later.finish_reason, later.matched_stop
+        self.prompt_tokens, self.completion_tokens = later.prompt_tokens, later.completion_tokens
+        self.cached_prompt_tokens = later.cached_prompt_tokens
+
 
 def _check(ok: bool, message: str) -> None:
     if not ok:

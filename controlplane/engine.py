@@ -131,10 +131,23 @@ class Engine:
             raise InvalidRequest(str(exc)) from exc
 
     async def outputs(self, state: RequestState) -> AsyncIterator[RequestOutput]:
-        """Yields a request's outputs until it finishes; leaving early aborts it."""
+        """Yields a request's outputs until it finishes; leaving early aborts it.
+
+        Outputs that queued up while the caller was still sending the previous one (a slow
+        reader, a loaded server) go out merged into one: a stream that falls behind catches up
+        with fewer, larger messages, and one that keeps up is never delayed.
+        """
+        queue = state.outputs
         try:
             while True:
-                item = await state.outputs.get()
+                item = await queue.get()
+                while not isinstance(item, Exception) and item.finish_reason is None and not queue.empty():
+                    later = queue.get_nowait()
+                    if isinstance(later, Exception):
+                        yield item
+                        item = later
+                    else:
+                        item.absorb(later)
                 if isinstance(item, Exception):
                     raise item
                 yield item

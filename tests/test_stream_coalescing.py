@@ -1,0 +1,56 @@
+"""A stream that falls behind gets its queued outputs merged into one message."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from twinplane.controlplane.api import RequestOutput
+from twinplane.controlplane.engine import Engine
+from twinplane.controlplane.errors import ServiceError
+from twinplane.controlplane.sequence import FinishReason
+
+
+def _collect(items: list) -> tuple[list[RequestOutput], Exception | None, list]:
+    """Queues every item before the reader starts (a reader that fell behind), then reads them all."""
+    aborted = []
+    engine = SimpleNamespace(abort=aborted.append)
+    state = SimpleNamespace(outputs=asyncio.Queue())
+
+    async def read():
+        for item in items:
+            state.outputs.put_nowait(item)
+        got = []
+        try:
+            async for out in Engine.outputs(engine, state):
+                got.append(out)
+        except ServiceError as exc:
+            return got, exc
+        return got, None
+
+    got, error = asyncio.run(read())
+    return got, error, aborted
+
+
+def test_queued_outputs_go_out_as_one_message_with_the_final_usage():
+    items = [RequestOutput("r", [1], "a"), RequestOutput("r", [2], "b"),
+             RequestOutput("r", [3], "c", finish_reason=FinishReason.LENGTH, prompt_tokens=5, completion_tokens=3)]
+    got, error, aborted = _collect(items)
+    assert error is None and len(got) == 1
+    assert got[0].token_ids == [1, 2, 3] and got[0].text == "abc"
+    assert got[0].finish_reason is FinishReason.LENGTH and (got[0].prompt_tokens, got[0].completion_tokens) == (5, 3)
+    assert len(aborted) == 1  # the reader's exit always reaches abort (a no-op once finished)
+
+
+def test_outputs_before_an_error_are_delivered_then_the_error_raised():
+    failure = ServiceError("the data plane failed")
+    got, error, _ = _collect([RequestOutput("r", [1], "a"), RequestOutput("r", [2], "b"), failure])
+    assert [out.token_ids for out in got] == [[1, 2]] and error is failure
+
+
+def test_nothing_is_read_past_the_final_output():
+    later = RequestOutput("r", [9], "z")
+    got, _, _ = _collect([RequestOutput("r", [1], "a", finish_reason=FinishReason.STOP_TOKEN), later])
+    assert [out.token_ids for out in got] == [[1]]
