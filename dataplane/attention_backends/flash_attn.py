@@ -3,7 +3,7 @@
 - ``flash_attn_4``: FlashAttention-4 (``flash_attn.cute``, Hopper and Blackwell). One
   ``flash_attn_varlen_func`` call with ``page_table`` and ``seqused_k`` handles every
   row kind of a step with prefill in it: prefill, prefix-cached prefill, chunked prefill
-  and decode. Steps of decodes only go to our Triton split-KV decode kernel
+  and decode. On Hopper, steps of decodes only go to our Triton split-KV decode kernel
   (``kernels/decode_attention.py``): FlashAttention-4 computes a 128-row query tile for
   the one or few query rows of a decode and has no split-KV on Hopper, and the Triton
   kernel reads the cache 1.4x (batch 256) to 3.4x (batch 64) faster on an H200
@@ -39,14 +39,19 @@ class FlashAttention4Backend(_TritonKVWriter, AttentionBackend):
 
         from twinplane.kernels import decode_attention
 
-        self._varlen, self._decode = flash_attn_varlen_func, decode_attention
+        self._varlen = flash_attn_varlen_func
+        # Measured only on Hopper (SM 9.0), where FlashAttention-4 lacks split-KV; elsewhere
+        # (Blackwell) FlashAttention-4 keeps decode steps too.
+        hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+        self._decode = decode_attention if hopper else None
         self.num_splits = num_splits  # split-KV is not supported on SM 9.0 (Hopper)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        if metadata.max_seqlen_q == 1 and self._decode.supports(q.shape[-1], k_cache.shape[1]):
-            return self._decode.paged_decode_attention(q, k_cache, v_cache, metadata.block_tables,
-                                                       metadata.context_lens, scale)
+        decode = self._decode
+        if decode is not None and metadata.max_seqlen_q == 1 and decode.supports(q.shape[-1], k_cache.shape[1]):
+            return decode.paged_decode_attention(q, k_cache, v_cache, metadata.block_tables,
+                                                 metadata.context_lens, scale)
         out = self._varlen(q, k_cache, v_cache, cu_seqlens_q=metadata.cu_seqlens_q,
                            seqused_k=metadata.context_lens, max_seqlen_q=metadata.max_seqlen_q,
                            max_seqlen_k=metadata.max_seqlen_k, page_table=metadata.block_tables,
