@@ -121,8 +121,19 @@ def report(requests: list[Request], elapsed: float, before: dict, after: dict, i
           f"{100 * figures['roofline_fraction']:.1f}% of roofline")
     print(f"data plane: {steps} steps, {execute_us / max(steps, 1) / 1e3:.2f} ms per step, idle between steps "
           f"{100 * figures['idle_fraction']:.1f}% of step time; preemptions {figures['preemptions']}")
+    print(f"steps by path: {_paths(before, after)}")
     print(f"TTFT {_percentiles(ttft)}; inter-token latency {_percentiles(itl)}")
     return figures
+
+
+def _paths(before: dict, after: dict) -> str:
+    """Steps and their mean step time for each way the data plane ran them."""
+    delta = {name: after.get(name, 0) - before.get(name, 0) for name in after}
+    paths = {graph: (delta[f"{graph}_steps"], delta[f"{graph}_execute_us"]) for graph in ("decode_graph", "mixed_graph")}
+    paths["eager"] = (delta["steps"] - sum(n for n, _ in paths.values()),
+                      delta["execute_us"] - sum(us for _, us in paths.values()))
+    return ", ".join(f"{name.replace('_', ' ')} {n} ({us / max(n, 1) / 1e3:.2f} ms each)"
+                     for name, (n, us) in paths.items())
 
 
 def _start_server(args) -> tuple[subprocess.Popen, str]:

@@ -30,6 +30,11 @@ from twinplane.proto import dataplane_pb2 as dp
 
 log = logging.getLogger("twinplane.controlplane")
 request_log = logging.getLogger("twinplane.controlplane.requests")  # one line per finished request
+# The engine's counters, named like ServerStats's fields; steps by path: the graphed ones
+# (the rest ran eagerly), keyed by the data plane's StepPath.
+GRAPH_PATHS = {dp.STEP_PATH_DECODE_GRAPH: "decode_graph", dp.STEP_PATH_MIXED_GRAPH: "mixed_graph"}
+STAT_NAMES = ("steps", "idle_us", "execute_us", "computed_tokens",
+              *(f"{graph}_{counter}" for graph in GRAPH_PATHS.values() for counter in ("steps", "execute_us")))
 RECONNECT_DELAY = 0.5  # seconds between attempts to reach a data plane
 RECONNECT_TIMEOUT = 2.0  # seconds one attempt waits for the data plane to answer
 
@@ -52,7 +57,7 @@ class Engine:
         self.dataplane.on_lost = self._on_dataplane_lost
         self._seq_ids = itertools.count(1)
         self._loop_task: asyncio.Task | None = None
-        self.stats = {"steps": 0, "idle_us": 0, "execute_us": 0, "computed_tokens": 0}
+        self.stats = dict.fromkeys(STAT_NAMES, 0)  # ServerStats counters
         self.metrics = EngineMetrics()
         self.on_readiness: list = []  # callbacks(bool), e.g. the health service
         self._deferred: list = []  # the last step's tokens, streamed while the next step runs
@@ -303,10 +308,15 @@ class Engine:
         scheduled again; detokenization, stop strings and streaming wait for _emit_deferred.
         """
         tokens = decode_result(result)
-        self.stats["steps"] += 1
-        self.stats["idle_us"] += tokens.idle_us
-        self.stats["execute_us"] += tokens.execute_us
-        self.stats["computed_tokens"] += out.num_batched_tokens
+        stats = self.stats
+        stats["steps"] += 1
+        stats["idle_us"] += tokens.idle_us
+        stats["execute_us"] += tokens.execute_us
+        stats["computed_tokens"] += out.num_batched_tokens
+        graph = GRAPH_PATHS.get(tokens.path)
+        if graph is not None:
+            stats[f"{graph}_steps"] += 1
+            stats[f"{graph}_execute_us"] += tokens.execute_us
         self.metrics.dataplane_step.observe((tokens.prepare_us + tokens.execute_us) * 1e-6)
         recorded = []
         for seq, token, index, position in self.scheduler.update(out, tokens.token_ids):

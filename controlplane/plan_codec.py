@@ -84,6 +84,7 @@ class StepTokens:
     idle_us: int = 0
     execute_us: int = 0
     prepare_us: int = 0
+    path: int = dp.STEP_PATH_EAGER  # how the data plane ran the forward pass (dataplane.proto StepPath)
 
 
 def decode_result(res: dp.StepResult) -> StepTokens:
@@ -97,4 +98,4 @@ def decode_result(res: dp.StepResult) -> StepTokens:
             ids, lps = top.get(i, ([], []))
             logprobs.append(TokenLogprobs(token_id, value, list(zip(ids, lps))))
     t = res.timings
-    return StepTokens(token_ids, logprobs, t.idle_us, t.execute_us, t.prepare_us)
+    return StepTokens(token_ids, logprobs, t.idle_us, t.execute_us, t.prepare_us, t.path)

@@ -139,9 +139,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         await self.engine.wait_ready()
         e, sched = self.engine, self.engine.scheduler
         return pb.ServerStats(
-            steps=e.stats["steps"], execute_us=e.stats["execute_us"], idle_us=e.stats["idle_us"],
-            preemptions=sched.num_preemptions, waiting=len(sched.waiting), running=len(sched.running),
-            free_kv_blocks=sched.block_manager.num_free_blocks, computed_tokens=e.stats["computed_tokens"])
+            **e.stats, preemptions=sched.num_preemptions, waiting=len(sched.waiting), running=len(sched.running),
+            free_kv_blocks=sched.block_manager.num_free_blocks)
 
 
 def create_server(engine: Engine, listen: str, *, max_message_bytes: int = 16 << 20,

@@ -24,6 +24,7 @@ import torch
 
 from twinplane.dataplane.attention_backends.base import AttentionMetadata
 from twinplane.dataplane.models.decoder import DecoderForCausalLM
+from twinplane.dataplane.plan import StepPath
 
 MIXED_SEQ_BUCKETS = (16, 32, 64, 128, 256)
 MIXED_TOKEN_BUCKETS = (256, 512, 1024, 2048)
@@ -64,7 +65,6 @@ class StepGraphs:
         self.block_tables = torch.zeros(max_seqs, max_blocks, **i32)
         self.hidden = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.replays = {"decode": 0, "mixed": 0}
         self.pool = None
 
     def _metadata(self, seqs: int, tokens: int) -> AttentionMetadata:
@@ -103,6 +103,11 @@ class StepGraphs:
             return None if bs is None or not self.graphs else (bs, bs)
         return next(((s, t) for s, t in self.mixed_shapes if s >= num_seqs and t >= num_tokens), None)
 
+    @staticmethod
+    def path_of(shape: tuple[int, int]) -> StepPath:
+        seqs, tokens = shape
+        return StepPath.DECODE_GRAPH if seqs == tokens else StepPath.MIXED_GRAPH
+
     def run(self, shape: tuple[int, int], input_ids: torch.Tensor, positions: torch.Tensor,
             metadata: AttentionMetadata) -> torch.Tensor:
         """Replays the graph of ``shape`` (from ``shape_for``); returns hidden [num_tokens, hidden]."""
@@ -119,5 +124,4 @@ class StepGraphs:
         width = metadata.block_tables.shape[1]
         self.block_tables[:s, :width] = metadata.block_tables
         self.graphs[shape].replay()
-        self.replays["decode" if seqs == tokens else "mixed"] += 1
         return self.hidden[:n]

@@ -26,7 +26,7 @@ from twinplane.dataplane.cuda_graphs import StepGraphs
 from twinplane.dataplane.distributed import tp_rank, tp_world_size
 from twinplane.dataplane.kv_cache import allocate_kv_cache, bytes_per_block, cpu_num_blocks, cuda_num_blocks
 from twinplane.dataplane.loader import load_model
-from twinplane.dataplane.plan import StepOutput, StepPlan
+from twinplane.dataplane.plan import StepOutput, StepPath, StepPlan
 from twinplane.dataplane.sampler import Sampler, SamplerOutput
 from twinplane.dataplane.sampling_batch import SamplingBatch
 from twinplane.dataplane.input_batch import InputBatch, PlanLimits, SampledRows
@@ -81,6 +81,7 @@ class LaunchedStep:
     prepare_us: int
     idle_us: int = 0  # CPU: time between the previous step's end and this one's start
     execute_us: int = 0  # CPU: forward pass and sampling
+    path: StepPath = StepPath.EAGER  # how the forward pass ran
     sampled: SampledRows | None = None
     sampler_output: SamplerOutput | None = None  # host copies, valid once `done` is reached
     num_logprobs: list[int] = field(default_factory=list)
@@ -119,6 +120,7 @@ class LaunchedStep:
                         lps = top_lps[row, :n] if top_lps is not None else np.empty(0, np.float32)
                         output.top_logprobs[row] = (ids, lps)
         output.prepare_us, output.idle_us, output.execute_us = self.prepare_us, self.idle_us, self.execute_us
+        output.path = self.path
         if self.begin is not None:  # device time, measured by events: CPU work that overlaps costs nothing
             output.execute_us = int(self.begin.elapsed_time(self.done) * 1000)
             if self.previous_done is not None:
@@ -255,6 +257,7 @@ class ModelRunner:
             shape = None if self.graphs is None else self.graphs.shape_for(inputs.metadata, len(inputs.input_ids))
             if shape is not None:
                 hidden = self.graphs.run(shape, inputs.input_ids, inputs.positions, inputs.metadata)
+                step.path = self.graphs.path_of(shape)
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
             if inputs.sampling is not None:

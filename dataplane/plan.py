@@ -8,6 +8,7 @@ StepResult; nothing past that edge handles generated message classes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 import numpy as np
 
@@ -116,6 +117,14 @@ class StepPlan:
         return self.columns
 
 
+class StepPath(IntEnum):
+    """How a step's forward pass ran (the StepPath values of dataplane.proto)."""
+
+    EAGER = 0
+    DECODE_GRAPH = 1
+    MIXED_GRAPH = 2
+
+
 @dataclass
 class StepOutput:
     """Sampled tokens of one step, one per sequence with sample=True, in plan order."""
@@ -128,3 +137,4 @@ class StepOutput:
     prepare_us: int = 0
     execute_us: int = 0
     idle_us: int = 0
+    path: StepPath = StepPath.EAGER

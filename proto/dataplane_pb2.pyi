@@ -1,10 +1,20 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class StepPath(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STEP_PATH_EAGER: _ClassVar[StepPath]
+    STEP_PATH_DECODE_GRAPH: _ClassVar[StepPath]
+    STEP_PATH_MIXED_GRAPH: _ClassVar[StepPath]
+STEP_PATH_EAGER: StepPath
+STEP_PATH_DECODE_GRAPH: StepPath
+STEP_PATH_MIXED_GRAPH: StepPath
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
@@ -125,14 +135,16 @@ class TopLogprobs(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ...) -> None: ...
 
 class StepTimings(_message.Message):
-    __slots__ = ("prepare_us", "execute_us", "idle_us")
+    __slots__ = ("prepare_us", "execute_us", "idle_us", "path")
     PREPARE_US_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_US_FIELD_NUMBER: _ClassVar[int]
     IDLE_US_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     prepare_us: int
     execute_us: int
     idle_us: int
-    def __init__(self, prepare_us: _Optional[int] = ..., execute_us: _Optional[int] = ..., idle_us: _Optional[int] = ...) -> None: ...
+    path: StepPath
+    def __init__(self, prepare_us: _Optional[int] = ..., execute_us: _Optional[int] = ..., idle_us: _Optional[int] = ..., path: _Optional[_Union[StepPath, str]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "sampled_token_ids", "sampled_logprobs", "top_logprobs", "error", "timings")

@@ -193,7 +193,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("steps", "execute_us", "idle_us", "preemptions", "waiting", "running", "free_kv_blocks", "computed_tokens")
+    __slots__ = ("steps", "execute_us", "idle_us", "preemptions", "waiting", "running", "free_kv_blocks", "computed_tokens", "decode_graph_steps", "decode_graph_execute_us", "mixed_graph_steps", "mixed_graph_execute_us")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_US_FIELD_NUMBER: _ClassVar[int]
     IDLE_US_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +202,10 @@ class ServerStats(_message.Message):
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_GRAPH_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_GRAPH_EXECUTE_US_FIELD_NUMBER: _ClassVar[int]
+    MIXED_GRAPH_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MIXED_GRAPH_EXECUTE_US_FIELD_NUMBER: _ClassVar[int]
     steps: int
     execute_us: int
     idle_us: int
@@ -210,4 +214,8 @@ class ServerStats(_message.Message):
     running: int
     free_kv_blocks: int
     computed_tokens: int
-    def __init__(self, steps: _Optional[int] = ..., execute_us: _Optional[int] = ..., idle_us: _Optional[int] = ..., preemptions: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., computed_tokens: _Optional[int] = ...) -> None: ...
+    decode_graph_steps: int
+    decode_graph_execute_us: int
+    mixed_graph_steps: int
+    mixed_graph_execute_us: int
+    def __init__(self, steps: _Optional[int] = ..., execute_us: _Optional[int] = ..., idle_us: _Optional[int] = ..., preemptions: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., decode_graph_steps: _Optional[int] = ..., decode_graph_execute_us: _Optional[int] = ..., mixed_graph_steps: _Optional[int] = ..., mixed_graph_execute_us: _Optional[int] = ...) -> None: ...

@@ -19,7 +19,7 @@ import torch
 
 from tests.test_dp_helpers import PlanBuilder
 from twinplane.dataplane.config import DataPlaneConfig
-from twinplane.dataplane.plan import StepPlan
+from twinplane.dataplane.plan import StepPath, StepPlan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -173,11 +173,13 @@ def test_cuda_graphs_give_the_same_tokens_as_eager(qwen3_folder):
     assert with_graphs == without
 
 
-def _drive_with_arrival(runner) -> list[list[int]]:
-    """Two sequences decode while a third prompt arrives beside them in chunks of 100 tokens."""
+def _drive_with_arrival(runner) -> tuple[list[list[int]], list[StepPath]]:
+    """Two sequences decode while a third prompt arrives beside them in chunks of 100 tokens;
+    returns the generated tokens and how each step ran."""
     builder = PlanBuilder(16)
     seqs = [builder.new_seq(i, p) for i, p in enumerate(_prompts(3, seed=5, low=150, high=300))]
     running, arriving = seqs[:2], seqs[2]
+    paths = []
     for step in range(10):
         rows = [(s, builder.schedule(s)) for s in running]
         if arriving.num_computed < len(arriving.tokens):
@@ -186,22 +188,25 @@ def _drive_with_arrival(runner) -> list[list[int]]:
             rows.append((arriving, builder.schedule(arriving, n, sample=last)))
             running = running + [arriving] if last else running
         out = runner.step(StepPlan(step, [scheduled for _, scheduled in rows]))
+        paths.append(out.path)
         for s, t in zip([s for s, scheduled in rows if scheduled.sample], out.sampled_token_ids.tolist()):
             s.tokens.append(t)
-    return [s.tokens[s.num_prompt_tokens:] for s in seqs]
+    return [s.tokens[s.num_prompt_tokens:] for s in seqs], paths
 
 
 def test_mixed_steps_replay_graphs_with_the_same_tokens_as_eager(qwen3_folder):
     graphed = _runner(qwen3_folder)
     if not graphed.backend.graphs_mixed_steps:
         pytest.skip(f"{graphed.backend.name} runs mixed steps eagerly")
-    with_graphs = _drive_with_arrival(graphed)
-    replays = dict(graphed.graphs.replays)
+    with_graphs, paths = _drive_with_arrival(graphed)
     graphed.close()
     eager = _runner(qwen3_folder, enforce_eager=True)
-    without = _drive_with_arrival(eager)
+    without, eager_paths = _drive_with_arrival(eager)
     eager.close()
-    assert replays["mixed"] >= 3 and replays["decode"] >= 3, replays  # prompt chunks beside decodes, then decodes
+    # prefills and prompt chunks beside decodes (at least the first two steps), then decodes only
+    assert paths[:2] == [StepPath.MIXED_GRAPH] * 2 and paths[-1] == StepPath.DECODE_GRAPH, paths
+    assert set(paths) == {StepPath.MIXED_GRAPH, StepPath.DECODE_GRAPH}, paths
+    assert set(eager_paths) == {StepPath.EAGER}
     assert with_graphs == without and all(len(tokens) >= 5 for tokens in with_graphs)
 
 

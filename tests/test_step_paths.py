@@ -1,0 +1,83 @@
+"""How each step ran on the data plane (decode graph, mixed-step graph, eager) reaches the
+engine's counters (GetStats) and the benchmark's report."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from concurrent import futures
+
+import grpc
+import numpy as np
+import pytest
+
+from twinplane.clients.bench import _paths
+from twinplane.clients.client import Client
+from twinplane.controlplane.bench_stream import NullDataPlane
+from twinplane.controlplane.plan_codec import decode_result
+from twinplane.dataplane.convert import output_to_pb
+from twinplane.dataplane.plan import StepOutput, StepPath
+from twinplane.proto import dataplane_pb2 as dp
+from twinplane.proto import dataplane_pb2_grpc as dp_grpc
+
+DECODE_US, MIXED_US = 100, 300
+
+
+def test_step_path_crosses_the_wire():
+    assert {p.name: int(p) for p in StepPath} == {
+        n.removeprefix("STEP_PATH_"): v for n, v in dp.StepPath.items()}
+    for path in StepPath:
+        out = StepOutput(step_id=3, sampled_token_ids=np.array([7], np.int32), execute_us=42, path=path)
+        wire = dp.StepResult.FromString(output_to_pb(out).SerializeToString())
+        assert decode_result(wire).path == int(path)
+
+
+class GraphedNullDataPlane(NullDataPlane):
+    """Answers at once, reporting decode steps as decode-graph replays and the rest as mixed."""
+
+    def Step(self, request_iterator, context):
+        for plan in request_iterator:
+            decode = bool(np.all(np.frombuffer(plan.num_tokens, dtype="<i4") == 1))
+            sampled = int(np.frombuffer(plan.sample, dtype=np.uint8).sum())
+            path, execute_us = (dp.STEP_PATH_DECODE_GRAPH, DECODE_US) if decode else (dp.STEP_PATH_MIXED_GRAPH, MIXED_US)
+            yield dp.StepResult(step_id=plan.step_id, sampled_token_ids=np.ones(sampled, dtype="<i4").tobytes(),
+                                timings=dp.StepTimings(execute_us=execute_us, path=path))
+
+
+@pytest.fixture(scope="module")
+def control_plane():
+    folder = tempfile.mkdtemp(prefix="twinplane-paths-")
+    dp_address, api = f"unix://{folder}/dp.sock", f"unix://{folder}/api.sock"
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    dp_grpc.add_DataPlaneServicer_to_server(GraphedNullDataPlane(), server)
+    server.add_insecure_port(dp_address)
+    server.start()
+    control = subprocess.Popen([sys.executable, "-m", "twinplane.clients.cli", "--log-level", "WARNING",
+                                "controlplane", "--dataplane", dp_address, "--listen", api])
+    client = Client(api)
+    try:
+        client.wait_ready(60)
+        yield client
+    finally:
+        control.terminate()
+        control.wait(30)
+        server.stop(0)
+
+
+def test_engine_counts_steps_by_path(control_plane):
+    before = control_plane.stats()
+    for prompt in ([5] * 40, [6] * 70):
+        stream = control_plane.generate(token_ids=prompt, max_tokens=12, ignore_eos=True, temperature=0)
+        assert sum(len(chunk.token_ids) for chunk in stream) == 12
+    after = control_plane.stats()
+    delta = {name: after[name] - before[name] for name in after if name.endswith(("steps", "execute_us"))}
+    decode, mixed = delta["decode_graph_steps"], delta["mixed_graph_steps"]
+    assert decode >= 2 * 10 and mixed >= 2  # one prefill step per request, then its decodes
+    assert decode + mixed == delta["steps"]  # nothing ran eagerly
+    assert delta["decode_graph_execute_us"] == DECODE_US * decode
+    assert delta["mixed_graph_execute_us"] == MIXED_US * mixed
+    assert delta["execute_us"] == DECODE_US * decode + MIXED_US * mixed
+    report = _paths(before, after)
+    assert report == (f"decode graph {decode} (0.10 ms each), mixed graph {mixed} (0.30 ms each), "
+                      f"eager 0 (0.00 ms each)")
