@@ -51,13 +51,20 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def main() -> int:
+def serve_stand_in(servicer: dp_grpc.DataPlaneServicer) -> tuple[grpc.Server, str, str]:
+    """Starts a stand-in data plane on a unix socket; returns the server, its address, and an
+    address beside it for the control plane to listen on."""
     folder = tempfile.mkdtemp(prefix="twinplane-null-")
     dp_address, api = f"unix://{folder}/dp.sock", f"unix://{folder}/api.sock"
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    dp_grpc.add_DataPlaneServicer_to_server(NullDataPlane(), server)
+    dp_grpc.add_DataPlaneServicer_to_server(servicer, server)
     server.add_insecure_port(dp_address)
     server.start()
+    return server, dp_address, api
+
+
+def main() -> int:
+    server, dp_address, api = serve_stand_in(NullDataPlane())
     cli = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", "WARNING"]
     args = sys.argv[1:]
     interval = args[args.index("--stream-interval") + 1] if "--stream-interval" in args else "1"

@@ -5,21 +5,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tempfile
-from concurrent import futures
 
-import grpc
 import numpy as np
 import pytest
 
 from twinplane.clients.bench import _paths
 from twinplane.clients.client import Client
-from twinplane.controlplane.bench_stream import NullDataPlane
+from twinplane.controlplane.bench_stream import NullDataPlane, serve_stand_in
 from twinplane.controlplane.plan_codec import decode_result
 from twinplane.dataplane.convert import output_to_pb
 from twinplane.dataplane.plan import StepOutput, StepPath
 from twinplane.proto import dataplane_pb2 as dp
-from twinplane.proto import dataplane_pb2_grpc as dp_grpc
 
 DECODE_US, MIXED_US = 100, 300
 
@@ -47,12 +43,7 @@ class GraphedNullDataPlane(NullDataPlane):
 
 @pytest.fixture(scope="module")
 def control_plane():
-    folder = tempfile.mkdtemp(prefix="twinplane-paths-")
-    dp_address, api = f"unix://{folder}/dp.sock", f"unix://{folder}/api.sock"
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    dp_grpc.add_DataPlaneServicer_to_server(GraphedNullDataPlane(), server)
-    server.add_insecure_port(dp_address)
-    server.start()
+    server, dp_address, api = serve_stand_in(GraphedNullDataPlane())
     control = subprocess.Popen([sys.executable, "-m", "twinplane.clients.cli", "--log-level", "WARNING",
                                 "controlplane", "--dataplane", dp_address, "--listen", api])
     client = Client(api)
