@@ -98,9 +98,11 @@ class StepGraphs:
     def shape_for(self, metadata: AttentionMetadata, num_tokens: int) -> tuple[int, int] | None:
         """The smallest captured shape that holds this step, or None (run it eagerly)."""
         num_seqs = metadata.num_seqs
+        if not self.graphs:
+            return None
         if metadata.max_seqlen_q == 1:
             bs = next((b for b in self.batch_sizes if b >= num_seqs), None)
-            return None if bs is None or not self.graphs else (bs, bs)
+            return None if bs is None else (bs, bs)
         return next(((s, t) for s, t in self.mixed_shapes if s >= num_seqs and t >= num_tokens), None)
 
     @staticmethod

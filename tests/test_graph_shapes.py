@@ -29,6 +29,7 @@ def test_a_step_replays_the_smallest_graph_that_holds_it():
     graphs = StepGraphs(model=None, hidden_size=8, dtype=torch.float32, device=torch.device("cpu"),
                         max_num_seqs=256, max_model_len=4096, block_size=16, max_num_batched_tokens=8192,
                         mixed=True)
+    assert graphs.shape_for(_metadata([1] * 5), 5) is None  # nothing captured yet: eager
     graphs.graphs = {shape: None for shape in [(b, b) for b in graphs.batch_sizes] + graphs.mixed_shapes}
     assert graphs.shape_for(_metadata([1] * 5), 5) == (8, 8)  # decode: batch bucket
     assert graphs.shape_for(_metadata([1] * 256), 256) == (256, 256)
