@@ -129,7 +129,8 @@ def report(requests: list[Request], elapsed: float, before: dict, after: dict, i
 def _paths(before: dict, after: dict) -> str:
     """Steps and their mean step time for each way the data plane ran them."""
     delta = {name: after.get(name, 0) - before.get(name, 0) for name in after}
-    paths = {graph: (delta[f"{graph}_steps"], delta[f"{graph}_execute_us"]) for graph in ("decode_graph", "mixed_graph")}
+    graphs = [name.removesuffix("_steps") for name in delta if name.endswith("_graph_steps")]
+    paths = {graph: (delta[f"{graph}_steps"], delta[f"{graph}_execute_us"]) for graph in graphs}
     paths["eager"] = (delta["steps"] - sum(n for n, _ in paths.values()),
                       delta["execute_us"] - sum(us for _, us in paths.values()))
     return ", ".join(f"{name.replace('_', ' ')} {n} ({us / max(n, 1) / 1e3:.2f} ms each)"
