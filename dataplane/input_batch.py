@@ -97,6 +97,7 @@ class InputBatch:
         self.wait_for_tokens = lambda: None  # brings the previous plan's tokens to the host
         self._allocate(max(limits.max_num_seqs, 8))
         staging = 4 * limits.max_num_batched_tokens + (self.max_blocks + 5) * limits.max_num_seqs + 8
+        staging += 4 * 16  # each of the step's (at most 16) arrays starts 16-byte aligned
         pinned = device.type == "cuda"
         # two staging buffers, alternating: one may still be copying while the next plan is prepared
         self._staging = [torch.empty(staging, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
@@ -324,22 +325,26 @@ class InputBatch:
         self.last_token.index_copy_(0, sample_rows.long(), token_ids.to(torch.int32))
 
     def _to_device(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
-        """One host-to-device copy for every int32 array of the step."""
+        """One host-to-device copy for every int32 array of the step.
+
+        Each array starts on a 16-byte boundary: Triton specializes kernels on pointer
+        alignment, so an odd token count must not shift the next array off it (that would
+        compile new kernel variants in the middle of serving).
+        """
         sizes = [len(p) for p in parts]
-        total = sum(sizes)
+        starts = np.cumsum([0] + [-(-size // 4) * 4 for size in sizes])
         k = self.plan_index % 2
         staging, copied = self._staging[k], self._staging_copied[k]
-        assert total <= len(staging), "step inputs exceed the staging buffer"
+        assert starts[-1] <= len(staging), "step inputs exceed the staging buffer"
         if copied is not None:
             copied.synchronize()  # the plan before last may still be reading this buffer
         host = staging.numpy()
-        ends = np.cumsum(sizes)
-        for part, end, size in zip(parts, ends, sizes):
-            host[end - size:end] = part
-        device = staging[:total].to(self.device, non_blocking=True)
+        for part, start, size in zip(parts, starts, sizes):
+            host[start:start + size] = part
+        device = staging[:starts[-1]].to(self.device, non_blocking=True)
         if copied is not None:
             copied.record()
-        return [device[end - size:end] for end, size in zip(ends.tolist(), sizes)]
+        return [device[start:start + size] for start, size in zip(starts.tolist(), sizes)]
 
     def _sampling(self, cols: PlanColumns, rows: np.ndarray, context: np.ndarray) -> SamplingBatch:
         if not self.plain[rows].all():

@@ -64,8 +64,9 @@ def cuda_num_blocks(model: DecoderForCausalLM, block_size: int, dtype: torch.dty
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     metadata = _profile_metadata(num_tokens, max_seq_len, block_size, device)
-    input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
-    positions = torch.cat([torch.arange(n, device=device) for n in metadata.query_lens_host])
+    # int32 inputs, as real steps have: a warm-up in int64 would compile kernels serving never uses.
+    input_ids = torch.zeros(num_tokens, dtype=torch.int32, device=device)
+    positions = torch.cat([torch.arange(n, dtype=torch.int32, device=device) for n in metadata.query_lens_host])
     hidden = model(input_ids, positions, metadata)
     model.compute_logits(hidden[:num_logit_rows])
     torch.cuda.synchronize(device)
