@@ -5,12 +5,14 @@ is captured once per shape and replayed: the step's inputs are copied into stati
 buffers and the hidden states of the real rows are read back.
 
 - Decode steps (one new token per sequence) are captured per bucketed batch size.
-- Mixed steps (prompt chunks next to decodes) are captured per (sequence bucket, token
-  bucket), when the attention backend allows it (``graphs_mixed_steps``: its launch may
-  depend on the number of query tokens and of sequences, never on their lengths, which it
-  reads from device memory). Without them, every such step would pay the host cost of
-  launching ~400 kernels eagerly (~28 ms for Qwen3-0.6B), and each running stream would
-  see that gap whenever a new request is admitted. Larger steps run eagerly.
+- Steps with prompt tokens (prompt chunks, alone or next to decodes) are captured per
+  (sequence bucket, token bucket), when the attention backend allows it
+  (``graphs_mixed_steps``: its launch may depend on the number of query tokens and of
+  sequences, never on their lengths, which it reads from device memory). The token buckets
+  reach ``max_num_batched_tokens``, so no step runs eagerly then. Eagerly, every such step
+  would pay the host cost of launching ~400 kernels (~20-28 ms for Qwen3-0.6B, more than
+  the GPU needs for 8,192 prompt tokens), and each running stream would see that gap
+  whenever a new request is admitted.
 
 Padding tokens get slot -1 (nothing stored) and belong to no sequence; padding sequences
 have no query tokens and context 0. Buffers are sized for the largest shape and for
@@ -27,7 +29,7 @@ from twinplane.dataplane.models.decoder import DecoderForCausalLM
 from twinplane.dataplane.plan import StepPath
 
 MIXED_SEQ_BUCKETS = (16, 32, 64, 128, 256)
-MIXED_TOKEN_BUCKETS = (256, 512, 1024, 2048)
+MIXED_TOKEN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192)  # and max_num_batched_tokens itself
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -39,7 +41,7 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 def mixed_shapes(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> list[tuple[int, int]]:
     """(sequences, tokens) buckets of mixed steps that a plan can fill, smallest token count first."""
     seqs = sorted({min(s, max_num_seqs) for s in MIXED_SEQ_BUCKETS})
-    tokens = [t for t in MIXED_TOKEN_BUCKETS if t <= max_num_batched_tokens]
+    tokens = [t for t in MIXED_TOKEN_BUCKETS if t < max_num_batched_tokens] + [max_num_batched_tokens]
     return [(s, t) for t in tokens for s in seqs if s < t <= s * max_model_len]
 
 
@@ -57,8 +59,9 @@ class StepGraphs:
         max_tokens = max([max_seqs] + [t for _, t in self.mixed_shapes])
         max_blocks = -(-max_model_len // block_size)
         i32 = dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        # int32 like InputBatch's step inputs: the compiled kernels must see one dtype.
+        self.input_ids = torch.zeros(max_tokens, **i32)
+        self.positions = torch.zeros(max_tokens, **i32)
         self.slot_mapping = torch.full((max_tokens,), -1, **i32)
         self.cu_seqlens_q = torch.arange(max_seqs + 1, **i32)
         self.context_lens = torch.zeros(max_seqs, **i32)
@@ -67,12 +70,13 @@ class StepGraphs:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
 
-    def _metadata(self, seqs: int, tokens: int) -> AttentionMetadata:
+    def _metadata(self, seqs: int, tokens: int, lens: list[int]) -> AttentionMetadata:
+        """Capture-time metadata over the static buffers; ``lens``: each sequence's query (= context) length."""
         return AttentionMetadata(
             cu_seqlens_q=self.cu_seqlens_q[:seqs + 1], cu_seqlens_k=self.cu_seqlens_q[:seqs + 1],
             context_lens=self.context_lens[:seqs], max_seqlen_q=1 if seqs == tokens else tokens,
             max_seqlen_k=self.max_model_len, slot_mapping=self.slot_mapping[:tokens],
-            block_tables=self.block_tables[:seqs], query_lens_host=[1] * seqs, context_lens_host=[1] * seqs)
+            block_tables=self.block_tables[:seqs], query_lens_host=lens, context_lens_host=lens)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -81,10 +85,11 @@ class StepGraphs:
         for seqs, tokens in sorted(shapes, key=lambda shape: (-shape[1], -shape[0])):
             # Warm-up lengths: the tokens spread over the sequences, each seeing only its own
             # queries in block 0; slots are -1, so nothing is stored.
-            cu = torch.arange(seqs + 1, device=self.cu_seqlens_q.device) * tokens // seqs
-            self.cu_seqlens_q[:seqs + 1] = cu
-            self.context_lens[:seqs] = cu[1:] - cu[:-1]
-            metadata = self._metadata(seqs, tokens)
+            cu = [i * tokens // seqs for i in range(seqs + 1)]
+            lens = [end - start for start, end in zip(cu, cu[1:])]
+            self.cu_seqlens_q[:seqs + 1] = torch.tensor(cu)
+            self.context_lens[:seqs] = torch.tensor(lens)
+            metadata = self._metadata(seqs, tokens, lens)
             args = (self.input_ids[:tokens], self.positions[:tokens], metadata)
             self.hidden[:tokens] = self.model(*args)  # warm-up: compiles kernels, settles allocations
             graph = torch.cuda.CUDAGraph()

@@ -17,10 +17,11 @@ def _metadata(query_lens: list[int]) -> AttentionMetadata:
 
 def test_mixed_shapes_hold_more_tokens_than_sequences_and_fit_the_limits():
     shapes = mixed_shapes(256, 8192, 4096)
-    assert shapes[0] == (16, 256) and shapes[-1] == (256, 2048)
+    assert shapes[0] == (16, 256) and shapes[-1] == (256, 8192)
     assert all(s < t for s, t in shapes)  # a step with prefill has more tokens than sequences
     assert [t for _, t in shapes] == sorted(t for _, t in shapes)
     assert mixed_shapes(256, 1024, 4096)[-1][1] == 1024  # never past max_num_batched_tokens
+    assert [t for s, t in mixed_shapes(16, 3000, 4096)] == [256, 512, 1024, 2048, 3000]  # ... and up to it
     assert mixed_shapes(4, 8192, 64) == [(4, 256)]  # 4 sequences of 64 tokens hold at most 256
     assert graph_batch_sizes(256)[:5] == [1, 2, 4, 8, 16] and graph_batch_sizes(256)[-1] == 256
 
@@ -36,8 +37,9 @@ def test_a_step_replays_the_smallest_graph_that_holds_it():
     assert graphs.shape_for(_metadata([1] * 3 + [100]), 103) == (16, 256)  # a prompt chunk beside decodes
     assert graphs.shape_for(_metadata([1] * 40 + [300]), 340) == (64, 512)
     assert graphs.shape_for(_metadata([1] * 200 + [1500]), 1700) == (256, 2048)
-    assert graphs.shape_for(_metadata([3000]), 3000) is None  # over the largest bucket: eager
-    assert graphs.input_ids.shape[0] == 2048  # buffers hold the largest mixed shape
+    assert graphs.shape_for(_metadata([3000]), 3000) == (16, 4096)  # a prompt alone
+    assert graphs.shape_for(_metadata([4096, 4096]), 8192) == (16, 8192)  # a full step of prompts
+    assert graphs.input_ids.shape[0] == 8192  # buffers hold the largest mixed shape
     decode_only = StepGraphs(model=None, hidden_size=8, dtype=torch.float32, device=torch.device("cpu"),
                              max_num_seqs=256, max_model_len=4096, block_size=16, max_num_batched_tokens=8192,
                              mixed=False)
