@@ -154,6 +154,7 @@ class ModelRunner:
         self.init_kv_cache()
         self.init_cuda_graphs()
         self.sampler = Sampler(config.seed, self.device)
+        self.sampler.warm_up(self.vocab_size, self.dtype)
         self.sequences = InputBatch(PlanLimits(
             vocab_size=self.vocab_size, num_kv_blocks=self.num_kv_blocks, block_size=config.block_size,
             max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
@@ -275,14 +276,13 @@ class ModelRunner:
         """Samples on rank 0; every rank keeps the sampled tokens for the next plan's PENDING inputs."""
         rank_logits = self.model.compute_logits(hidden[inputs.sample_indices])
         if rank_logits is not None:  # rank 0
-            logits = rank_logits.float()
-            sampled = self.sampler(logits, inputs.sampling)
+            sampled = self.sampler(rank_logits, inputs.sampling)
             token_ids = sampled.token_ids.to(torch.int32)
             step.sampler_output = _to_host(sampled, token_ids)
             step.sampled, step.num_logprobs = inputs.sampled, inputs.sampling.num_logprobs
             step.record = self.sequences.record_sampled
             if keep_logits:
-                step.logits = logits
+                step.logits = rank_logits.float()
         else:
             token_ids = torch.empty(len(inputs.sampled.rows), dtype=torch.int32, device=self.device)
         if tp_world_size() > 1:

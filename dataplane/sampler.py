@@ -7,6 +7,12 @@ the argmax here. Other rows: temperature, min_p, top_k, top_p, then an exponenti
 seeded row's noise comes from a generator seeded by (seed, output position) alone, so its
 draws do not depend on batching or recomputation; other rows share one generator.
 Log-probabilities are the log_softmax of the raw model logits.
+
+Batches whose rows use only temperature (the common case) take one Triton kernel on CUDA
+(``kernels/sampling.py``: Gumbel-max, the same distribution) instead of about ten passes
+over a float32 copy of the logits. There a row's noise is Philox keyed by
+seed_for_position(seed, output position) for seeded rows, and by a per-step key plus the
+row's index for the others.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from twinplane.dataplane.sampling_batch import PenaltyTensors, SamplingBatch
@@ -64,11 +71,36 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 
 
 class Sampler:
-    """Samples one token per row; owns the generator shared by unseeded rows."""
+    """Samples one token per row; owns the generator shared by unseeded rows.
 
-    def __init__(self, seed: int, device: torch.device) -> None:
+    ``fused``: use the Triton kernel for temperature-only batches (default: on CUDA).
+    """
+
+    def __init__(self, seed: int, device: torch.device, fused: bool | None = None) -> None:
         self.device = device
+        self.seed = seed
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.fused = device.type == "cuda" if fused is None else fused
+        self.fused_draws = 0  # batches drawn by the kernel: keys the unseeded rows of the next one
+
+    def warm_up(self, vocab_size: int, dtype: torch.dtype) -> None:
+        """Compiles the kernel of temperature-only batches now, not in the first request's time."""
+        if self.fused:
+            plain = np.array([[0.7, 1.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]], dtype=np.float32)  # sampled, greedy
+            batch = SamplingBatch.from_plain_values(plain, vocab_size, self.device)
+            self(torch.zeros(2, vocab_size, dtype=dtype, device=self.device), batch)
+
+    def _fused_sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        from twinplane.kernels.sampling import sample_temperature
+
+        n = batch.num_rows
+        step_key = seed_for_position(self.seed, self.fused_draws) >> 2  # leaves room for + row below 2**63
+        self.fused_draws += 1
+        seeds = torch.arange(step_key, step_key + n, dtype=torch.int64, device=logits.device)
+        if batch.seeded:
+            rows, keys = zip(*((row, seed_for_position(seed, pos)) for row, seed, pos in batch.seeded))
+            seeds[list(rows)] = torch.tensor(keys, dtype=torch.int64).to(logits.device, non_blocking=True)
+        return sample_temperature(logits, batch.temperature.view(-1), batch.greedy, seeds)
 
     def _race_noise(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
@@ -97,7 +129,16 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, (
             f"logits {tuple(logits.shape)} do not match {batch.num_rows} sampling rows")
         raw_logits = logits
-        logits = logits.float()
+        if self.fused and batch.temperature_only:
+            token_ids = self._fused_sample(logits, batch)
+        else:
+            token_ids = self._sample(logits.float(), batch)
+        out = SamplerOutput(token_ids=token_ids)
+        if batch.max_num_logprobs >= 0:
+            self._logprobs(raw_logits, token_ids, out, batch.max_num_logprobs)
+        return out
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.penalties is not None:
             logits = apply_penalties(logits, batch.penalties)
         if batch.banned is not None:
@@ -105,7 +146,4 @@ class Sampler:
         token_ids = logits.argmax(dim=-1)
         if not batch.all_greedy:
             token_ids = torch.where(batch.greedy, token_ids, self._random_sample(logits, batch))
-        out = SamplerOutput(token_ids=token_ids)
-        if batch.max_num_logprobs >= 0:
-            self._logprobs(raw_logits, token_ids, out, batch.max_num_logprobs)
-        return out
+        return token_ids

@@ -49,6 +49,12 @@ class SamplingBatch:
     num_logprobs: list[int]  # per row; -1 = none
 
     @property
+    def temperature_only(self) -> bool:
+        """No row uses penalties, min_tokens masking, min_p, top_k or top_p."""
+        return (self.penalties is None and self.banned is None and self.min_p is None and self.top_k is None
+                and self.top_p is None)
+
+    @property
     def max_num_logprobs(self) -> int:
         return max(self.num_logprobs, default=-1)
 

@@ -1,5 +1,6 @@
-"""GPU data plane (skipped without CUDA): KV writer, decode attention kernel, FlashAttention
-logits vs transformers, CUDA graphs vs eager, prefix-cache hit vs miss, the real SmolLM2, and TP=2 vs TP=1.
+"""GPU data plane (skipped without CUDA): KV writer, decode attention, fused norm/RoPE/store and
+sampling kernels, FlashAttention logits vs transformers, CUDA graphs vs eager, prefix-cache hit
+vs miss, the real SmolLM2, and TP=2 vs TP=1.
 
 Tolerance for bf16 logits: our forward and transformers' own bf16 forward are both compared
 with transformers in float32 on the same weights; ours must be no further from that reference
@@ -95,6 +96,72 @@ def test_triton_decode_attention_matches_torch(heads, kv_heads, head_dim, block_
     out = paged_decode_attention(q, k_cache, v_cache, block_tables, padded, scale, num_splits=4)
     assert out[1:].abs().max().item() == 0
     assert (out[0].float() - expected[0]).abs().max().item() <= 4 * bf16_error + 1e-3
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,with_norm", [(16, 8, 128, True), (32, 8, 128, False), (14, 2, 64, True)])
+def test_fused_norm_rope_store_matches_the_unfused_layers(heads, kv_heads, head_dim, with_norm):
+    """bf16: no further from the float32 reference than the unfused (compiled) layers, plus rounding."""
+    from twinplane.dataplane.attention_backends.torch_backend import write_kv_by_slot
+    from twinplane.dataplane.layers.layernorm import rms_norm
+    from twinplane.dataplane.layers.rotary import RotaryEmbedding, apply_rotary
+    from twinplane.kernels.rope_store import norm_rope_store
+
+    torch.manual_seed(0)
+    tokens, block_size, num_blocks = 300, 16, 64
+    with torch.device("cuda"):
+        rope = RotaryEmbedding(head_dim, 40960, 1e6)
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim) * 2
+        positions = torch.randint(0, 40000, (tokens,), dtype=torch.int32)
+        slots = torch.randperm(num_blocks * block_size)[:tokens].to(torch.int32)
+        weights = (torch.rand(head_dim) + 0.5, torch.rand(head_dim) + 0.5) if with_norm else (None, None)
+    slots[::7] = -1
+
+    def unfused(x: torch.Tensor, w: tuple):
+        q, k, v = x.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q, k, v = q.reshape(tokens, heads, head_dim), k.reshape(tokens, kv_heads, head_dim), v.reshape(tokens, kv_heads, head_dim)
+        if with_norm:
+            q, k = rms_norm(q, w[0], 1e-6), rms_norm(k, w[1], 1e-6)
+        q, k = apply_rotary(q, k, rope.cos_sin_cache, positions)
+        caches = [torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=x.dtype, device="cuda") for _ in range(2)]
+        write_kv_by_slot(k, v, caches[0], caches[1], slots)
+        return q, caches[0], caches[1]
+
+    bf16 = lambda w: tuple(t.to(torch.bfloat16) if t is not None else None for t in w)  # noqa: E731
+    reference = unfused(qkv, weights)
+    layers = unfused(qkv.to(torch.bfloat16), bf16(weights))
+    caches = [torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    q = norm_rope_store(qkv.to(torch.bfloat16), heads, kv_heads, positions, rope.cos_sin_cache, *bf16(weights), 1e-6,
+                        caches[0], caches[1], slots)
+    for name, ours, theirs, ref in zip(("q", "k cache", "v cache"), (q, *caches), layers, reference):
+        error, layers_error = ((t.float() - ref).abs().max().item() for t in (ours, theirs))
+        assert error <= 2 * layers_error + 1e-3, f"{name}: max error {error} vs the unfused layers' {layers_error}"
+    assert torch.equal(caches[1], layers[2])  # v is copied as it is
+    assert caches[0].flatten(0, 1)[slots[1].long()].abs().sum() > 0
+
+
+def test_triton_sampler_on_a_full_vocabulary():
+    """Greedy rows of bf16 logits = torch.argmax (ties included); sampled rows follow softmax(logits / T)."""
+    from twinplane.kernels.sampling import sample_temperature, vocab_splits
+
+    torch.manual_seed(0)
+    rows, vocab = 256, 151936
+    logits = (torch.randn(rows, vocab, device="cuda") * 4).to(torch.bfloat16)  # bf16: many exact ties
+    greedy = torch.ones(rows, dtype=torch.bool, device="cuda")
+    seeds = torch.arange(rows, device="cuda")
+    expected = logits.float().argmax(-1)
+    for splits in sorted({1, 5, vocab_splits(rows, vocab, logits.device)}):
+        assert torch.equal(sample_temperature(logits, torch.ones(rows, device="cuda"), greedy, seeds, splits), expected)
+    # 8 likely tokens spread over the vocabulary, the rest far below them
+    n, temperature = 8192, 0.7
+    hot = torch.tensor([5, 70_000, 151_935, 12, 99_999, 40_000, 1_000, 151_000], device="cuda")
+    base = torch.full((vocab,), -30.0, device="cuda")
+    base[hot] = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 1.5, 0.7, 0.2], device="cuda")
+    drawn = sample_temperature(base.to(torch.bfloat16).expand(n, vocab), torch.full((n,), temperature, device="cuda"),
+                               torch.zeros(n, dtype=torch.bool, device="cuda"), torch.arange(n, device="cuda") * 977)
+    counts = torch.bincount(drawn, minlength=vocab).float()
+    expected_p = (base.to(torch.bfloat16).float() / temperature).softmax(-1)
+    assert counts.sum() == n and counts[hot].sum() >= n - 2  # everything else has p < 1e-17
+    assert (counts[hot] / n - expected_p[hot]).abs().max().item() < 0.02  # > 3 sigma at n = 8192
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,9 @@
 """Our Triton kernels through Triton's CPU interpreter (TRITON_INTERPRET=1), so they are checked
 without a GPU: the split-KV decode attention against the torch backend (float32; 1, 2 and 4
-splits; grouped and plain heads; rows of context 0), and the KV writer against index_copy.
+splits; grouped and plain heads; rows of context 0), the KV writer against index_copy, the
+fused q/k norm + RoPE + K/V store against the unfused layers (with and without the norm), and
+the temperature sampler (greedy = torch.argmax with ties, draws follow softmax(logits / T),
+a row's draw depends on its seed only) alone and inside the Sampler.
 
 The interpreter is chosen when a kernel is decorated, so the checks run in a child process.
 The GPU tests (test_gpu.py) check the same kernels compiled, in bf16.
@@ -59,11 +62,92 @@ store_kv(k, v, caches[0], caches[1], slots)
 write_kv_by_slot(k, v, caches[2], caches[3], slots)
 assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3]), "KV writer differs"
 assert caches[0].abs().sum() > 0
+from twinplane.dataplane.layers.layernorm import rms_norm
+from twinplane.dataplane.layers.rotary import RotaryEmbedding, apply_rotary
+from twinplane.kernels.rope_store import norm_rope_store
+
+tokens, heads, kv_heads, head_dim, block_size = 30, 6, 3, 32, 16
+rope = RotaryEmbedding(head_dim, 4096, 1e6)
+positions = torch.randint(0, 4000, (tokens,), dtype=torch.int32)
+slots = torch.randperm(8 * block_size)[:tokens].to(torch.int32)
+slots[::4] = -1
+for with_norm in (True, False):
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    q_w, k_w = (torch.rand(head_dim) + 0.5, torch.rand(head_dim) + 0.5) if with_norm else (None, None)
+    caches = [torch.zeros(8, block_size, kv_heads, head_dim) for _ in range(4)]
+    q = norm_rope_store(qkv, heads, kv_heads, positions, rope.cos_sin_cache, q_w, k_w, 1e-6, caches[0], caches[1], slots)
+    q_ref, k_ref, v_ref = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q_ref, k_ref = q_ref.reshape(tokens, heads, head_dim), k_ref.reshape(tokens, kv_heads, head_dim)
+    if with_norm:
+        q_ref, k_ref = rms_norm(q_ref, q_w, 1e-6), rms_norm(k_ref, k_w, 1e-6)
+    q_ref, k_ref = apply_rotary(q_ref, k_ref, rope.cos_sin_cache, positions.long())
+    write_kv_by_slot(k_ref, v_ref.reshape(tokens, kv_heads, head_dim), caches[2], caches[3], slots)
+    assert (q - q_ref).abs().max().item() < 1e-4, f"q differs (norm {with_norm})"
+    assert (caches[0] - caches[2]).abs().max().item() < 1e-4 and torch.equal(caches[1], caches[3])
+    assert caches[0].abs().sum() > 0
 print("kernels ok")
 '''
 
 
-def test_triton_kernels_match_torch_in_the_interpreter():
+SAMPLING_CHECKS = r'''
+import numpy as np
+import torch
+from twinplane.dataplane.plan import SamplingParams
+from twinplane.dataplane.sampler import Sampler
+from twinplane.dataplane.sampling_batch import SamplingRow, build_sampling_batch
+from twinplane.kernels.sampling import sample_temperature
+
+torch.manual_seed(0)
+# Greedy: the first maximum, as torch.argmax, however the vocabulary is split (integer logits tie often).
+logits = torch.randint(0, 40, (6, 3000)).float()
+greedy = torch.ones(6, dtype=torch.bool)
+for splits in (1, 3, 7):
+    out = sample_temperature(logits, torch.ones(6), greedy, torch.arange(6), num_splits=splits)
+    assert torch.equal(out, logits.argmax(-1)), f"greedy differs from argmax at {splits} splits"
+
+# Draws depend only on the row's seed, not on the split count; they follow softmax(logits / T).
+never = torch.zeros(40, dtype=torch.bool)
+wide, seeds = torch.randn(40, 3000), torch.arange(40)
+assert torch.equal(sample_temperature(wide, torch.ones(40), never, seeds, num_splits=1),
+                   sample_temperature(wide, torch.ones(40), never, seeds, num_splits=4)), "splits changed draws"
+n, temperature = 1500, 0.8
+base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 1.5, -3.0, 0.2])
+drawn = sample_temperature(base.repeat(n, 1), torch.full((n,), temperature), torch.zeros(n, dtype=torch.bool),
+                           torch.arange(1000, 1000 + n), num_splits=1)
+frequencies = torch.bincount(drawn, minlength=len(base)).float() / n
+expected = (base / temperature).softmax(-1)
+gap = (frequencies - expected).abs().max().item()
+assert gap < 0.04, f"sample frequencies {frequencies.tolist()} vs softmax {expected.tolist()}"  # 3 sigma
+
+# Inside the Sampler: a seeded row draws the same token wherever it sits in the batch;
+# unseeded rows follow the sampler's seed and draw anew at every batch.
+def sample(sampler, params, vocab=500):
+    batch = build_sampling_batch([SamplingRow(p, 3, np.empty(0, np.int32), np.empty(0, np.int32)) for p in params],
+                                 vocab, torch.device("cpu"))
+    assert batch.temperature_only
+    return sampler(torch.zeros(len(params), vocab), batch).token_ids.tolist()
+
+seeded, other = SamplingParams(seed=7), SamplingParams()
+cpu = torch.device("cpu")
+alone = sample(Sampler(0, cpu, fused=True), [seeded])
+mixed = sample(Sampler(5, cpu, fused=True), [other, SamplingParams(temperature=0.0), other, seeded])
+assert alone[0] == mixed[3], "a seeded row's draw moved with its place in the batch"
+first = Sampler(1, cpu, fused=True)
+a, b = sample(first, [other] * 8), sample(first, [other] * 8)
+assert a == sample(Sampler(1, cpu, fused=True), [other] * 8) and a != b
+print("sampling ok")
+'''
+
+
+def _run_interpreted(checks: str, marker: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-c", CHECKS], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0 and "kernels ok" in result.stdout, result.stderr[-4000:]
+    result = subprocess.run([sys.executable, "-c", checks], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and marker in result.stdout, result.stderr[-4000:]
+
+
+def test_triton_kernels_match_torch_in_the_interpreter():
+    _run_interpreted(CHECKS, "kernels ok")
+
+
+def test_triton_sampler_in_the_interpreter():
+    _run_interpreted(SAMPLING_CHECKS, "sampling ok")

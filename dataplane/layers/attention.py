@@ -1,8 +1,9 @@
 """Attention over the paged KV cache: stores this step's K/V, then attends via a backend.
 
 The module projects nothing: it takes q [T, heads * d], k and v [T, kv_heads * d] and
-returns [T, heads * d]. The model runner binds ``k_cache`` / ``v_cache`` (views into one
-preallocated tensor) after the model is built; the backend is fixed at construction.
+returns [T, heads * d]; ``attend`` takes q alone, when the caller stored K/V itself. The
+model runner binds ``k_cache`` / ``v_cache`` (views into one preallocated tensor) after the
+model is built; the backend is fixed at construction.
 """
 
 from __future__ import annotations
@@ -41,5 +42,9 @@ class Attention(nn.Module):
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         self.backend.write_kv(k, v, self.k_cache, self.v_cache, metadata.slot_mapping)
+        return self.attend(q, metadata)
+
+    def attend(self, q: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """Attention of q [T, heads, head_dim] over the cache, this step's K/V already stored -> [T, heads * d]."""
         out = self.backend.forward(q, self.k_cache, self.v_cache, metadata, self.scale)
-        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)

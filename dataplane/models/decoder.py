@@ -24,6 +24,11 @@ from twinplane.dataplane.layers.linear import MergedColumnParallelLinear, QKVPar
 from twinplane.dataplane.layers.rotary import RotaryEmbedding, rope_settings
 
 
+# On CUDA, layers of these head sizes (half a power of two) run q/k norm, RoPE and the K/V
+# store as one Triton kernel; others, and every layer on CPU, run them one by one.
+FUSED_HEAD_DIMS = (32, 64, 128, 256)
+
+
 @dataclass(frozen=True)
 class DecoderSpec:
     """What one architecture changes in the shared decoder, read from its HF config."""
@@ -59,7 +64,10 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps) if spec.qk_norm else None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if qkv.is_cuda and self.head_dim in FUSED_HEAD_DIMS:
+            return self.o_proj(self.attn.attend(self._norm_rope_store(qkv, positions, metadata), metadata))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         num_tokens = hidden.shape[0]
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -68,6 +76,16 @@ class DecoderAttention(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q.flatten(1), k.flatten(1), v, metadata)
         return self.o_proj(out)
+
+    def _norm_rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """One Triton kernel for q/k norm, RoPE and the K/V store (``kernels/rope_store.py``); returns q."""
+        from twinplane.kernels.rope_store import norm_rope_store
+
+        norms = (self.q_norm, self.k_norm)
+        q_weight, k_weight = (None, None) if self.q_norm is None else (n.weight for n in norms)
+        eps = self.q_norm.eps if self.q_norm is not None else 0.0
+        return norm_rope_store(qkv, self.num_heads, self.num_kv_heads, positions, self.rotary_emb.cos_sin_cache,
+                               q_weight, k_weight, eps, self.attn.k_cache, self.attn.v_cache, metadata.slot_mapping)
 
 
 class DecoderMLP(nn.Module):
