@@ -76,7 +76,7 @@ def _add_controlplane_args(p: argparse.ArgumentParser, listen_default: str = DEF
     g.add_argument("--max-prefill-tokens-with-decode", type=int, default=None,
                    help="cap on prefill tokens in a step that also decodes (steadier inter-token latency)")
     g.add_argument("--stream-interval", type=int, default=1,
-                   help="tokens per streamed message; more means fewer messages under heavy load")
+                   help="tokens per streamed message after the first; more means fewer messages under heavy load")
     g.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight streams get on SIGTERM")
     g.add_argument("--tls-cert", default=None)
     g.add_argument("--tls-key", default=None)

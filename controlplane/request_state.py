@@ -23,7 +23,7 @@ class RequestState:
         self.arrival_time = arrival_time  # time.monotonic() when the request arrived
         self.first_token_time: float | None = None  # when the first token was streamed
         self.last_token_time = 0.0  # when the latest message with tokens was streamed
-        self.stream_interval = stream_interval  # tokens per message (the last message may hold fewer)
+        self.stream_interval = stream_interval  # tokens per message (the first and the last may hold fewer)
         params = seq.params
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
         self.max_model_len = max_model_len
@@ -78,8 +78,8 @@ class RequestState:
         out = self.pending
         if self.detokenizer is not None:
             out.text += self.detokenizer.take_text(final=finish_reason is not None)
-        if finish_reason is None and len(out.token_ids) < self.stream_interval:
-            return  # fewer new tokens than one message carries
+        if finish_reason is None and len(out.token_ids) < self.stream_interval and self.first_token_time is not None:
+            return  # fewer new tokens than one message carries (the first token never waits)
         if finish_reason is not None:
             seq = self.seq
             out.finish_reason = finish_reason
