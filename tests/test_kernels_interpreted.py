@@ -85,6 +85,31 @@ for with_norm in (True, False):
     assert (q - q_ref).abs().max().item() < 1e-4, f"q differs (norm {with_norm})"
     assert (caches[0] - caches[2]).abs().max().item() < 1e-4 and torch.equal(caches[1], caches[3])
     assert caches[0].abs().sum() > 0
+# The same kernel inside a decoder layer's attention: the fused path equals the unfused forward.
+from transformers import Qwen3Config
+from twinplane.dataplane.models.decoder import DecoderAttention, DecoderSpec
+
+cfg = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  max_position_embeddings=512, rms_norm_eps=1e-6)
+for qk_norm in (True, False):
+    layer = DecoderAttention(cfg, DecoderSpec(False, False, False, qk_norm), TorchAttentionBackend())
+    for p in layer.parameters():
+        p.data = torch.randn_like(p) * 0.1 if p.dim() > 1 else torch.rand_like(p) + 0.5
+    caches = [torch.zeros(4, 16, 2, 32) for _ in range(4)]
+    tokens = 10
+    metadata = AttentionMetadata(
+        cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32), cu_seqlens_k=None,
+        context_lens=torch.tensor([tokens], dtype=torch.int32), max_seqlen_q=tokens, max_seqlen_k=tokens,
+        slot_mapping=torch.arange(tokens, dtype=torch.int32), block_tables=torch.tensor([[0]], dtype=torch.int32),
+        query_lens_host=[tokens], context_lens_host=[tokens])
+    hidden, positions = torch.randn(tokens, 64), torch.arange(3, 3 + tokens, dtype=torch.int32)
+    layer.attn.bind_kv_cache(caches[0], caches[1])
+    unfused = layer(positions, hidden, metadata)  # CPU tensors take the unfused path
+    layer.attn.bind_kv_cache(caches[2], caches[3])
+    q = layer._norm_rope_store(layer.qkv_proj(hidden), positions, metadata)
+    fused = layer.o_proj(layer.attn.attend(q, metadata))
+    assert (fused - unfused).abs().max().item() < 1e-4, f"decoder attention differs (qk_norm {qk_norm})"
+    assert (caches[0] - caches[2]).abs().max().item() < 1e-4 and torch.equal(caches[1], caches[3])
 print("kernels ok")
 '''
 

@@ -81,9 +81,10 @@ class DecoderAttention(nn.Module):
         """One Triton kernel for q/k norm, RoPE and the K/V store (``kernels/rope_store.py``); returns q."""
         from twinplane.kernels.rope_store import norm_rope_store
 
-        norms = (self.q_norm, self.k_norm)
-        q_weight, k_weight = (None, None) if self.q_norm is None else (n.weight for n in norms)
-        eps = self.q_norm.eps if self.q_norm is not None else 0.0
+        q_weight = k_weight = None
+        eps = 0.0
+        if self.q_norm is not None and self.k_norm is not None:
+            q_weight, k_weight, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
         return norm_rope_store(qkv, self.num_heads, self.num_kv_heads, positions, self.rotary_emb.cos_sin_cache,
                                q_weight, k_weight, eps, self.attn.k_cache, self.attn.v_cache, metadata.slot_mapping)
 
