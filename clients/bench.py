@@ -107,10 +107,12 @@ def report(requests: list[Request], elapsed: float, before: dict, after: dict, i
     roofline = roofline_seconds(requests, info.weight_bytes, info.kv_bytes_per_token, args.max_num_seqs, bandwidth)
     steps = after["steps"] - before["steps"]
     idle_us, execute_us = after["idle_us"] - before["idle_us"], after["execute_us"] - before["execute_us"]
+    full = {name: after[f"full_decode_{name}"] - before[f"full_decode_{name}"] for name in ("steps", "idle_us", "execute_us")}
     figures = {
         "output_tokens": output_tokens, "seconds": elapsed, "tokens_per_s": output_tokens / elapsed,
         "roofline_s": roofline, "roofline_fraction": roofline / elapsed, "steps": steps,
         "idle_fraction": idle_us / max(execute_us, 1), "preemptions": after["preemptions"] - before["preemptions"],
+        "full_decode_steps": full["steps"], "full_decode_idle_fraction": full["idle_us"] / max(full["execute_us"], 1),
     }
     print(f"model {info.model} ({info.dtype}, TP={info.tensor_parallel_size}, {info.device}, "
           f"attention {info.attention_backend}, {info.num_kv_blocks} KV blocks of {info.block_size})")
@@ -121,6 +123,9 @@ def report(requests: list[Request], elapsed: float, before: dict, after: dict, i
           f"{100 * figures['roofline_fraction']:.1f}% of roofline")
     print(f"data plane: {steps} steps, {execute_us / max(steps, 1) / 1e3:.2f} ms per step, idle between steps "
           f"{100 * figures['idle_fraction']:.1f}% of step time; preemptions {figures['preemptions']}")
+    print(f"full-batch decode ({args.max_num_seqs} sequences): {full['steps']} steps, "
+          f"{full['execute_us'] / max(full['steps'], 1) / 1e3:.2f} ms per step, idle before them "
+          f"{100 * figures['full_decode_idle_fraction']:.1f}% of step time")
     print(f"steps by path: {_paths(before, after)}")
     print(f"TTFT {_percentiles(ttft)}; inter-token latency {_percentiles(itl)}")
     return figures

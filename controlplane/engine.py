@@ -34,7 +34,8 @@ request_log = logging.getLogger("twinplane.controlplane.requests")  # one line p
 # (the rest ran eagerly), keyed by the data plane's StepPath.
 GRAPH_PATHS = {dp.STEP_PATH_DECODE_GRAPH: "decode_graph", dp.STEP_PATH_MIXED_GRAPH: "mixed_graph"}
 STAT_NAMES = ("steps", "idle_us", "execute_us", "computed_tokens",
-              *(f"{graph}_{counter}" for graph in GRAPH_PATHS.values() for counter in ("steps", "execute_us")))
+              *(f"{graph}_{counter}" for graph in GRAPH_PATHS.values() for counter in ("steps", "execute_us")),
+              "full_decode_steps", "full_decode_execute_us", "full_decode_idle_us")
 RECONNECT_DELAY = 0.5  # seconds between attempts to reach a data plane
 RECONNECT_TIMEOUT = 2.0  # seconds one attempt waits for the data plane to answer
 
@@ -312,11 +313,17 @@ class Engine:
         stats["steps"] += 1
         stats["idle_us"] += tokens.idle_us
         stats["execute_us"] += tokens.execute_us
-        stats["computed_tokens"] += out.num_batched_tokens
+        num_tokens = out.num_batched_tokens
+        stats["computed_tokens"] += num_tokens
         graph = GRAPH_PATHS.get(tokens.path)
         if graph is not None:
             stats[f"{graph}_steps"] += 1
             stats[f"{graph}_execute_us"] += tokens.execute_us
+        full = self.scheduler.config.max_num_seqs
+        if num_tokens == full and len(out.decode_seqs) + len(out.other_chunks) == full:  # one token each
+            stats["full_decode_steps"] += 1
+            stats["full_decode_execute_us"] += tokens.execute_us
+            stats["full_decode_idle_us"] += tokens.idle_us
         self.metrics.dataplane_step.observe((tokens.prepare_us + tokens.execute_us) * 1e-6)
         recorded = []
         for seq, token, index, position in self.scheduler.update(out, tokens.token_ids):

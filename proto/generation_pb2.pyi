@@ -193,7 +193,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("steps", "execute_us", "idle_us", "preemptions", "waiting", "running", "free_kv_blocks", "computed_tokens", "decode_graph_steps", "decode_graph_execute_us", "mixed_graph_steps", "mixed_graph_execute_us")
+    __slots__ = ("steps", "execute_us", "idle_us", "preemptions", "waiting", "running", "free_kv_blocks", "computed_tokens", "decode_graph_steps", "decode_graph_execute_us", "mixed_graph_steps", "mixed_graph_execute_us", "full_decode_steps", "full_decode_execute_us", "full_decode_idle_us")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_US_FIELD_NUMBER: _ClassVar[int]
     IDLE_US_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +206,9 @@ class ServerStats(_message.Message):
     DECODE_GRAPH_EXECUTE_US_FIELD_NUMBER: _ClassVar[int]
     MIXED_GRAPH_STEPS_FIELD_NUMBER: _ClassVar[int]
     MIXED_GRAPH_EXECUTE_US_FIELD_NUMBER: _ClassVar[int]
+    FULL_DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    FULL_DECODE_EXECUTE_US_FIELD_NUMBER: _ClassVar[int]
+    FULL_DECODE_IDLE_US_FIELD_NUMBER: _ClassVar[int]
     steps: int
     execute_us: int
     idle_us: int
@@ -218,4 +221,7 @@ class ServerStats(_message.Message):
     decode_graph_execute_us: int
     mixed_graph_steps: int
     mixed_graph_execute_us: int
-    def __init__(self, steps: _Optional[int] = ..., execute_us: _Optional[int] = ..., idle_us: _Optional[int] = ..., preemptions: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., decode_graph_steps: _Optional[int] = ..., decode_graph_execute_us: _Optional[int] = ..., mixed_graph_steps: _Optional[int] = ..., mixed_graph_execute_us: _Optional[int] = ...) -> None: ...
+    full_decode_steps: int
+    full_decode_execute_us: int
+    full_decode_idle_us: int
+    def __init__(self, steps: _Optional[int] = ..., execute_us: _Optional[int] = ..., idle_us: _Optional[int] = ..., preemptions: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., decode_graph_steps: _Optional[int] = ..., decode_graph_execute_us: _Optional[int] = ..., mixed_graph_steps: _Optional[int] = ..., mixed_graph_execute_us: _Optional[int] = ..., full_decode_steps: _Optional[int] = ..., full_decode_execute_us: _Optional[int] = ..., full_decode_idle_us: _Optional[int] = ...) -> None: ...

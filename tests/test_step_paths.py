@@ -1,23 +1,27 @@
-"""How each step ran on the data plane (decode graph, mixed-step graph, eager) reaches the
-engine's counters (GetStats) and the benchmark's report."""
+"""How each step ran on the data plane (decode graph, mixed-step graph, eager), and the idle
+time before full-batch decode steps, reach the engine's counters (GetStats) and the
+benchmark's report."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from twinplane.clients.bench import _paths
+from twinplane.clients.bench import Request, _paths, report
 from twinplane.clients.client import Client
-from twinplane.controlplane.bench_stream import NullDataPlane, serve_stand_in
+from twinplane.controlplane.bench_stream import QWEN3_0_6B, NullDataPlane, serve_stand_in
 from twinplane.controlplane.plan_codec import decode_result
 from twinplane.dataplane.convert import output_to_pb
 from twinplane.dataplane.plan import StepOutput, StepPath
 from twinplane.proto import dataplane_pb2 as dp
 
-DECODE_US, MIXED_US = 100, 300
+DECODE_US, MIXED_US, IDLE_US = 100, 300, 7
+FULL_BATCH = 2  # the stand-in's max_num_seqs
 
 
 def test_step_path_crosses_the_wire():
@@ -30,7 +34,14 @@ def test_step_path_crosses_the_wire():
 
 
 class GraphedNullDataPlane(NullDataPlane):
-    """Answers at once, reporting decode steps as decode-graph replays and the rest as mixed."""
+    """Answers at once, reporting decode steps as decode-graph replays and the rest as mixed,
+    each after IDLE_US of idle time; it runs at most FULL_BATCH sequences per step."""
+
+    def Describe(self, request, context):
+        described = dp.DescribeResponse()
+        described.CopyFrom(QWEN3_0_6B)
+        described.max_num_seqs = FULL_BATCH
+        return described
 
     def Step(self, request_iterator, context):
         for plan in request_iterator:
@@ -38,7 +49,7 @@ class GraphedNullDataPlane(NullDataPlane):
             sampled = int(np.frombuffer(plan.sample, dtype=np.uint8).sum())
             path, execute_us = (dp.STEP_PATH_DECODE_GRAPH, DECODE_US) if decode else (dp.STEP_PATH_MIXED_GRAPH, MIXED_US)
             yield dp.StepResult(step_id=plan.step_id, sampled_token_ids=np.ones(sampled, dtype="<i4").tobytes(),
-                                timings=dp.StepTimings(execute_us=execute_us, path=path))
+                                timings=dp.StepTimings(execute_us=execute_us, idle_us=IDLE_US, path=path))
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +83,27 @@ def test_engine_counts_steps_by_path(control_plane):
     report = _paths(before, after)
     assert report == (f"decode graph {decode} (0.10 ms each), mixed graph {mixed} (0.30 ms each), "
                       f"eager 0 (0.00 ms each)")
+
+
+def test_full_batch_decode_steps_are_counted_with_their_idle_time(control_plane, capsys):
+    def generate(prompt: list[int]) -> int:
+        stream = control_plane.generate(token_ids=prompt, max_tokens=300, ignore_eos=True, temperature=0)
+        return sum(len(chunk.token_ids) for chunk in stream)
+
+    before = control_plane.stats()
+    with ThreadPoolExecutor(2) as pool:  # two streams at once fill the stand-in's batch of two
+        assert list(pool.map(generate, ([5] * 40, [6] * 70))) == [300, 300]
+    after = control_plane.stats()
+    delta = {name: after[name] - before[name] for name in after if name.startswith(("full_decode", "decode_graph"))}
+    full = delta["full_decode_steps"]
+    assert 0 < full <= delta["decode_graph_steps"] and full >= 300 - 2 * 60  # the streams overlap for most steps
+    assert delta["full_decode_execute_us"] == DECODE_US * full and delta["full_decode_idle_us"] == IDLE_US * full
+
+    requests = [Request([1] * 40, 300, 0.0, [0.1] * 300), Request([1] * 70, 300, 0.0, [0.2] * 300)]
+    info = SimpleNamespace(model="m", dtype="bfloat16", tensor_parallel_size=1, device="d", attention_backend="a",
+                           num_kv_blocks=1, block_size=16, weight_bytes=1, kv_bytes_per_token=1)
+    args = SimpleNamespace(peak_bandwidth_gbs=4800.0, max_num_seqs=FULL_BATCH)
+    figures = report(requests, 1.0, before, after, info, args)
+    assert figures["full_decode_steps"] == full and abs(figures["full_decode_idle_fraction"] - 0.07) < 1e-9
+    assert f"full-batch decode (2 sequences): {full} steps, 0.10 ms per step, idle before them 7.0% of step time" \
+        in capsys.readouterr().out
