@@ -151,3 +151,20 @@ def test_pending_token_needs_a_sample_in_the_previous_plan(runner: ModelRunner) 
     c = builder.new_seq(3, [7, 8])
     with pytest.raises(ValueError, match="pending"):  # not the single token of its chunk
         runner.step(StepPlan(5, [dataclasses.replace(builder.schedule(c), token_ids=np.array([7, -1], np.int32))]))
+
+
+def test_step_arrays_start_16_byte_aligned_whatever_the_token_count(runner: ModelRunner) -> None:
+    """Triton specializes kernels on pointer alignment: an odd token count must not shift the
+    arrays after the tokens off 16 bytes (that compiled new kernel variants mid-serving)."""
+    runner.reset()
+    builder = PlanBuilder(BLOCK)
+    seqs = [builder.new_seq(i, list(range(3 + 2 * i, 8 + 3 * i))) for i in range(3)]  # 5 + 6 + 7 = 18 tokens
+    inputs = runner.sequences.prepare(StepPlan(0, [builder.schedule(s) for s in seqs]))
+    m = inputs.metadata
+    arrays = {"input_ids": inputs.input_ids, "positions": inputs.positions, "slot_mapping": m.slot_mapping,
+              "cu_seqlens_q": m.cu_seqlens_q, "cu_seqlens_k": m.cu_seqlens_k, "context_lens": m.context_lens,
+              "block_tables": m.block_tables, "sample_indices": inputs.sample_indices, "sample_rows": inputs.sample_rows}
+    assert inputs.input_ids.shape[0] == 18
+    misaligned = {name: t.data_ptr() % 16 for name, t in arrays.items() if t.data_ptr() % 16}
+    assert not misaligned, misaligned
+    runner.reset()
