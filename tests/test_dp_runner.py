@@ -1,4 +1,5 @@
-"""ModelRunner on dummy:tiny-qwen3: describe, plan validation, mirrors, seeds and logprobs."""
+"""ModelRunner on dummy:tiny-qwen3: describe, plan validation, mirrors, seeds, logprobs, and the
+step inputs' layout (alignment, dtypes shared with the CUDA-graph buffers)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
 from tests.test_dp_helpers import PlanBuilder
 from twinplane.dataplane.config import DataPlaneConfig
@@ -167,4 +169,22 @@ def test_step_arrays_start_16_byte_aligned_whatever_the_token_count(runner: Mode
     assert inputs.input_ids.shape[0] == 18
     misaligned = {name: t.data_ptr() % 16 for name, t in arrays.items() if t.data_ptr() % 16}
     assert not misaligned, misaligned
+    runner.reset()
+
+
+def test_graph_buffers_have_the_dtypes_of_step_inputs(runner: ModelRunner) -> None:
+    """The compiled kernels guard on dtype: graph capture (and the warm-up) must feed what steps
+    feed, or the first real step recompiles inside a request's time."""
+    from twinplane.dataplane.cuda_graphs import StepGraphs
+
+    runner.reset()
+    builder = PlanBuilder(BLOCK)
+    inputs = runner.sequences.prepare(StepPlan(0, [builder.schedule(builder.new_seq(1, [1, 2, 3]))]))
+    graphs = StepGraphs(model=None, hidden_size=8, dtype=torch.float32, device=torch.device("cpu"), max_num_seqs=8,
+                        max_model_len=64, block_size=BLOCK, max_num_batched_tokens=64, mixed=True)
+    m = inputs.metadata
+    pairs = [(graphs.input_ids, inputs.input_ids), (graphs.positions, inputs.positions),
+             (graphs.slot_mapping, m.slot_mapping), (graphs.cu_seqlens_q, m.cu_seqlens_q),
+             (graphs.context_lens, m.context_lens), (graphs.block_tables, m.block_tables)]
+    assert [buffer.dtype for buffer, _ in pairs] == [step.dtype for _, step in pairs]
     runner.reset()
