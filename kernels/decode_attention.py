@@ -19,11 +19,11 @@ padding rows of a CUDA graph) produce zeros.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from twinplane.kernels.device import num_sms
 
 LOG2E = 1.4426950408889634
 
@@ -93,15 +93,10 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, stride_ps, stride_pt, stride_ph, s
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device, max_splits: int = 16) -> int:
     """Splits per sequence so that the programs cover every SM (1 once batch x KV heads does)."""
     programs = max(1, num_seqs * num_kv_heads)
-    sms = _num_sms(device.index or 0)
+    sms = num_sms(device.index or 0)
     return min(max_splits, triton.next_power_of_2(-(-sms // programs))) if programs < sms else 1
 
 

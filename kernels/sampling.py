@@ -20,11 +20,11 @@ place in the batch, on the other rows or on the number of splits.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from twinplane.kernels.device import num_sms
 
 BLOCK = 1024
 
@@ -82,14 +82,9 @@ def _partial_kernel(logits_ptr, stride_row, temperature_ptr, greedy_ptr, seeds_p
     tl.store(best_index_ptr + row * num_splits + split, best_index)
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def vocab_splits(num_rows: int, vocab: int, device: torch.device) -> int:
     """Splits per row so that there are about four programs per SM (at least one tile each)."""
-    sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
+    sms = num_sms(device.index or 0) if device.type == "cuda" else 4
     return max(1, min(-(-4 * sms // max(num_rows, 1)), -(-vocab // (4 * BLOCK))))
 
 
