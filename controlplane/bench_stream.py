@@ -45,10 +45,27 @@ class NullDataPlane(dp_grpc.DataPlaneServicer):
                                 sampled_token_ids=np.ones(sampled, dtype="<i4").tobytes())
 
 
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name (Linux)."""
+    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+
+
 def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds a live process has used (Linux /proc)."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    """User + system CPU seconds a live process has used."""
+    fields = _stat(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if int(_stat(int(entry))[1]) == pid:
+                    children.append(int(entry))
+            except (OSError, IndexError):
+                continue  # gone meanwhile
+    return children
 
 
 def serve_stand_in(servicer: dp_grpc.DataPlaneServicer) -> tuple[grpc.Server, str, str]:
@@ -72,7 +89,9 @@ def main() -> int:
                                 "--max-waiting-requests", "100000", "--stream-interval", interval])
     try:
         code = subprocess.call([*cli, "bench", "--server", api, *args])
-        print(f"control plane CPU time: {_cpu_seconds(control.pid):.2f} s (user + system, start-up included)")
+        core = sum(_cpu_seconds(pid) for pid in _children(control.pid))
+        print(f"control plane CPU time: frontend {_cpu_seconds(control.pid):.2f} s, engine core {core:.2f} s "
+              f"(user + system, start-up included)")
         return code
     finally:
         control.terminate()

@@ -65,7 +65,7 @@ class ControlPlane:
 
     async def shutdown(self, grace: float | None = None) -> None:
         grace = self.config.shutdown_grace if grace is None else grace
-        if self.engine.scheduler is not None:
+        if self.engine.describe is not None:
             await self.engine.drain(grace)
         await self.server.stop(1.0)
         if self._start_task is not None and not self._start_task.done():

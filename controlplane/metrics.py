@@ -1,11 +1,11 @@
 """Prometheus metrics of the control plane, on a registry of each server's own.
 
-The step loop only bumps plain numbers (ints and bucket counts, a few hundred
+The frontend only bumps plain numbers (ints and bucket counts, a few hundred
 nanoseconds per streamed message); prometheus_client turns them into the text
 format when /metrics is scraped, on its HTTP server's thread. Gauges (running,
-waiting, KV usage) and the scheduler's counters are read at scrape time. Only the
-event loop writes, and the scrape copies each list before it reads it, so no lock
-is needed.
+waiting, KV usage), the scheduler's counters and the data-plane step times come
+from the engine core's latest snapshot. Only the event loop writes, and the scrape
+copies each list before it reads it, so no lock is needed.
 
 Names follow vLLM's (``vllm:`` becomes ``twinplane:``) where the meaning is the same.
 """
@@ -71,7 +71,6 @@ class EngineMetrics:
         self.time_to_first_token = Histogram(TTFT_BUCKETS)
         self.inter_token_latency = Histogram(INTER_TOKEN_BUCKETS)
         self.e2e_request_latency = Histogram(E2E_BUCKETS)
-        self.dataplane_step = Histogram(STEP_BUCKETS)
 
     def request_finished(self, reason: FinishReason, seconds: float) -> None:
         self.finished[reason] += 1
@@ -90,32 +89,29 @@ class EngineCollector:
         yield from self._histograms()
 
     def _gauges(self) -> Iterator[Metric]:
-        engine, sched = self.engine, self.engine.scheduler
-        running = len(sched.running) if sched else 0
-        waiting = engine.num_waiting_ready + (len(sched.waiting) if sched else 0)
+        core = self.engine.core_snapshot
         usage = 0.0
-        if sched is not None:
-            bm = sched.block_manager
-            usage = min(1.0, max(0.0, 1.0 - bm.num_free_blocks / bm.num_blocks))
+        if core.num_kv_blocks:
+            usage = min(1.0, max(0.0, 1.0 - core.free_kv_blocks / core.num_kv_blocks))
         yield GaugeMetricFamily(f"{PREFIX}num_requests_running", "Requests holding KV blocks and scheduled "
-                                "every step.", value=running)
+                                "every step.", value=core.running)
         yield GaugeMetricFamily(f"{PREFIX}num_requests_waiting", "Requests queued for admission (including "
-                                "preempted ones and those waiting for a data plane).", value=waiting)
+                                "preempted ones and those waiting for a data plane).", value=self.engine.num_waiting)
         yield GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc", "Share of KV-cache blocks held by requests "
                                 "(0 to 1).", value=usage)
 
     def _counters(self) -> Iterator[Metric]:
-        m, sched = self.engine.metrics, self.engine.scheduler
+        m, core = self.engine.metrics, self.engine.core_snapshot
 
         def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
             return CounterMetricFamily(f"{PREFIX}{name}", documentation, value=value)
 
         yield counter("prefix_cache_queries", "Tokens looked up in the prefix cache at admission.",
-                      sched.num_prefix_cache_queries if sched else 0)
+                      core.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Tokens found in the prefix cache at admission.",
-                      sched.num_prefix_cache_hits if sched else 0)
+                      core.prefix_cache_hits)
         yield counter("num_preemptions", "Sequences preempted (KV blocks freed, recomputed later).",
-                      sched.num_preemptions if sched else 0)
+                      core.num_preemptions)
         yield counter("prompt_tokens", "Prompt tokens of requests that produced a first token.", m.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated and streamed.", m.generation_tokens)
         success = CounterMetricFamily(f"{PREFIX}request_success", "Requests finished, by finish reason.",
@@ -125,14 +121,14 @@ class EngineCollector:
         yield success
 
     def _histograms(self) -> Iterator[Metric]:
-        m = self.engine.metrics
+        m, step = self.engine.metrics, self.engine.core_snapshot.dataplane_step or Histogram(STEP_BUCKETS)
         yield m.time_to_first_token.family(f"{PREFIX}time_to_first_token_seconds",
                                            "Seconds from admission to the first streamed token.")
         yield m.inter_token_latency.family(f"{PREFIX}inter_token_latency_seconds",
                                            "Seconds between streamed tokens (a message's gap over its tokens).")
         yield m.e2e_request_latency.family(f"{PREFIX}e2e_request_latency_seconds",
                                            "Seconds from admission to the end of a request.")
-        yield m.dataplane_step.family(f"{PREFIX}dataplane_step_seconds",
+        yield step.family(f"{PREFIX}dataplane_step_seconds",
                                       "Seconds the data plane spent on one step (plan decoding, forward, sampling).")
 
 

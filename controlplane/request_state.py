@@ -1,4 +1,4 @@
-"""Per-request output handling: stop rules, detokenization, and output deltas."""
+"""Per-request output handling in the frontend: detokenization, stop strings, and output deltas."""
 
 from __future__ import annotations
 
@@ -9,52 +9,44 @@ from twinplane.controlplane.api import RequestOutput, TokenLogprobs
 from twinplane.controlplane.detokenizer import IncrementalDetokenizer
 from twinplane.controlplane.errors import ServiceError
 from twinplane.controlplane.metrics import EngineMetrics
-from twinplane.controlplane.sequence import FinishReason, Sequence
+from twinplane.controlplane.sequence import FinishReason, RequestParams
 from twinplane.controlplane.tokenizer import Tokenizer
 
 
 class RequestState:
-    """A sequence plus everything needed to turn its tokens into a stream."""
+    """A request as the frontend sees it (the engine core holds its Sequence), and its stream."""
 
-    def __init__(self, seq: Sequence, tokenizer: Tokenizer | None, eos_token_ids: frozenset[int],
-                 max_model_len: int, stream_interval: int, metrics: EngineMetrics, arrival_time: float):
-        self.seq = seq
+    def __init__(self, seq_id: int, request_id: str, prompt: list[int], params: RequestParams,
+                 tokenizer: Tokenizer | None, stream_interval: int, metrics: EngineMetrics, arrival_time: float):
+        self.seq_id = seq_id  # the engine core's name for it
+        self.request_id = request_id
+        self.params = params
+        self.num_prompt_tokens = len(prompt)
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache (the core says)
         self.metrics = metrics
         self.arrival_time = arrival_time  # time.monotonic() when the request arrived
         self.first_token_time: float | None = None  # when the first token was streamed
         self.last_token_time = 0.0  # when the latest message with tokens was streamed
         self.stream_interval = stream_interval  # tokens per message (the first and the last may hold fewer)
-        params = seq.params
-        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
-        self.max_model_len = max_model_len
         self.detokenizer = None
         if tokenizer is not None:
-            self.detokenizer = IncrementalDetokenizer(
-                tokenizer, seq.token_ids, params.skip_special_tokens, params.stop)
+            self.detokenizer = IncrementalDetokenizer(tokenizer, prompt, params.skip_special_tokens, params.stop)
         self.outputs: asyncio.Queue[RequestOutput | ServiceError] = asyncio.Queue()
         self.pending = self._new_output()
         self.num_outputs = 0  # output tokens recorded so far
         self.finished = False
 
     def _new_output(self) -> RequestOutput:
-        return RequestOutput(self.seq.request_id)
+        return RequestOutput(self.request_id)
 
-    def record_token(self, token_id: int, position: int, logprobs: TokenLogprobs | None) -> FinishReason | None:
-        """Records a sampled token (already in the sequence, at position).
-
-        Returns why the request ends if a token rule says so (a stop token, or the
-        length); cheap, so it runs before the next step is scheduled.
-        """
-        params, out = self.seq.params, self.pending
+    def record_token(self, token_id: int, position: int, logprobs: TokenLogprobs | None, num_cached: int) -> None:
+        """Records a token the core sampled at position."""
+        out = self.pending
         out.token_ids.append(token_id)
-        if logprobs is not None and params.logprobs is not None:
+        if logprobs is not None and self.params.logprobs is not None:
             out.logprobs.append(logprobs)
-        self.num_outputs = num_outputs = position + 1 - self.seq.num_prompt_tokens
-        if token_id in self.stop_ids and num_outputs > params.min_tokens:
-            return FinishReason.STOP_TOKEN
-        if num_outputs >= params.max_tokens or position + 1 >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        self.num_outputs = position + 1 - self.num_prompt_tokens
+        self.num_cached_tokens = num_cached
 
     def add_text(self, token_id: int, reason: FinishReason | None) -> FinishReason | None:
         """Detokenizes a recorded token and applies stop strings; returns the final reason.
@@ -65,7 +57,7 @@ class RequestState:
         if reason is FinishReason.STOP_TOKEN or self.detokenizer is None:
             return reason  # a stop token's text is never part of the output
         self.detokenizer.add_token(token_id)
-        params = self.seq.params
+        params = self.params
         if params.stop and self.num_outputs > params.min_tokens:
             matched = self.detokenizer.find_stop()
             if matched is not None:
@@ -81,11 +73,10 @@ class RequestState:
         if finish_reason is None and len(out.token_ids) < self.stream_interval and self.first_token_time is not None:
             return  # fewer new tokens than one message carries (the first token never waits)
         if finish_reason is not None:
-            seq = self.seq
             out.finish_reason = finish_reason
-            out.prompt_tokens = seq.num_prompt_tokens
-            out.completion_tokens = seq.num_output_tokens
-            out.cached_prompt_tokens = seq.num_cached_tokens
+            out.prompt_tokens = self.num_prompt_tokens
+            out.completion_tokens = self.num_outputs
+            out.cached_prompt_tokens = self.num_cached_tokens
             self.finished = True
         if out.token_ids:
             self._count_streamed(len(out.token_ids))
@@ -98,7 +89,7 @@ class RequestState:
         metrics, now = self.metrics, time.monotonic()
         if self.first_token_time is None:
             self.first_token_time = now
-            metrics.prompt_tokens += self.seq.num_prompt_tokens
+            metrics.prompt_tokens += self.num_prompt_tokens
             metrics.time_to_first_token.observe(now - self.arrival_time)
         else:
             metrics.inter_token_latency.observe((now - self.last_token_time) / num_tokens, num_tokens)
@@ -107,10 +98,10 @@ class RequestState:
 
     def summary(self, outcome: str) -> str:
         """The request's one log line, written when it ends."""
-        seq, now = self.seq, time.monotonic()
+        now = time.monotonic()
         ttft = "-" if self.first_token_time is None else f"{self.first_token_time - self.arrival_time:.4f}s"
-        return (f"request finished: id={seq.request_id!r} reason={outcome} prompt_tokens={seq.num_prompt_tokens} "
-                f"output_tokens={seq.num_output_tokens} cached_tokens={seq.num_cached_tokens} "
+        return (f"request finished: id={self.request_id!r} reason={outcome} prompt_tokens={self.num_prompt_tokens} "
+                f"output_tokens={self.num_outputs} cached_tokens={self.num_cached_tokens} "
                 f"ttft={ttft} total={now - self.arrival_time:.4f}s")
 
     def fail(self, error: ServiceError) -> None:

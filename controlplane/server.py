@@ -107,7 +107,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         state = engine.add(generate_call_from_pb(request, engine.limits, header))
         # cancelled, deadline passed or connection lost: free the blocks now, not when the handler unwinds
         context.add_done_callback(lambda _: engine.abort(state))
-        await context.send_initial_metadata(((REQUEST_ID_HEADER, request_id_header_value(state.seq.request_id)),))
+        await context.send_initial_metadata(((REQUEST_ID_HEADER, request_id_header_value(state.request_id)),))
         async for out in engine.outputs(state):
             yield output_to_pb(out)
 
@@ -137,10 +137,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     @unary_errors
     async def GetStats(self, request, context) -> pb.ServerStats:
         await self.engine.wait_ready()
-        e, sched = self.engine, self.engine.scheduler
-        return pb.ServerStats(
-            **e.stats, preemptions=sched.num_preemptions, waiting=len(sched.waiting), running=len(sched.running),
-            free_kv_blocks=sched.block_manager.num_free_blocks)
+        core = self.engine.core_snapshot
+        return pb.ServerStats(**core.stats, preemptions=core.num_preemptions, waiting=self.engine.num_waiting,
+                              running=core.running, free_kv_blocks=core.free_kv_blocks)
 
 
 def create_server(engine: Engine, listen: str, *, max_message_bytes: int = 16 << 20,

@@ -120,9 +120,10 @@ class Planes:
         return Client(self.address, **kwargs)
 
     def free_blocks(self) -> tuple[int, int]:
+        """Free and total KV blocks, as the engine core last reported them."""
         async def read() -> tuple[int, int]:
-            bm = self.engine.scheduler.block_manager
-            return bm.num_free_blocks, bm.num_blocks
+            core = self.engine.core_snapshot
+            return core.free_kv_blocks, core.num_kv_blocks
         return self.call(read())
 
     def stop(self) -> None:

@@ -89,16 +89,22 @@ def test_max_and_min_tokens(qwen3_planes):
 
 
 def test_stop_string_ends_and_is_never_emitted(smollm2_dir, planes_factory):
+    from tests.reliability import all_blocks_free, wait_until
+
     planes = planes_factory(smollm2_dir)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     with planes.client() as client:
         full = "".join(c.text for c in client.generate(messages=messages, max_tokens=24, temperature=0))
         assert "Paris" in full
-        chunks = list(client.generate(messages=messages, max_tokens=24, temperature=0, stop=["Paris"]))
+        computed_before = planes.engine.core_snapshot.stats["computed_tokens"]
+        chunks = list(client.generate(messages=messages, max_tokens=400, temperature=0, stop=["Paris"]))
     text = "".join(c.text for c in chunks)
     assert chunks[-1].finish_reason == "stop_string" and chunks[-1].matched_stop == "Paris"
     assert text == full[:full.index("Paris")]
     assert all("Par" not in c.text for c in chunks)
+    # the frontend found the stop string; the engine core stopped the sequence and freed its blocks
+    wait_until(lambda: all_blocks_free(planes), 5, "every KV block to be free")
+    assert planes.engine.core_snapshot.stats["computed_tokens"] - computed_before < 150
 
 
 def test_cancelled_stream_frees_its_blocks(qwen3_planes):
@@ -127,7 +133,7 @@ def test_preemption_gives_same_outputs_and_frees_every_block(tiny_qwen3_dir, qwe
     with small.client() as client:
         got = run_concurrently(client, prompts, **kwargs)
     assert got == expected
-    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.core_snapshot.num_preemptions > 0
     free, total = small.free_blocks()
     assert free == total
 

@@ -44,7 +44,7 @@ async def _burst(address: str, n: int, timeout: float = 60) -> list[tuple[str, f
 
 async def _watch_queue(engine, peaks: dict) -> None:
     while True:
-        peaks["waiting"] = max(peaks["waiting"], len(engine.scheduler.waiting) + engine.num_waiting_ready)
+        peaks["waiting"] = max(peaks["waiting"], engine.num_waiting)
         peaks["requests"] = max(peaks["requests"], len(engine.requests))
         await asyncio.sleep(0)
 

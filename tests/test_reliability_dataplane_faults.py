@@ -86,8 +86,9 @@ def test_sigkill_during_32_streams_loses_no_token(tiny_qwen3_dir, planes_factory
 
 
 def _child_pids(pid: int) -> list[int]:
+    """The data-plane children of pid (the control plane's engine core is a child too)."""
     psutil = pytest.importorskip("psutil")
-    return [c.pid for c in psutil.Process(pid).children()]
+    return [c.pid for c in psutil.Process(pid).children() if "dataplane" in c.cmdline()]
 
 
 def test_twinplane_serve_restarts_its_data_plane(tmp_path):

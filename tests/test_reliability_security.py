@@ -161,6 +161,11 @@ def test_everything_listens_on_loopback_or_a_unix_socket_by_default():
 WIRE_CODE = ["controlplane", "clients", "proto", "dataplane/server.py", "dataplane/convert.py", "dataplane/main.py"]
 
 
+# Pickles the calls between the control plane's two processes, over an anonymous socketpair that
+# only the control plane and the child it spawns hold: no address anyone could connect to.
+PRIVATE_IPC = "controlplane/ipc.py"
+
+
 def test_nothing_on_the_wire_is_pickled():
     """The planes and clients speak protobuf only: no pickle-like module is imported on the wire path."""
     files = [p for entry in WIRE_CODE for p in ((REPO / entry).rglob("*.py") if (REPO / entry).is_dir()
@@ -168,4 +173,15 @@ def test_nothing_on_the_wire_is_pickled():
     assert len(files) > 15
     pattern = re.compile(r"^\s*(import|from)\s+(pickle|cPickle|cloudpickle|dill|marshal|shelve)\b", re.M)
     offenders = [str(p.relative_to(REPO)) for p in files if pattern.search(p.read_text())]
-    assert not offenders
+    assert offenders == [PRIVATE_IPC]
+
+
+def test_the_pickled_channel_is_a_private_socketpair():
+    """The one pickled channel never listens or connects to an address: its sockets come from
+    socket.socketpair() in the control plane, and the child gets its end at spawn."""
+    ipc = (REPO / PRIVATE_IPC).read_text()
+    assert not re.search(r"\.(bind|listen|connect|accept)\(|start_server|open_unix_connection", ipc)
+    users = [p for p in REPO.rglob("*.py") if "Channel(" in p.read_text() and p.name != "ipc.py" and "tests" not in p.parts]
+    assert [p.name for p in users] == ["engine_core.py"]
+    assert re.findall(r"Channel\((\w+)\)", users[0].read_text()) == ["frontend_end", "sock"]
+    assert "frontend_end, core_end = socket.socketpair()" in users[0].read_text()

@@ -1,0 +1,306 @@
+"""The engine core: the step loop (schedule -> StepPlan -> data plane -> update), in a process of its own.
+
+The core owns every Sequence, the Scheduler and the BlockManager. It gets new
+requests and aborts from the frontend (``Engine``, in the gRPC server's process)
+and sends back, once per step, the sampled tokens with the finish reasons that
+token rules decide (stop token, length). Text, stop strings and streaming are the
+frontend's, so however many clients stream, this process only plans steps and
+the data plane never waits on the gRPC server's work.
+
+When the data plane is lost the core waits for a new one, resets the BlockManager
+and recomputes the running sequences, as after a preemption: no request is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import socket
+from dataclasses import dataclass
+
+from twinplane.controlplane.block_manager import BlockManager
+from twinplane.controlplane.config import ControlPlaneConfig
+from twinplane.controlplane.dataplane_client import DataPlaneClient, DataPlaneLost
+from twinplane.controlplane.ipc import Channel, Remote
+from twinplane.controlplane.metrics import STEP_BUCKETS, Histogram
+from twinplane.controlplane.plan_codec import decode_result, encode_plan
+from twinplane.controlplane.scheduler import Scheduler, SchedulerConfig
+from twinplane.controlplane.sequence import FinishReason, RequestParams, Sequence
+from twinplane.proto import dataplane_pb2 as dp
+
+log = logging.getLogger("twinplane.controlplane")
+# Steps by path: the graphed ones (the rest ran eagerly), keyed by the data plane's StepPath.
+GRAPH_PATHS = {dp.STEP_PATH_DECODE_GRAPH: "decode_graph", dp.STEP_PATH_MIXED_GRAPH: "mixed_graph"}
+# The core's step counters, named like ServerStats's fields.
+STAT_NAMES = ("steps", "idle_us", "execute_us", "computed_tokens",
+              *(f"{graph}_{counter}" for graph in GRAPH_PATHS.values() for counter in ("steps", "execute_us")),
+              "full_decode_steps", "full_decode_execute_us", "full_decode_idle_us")
+RECONNECT_DELAY = 0.5  # seconds between attempts to reach a data plane
+RECONNECT_TIMEOUT = 2.0  # seconds one attempt waits for the data plane to answer
+
+# What the frontend may call on the core, and what the core calls on the frontend.
+CORE_CALLS = frozenset({"add", "abort", "shutdown"})
+FRONTEND_CALLS = frozenset({"connected", "lost", "step", "step_failed", "snapshot"})
+
+# One sampled token as the frontend gets it: (seq_id, token_id, position in the sequence,
+# TokenLogprobs or None, FinishReason value or None, prompt tokens found in the prefix cache).
+TokenOutput = tuple
+
+
+@dataclass
+class CoreSnapshot:
+    """The core's numbers, sent with every step and whenever it falls idle."""
+
+    stats: dict[str, int]  # STAT_NAMES
+    num_added: int = 0  # add() calls so far
+    waiting: int = 0
+    running: int = 0
+    num_preemptions: int = 0
+    free_kv_blocks: int = 0
+    num_kv_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    dataplane_step: Histogram | None = None  # seconds the data plane spent per step
+
+
+def token_finish_reason(seq: Sequence, token_id: int, position: int, stop_ids: frozenset[int],
+                        max_model_len: int) -> FinishReason | None:
+    """Why a request ends at the token it sampled at position, if a token rule says so."""
+    params = seq.params
+    num_outputs = position + 1 - seq.num_prompt_tokens
+    if token_id in stop_ids and num_outputs > params.min_tokens:
+        return FinishReason.STOP_TOKEN
+    if num_outputs >= params.max_tokens or position + 1 >= max_model_len:
+        return FinishReason.LENGTH
+    return None
+
+
+class EngineCore:
+    def __init__(self, config: ControlPlaneConfig, frontend):
+        self.config = config
+        self.frontend = frontend  # FRONTEND_CALLS, one-way
+        self.dataplane = DataPlaneClient(config.dataplane, config.dataplane_token)
+        self.dataplane.on_lost = self._on_dataplane_lost
+        self.describe: dp.DescribeResponse | None = None
+        self.scheduler: Scheduler | None = None
+        self.seqs: dict[int, Sequence] = {}  # unfinished sequences by seq_id
+        self.stop_ids: dict[int, frozenset[int]] = {}  # their stop tokens
+        self.eos_token_ids: frozenset[int] = frozenset()
+        self.wakeup = asyncio.Event()  # new work arrived, or the data plane was lost
+        self.stopped = asyncio.Event()
+        self.stats = dict.fromkeys(STAT_NAMES, 0)
+        self.num_added = 0
+        self.dataplane_step = Histogram(STEP_BUCKETS)
+        self._deferred: list[TokenOutput] = []  # the last step's tokens, sent while the next step runs
+
+    # ---- calls from the frontend -------------------------------------------------------
+
+    def add(self, seq_id: int, request_id: str, prompt: list[int], params: RequestParams) -> None:
+        seq = Sequence(seq_id, request_id, prompt, params)
+        self.seqs[seq_id] = seq
+        self.num_added += 1
+        self.stop_ids[seq_id] = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else self.eos_token_ids)
+        self.scheduler.add(seq)
+        self.wakeup.set()
+
+    def abort(self, seq_id: int) -> None:
+        """The frontend ended this sequence (cancelled, stop string, failed): free its blocks now."""
+        seq = self.seqs.pop(seq_id, None)
+        if seq is not None:
+            self.stop_ids.pop(seq_id)
+            self.scheduler.finish(seq)
+            self.wakeup.set()
+
+    def shutdown(self) -> None:
+        self.stopped.set()
+        self.wakeup.set()
+
+    def snapshot(self) -> CoreSnapshot:
+        sched = self.scheduler
+        if sched is None:
+            return CoreSnapshot(dict(self.stats), self.num_added, dataplane_step=self.dataplane_step)
+        bm = sched.block_manager
+        return CoreSnapshot(dict(self.stats), self.num_added, len(sched.waiting), len(sched.running), sched.num_preemptions,
+                            bm.num_free_blocks, bm.num_blocks, sched.num_prefix_cache_queries,
+                            sched.num_prefix_cache_hits, self.dataplane_step)
+
+    # ---- the step loop ------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Connects to the data plane, then runs steps until shutdown()."""
+        await self._connect()
+        loop = asyncio.create_task(self._step_loop())
+        stopped = asyncio.create_task(self.stopped.wait())
+        try:
+            done, _ = await asyncio.wait((loop, stopped), return_when=asyncio.FIRST_COMPLETED)
+            if loop in done:
+                loop.result()  # the loop only ends by an error: raise it
+        finally:
+            loop.cancel()
+            stopped.cancel()
+            await asyncio.gather(loop, return_exceptions=True)
+            await self.dataplane.close()
+
+    async def _step_loop(self) -> None:
+        """Plans step N+1 before step N's result is back, so the data plane always has the next
+        step queued: send N+1, hand the tokens of N-1 to the frontend, then receive and apply N."""
+        in_flight = None  # the step the data plane is computing; its result is not applied yet
+        while True:
+            if self.dataplane.lost:
+                await self._reconnect("the step stream ended")
+                in_flight = None  # lost with the stream; the reset recomputes its sequences
+                continue
+            out = self.scheduler.schedule()
+            if out is None and in_flight is None:
+                self._send_deferred()
+                self.wakeup.clear()
+                await self.wakeup.wait()
+                continue
+            try:
+                if out is not None:
+                    plan = encode_plan(out, self.scheduler.block_manager.block_size,
+                                       tuple(self.describe.eos_token_ids))
+                    await self.dataplane.send(plan)
+                self._send_deferred()  # while the data plane computes
+                result = await self.dataplane.receive() if in_flight is not None else None
+            except DataPlaneLost as exc:
+                self._send_deferred()
+                await self._reconnect(str(exc))
+                in_flight = None
+                continue
+            if result is not None:
+                if result.error:
+                    self._fail_step(in_flight, result.error)
+                else:
+                    self._deferred = self._apply(in_flight, result)
+            in_flight = out
+
+    def _apply(self, out, result: dp.StepResult) -> list[TokenOutput]:
+        """The critical path between two steps: new tokens and the token stop rules, so requests
+        they end are not scheduled again."""
+        tokens = decode_result(result)
+        stats = self.stats
+        stats["steps"] += 1
+        stats["idle_us"] += tokens.idle_us
+        stats["execute_us"] += tokens.execute_us
+        num_tokens = out.num_batched_tokens
+        stats["computed_tokens"] += num_tokens
+        graph = GRAPH_PATHS.get(tokens.path)
+        if graph is not None:
+            stats[f"{graph}_steps"] += 1
+            stats[f"{graph}_execute_us"] += tokens.execute_us
+        full = self.scheduler.config.max_num_seqs
+        if num_tokens == full and len(out.decode_seqs) + len(out.other_chunks) == full:  # one token each
+            stats["full_decode_steps"] += 1
+            stats["full_decode_execute_us"] += tokens.execute_us
+            stats["full_decode_idle_us"] += tokens.idle_us
+        self.dataplane_step.observe((tokens.prepare_us + tokens.execute_us) * 1e-6)
+        max_model_len, logprobs = self.describe.max_model_len, tokens.logprobs
+        outputs = []
+        for seq, token, index, position in self.scheduler.update(out, tokens.token_ids):
+            seq_id = seq.seq_id
+            stop_ids = self.stop_ids.get(seq_id)
+            if stop_ids is None:  # aborted meanwhile
+                continue
+            reason = token_finish_reason(seq, token, position, stop_ids, max_model_len)
+            if reason is not None:
+                self.scheduler.finish(seq)
+                del self.seqs[seq_id], self.stop_ids[seq_id]
+            outputs.append((seq_id, token, position, logprobs[index] if logprobs else None,
+                            reason and reason.value, seq.num_cached_tokens))
+        return outputs
+
+    def _send_deferred(self) -> None:
+        outputs, self._deferred = self._deferred, []
+        if outputs:
+            self.frontend.step(outputs, self.snapshot())
+        elif self.scheduler is not None and not self.scheduler.has_work():
+            self.frontend.snapshot(self.snapshot())  # falling idle: the frontend sees every block free
+
+    def _fail_step(self, out, error: str) -> None:
+        """A step the data plane could not run fails only the requests in it."""
+        log.error("step %d failed on the data plane: %s", out.step_id, error)
+        failed = [seq.seq_id for seq in out.seqs if seq.seq_id in self.seqs]
+        for seq_id in failed:
+            self.abort(seq_id)
+        self.frontend.step_failed(failed, error)
+
+    def _on_dataplane_lost(self) -> None:
+        """The Step stream ended on its own: tell the frontend now, and let the loop reconnect."""
+        self.frontend.lost()
+        self.wakeup.set()
+
+    async def _reconnect(self, why: str) -> None:
+        log.warning("data plane lost (%s); waiting for it to come back", why)
+        self.frontend.lost()
+        await self._connect()
+        log.warning("data plane is back; recomputing %d sequences", len(self.scheduler.waiting))
+
+    async def _connect(self) -> None:
+        """Connects to a data plane, retrying until one answers; then sizes (or resets) the BlockManager."""
+        while True:
+            try:
+                desc = await self.dataplane.connect(timeout=RECONNECT_TIMEOUT)
+                break
+            except DataPlaneLost as exc:
+                if exc.fatal:
+                    log.error("the data plane refused the control plane: %s", exc)
+                await asyncio.sleep(RECONNECT_DELAY)
+        self.describe = desc
+        self.eos_token_ids = frozenset(desc.eos_token_ids)
+        c = self.config
+        sched_config = SchedulerConfig(
+            max_num_seqs=min(c.max_num_seqs or desc.max_num_seqs, desc.max_num_seqs),
+            max_num_batched_tokens=min(c.max_num_batched_tokens or desc.max_num_batched_tokens,
+                                       desc.max_num_batched_tokens),
+            max_model_len=desc.max_model_len, max_prefill_tokens_with_decode=c.max_prefill_tokens_with_decode)
+        block_manager = BlockManager(desc.num_kv_blocks, desc.block_size, c.enable_prefix_caching)
+        if self.scheduler is None:
+            self.scheduler = Scheduler(sched_config, block_manager)
+        else:  # a new data plane: its KV cache is empty, recompute everything
+            self.scheduler.config, self.scheduler.block_manager = sched_config, block_manager
+            self.scheduler.reset()
+        self.frontend.connected(desc, self.snapshot())
+        self.wakeup.set()
+
+
+# ---- the core's process ---------------------------------------------------------------------
+
+
+def start_core_process(config: ControlPlaneConfig) -> tuple[multiprocessing.process.BaseProcess, Channel]:
+    """Starts the engine core in a child process; returns it and the frontend's end of their channel."""
+    frontend_end, core_end = socket.socketpair()
+    process = multiprocessing.get_context("spawn").Process(
+        target=_core_main, args=(core_end, config, logging.getLogger().level), name="twinplane-engine-core",
+        daemon=True)
+    process.start()
+    core_end.close()
+    return process, Channel(frontend_end)
+
+
+def _core_main(sock: socket.socket, config: ControlPlaneConfig, log_level: int) -> None:
+    logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        import uvloop
+        uvloop.run(_serve_core(sock, config))
+    except ImportError:
+        asyncio.run(_serve_core(sock, config))
+
+
+async def _serve_core(sock: socket.socket, config: ControlPlaneConfig) -> None:
+    """Runs the core until the frontend says shutdown or goes away."""
+    channel = Channel(sock)
+    await channel.open()
+    core = EngineCore(config, Remote(channel, FRONTEND_CALLS))
+    calls = asyncio.create_task(channel.serve(core, CORE_CALLS))
+    calls.add_done_callback(lambda _: core.shutdown())  # the frontend is gone: nobody to serve
+    try:
+        await core.run()
+    except Exception:
+        log.critical("the control plane's engine core stopped on an unexpected error", exc_info=True)
+        raise
+    finally:
+        calls.cancel()
+        channel.close()

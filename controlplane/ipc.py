@@ -1,0 +1,67 @@
+"""Method calls between the control plane's two processes, over one socket.
+
+A call is a method name and its arguments, pickled and length-prefixed. Calls are
+one-way (nothing is awaited), so neither side ever blocks on the other: writes go
+into the event loop's buffer, and ``serve`` applies the calls that arrive, in order.
+Both ends are processes of one control plane connected by a socketpair, so pickle
+never reads bytes from anyone else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import socket
+import struct
+
+_LENGTH = struct.Struct("<I")
+
+
+class Channel:
+    """One end of a socketpair as a stream of calls."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def open(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection(sock=self.sock)
+
+    def call(self, name: str, *args) -> None:
+        """Sends ``name(*args)`` to the other end, without waiting."""
+        payload = pickle.dumps((name, args), protocol=pickle.HIGHEST_PROTOCOL)
+        self.writer.write(_LENGTH.pack(len(payload)) + payload)
+
+    async def serve(self, target, names: frozenset[str]) -> None:
+        """Applies each call that arrives to ``target``; returns when the other end closes."""
+        reader = self.reader
+        while True:
+            try:
+                header = await reader.readexactly(_LENGTH.size)
+                payload = await reader.readexactly(_LENGTH.unpack(header)[0])
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            name, args = pickle.loads(payload)
+            assert name in names, f"unexpected call {name!r}"
+            getattr(target, name)(*args)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        else:
+            self.sock.close()
+
+
+class Remote:
+    """Calls the methods in ``names`` on the far end of a channel: ``remote.add(...)``."""
+
+    def __init__(self, channel: Channel, names: frozenset[str]):
+        self._channel = channel
+        self._names = names
+
+    def __getattr__(self, name: str):
+        if name not in self._names:
+            raise AttributeError(name)
+        channel = self._channel
+        return lambda *args: channel.call(name, *args)

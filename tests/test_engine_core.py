@@ -1,0 +1,86 @@
+"""The control plane's two processes: the call channel, the core's token rules, and a core that dies."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+
+import grpc
+import pytest
+
+from tests.reliability import wait_until
+from twinplane.controlplane.engine_core import token_finish_reason
+from twinplane.controlplane.ipc import Channel, Remote
+from twinplane.controlplane.sequence import FinishReason, RequestParams, Sequence
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+        self.got_all = asyncio.Event()
+
+    def add(self, *args):
+        self.calls.append(("add", args))
+
+    def abort(self, seq_id):
+        self.calls.append(("abort", (seq_id,)))
+        if seq_id == 999:
+            self.got_all.set()
+
+
+def test_calls_arrive_in_order_with_their_arguments():
+    async def run():
+        a, b = socket.socketpair()
+        sender, receiver = Channel(a), Channel(b)
+        await sender.open()
+        await receiver.open()
+        target = Recorder()
+        serving = asyncio.create_task(receiver.serve(target, frozenset({"add", "abort"})))
+        remote = Remote(sender, frozenset({"add", "abort"}))
+        params = RequestParams(max_tokens=7, stop=("x",))
+        prompts = [list(range(n)) for n in (1, 5000, 3)]  # one call larger than a socket buffer
+        for i, prompt in enumerate(prompts):
+            remote.add(i, f"r{i}", prompt, params)
+        remote.abort(999)
+        await asyncio.wait_for(target.got_all.wait(), 10)
+        with pytest.raises(AttributeError):
+            remote.shutdown  # not a call this channel carries
+        sender.close()
+        await asyncio.wait_for(serving, 10)  # the other end closed: serve returns
+        receiver.close()
+        return target.calls
+
+    calls = asyncio.run(run())
+    assert [name for name, _ in calls] == ["add", "add", "add", "abort"]
+    assert [args[2] for _, args in calls[:3]] == [list(range(n)) for n in (1, 5000, 3)]
+    assert calls[1][1][3] == RequestParams(max_tokens=7, stop=("x",)) and calls[3][1] == (999,)
+
+
+def test_token_rules_of_the_core():
+    params = RequestParams(max_tokens=4, min_tokens=1)
+    seq = Sequence(1, "r", [10, 11, 12], params)  # outputs start at position 3
+    stop, rule = frozenset({2}), token_finish_reason
+    assert rule(seq, 2, 3, stop, 100) is None  # a stop token within min_tokens does not stop
+    assert rule(seq, 2, 4, stop, 100) is FinishReason.STOP_TOKEN
+    assert rule(seq, 5, 5, stop, 100) is None
+    assert rule(seq, 5, 6, stop, 100) is FinishReason.LENGTH  # the 4th output token
+    assert rule(seq, 5, 4, stop, 6) is None and rule(seq, 5, 5, stop, 6) is FinishReason.LENGTH  # max_model_len 6
+
+
+def test_a_dead_engine_core_fails_streams_with_unavailable(tiny_qwen3_dir, planes_factory):
+    planes = planes_factory(tiny_qwen3_dir, "--block-size", "16")
+    core_pid = planes.engine._core_process.pid
+    with planes.client() as client:
+        stream = iter(client.generate(token_ids=[5] * 20, max_tokens=4000, temperature=0, ignore_eos=True,
+                                       timeout=60))  # DEADLINE_EXCEEDED, not a hang, if nobody notices
+        next(stream)
+        os.kill(core_pid, signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in stream:
+                pass
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "engine core stopped" in info.value.details()
+    wait_until(lambda: planes.engine.crashed.is_set(), 10, "the frontend to notice")
+    assert not planes.engine.ready.is_set() and not planes.engine.requests
