@@ -30,6 +30,7 @@ from twinplane.controlplane.sequence import FinishReason, RequestParams, Sequenc
 from twinplane.proto import dataplane_pb2 as dp
 
 log = logging.getLogger("twinplane.controlplane")
+step_log = logging.getLogger("twinplane.controlplane.steps")  # DEBUG: one line per step
 # Steps by path: the graphed ones (the rest ran eagerly), keyed by the data plane's StepPath.
 GRAPH_PATHS = {dp.STEP_PATH_DECODE_GRAPH: "decode_graph", dp.STEP_PATH_MIXED_GRAPH: "mixed_graph"}
 # The core's step counters, named like ServerStats's fields.
@@ -197,6 +198,10 @@ class EngineCore:
             stats["full_decode_execute_us"] += tokens.execute_us
             stats["full_decode_idle_us"] += tokens.idle_us
         self.dataplane_step.observe((tokens.prepare_us + tokens.execute_us) * 1e-6)
+        if step_log.isEnabledFor(logging.DEBUG):
+            step_log.debug("step %d: %d sequences, %d tokens, path %s, idle %d us, prepare %d us, execute %d us",
+                           out.step_id, len(out.decode_seqs) + len(out.other_chunks), num_tokens,
+                           graph or "eager", tokens.idle_us, tokens.prepare_us, tokens.execute_us)
         max_model_len, logprobs = self.describe.max_model_len, tokens.logprobs
         outputs = []
         for seq, token, index, position in self.scheduler.update(out, tokens.token_ids):

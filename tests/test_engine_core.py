@@ -84,3 +84,51 @@ def test_a_dead_engine_core_fails_streams_with_unavailable(tiny_qwen3_dir, plane
     assert "engine core stopped" in info.value.details()
     wait_until(lambda: planes.engine.crashed.is_set(), 10, "the frontend to notice")
     assert not planes.engine.ready.is_set() and not planes.engine.requests
+
+
+class Frontend:
+    """Stands in for the frontend: keeps what the core sends."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *args: self.calls.append((name, args))
+
+
+def test_the_core_applies_a_step_counts_it_and_logs_it_at_debug(caplog):
+    import numpy as np
+
+    from twinplane.controlplane.block_manager import BlockManager
+    from twinplane.controlplane.config import ControlPlaneConfig
+    from twinplane.controlplane.engine_core import EngineCore
+    from twinplane.controlplane.scheduler import Scheduler, SchedulerConfig
+    from twinplane.proto import dataplane_pb2 as dp
+
+    async def run():
+        frontend = Frontend()
+        core = EngineCore(ControlPlaneConfig(dataplane="unix:///nowhere"), frontend)
+        core.describe = dp.DescribeResponse(max_model_len=64, eos_token_ids=[2])
+        core.eos_token_ids = frozenset({2})
+        core.scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64),
+                                   BlockManager(16, 4, True))
+        core.add(7, "a", [5, 6, 7], RequestParams(max_tokens=3))
+        core.add(8, "b", [5, 6], RequestParams(max_tokens=3))
+        out = core.scheduler.schedule()
+        result = dp.StepResult(step_id=out.step_id, sampled_token_ids=np.array([2, 9], "<i4").tobytes(),
+                               timings=dp.StepTimings(idle_us=40, execute_us=900, prepare_us=60,
+                                                      path=dp.STEP_PATH_MIXED_GRAPH))
+        with caplog.at_level("DEBUG", logger="twinplane.controlplane.steps"):
+            outputs = core._apply(out, result)
+        return core, outputs, out.step_id
+
+    core, outputs, step_id = asyncio.run(run())
+    # seq 7 sampled eos (2) at position 3 and ends; seq 8 goes on
+    assert outputs == [(7, 2, 3, None, "stop_token", 0), (8, 9, 2, None, None, 0)]
+    assert list(core.seqs) == [8] and core.snapshot().running == 1
+    stats = core.stats
+    assert (stats["steps"], stats["idle_us"], stats["execute_us"], stats["computed_tokens"]) == (1, 40, 900, 5)
+    assert stats["mixed_graph_steps"] == 1 and stats["full_decode_steps"] == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        f"step {step_id}: 2 sequences, 5 tokens, path mixed_graph, idle 40 us, prepare 60 us, "
+        "execute 900 us"]
