@@ -65,6 +65,18 @@ def test_bad_plans_fail_the_step_not_the_runner(runner: ModelRunner, case: str) 
     assert runner.step(StepPlan(1, [builder.schedule(good)])).sampled_token_ids.shape == (1,)
 
 
+def test_a_decode_plan_naming_an_unknown_sequence_is_refused(runner: ModelRunner) -> None:
+    """A plan without inits (the decode fast path) still names a sequence the data plane never saw."""
+    runner.reset()
+    builder = PlanBuilder(BLOCK)
+    known = builder.new_seq(1, [3, 4, 5])
+    known.tokens.append(int(runner.step(StepPlan(1, [builder.schedule(known)])).sampled_token_ids[0]))
+    stranger = dataclasses.replace(builder.schedule(builder.new_seq(9, [1, 2])), init=None)
+    with pytest.raises(ValueError, match="seq 9: unknown to the data plane"):
+        runner.step(StepPlan(2, [builder.schedule(known), stranger]))
+    assert set(runner.sequences.mirrors) == {1}
+
+
 def test_drop_and_reset_forget_sequences(runner: ModelRunner) -> None:
     runner.reset()
     builder = PlanBuilder(BLOCK)
