@@ -94,6 +94,10 @@ class EngineCore:
         self.num_added = 0
         self.dataplane_step = Histogram(STEP_BUCKETS)
         self._deferred: list[TokenOutput] = []  # the last step's tokens, sent while the next step runs
+        # The data plane's idle time before a step counts only while it had work coming: not before
+        # the first step planned after the core ran out of work (or connected).
+        self._out_of_work = True
+        self._first_after_no_work: int | None = None  # step_id
 
     # ---- calls from the frontend -------------------------------------------------------
 
@@ -157,10 +161,13 @@ class EngineCore:
             if out is None and in_flight is None:
                 self._send_deferred()
                 self.wakeup.clear()
+                self._out_of_work = True
                 await self.wakeup.wait()
                 continue
             try:
                 if out is not None:
+                    if self._out_of_work:
+                        self._first_after_no_work, self._out_of_work = out.step_id, False
                     plan = encode_plan(out, self.scheduler.block_manager.block_size,
                                        tuple(self.describe.eos_token_ids))
                     await self.dataplane.send(plan)
@@ -182,6 +189,8 @@ class EngineCore:
         """The critical path between two steps: new tokens and the token stop rules, so requests
         they end are not scheduled again."""
         tokens = decode_result(result)
+        if out.step_id == self._first_after_no_work:
+            tokens.idle_us = 0  # the data plane waited for requests, not for the control plane
         stats = self.stats
         stats["steps"] += 1
         stats["idle_us"] += tokens.idle_us
@@ -240,6 +249,7 @@ class EngineCore:
     async def _reconnect(self, why: str) -> None:
         log.warning("data plane lost (%s); waiting for it to come back", why)
         self.frontend.lost()
+        self._out_of_work = True  # a new data plane: its first step's idle is its start-up
         await self._connect()
         log.warning("data plane is back; recomputing %d sequences", len(self.scheduler.waiting))
 
