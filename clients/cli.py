@@ -77,6 +77,8 @@ def _add_controlplane_args(p: argparse.ArgumentParser, listen_default: str = DEF
                    help="cap on prefill tokens in a step that also decodes (steadier inter-token latency)")
     g.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed message after the first; more means fewer messages under heavy load")
+    g.add_argument("--max-steps-in-flight", type=int, default=2,
+                   help="steps planned and sent to the data plane before the oldest one's result is applied")
     g.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight streams get on SIGTERM")
     g.add_argument("--tls-cert", default=None)
     g.add_argument("--tls-key", default=None)
@@ -95,7 +97,8 @@ def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None):
         dataplane=dataplane, dataplane_token=token, listen=args.listen, tokenizer=args.tokenizer,
         max_waiting_requests=args.max_waiting_requests, enable_prefix_caching=not args.no_prefix_caching,
         shutdown_grace=args.shutdown_grace, max_prefill_tokens_with_decode=args.max_prefill_tokens_with_decode,
-        stream_interval=args.stream_interval, metrics_port=args.metrics_port, metrics_host=args.metrics_host)
+        stream_interval=args.stream_interval, max_steps_in_flight=args.max_steps_in_flight,
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     security = Security(args.tls_cert, args.tls_key, args.api_key or os.environ.get("TWINPLANE_API_KEY"))
     return config, security
 

@@ -22,6 +22,7 @@ class ControlPlaneConfig:
     shutdown_grace: float = 10.0  # seconds in-flight streams get to finish on SIGTERM
     max_prefill_tokens_with_decode: int | None = None  # cap on prefill tokens in steps that also decode
     stream_interval: int = 1  # tokens per streamed message (fewer messages at high load)
+    max_steps_in_flight: int = 2  # steps planned and sent before the oldest one's result is applied
     metrics_port: int | None = None  # Prometheus /metrics over HTTP on this port (0: any free one); None: off
     metrics_host: str | None = None  # default: the host of listen (127.0.0.1 for a unix socket)
 
@@ -30,6 +31,8 @@ class ControlPlaneConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        if self.max_steps_in_flight < 1:
+            raise ValueError(f"max_steps_in_flight must be >= 1, got {self.max_steps_in_flight}")
         if self.stream_interval <= 0:
             raise ValueError(f"stream_interval must be > 0, got {self.stream_interval}")
         if self.max_waiting_requests <= 0:

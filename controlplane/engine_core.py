@@ -17,6 +17,7 @@ import asyncio
 import logging
 import multiprocessing
 import socket
+from collections import deque
 from dataclasses import dataclass
 
 from twinplane.controlplane.block_manager import BlockManager
@@ -149,21 +150,24 @@ class EngineCore:
             await self.dataplane.close()
 
     async def _step_loop(self) -> None:
-        """Plans step N+1 before step N's result is back, so the data plane always has the next
-        step queued: send N+1, hand the tokens of N-1 to the frontend, then receive and apply N."""
-        in_flight = None  # the step the data plane is computing; its result is not applied yet
+        """Plans ahead, so the data plane always has the next step queued: with
+        ``max_steps_in_flight`` 2 it sends N+1, hands the tokens of N-1 to the frontend, then
+        receives and applies N (sequences whose tokens are still being sampled hold PENDING)."""
+        in_flight: deque = deque()  # steps sent whose results are not applied yet, oldest first
+        max_in_flight = self.config.max_steps_in_flight
         while True:
             if self.dataplane.lost:
                 await self._reconnect("the step stream ended")
-                in_flight = None  # lost with the stream; the reset recomputes its sequences
+                in_flight.clear()  # lost with the stream; the reset recomputes their sequences
                 continue
             out = self.scheduler.schedule()
-            if out is None and in_flight is None:
+            if out is None and not in_flight:
                 self._send_deferred()
                 self.wakeup.clear()
                 self._out_of_work = True
                 await self.wakeup.wait()
                 continue
+            result = None
             try:
                 if out is not None:
                     if self._out_of_work:
@@ -171,19 +175,21 @@ class EngineCore:
                     plan = encode_plan(out, self.scheduler.block_manager.block_size,
                                        tuple(self.describe.eos_token_ids))
                     await self.dataplane.send(plan)
+                    in_flight.append(out)
                 self._send_deferred()  # while the data plane computes
-                result = await self.dataplane.receive() if in_flight is not None else None
+                if in_flight and (out is None or len(in_flight) >= max_in_flight):
+                    result = await self.dataplane.receive()
             except DataPlaneLost as exc:
                 self._send_deferred()
                 await self._reconnect(str(exc))
-                in_flight = None
+                in_flight.clear()
                 continue
             if result is not None:
+                step = in_flight.popleft()
                 if result.error:
-                    self._fail_step(in_flight, result.error)
+                    self._fail_step(step, result.error)
                 else:
-                    self._deferred = self._apply(in_flight, result)
-            in_flight = out
+                    self._deferred = self._apply(step, result)
 
     def _apply(self, out, result: dp.StepResult) -> list[TokenOutput]:
         """The critical path between two steps: new tokens and the token stop rules, so requests

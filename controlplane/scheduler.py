@@ -140,7 +140,8 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.seq_id in self._preempted_now:
                 break
-            assert not seq.has_pending, f"{seq} waits for a token and cannot be admitted"
+            if seq.has_pending:  # preempted while a step in flight samples its token: admit it once it is back
+                break
             cached = self.block_manager.find_cached_blocks(seq)
             num_tokens = min(seq.num_tokens - len(cached) * block_size, budget)
             if not self.block_manager.can_allocate(seq, cached, num_tokens):

@@ -76,6 +76,19 @@ def test_metrics_flags_reach_the_control_plane_config():
     assert (config.metrics_port, config.metrics_host) == (9400, "0.0.0.0")
 
 
+def test_steps_in_flight_flag_reaches_the_config_and_is_checked():
+    import pytest
+
+    from twinplane.clients.cli import _controlplane, build_parser
+    from twinplane.controlplane.config import ControlPlaneConfig
+
+    args = build_parser().parse_args(["serve", "--max-steps-in-flight", "3"])
+    assert _controlplane(args, "unix:///tmp/dp.sock", None)[0].max_steps_in_flight == 3
+    assert ControlPlaneConfig(dataplane="x").max_steps_in_flight == 2
+    with pytest.raises(ValueError, match="max_steps_in_flight must be >= 1"):
+        ControlPlaneConfig(dataplane="x", max_steps_in_flight=0)
+
+
 def test_log_level_on_each_plane_and_passed_on_to_the_data_plane():
     from twinplane.clients.cli import _dataplane_child, build_parser
 

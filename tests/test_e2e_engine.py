@@ -123,13 +123,18 @@ def test_cancelled_stream_frees_its_blocks(qwen3_planes):
     assert not qwen3_planes.engine.requests
 
 
-def test_preemption_gives_same_outputs_and_frees_every_block(tiny_qwen3_dir, qwen3_planes, planes_factory):
+@pytest.mark.parametrize("max_steps_in_flight", [2, 3])
+def test_preemption_gives_same_outputs_and_frees_every_block(tiny_qwen3_dir, qwen3_planes, planes_factory,
+                                                             max_steps_in_flight):
+    """Also with three steps in flight, where a preempted sequence may wait for a token of a
+    step still running before it can be admitted again."""
     prompts = random_prompts(8, seed=21, low=20, high=60)
     kwargs = dict(max_tokens=40, temperature=0, ignore_eos=True)
     with qwen3_planes.client() as client:
         expected = [tokens_of(client.generate(token_ids=p, **kwargs)) for p in prompts]
     # each request needs at most 100 tokens = 25 blocks of 4; 28 blocks hold one, not eight
-    small = planes_factory(tiny_qwen3_dir, "--block-size", "4", "--num-kv-blocks", "28")
+    small = planes_factory(tiny_qwen3_dir, "--block-size", "4", "--num-kv-blocks", "28",
+                           max_steps_in_flight=max_steps_in_flight)
     with small.client() as client:
         got = run_concurrently(client, prompts, **kwargs)
     assert got == expected
