@@ -34,6 +34,8 @@ CORE_STOP_TIMEOUT = 5.0  # seconds the engine core gets to exit before it is kil
 
 
 class Engine:
+    """The frontend of one control plane; it starts, feeds and stops its engine core process."""
+
     def __init__(self, config: ControlPlaneConfig):
         self.config = config
         self.describe: dp.DescribeResponse | None = None

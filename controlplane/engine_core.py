@@ -305,9 +305,10 @@ def _core_main(sock: socket.socket, config: ControlPlaneConfig, log_level: int) 
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         import uvloop
-        uvloop.run(_serve_core(sock, config))
     except ImportError:
         asyncio.run(_serve_core(sock, config))
+    else:
+        uvloop.run(_serve_core(sock, config))
 
 
 async def _serve_core(sock: socket.socket, config: ControlPlaneConfig) -> None:
