@@ -150,7 +150,7 @@ def _start_server(args) -> tuple[subprocess.Popen, str]:
                *_dataplane_argv(args), "--listen", address, "--max-waiting-requests", str(args.num_requests + 16)]
     if args.max_prefill_tokens_with_decode:
         command += ["--max-prefill-tokens-with-decode", str(args.max_prefill_tokens_with_decode)]
-    command += ["--stream-interval", str(args.stream_interval)]
+    command += ["--stream-interval", str(args.stream_interval), "--max-steps-in-flight", str(args.max_steps_in_flight)]
     return subprocess.Popen(command, stdin=subprocess.DEVNULL), address
 
 
@@ -184,4 +184,5 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prefill-tokens-with-decode", type=int, default=None,
                    help="passed to the server it starts (see twinplane serve --help)")
     g.add_argument("--stream-interval", type=int, default=1, help="passed to the server it starts")
+    g.add_argument("--max-steps-in-flight", type=int, default=2, help="passed to the server it starts")
     p.set_defaults(model="dummy:qwen3-0.6b")

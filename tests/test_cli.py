@@ -142,3 +142,17 @@ def test_a_data_plane_that_keeps_failing_is_restarted_with_growing_delays(monkey
 
     asyncio.run(asyncio.wait_for(run(), 60))
     assert delays[:8] == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+
+
+def test_bench_passes_its_server_flags_on(monkeypatch):
+    from twinplane.clients import bench
+    from twinplane.clients.cli import build_parser
+
+    started = []
+    monkeypatch.setattr(bench.subprocess, "Popen", lambda command, **_: started.append(command))
+    args = build_parser().parse_args(["bench", "--stream-interval", "2", "--max-steps-in-flight", "3"])
+    bench._start_server(args)
+    command = started[0]
+    assert command[command.index("--stream-interval") + 1] == "2"
+    assert command[command.index("--max-steps-in-flight") + 1] == "3"
+    assert command[command.index("--max-waiting-requests") + 1] == str(args.num_requests + 16)
