@@ -128,16 +128,15 @@ class EngineCore:
         if sched is None:
             return CoreSnapshot(dict(self.stats), self.num_added, dataplane_step=self.dataplane_step)
         bm = sched.block_manager
-        return CoreSnapshot(dict(self.stats), self.num_added, len(sched.waiting), len(sched.running), sched.num_preemptions,
-                            bm.num_free_blocks, bm.num_blocks, sched.num_prefix_cache_queries,
-                            sched.num_prefix_cache_hits, self.dataplane_step)
+        return CoreSnapshot(dict(self.stats), self.num_added, len(sched.waiting), len(sched.running),
+                            sched.num_preemptions, bm.num_free_blocks, bm.num_blocks,
+                            sched.num_prefix_cache_queries, sched.num_prefix_cache_hits, self.dataplane_step)
 
     # ---- the step loop ------------------------------------------------------------------
 
     async def run(self) -> None:
         """Connects to the data plane, then runs steps until shutdown()."""
-        await self._connect()
-        loop = asyncio.create_task(self._step_loop())
+        loop = asyncio.create_task(self._connect_and_step())
         stopped = asyncio.create_task(self.stopped.wait())
         try:
             done, _ = await asyncio.wait((loop, stopped), return_when=asyncio.FIRST_COMPLETED)
@@ -148,6 +147,10 @@ class EngineCore:
             stopped.cancel()
             await asyncio.gather(loop, return_exceptions=True)
             await self.dataplane.close()
+
+    async def _connect_and_step(self) -> None:
+        await self._connect()
+        await self._step_loop()
 
     async def _step_loop(self) -> None:
         """Plans ahead, so the data plane always has the next step queued: with

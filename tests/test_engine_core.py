@@ -132,3 +132,22 @@ def test_the_core_applies_a_step_counts_it_and_logs_it_at_debug(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         f"step {step_id}: 2 sequences, 5 tokens, path mixed_graph, idle 40 us, prepare 60 us, "
         "execute 900 us"]
+
+
+def test_a_core_still_waiting_for_its_data_plane_stops_at_once(tmp_path):
+    import time
+
+    from twinplane.controlplane.config import ControlPlaneConfig
+    from twinplane.controlplane.main import ControlPlane
+
+    async def run():
+        plane = ControlPlane(ControlPlaneConfig(dataplane=f"unix://{tmp_path}/nobody.sock",
+                                                listen=f"unix://{tmp_path}/cp.sock"))
+        await plane.start()
+        await asyncio.sleep(1.5)  # the core is retrying the data plane
+        started = time.monotonic()
+        await plane.shutdown(grace=0)
+        return time.monotonic() - started, plane.engine._core_process.exitcode
+
+    seconds, exitcode = asyncio.run(run())
+    assert exitcode == 0 and seconds < 3.0  # shut down, not killed after the 5 s timeout
