@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import signal
 import socket
 from collections import deque
 from dataclasses import dataclass
@@ -305,6 +306,9 @@ def start_core_process(config: ControlPlaneConfig) -> tuple[multiprocessing.proc
 
 
 def _core_main(sock: socket.socket, config: ControlPlaneConfig, log_level: int) -> None:
+    # Ctrl-C reaches the whole process group; the frontend shuts the core down in order (a
+    # shutdown call, or the channel closing when the frontend is gone).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         import uvloop

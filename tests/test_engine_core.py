@@ -151,3 +151,29 @@ def test_a_core_still_waiting_for_its_data_plane_stops_at_once(tmp_path):
 
     seconds, exitcode = asyncio.run(run())
     assert exitcode == 0 and seconds < 3.0  # shut down, not killed after the 5 s timeout
+
+
+def test_ctrl_c_on_the_process_group_shuts_down_cleanly(tmp_path):
+    """SIGINT reaches the engine core too; the core leaves the shutdown to the frontend."""
+    import subprocess
+    import sys
+    import time
+
+    from twinplane.clients.client import Client
+
+    api = f"unix://{tmp_path}/cp.sock"
+    control = subprocess.Popen([sys.executable, "-m", "twinplane.clients.cli", "controlplane", "--dataplane",
+                                f"unix://{tmp_path}/nobody.sock", "--listen", api],
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        with Client(api) as client:  # the server answers (NOT_SERVING: no data plane) once it is up
+            deadline = time.monotonic() + 60
+            while client.health_status(1.0) != "NOT_SERVING" and time.monotonic() < deadline:
+                time.sleep(0.2)
+        os.killpg(control.pid, signal.SIGINT)
+        stderr = control.communicate(timeout=30)[1]
+    finally:
+        if control.poll() is None:
+            control.kill()
+    assert control.returncode == 0, stderr[-2000:]
+    assert "shutting down" in stderr and "Traceback" not in stderr and "CRITICAL" not in stderr, stderr[-2000:]
