@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import subprocess
 import time
 from dataclasses import replace
 from collections.abc import AsyncIterator
@@ -70,6 +71,7 @@ class Engine:
         """Starts the engine core's process, which first connects to the data plane (capacity first)."""
         self._core_process, self._channel = start_core_process(self.config)
         await self._channel.open()
+        self._channel.call("configure", self.config)
         self.core = Remote(self._channel, CORE_CALLS)
         self._calls_task = asyncio.create_task(self._serve_core_calls(), name="twinplane-engine-core-calls")
 
@@ -81,8 +83,8 @@ class Engine:
         else:
             if self._stopped:
                 return
-            await asyncio.to_thread(self._core_process.join, CORE_STOP_TIMEOUT)
-            log.critical("the control plane's engine core exited (code %s)", self._core_process.exitcode)
+            code = await asyncio.to_thread(_wait, self._core_process, CORE_STOP_TIMEOUT)
+            log.critical("the control plane's engine core exited (code %s)", code)
         self.crashed.set()
         self._set_ready(False)
         for state in list(self.requests.values()):
@@ -113,11 +115,10 @@ class Engine:
             return
         if self.core is not None:
             self.core.shutdown()
-        await asyncio.to_thread(process.join, CORE_STOP_TIMEOUT)
-        if process.is_alive():
+        if await asyncio.to_thread(_wait, process, CORE_STOP_TIMEOUT) is None:
             log.warning("the engine core did not stop in %.0f s; killing it", CORE_STOP_TIMEOUT)
             process.kill()
-            await asyncio.to_thread(process.join)
+            await asyncio.to_thread(process.wait)
         self._channel.close()
         if self._calls_task is not None:
             await asyncio.gather(self._calls_task, return_exceptions=True)
@@ -306,6 +307,14 @@ class Engine:
         self._forget(state, tell_core)
         state.fail(error)
         request_log.info(state.summary(f"error:{error.code_name}"))
+
+
+def _wait(process: subprocess.Popen, timeout: float) -> int | None:
+    """The process's exit code once it exits within timeout seconds, else None."""
+    try:
+        return process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return None
 
 
 async def first_of(*events: asyncio.Event) -> None:

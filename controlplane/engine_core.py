@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 import signal
 import socket
+import subprocess
+import sys
 from collections import deque
 from dataclasses import dataclass
 
@@ -294,34 +295,46 @@ class EngineCore:
 # ---- the core's process ---------------------------------------------------------------------
 
 
-def start_core_process(config: ControlPlaneConfig) -> tuple[multiprocessing.process.BaseProcess, Channel]:
-    """Starts the engine core in a child process; returns it and the frontend's end of their channel."""
+def start_core_process(config: ControlPlaneConfig) -> tuple[subprocess.Popen, Channel]:
+    """Starts the engine core in a child process; returns it and the frontend's end of their channel.
+
+    The child gets its end of a socketpair as an inherited file descriptor; the frontend's first
+    call on the channel must be ``configure(config)`` (so no secret shows on a command line).
+    """
     frontend_end, core_end = socket.socketpair()
-    process = multiprocessing.get_context("spawn").Process(
-        target=_core_main, args=(core_end, config, logging.getLogger().level), name="twinplane-engine-core",
-        daemon=True)
-    process.start()
-    core_end.close()
+    with core_end:
+        process = subprocess.Popen(
+            [sys.executable, "-c", "from twinplane.controlplane.engine_core import main; main()",
+             str(core_end.fileno()), str(logging.getLogger().level)],
+            pass_fds=(core_end.fileno(),), stdin=subprocess.DEVNULL)
     return process, Channel(frontend_end)
 
 
-def _core_main(sock: socket.socket, config: ControlPlaneConfig, log_level: int) -> None:
+def main() -> None:
+    """The engine core's process: ``main()`` with argv [socket fd, log level]."""
     # Ctrl-C reaches the whole process group; the frontend shuts the core down in order (a
     # shutdown call, or the channel closing when the frontend is gone).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    fd, log_level = int(sys.argv[1]), int(sys.argv[2])
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    sock = socket.socket(fileno=fd)
     try:
         import uvloop
     except ImportError:
-        asyncio.run(_serve_core(sock, config))
+        asyncio.run(_serve_core(sock))
     else:
-        uvloop.run(_serve_core(sock, config))
+        uvloop.run(_serve_core(sock))
 
 
-async def _serve_core(sock: socket.socket, config: ControlPlaneConfig) -> None:
+async def _serve_core(sock: socket.socket) -> None:
     """Runs the core until the frontend says shutdown or goes away."""
     channel = Channel(sock)
     await channel.open()
+    first = await channel.receive()
+    if first is None:
+        return  # the frontend went away before it said anything
+    name, (config,) = first
+    assert name == "configure", f"the engine core's first call must be configure, got {name!r}"
     core = EngineCore(config, Remote(channel, FRONTEND_CALLS))
     calls = asyncio.create_task(channel.serve(core, CORE_CALLS))
     calls.add_done_callback(lambda _: core.shutdown())  # the frontend is gone: nobody to serve

@@ -33,16 +33,19 @@ class Channel:
         payload = pickle.dumps((name, args), protocol=pickle.HIGHEST_PROTOCOL)
         self.writer.write(_LENGTH.pack(len(payload)) + payload)
 
+    async def receive(self) -> tuple[str, tuple] | None:
+        """The next call that arrives, as (name, args); None once the other end has closed."""
+        try:
+            header = await self.reader.readexactly(_LENGTH.size)
+            payload = await self.reader.readexactly(_LENGTH.unpack(header)[0])
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return None
+        return pickle.loads(payload)
+
     async def serve(self, target, names: frozenset[str]) -> None:
         """Applies each call that arrives to ``target``; returns when the other end closes."""
-        reader = self.reader
-        while True:
-            try:
-                header = await reader.readexactly(_LENGTH.size)
-                payload = await reader.readexactly(_LENGTH.unpack(header)[0])
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return
-            name, args = pickle.loads(payload)
+        while (call := await self.receive()) is not None:
+            name, args = call
             assert name in names, f"unexpected call {name!r}"
             getattr(target, name)(*args)
 

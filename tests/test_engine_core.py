@@ -147,7 +147,7 @@ def test_a_core_still_waiting_for_its_data_plane_stops_at_once(tmp_path):
         await asyncio.sleep(1.5)  # the core is retrying the data plane
         started = time.monotonic()
         await plane.shutdown(grace=0)
-        return time.monotonic() - started, plane.engine._core_process.exitcode
+        return time.monotonic() - started, plane.engine._core_process.returncode
 
     seconds, exitcode = asyncio.run(run())
     assert exitcode == 0 and seconds < 3.0  # shut down, not killed after the 5 s timeout
@@ -177,3 +177,29 @@ def test_ctrl_c_on_the_process_group_shuts_down_cleanly(tmp_path):
             control.kill()
     assert control.returncode == 0, stderr[-2000:]
     assert "shutting down" in stderr and "Traceback" not in stderr and "CRITICAL" not in stderr, stderr[-2000:]
+
+
+def test_a_script_without_a_main_guard_can_run_a_control_plane(tmp_path):
+    """The engine core starts as its own program: it never imports the script that embeds the control plane."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "embed.py"
+    script.write_text(f"""
+import asyncio
+from twinplane.controlplane.config import ControlPlaneConfig
+from twinplane.controlplane.main import ControlPlane
+print("script ran", flush=True)
+
+async def run():
+    plane = ControlPlane(ControlPlaneConfig(dataplane="unix://{tmp_path}/nobody.sock", listen="unix://{tmp_path}/cp.sock"))
+    await plane.start()
+    await asyncio.sleep(1.0)
+    await plane.shutdown(grace=0)
+    print("core exit code", plane.engine._core_process.returncode, flush=True)
+
+asyncio.run(run())
+""")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines() == ["script ran", "core exit code 0"], result.stdout
