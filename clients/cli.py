@@ -8,6 +8,8 @@ import logging
 import os
 import sys
 
+from twinplane.controlplane.event_loop import run as run_event_loop
+
 DEFAULT_DATAPLANE = "127.0.0.1:50061"
 DEFAULT_LISTEN = "127.0.0.1:50051"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -130,7 +132,7 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
     from twinplane.controlplane.main import serve
 
     config, security = _controlplane(args, args.dataplane, args.dataplane_token)
-    _run_async(serve(config, security))
+    run_event_loop(serve(config, security))
     return 0
 
 
@@ -157,7 +159,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         finally:
             child.stop()
 
-    _run_async(main())
+    run_event_loop(main())
     return 0
 
 
@@ -228,7 +230,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             await plane.shutdown(grace=0)
             child.stop()
 
-    return _run_async(main())
+    return run_event_loop(main())
 
 
 async def _wait_ready(plane, child) -> None:
@@ -242,14 +244,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from twinplane.clients.bench import run_bench
 
     return run_bench(args)
-
-
-def _run_async(coro):
-    try:
-        import uvloop
-        return uvloop.run(coro)
-    except ImportError:
-        return asyncio.run(coro)
 
 
 def _add_log_level(p: argparse.ArgumentParser, default=None) -> None:

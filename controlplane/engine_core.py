@@ -20,10 +20,11 @@ import socket
 import subprocess
 import sys
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from twinplane.controlplane.block_manager import BlockManager
 from twinplane.controlplane.config import ControlPlaneConfig
+from twinplane.controlplane import event_loop
 from twinplane.controlplane.dataplane_client import DataPlaneClient, DataPlaneLost
 from twinplane.controlplane.ipc import Channel, Remote
 from twinplane.controlplane.metrics import STEP_BUCKETS, Histogram
@@ -65,7 +66,7 @@ class CoreSnapshot:
     num_kv_blocks: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
-    dataplane_step: Histogram | None = None  # seconds the data plane spent per step
+    dataplane_step: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS))  # data-plane seconds per step
 
 
 def token_finish_reason(seq: Sequence, token_id: int, position: int, stop_ids: frozenset[int],
@@ -88,8 +89,7 @@ class EngineCore:
         self.dataplane.on_lost = self._on_dataplane_lost
         self.describe: dp.DescribeResponse | None = None
         self.scheduler: Scheduler | None = None
-        self.seqs: dict[int, Sequence] = {}  # unfinished sequences by seq_id
-        self.stop_ids: dict[int, frozenset[int]] = {}  # their stop tokens
+        self.seqs: dict[int, tuple[Sequence, frozenset[int]]] = {}  # unfinished sequences and their stop tokens
         self.eos_token_ids: frozenset[int] = frozenset()
         self.wakeup = asyncio.Event()  # new work arrived, or the data plane was lost
         self.stopped = asyncio.Event()
@@ -106,19 +106,17 @@ class EngineCore:
 
     def add(self, seq_id: int, request_id: str, prompt: list[int], params: RequestParams) -> None:
         seq = Sequence(seq_id, request_id, prompt, params)
-        self.seqs[seq_id] = seq
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        self.seqs[seq_id] = seq, stop_ids
         self.num_added += 1
-        self.stop_ids[seq_id] = frozenset(params.stop_token_ids) | (
-            frozenset() if params.ignore_eos else self.eos_token_ids)
         self.scheduler.add(seq)
         self.wakeup.set()
 
     def abort(self, seq_id: int) -> None:
         """The frontend ended this sequence (cancelled, stop string, failed): free its blocks now."""
-        seq = self.seqs.pop(seq_id, None)
-        if seq is not None:
-            self.stop_ids.pop(seq_id)
-            self.scheduler.finish(seq)
+        entry = self.seqs.pop(seq_id, None)
+        if entry is not None:
+            self.scheduler.finish(entry[0])
             self.wakeup.set()
 
     def shutdown(self) -> None:
@@ -226,13 +224,13 @@ class EngineCore:
         outputs = []
         for seq, token, index, position in self.scheduler.update(out, tokens.token_ids):
             seq_id = seq.seq_id
-            stop_ids = self.stop_ids.get(seq_id)
-            if stop_ids is None:  # aborted meanwhile
+            entry = self.seqs.get(seq_id)
+            if entry is None:  # aborted meanwhile
                 continue
-            reason = token_finish_reason(seq, token, position, stop_ids, max_model_len)
+            reason = token_finish_reason(seq, token, position, entry[1], max_model_len)
             if reason is not None:
                 self.scheduler.finish(seq)
-                del self.seqs[seq_id], self.stop_ids[seq_id]
+                del self.seqs[seq_id]
             outputs.append((seq_id, token, position, logprobs[index] if logprobs else None,
                             reason and reason.value, seq.num_cached_tokens))
         return outputs
@@ -318,12 +316,7 @@ def main() -> None:
     fd, log_level = int(sys.argv[1]), int(sys.argv[2])
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sock = socket.socket(fileno=fd)
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(_serve_core(sock))
-    else:
-        uvloop.run(_serve_core(sock))
+    event_loop.run(_serve_core(sock))
 
 
 async def _serve_core(sock: socket.socket) -> None:

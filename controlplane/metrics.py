@@ -121,7 +121,7 @@ class EngineCollector:
         yield success
 
     def _histograms(self) -> Iterator[Metric]:
-        m, step = self.engine.metrics, self.engine.core_snapshot.dataplane_step or Histogram(STEP_BUCKETS)
+        m, step = self.engine.metrics, self.engine.core_snapshot.dataplane_step
         yield m.time_to_first_token.family(f"{PREFIX}time_to_first_token_seconds",
                                            "Seconds from admission to the first streamed token.")
         yield m.inter_token_latency.family(f"{PREFIX}inter_token_latency_seconds",
