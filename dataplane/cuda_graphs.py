@@ -66,6 +66,8 @@ class StepGraphs:
         self.cu_seqlens_q = torch.arange(max_seqs + 1, **i32)
         self.context_lens = torch.zeros(max_seqs, **i32)
         self.block_tables = torch.zeros(max_seqs, max_blocks, **i32)
+        self.rows = torch.arange(max_seqs, **i32)
+        self.decode_order = torch.arange(max_seqs, **i32)  # padding rows (context 0) stay last
         self.hidden = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -76,7 +78,8 @@ class StepGraphs:
             cu_seqlens_q=self.cu_seqlens_q[:seqs + 1], cu_seqlens_k=self.cu_seqlens_q[:seqs + 1],
             context_lens=self.context_lens[:seqs], max_seqlen_q=1 if seqs == tokens else tokens,
             max_seqlen_k=self.max_model_len, slot_mapping=self.slot_mapping[:tokens],
-            block_tables=self.block_tables[:seqs], query_lens_host=lens, context_lens_host=lens)
+            block_tables=self.block_tables[:seqs], query_lens_host=lens, context_lens_host=lens,
+            decode_order=self.decode_order[:seqs] if seqs == tokens else None)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -130,5 +133,11 @@ class StepGraphs:
         self.context_lens[s:seqs] = 0
         width = metadata.block_tables.shape[1]
         self.block_tables[:s, :width] = metadata.block_tables
+        if seqs == tokens:
+            if metadata.decode_order is None:
+                self.decode_order[:seqs] = self.rows[:seqs]
+            else:
+                self.decode_order[:s] = metadata.decode_order
+                self.decode_order[s:seqs] = self.rows[s:seqs]
         self.graphs[shape].replay()
         return self.hidden[:n]

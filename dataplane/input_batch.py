@@ -96,7 +96,7 @@ class InputBatch:
         self.plan_index = 0  # plans prepared so far
         self.wait_for_tokens = lambda: None  # brings the previous plan's tokens to the host
         self._allocate(max(limits.max_num_seqs, 8))
-        staging = 4 * limits.max_num_batched_tokens + (self.max_blocks + 5) * limits.max_num_seqs + 8
+        staging = 4 * limits.max_num_batched_tokens + (self.max_blocks + 6) * limits.max_num_seqs + 8
         staging += 4 * 16  # each of the step's (at most 16) arrays starts 16-byte aligned
         pinned = device.type == "cuda"
         # two staging buffers, alternating: one may still be copying while the next plan is prepared
@@ -306,6 +306,9 @@ class InputBatch:
         parts = [cols.token_ids, positions, cols.slot_mapping, cu_q, np.concatenate([[0], np.cumsum(context)]),
                  context, self.block_table[rows, :width].ravel(), sample_idx, sample_rows, cu_q[1:][pending] - 1,
                  rows[pending]]
+        decode = n == t
+        if decode:  # longest context first: the decode kernel starts them in this order
+            parts.append(np.argsort(-context, kind="stable"))
         views = self._to_device(parts)
         input_ids = views[0]
         if pending.any():  # the previous plan's samples, still on the device
@@ -314,7 +317,7 @@ class InputBatch:
             cu_seqlens_q=views[3], cu_seqlens_k=views[4], context_lens=views[5],
             max_seqlen_q=int(cols.num_tokens.max()), max_seqlen_k=int(context.max()), slot_mapping=views[2],
             block_tables=views[6].view(n, width), query_lens_host=cols.num_tokens.tolist(),
-            context_lens_host=context.tolist())
+            context_lens_host=context.tolist(), decode_order=views[11] if decode else None)
         sampling = self._sampling(cols, sample_rows, context[cols.sample]) if len(sample_idx) else None
         sampled = SampledRows(sample_rows, cols.seq_ids[cols.sample], context[cols.sample])
         assert input_ids.shape[0] == t

@@ -200,3 +200,34 @@ def test_graph_buffers_have_the_dtypes_of_step_inputs(runner: ModelRunner) -> No
              (graphs.context_lens, m.context_lens), (graphs.block_tables, m.block_tables)]
     assert [buffer.dtype for buffer, _ in pairs] == [step.dtype for _, step in pairs]
     runner.reset()
+
+
+def test_decode_steps_list_the_longest_context_first(runner: ModelRunner) -> None:
+    """The decode kernel starts sequences in ``decode_order``: longest context first (ties in plan
+    order); steps with prompt tokens carry none. A CUDA graph's padding rows follow the real ones."""
+    from twinplane.dataplane.cuda_graphs import StepGraphs
+
+    runner.reset()
+    builder = PlanBuilder(BLOCK)
+    seqs = [builder.new_seq(i, [5] * n) for i, n in enumerate([3, 9, 5, 9, 1])]
+    prompt = runner.sequences.prepare(StepPlan(0, [builder.schedule(s) for s in seqs]))
+    assert prompt.metadata.decode_order is None
+    for s in seqs:
+        s.tokens.append(7)
+    decode = runner.sequences.prepare(StepPlan(1, [builder.schedule(s) for s in seqs]))
+    order = decode.metadata.decode_order
+    assert order.dtype == torch.int32 and order.tolist() == [1, 3, 2, 0, 4]
+
+    class Replay:
+        def replay(self) -> None:
+            pass
+
+    graphs = StepGraphs(model=None, hidden_size=8, dtype=torch.float32, device=torch.device("cpu"), max_num_seqs=8,
+                        max_model_len=64, block_size=BLOCK, max_num_batched_tokens=64, mixed=True)
+    graphs.graphs[(8, 8)] = Replay()
+    graphs.decode_order.fill_(0)  # left over from an earlier step
+    graphs.run((8, 8), decode.input_ids, decode.positions, decode.metadata)
+    assert graphs.decode_order.tolist() == [1, 3, 2, 0, 4, 5, 6, 7]
+    assert graphs._metadata(8, 8, [1] * 8).decode_order.data_ptr() == graphs.decode_order.data_ptr()
+    assert graphs._metadata(8, 16, [2] * 8).decode_order is None
+    runner.reset()

@@ -85,11 +85,14 @@ def test_triton_decode_attention_matches_torch(heads, kv_heads, head_dim, block_
     scale = head_dim ** -0.5
     expected = TorchAttentionBackend().forward(q.float(), k_cache.float(), v_cache.float(), metadata, scale)
     bf16_error = (expected.to(torch.bfloat16).float() - expected).abs().max().item()
+    longest_first = torch.argsort(lens, descending=True).to("cuda", torch.int32)
     for splits in sorted({1, 4, decode_splits(num_seqs, kv_heads, q.device)}):
-        out = paged_decode_attention(q, k_cache, v_cache, block_tables, metadata.context_lens, scale,
-                                     num_splits=splits)
-        error = (out.float() - expected).abs().max().item()
-        assert error <= 4 * bf16_error + 1e-3, f"{splits} splits: max error {error} (bf16 rounding {bf16_error})"
+        for order in (None, longest_first):
+            out = paged_decode_attention(q, k_cache, v_cache, block_tables, metadata.context_lens, scale,
+                                         order=order, num_splits=splits)
+            error = (out.float() - expected).abs().max().item()
+            assert error <= 4 * bf16_error + 1e-3, (f"{splits} splits, order {order is not None}: max error {error} "
+                                                    f"(bf16 rounding {bf16_error})")
     # rows of a padded CUDA-graph batch have context 0: zeros, and the other rows are unchanged
     padded = metadata.context_lens.clone()
     padded[1:] = 0

@@ -1,6 +1,6 @@
 """Our Triton kernels through Triton's CPU interpreter (TRITON_INTERPRET=1), so they are checked
 without a GPU: the split-KV decode attention against the torch backend (float32; 1, 2 and 4
-splits; grouped and plain heads; rows of context 0), the KV writer against index_copy, the
+splits; grouped and plain heads; rows of context 0; a given start order), the KV writer against index_copy, the
 fused q/k norm + RoPE + K/V store against the unfused layers (with and without the norm), and
 the temperature sampler (greedy = torch.argmax with ties, draws follow softmax(logits / T),
 a row's draw depends on its seed only) alone and inside the Sampler.
@@ -41,10 +41,11 @@ for heads, kv_heads, head_dim, block_size, num_seqs in [(4, 2, 16, 16, 3), (6, 2
         max_seqlen_q=1, max_seqlen_k=max_blocks * block_size, slot_mapping=None, block_tables=tables,
         query_lens_host=[1] * num_seqs, context_lens_host=lens.tolist())
     expected = TorchAttentionBackend().forward(q, k_cache, v_cache, metadata, scale)
-    for splits in (1, 2, 4):
-        out = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, num_splits=splits)
+    shuffled = torch.randperm(num_seqs).to(torch.int32)  # the order programs start in changes nothing
+    for splits, order in [(1, None), (2, None), (4, None), (1, shuffled), (2, shuffled)]:
+        out = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, order=order, num_splits=splits)
         error = (out - expected).abs().max().item()
-        assert error < 1e-4, f"heads {heads}/{kv_heads}, {splits} splits: max error {error}"
+        assert error < 1e-4, f"heads {heads}/{kv_heads}, {splits} splits, order {order}: max error {error}"
     padded = lens.clone()
     padded[1:] = 0
     out = paged_decode_attention(q, k_cache, v_cache, tables, padded, scale, num_splits=2)

@@ -32,6 +32,9 @@ class AttentionMetadata:
     # Host copies for backends that loop in Python (the torch backend); no device sync needed.
     query_lens_host: list[int]
     context_lens_host: list[int]
+    # Decode steps: int32 [n], the sequences by context, longest first (the order in which the
+    # decode kernel starts them); None for other steps.
+    decode_order: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

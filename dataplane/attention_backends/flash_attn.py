@@ -51,7 +51,7 @@ class FlashAttention4Backend(_TritonKVWriter, AttentionBackend):
         decode = self._decode
         if decode is not None and metadata.max_seqlen_q == 1 and decode.supports(q.shape[-1], k_cache.shape[1]):
             return decode.paged_decode_attention(q, k_cache, v_cache, metadata.block_tables,
-                                                 metadata.context_lens, scale)
+                                                 metadata.context_lens, scale, order=metadata.decode_order)
         out = self._varlen(q, k_cache, v_cache, cu_seqlens_q=metadata.cu_seqlens_q,
                            seqused_k=metadata.context_lens, max_seqlen_q=metadata.max_seqlen_q,
                            max_seqlen_k=metadata.max_seqlen_k, page_table=metadata.block_tables,
