@@ -6,6 +6,10 @@ queues incoming plans, a watcher thread reports each launched step as it finishe
 the device, and the stream's handler launches plans and sends results in plan order
 as those events come in. A plan that fails is answered with an error result for that
 step only, and the process keeps serving.
+
+At DEBUG, logger ``twinplane.dataplane.steps`` writes one line per step with its host
+timeline: how long the plan waited for the handler, how long launching took, and how
+long before the previous step finished it was launched (negative: the device waited).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import hmac
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from concurrent import futures
 
@@ -25,6 +30,7 @@ from twinplane.proto import dataplane_pb2 as dp
 from twinplane.proto import dataplane_pb2_grpc as dp_grpc
 
 log = logging.getLogger("twinplane.dataplane")
+step_log = logging.getLogger("twinplane.dataplane.steps")
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 TOKEN_HEADER = "x-twinplane-token"
 
@@ -108,19 +114,27 @@ class _StepPipeline:
         threading.Thread(target=self._read, args=(requests,), daemon=True, name="twinplane-plans").start()
         threading.Thread(target=self._watch, daemon=True, name="twinplane-watch").start()
         launched = deque()
+        debug = step_log.isEnabledFor(logging.DEBUG)
+        previous_finished = 0.0  # host time the watcher saw the previous step finish
         try:
             while (event := self.events.get()) is not None:
-                if event is _FINISHED:
-                    yield self._result(launched.popleft())
+                what, at = event
+                if what is _FINISHED:
+                    step, times = launched.popleft()
+                    if debug:
+                        _log_timeline(step, times, previous_finished, at)
+                    previous_finished = at
+                    yield self._result(step)
                     continue
-                step = self.launch(event)
-                launched.append(step)
+                started = time.perf_counter()
+                step = self.launch(what)
+                launched.append((step, (at, started, time.perf_counter())))
                 self.to_watch.put(step)
             while launched:  # no more plans: the results still due, in order
-                yield self._result(launched.popleft())
+                yield self._result(launched.popleft()[0])
         finally:
             self.to_watch.put(None)
-            for step in launched:  # the stream is gone; let queued device work end before the next one
+            for step, _ in launched:  # the stream is gone; let queued device work end before the next one
                 if not isinstance(step, dp.StepResult):
                     step.wait()
 
@@ -136,7 +150,7 @@ class _StepPipeline:
     def _read(self, requests) -> None:
         try:
             for msg in requests:
-                self.events.put(msg)
+                self.events.put((msg, time.perf_counter()))
         except Exception:  # the stream was cancelled or broke: end it
             pass
         finally:
@@ -149,7 +163,18 @@ class _StepPipeline:
                     step.wait()
                 except Exception:  # a device fault: result() reports it
                     pass
-            self.events.put(_FINISHED)
+            self.events.put((_FINISHED, time.perf_counter()))
+
+
+def _log_timeline(step, times: tuple[float, float, float], previous_finished: float, finished: float) -> None:
+    arrived, started, launched = times
+    if isinstance(step, dp.StepResult):
+        return
+    previous_finished = previous_finished or launched  # the stream's first step
+    step_log.debug("step %d: plan waited %d us, launch %d us (prepare %d us), launched %d us before the previous "
+                   "step finished, ran %d us after it", step.step_id, (started - arrived) * 1e6,
+                   (launched - started) * 1e6, step.prepare_us, (previous_finished - launched) * 1e6,
+                   (finished - max(previous_finished, launched)) * 1e6)
 
 
 def create_server(runner, listen: str, token: str | None = None,

@@ -110,3 +110,35 @@ def test_full_batch_decode_steps_are_counted_with_their_idle_time(control_plane,
     assert figures["full_decode_steps"] == full and abs(figures["full_decode_idle_fraction"] - 0.07) < 1e-9
     assert f"full-batch decode (2 sequences): {full} steps, 0.10 ms per step, idle before them 7.0% of step time" \
         in capsys.readouterr().out
+
+
+def test_data_plane_logs_each_steps_host_timeline_at_debug(caplog):
+    """DEBUG on ``twinplane.dataplane.steps``: one line per step, with where its host time went."""
+    import re
+    import time
+
+    from twinplane.dataplane.server import _StepPipeline
+
+    class Launched:
+        def __init__(self, step_id: int) -> None:
+            self.step_id, self.prepare_us = step_id, 7
+
+        def wait(self) -> None:
+            time.sleep(0.01)
+
+        def result(self) -> StepOutput:
+            return StepOutput(step_id=self.step_id, sampled_token_ids=np.array([1], np.int32))
+
+    def plans():
+        yield from (dp.StepPlan(step_id=i) for i in range(3))
+        time.sleep(0.2)  # the stream stays open until every step has finished
+
+    with caplog.at_level("DEBUG", logger="twinplane.dataplane.steps"):
+        results = list(_StepPipeline(lambda msg: Launched(msg.step_id)).run(plans()))
+    assert [r.step_id for r in results] == [0, 1, 2]
+    lines = [r.getMessage() for r in caplog.records if r.name == "twinplane.dataplane.steps"]
+    pattern = (r"step (\d): plan waited \d+ us, launch \d+ us \(prepare 7 us\), launched -?\d+ us before the "
+               r"previous step finished, ran (\d+) us after it")
+    matches = [re.fullmatch(pattern, line) for line in lines]
+    assert all(matches) and [int(m.group(1)) for m in matches] == [0, 1, 2], lines
+    assert all(int(m.group(2)) >= 9000 for m in matches[1:]), lines  # each step waits 10 ms after the one before
