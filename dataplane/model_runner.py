@@ -22,7 +22,7 @@ import torch
 
 from twinplane.dataplane.attention_backends import get_attention_backend
 from twinplane.dataplane.config import DataPlaneConfig
-from twinplane.dataplane.cuda_graphs import StepGraphs
+from twinplane.dataplane.cuda_graphs import StepGraphs, graph_batch_sizes
 from twinplane.dataplane.distributed import tp_rank, tp_world_size
 from twinplane.dataplane.kv_cache import allocate_kv_cache, bytes_per_block, cpu_num_blocks, cuda_num_blocks
 from twinplane.dataplane.loader import load_model
@@ -79,6 +79,8 @@ class LaunchedStep:
 
     step_id: int
     prepare_us: int
+    forward_us: int = 0  # CPU: queueing the forward pass (graph replay or eager launches)
+    sample_us: int = 0  # CPU: queueing logits and sampling
     idle_us: int = 0  # CPU: time between the previous step's end and this one's start
     execute_us: int = 0  # CPU: forward pass and sampling
     path: StepPath = StepPath.EAGER  # how the forward pass ran
@@ -153,8 +155,7 @@ class ModelRunner:
         self.init_model()
         self.init_kv_cache()
         self.init_cuda_graphs()
-        self.sampler = Sampler(config.seed, self.device)
-        self.sampler.warm_up(self.vocab_size, self.dtype)
+        self.init_sampler()
         self.sequences = InputBatch(PlanLimits(
             vocab_size=self.vocab_size, num_kv_blocks=self.num_kv_blocks, block_size=config.block_size,
             max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
@@ -197,6 +198,40 @@ class ModelRunner:
                                  c.max_num_seqs, self.max_model_len, c.block_size, c.max_num_batched_tokens,
                                  mixed=self.backend.graphs_mixed_steps)
         self.graphs.capture()
+
+    @torch.inference_mode()
+    def init_sampler(self) -> None:
+        """The sampler; on CUDA also the logits of every padded row count a step can ask for.
+
+        cuBLAS spends ~17-19 ms of host time on the first GEMM of each new shape (measured on an
+        H200; it does not wait for the device). Outside the graphs, a step's logits GEMM has one
+        row per sampled sequence, so while the batch grew, each prompt step met a new row count
+        and its launch stalled for that long. The rows are padded to the graph batch sizes
+        instead, and each of those GEMMs runs once here; the largest also warms the sampler (its
+        kernel compiles) and leaves the caching allocator a block for the largest logits.
+        """
+        self.sampler = Sampler(self.config.seed, self.device)
+        self.logit_rows: list[int] = []  # padded row counts of the logits GEMM (none on CPU)
+        if self.device.type != "cuda":
+            return
+        self.logit_rows = graph_batch_sizes(self.config.max_num_seqs)
+        self._logit_hidden = torch.zeros(self.logit_rows[-1], int(self.loaded.hf_config.hidden_size),
+                                         dtype=self.dtype, device=self.device)
+        for rows in self.logit_rows:  # every rank: the TP gather is collective
+            logits = self.model.compute_logits(self._logit_hidden[:rows])
+        if logits is not None:
+            self.sampler.warm_up(logits)
+        torch.cuda.synchronize(self.device)
+
+    def _logits_input(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """hidden[indices], padded on CUDA to the next row count in ``logit_rows`` (extra rows: stale)."""
+        n = indices.shape[0]
+        rows = next((r for r in self.logit_rows if r >= n), n)
+        if rows == n:
+            return hidden[indices]
+        padded = self._logit_hidden[:rows]
+        torch.index_select(hidden, 0, indices, out=padded[:n])
+        return padded
 
     def describe(self) -> DataPlaneDescription:
         c = self.config
@@ -261,8 +296,11 @@ class ModelRunner:
                 step.path = self.graphs.path_of(shape)
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+            forwarded = time.perf_counter()
+            step.forward_us = int((forwarded - prepared) * 1e6)
             if inputs.sampling is not None:
                 self._sample(step, inputs, hidden, keep_logits)
+                step.sample_us = int((time.perf_counter() - forwarded) * 1e6)
         if cuda:
             step.done.record()
         else:
@@ -274,8 +312,10 @@ class ModelRunner:
 
     def _sample(self, step: LaunchedStep, inputs, hidden: torch.Tensor, keep_logits: bool) -> None:
         """Samples on rank 0; every rank keeps the sampled tokens for the next plan's PENDING inputs."""
-        rank_logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        num_sampled = inputs.sample_indices.shape[0]
+        rank_logits = self.model.compute_logits(self._logits_input(hidden, inputs.sample_indices))
         if rank_logits is not None:  # rank 0
+            rank_logits = rank_logits[:num_sampled]
             sampled = self.sampler(rank_logits, inputs.sampling)
             token_ids = sampled.token_ids.to(torch.int32)
             step.sampler_output = _to_host(sampled, token_ids)

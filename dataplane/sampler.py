@@ -83,12 +83,13 @@ class Sampler:
         self.fused = device.type == "cuda" if fused is None else fused
         self.fused_draws = 0  # batches drawn by the kernel: keys the unseeded rows of the next one
 
-    def warm_up(self, vocab_size: int, dtype: torch.dtype) -> None:
-        """Compiles the kernel of temperature-only batches now, not in the first request's time."""
+    def warm_up(self, logits: torch.Tensor) -> None:
+        """Samples once from ``logits`` [n, vocab] (alternate rows drawn and greedy): compiles the
+        kernel of temperature-only batches now, not in the first request's time."""
         if self.fused:
-            plain = np.array([[0.7, 1.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]], dtype=np.float32)  # sampled, greedy
-            batch = SamplingBatch.from_plain_values(plain, vocab_size, self.device)
-            self(torch.zeros(2, vocab_size, dtype=dtype, device=self.device), batch)
+            plain = np.zeros((logits.shape[0], 4), dtype=np.float32)
+            plain[:, 1], plain[::2, 0] = 1.0, 0.7  # top_p off; temperature 0.7 or greedy
+            self(logits, SamplingBatch.from_plain_values(plain, logits.shape[1], self.device))
 
     def _fused_sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         from twinplane.kernels.sampling import sample_temperature

@@ -171,9 +171,10 @@ def _log_timeline(step, times: tuple[float, float, float], previous_finished: fl
     if isinstance(step, dp.StepResult):
         return
     previous_finished = previous_finished or launched  # the stream's first step
-    step_log.debug("step %d: plan waited %d us, launch %d us (prepare %d us), launched %d us before the previous "
-                   "step finished, ran %d us after it", step.step_id, (started - arrived) * 1e6,
-                   (launched - started) * 1e6, step.prepare_us, (previous_finished - launched) * 1e6,
+    step_log.debug("step %d: plan waited %d us, launch %d us (prepare %d us, forward %d us, sample %d us), launched "
+                   "%d us before the previous step finished, ran %d us after it", step.step_id,
+                   (started - arrived) * 1e6, (launched - started) * 1e6, step.prepare_us, step.forward_us,
+                   step.sample_us, (previous_finished - launched) * 1e6,
                    (finished - max(previous_finished, launched)) * 1e6)
 
 

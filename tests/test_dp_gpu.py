@@ -45,3 +45,23 @@ def test_dummy_models_measure_the_cache_and_decode(model: str) -> None:
             s.tokens.append(t)
         print(f"step {step}: prepare {out.prepare_us} us, execute {out.execute_us} us")
     runner.close()
+
+
+def test_logits_gemm_sees_only_row_counts_warmed_up_at_start() -> None:
+    """cuBLAS stalls the host ~18 ms on each new GEMM shape: a step's logits rows are padded to the
+    counts start-up ran, and a step that samples more rows than any before allocates no memory."""
+    runner = ModelRunner(DataPlaneConfig(model="dummy:qwen3-0.6b", device="cuda", block_size=256, max_num_seqs=64,
+                                         max_num_batched_tokens=2048, gpu_memory_utilization=0.5))
+    segments = torch.cuda.memory_stats(runner.device)["segment.large_pool.allocated"]  # cudaMallocs so far
+    seen = []
+    compute_logits = runner.model.compute_logits
+    runner.model.compute_logits = lambda hidden: seen.append(hidden.shape[0]) or compute_logits(hidden)
+    builder = PlanBuilder(256)
+    for step, rows in enumerate((5, 23, 64)):
+        seqs = [builder.new_seq(100 * step + i, list(range(1, 20)), SamplingParams(temperature=0.7))
+                for i in range(rows)]
+        out, logits = runner.step_with_logits(StepPlan(step, [builder.schedule(s) for s in seqs]))
+        assert len(out.sampled_token_ids) == rows and logits.shape[0] == rows
+    assert seen == [8, 32, 64] and set(seen) <= set(runner.logit_rows)
+    assert torch.cuda.memory_stats(runner.device)["segment.large_pool.allocated"] == segments
+    runner.close()
