@@ -129,7 +129,7 @@ class EngineCollector:
         yield m.e2e_request_latency.family(f"{PREFIX}e2e_request_latency_seconds",
                                            "Seconds from admission to the end of a request.")
         yield step.family(f"{PREFIX}dataplane_step_seconds",
-                                      "Seconds the data plane spent on one step (plan decoding, forward, sampling).")
+                          "Seconds the data plane spent on one step (plan decoding, forward, sampling).")
 
 
 def registry_for(engine: Engine) -> CollectorRegistry:
