@@ -38,6 +38,11 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes + [max_num_seqs]))
 
 
+def bucket(sizes: list[int], n: int) -> int | None:
+    """The smallest of ``sizes`` (ascending) that holds ``n``, or None."""
+    return next((size for size in sizes if size >= n), None)
+
+
 def mixed_shapes(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> list[tuple[int, int]]:
     """(sequences, tokens) buckets of mixed steps that a plan can fill, smallest token count first."""
     seqs = sorted({min(s, max_num_seqs) for s in MIXED_SEQ_BUCKETS})
@@ -109,7 +114,7 @@ class StepGraphs:
         if not self.graphs:
             return None
         if metadata.max_seqlen_q == 1:
-            bs = next((b for b in self.batch_sizes if b >= num_seqs), None)
+            bs = bucket(self.batch_sizes, num_seqs)
             return None if bs is None else (bs, bs)
         return next(((s, t) for s, t in self.mixed_shapes if s >= num_seqs and t >= num_tokens), None)
 
@@ -133,11 +138,9 @@ class StepGraphs:
         self.context_lens[s:seqs] = 0
         width = metadata.block_tables.shape[1]
         self.block_tables[:s, :width] = metadata.block_tables
-        if seqs == tokens:
-            if metadata.decode_order is None:
-                self.decode_order[:seqs] = self.rows[:seqs]
-            else:
+        if seqs == tokens:  # padding rows (and steps without an order) launch in row order
+            self.decode_order[:seqs] = self.rows[:seqs]
+            if metadata.decode_order is not None:
                 self.decode_order[:s] = metadata.decode_order
-                self.decode_order[s:seqs] = self.rows[s:seqs]
         self.graphs[shape].replay()
         return self.hidden[:n]

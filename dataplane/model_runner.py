@@ -22,7 +22,7 @@ import torch
 
 from twinplane.dataplane.attention_backends import get_attention_backend
 from twinplane.dataplane.config import DataPlaneConfig
-from twinplane.dataplane.cuda_graphs import StepGraphs, graph_batch_sizes
+from twinplane.dataplane.cuda_graphs import StepGraphs, bucket, graph_batch_sizes
 from twinplane.dataplane.distributed import tp_rank, tp_world_size
 from twinplane.dataplane.kv_cache import allocate_kv_cache, bytes_per_block, cpu_num_blocks, cuda_num_blocks
 from twinplane.dataplane.loader import load_model
@@ -226,7 +226,7 @@ class ModelRunner:
     def _logits_input(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """hidden[indices], padded on CUDA to the next row count in ``logit_rows`` (extra rows: stale)."""
         n = indices.shape[0]
-        rows = next((r for r in self.logit_rows if r >= n), n)
+        rows = bucket(self.logit_rows, n) or n
         if rows == n:
             return hidden[indices]
         padded = self._logit_hidden[:rows]
