@@ -114,8 +114,8 @@ def supports(head_dim: int, block_size: int) -> bool:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           order: torch.Tensor | None = None, num_splits: int | None = None, block_n: int = 128, num_warps: int = 4,
-                           num_stages: int = 2) -> torch.Tensor:
+                           order: torch.Tensor | None = None, num_splits: int | None = None, block_n: int = 128,
+                           num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """q [n, heads, d] (one query per sequence, at its last position) -> [n, heads, d].
 
     Sequence i attends to the first ``context_lens[i]`` tokens of its pages
@@ -141,8 +141,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     assert order is None or order.shape == (num_seqs,), "order must hold one entry per sequence"
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, context_lens if order is None else order, part, lse,
-        scale * LOG2E,
+        q, k_cache, v_cache, block_tables, context_lens, context_lens if order is None else order,
+        part, lse, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,

@@ -137,8 +137,8 @@ def test_data_plane_logs_each_steps_host_timeline_at_debug(caplog):
         results = list(_StepPipeline(lambda msg: Launched(msg.step_id)).run(plans()))
     assert [r.step_id for r in results] == [0, 1, 2]
     lines = [r.getMessage() for r in caplog.records if r.name == "twinplane.dataplane.steps"]
-    pattern = (r"step (\d): plan waited \d+ us, launch \d+ us \(prepare 7 us, forward 8 us, sample 9 us\), launched -?\d+ us before the "
-               r"previous step finished, ran (\d+) us after it")
+    pattern = (r"step (\d): plan waited \d+ us, launch \d+ us \(prepare 7 us, forward 8 us, sample 9 us\), "
+               r"launched -?\d+ us before the previous step finished, ran (\d+) us after it")
     matches = [re.fullmatch(pattern, line) for line in lines]
     assert all(matches) and [int(m.group(1)) for m in matches] == [0, 1, 2], lines
     assert all(int(m.group(2)) >= 9000 for m in matches[1:]), lines  # each step waits 10 ms after the one before
