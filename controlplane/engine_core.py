@@ -300,11 +300,18 @@ def start_core_process(config: ControlPlaneConfig) -> tuple[subprocess.Popen, Ch
     call on the channel must be ``configure(config)`` (so no secret shows on a command line).
     """
     frontend_end, core_end = socket.socketpair()
-    with core_end:
-        process = subprocess.Popen(
-            [sys.executable, "-c", "from twinplane.controlplane.engine_core import main; main()",
-             str(core_end.fileno()), str(logging.getLogger().level)],
-            pass_fds=(core_end.fileno(),), stdin=subprocess.DEVNULL)
+    # The child starts with SIGINT blocked (a signal mask survives fork and exec): a Ctrl-C that
+    # reaches the process group while the child is still starting Python and importing stays
+    # pending, and main() discards it by ignoring SIGINT before it unblocks the signal.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        with core_end:
+            process = subprocess.Popen(
+                [sys.executable, "-c", "from twinplane.controlplane.engine_core import main; main()",
+                 str(core_end.fileno()), str(logging.getLogger().level)],
+                pass_fds=(core_end.fileno(),), stdin=subprocess.DEVNULL)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     return process, Channel(frontend_end)
 
 
@@ -313,6 +320,7 @@ def main() -> None:
     # Ctrl-C reaches the whole process group; the frontend shuts the core down in order (a
     # shutdown call, or the channel closing when the frontend is gone).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked since the fork: see start_core_process
     fd, log_level = int(sys.argv[1]), int(sys.argv[2])
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sock = socket.socket(fileno=fd)

@@ -203,3 +203,25 @@ asyncio.run(run())
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.splitlines() == ["script ran", "core exit code 0"], result.stdout
+
+
+def test_sigint_while_the_core_is_still_starting_is_ignored(tmp_path):
+    """Ctrl-C can reach the core's process group before the core has imported anything: it starts
+    with SIGINT blocked, so no signal sent during its start-up ends it; closing the channel does."""
+    import time
+
+    from twinplane.controlplane.config import ControlPlaneConfig
+    from twinplane.controlplane.engine_core import start_core_process
+
+    process, channel = start_core_process(ControlPlaneConfig(dataplane=f"unix://{tmp_path}/nobody.sock"))
+    try:
+        deadline = time.monotonic() + 3.0  # start-up (interpreter, imports) takes well under a second
+        while time.monotonic() < deadline and process.poll() is None:
+            os.kill(process.pid, signal.SIGINT)
+            time.sleep(0.005)
+        assert process.poll() is None, f"SIGINT during start-up ended the engine core (exit {process.returncode})"
+    finally:
+        channel.sock.close()  # the frontend is gone before it said anything: the core exits
+        if process.poll() is None and process.wait(timeout=30) is None:
+            process.kill()
+    assert process.returncode == 0
