@@ -21,7 +21,8 @@ from twinplane.controlplane.api import GenerateCall, Limits, Prompt, RequestOutp
 from twinplane.controlplane.config import ControlPlaneConfig
 from twinplane.controlplane.engine_core import (CORE_CALLS, FRONTEND_CALLS, STAT_NAMES, CoreSnapshot, TokenOutput,
                                                 start_core_process)
-from twinplane.controlplane.errors import InvalidRequest, NotReady, Overloaded, ServiceError, StepFailed
+from twinplane.controlplane.errors import (InvalidRequest, NoLongerFits, NotReady, Overloaded, ServiceError,
+                                          StepFailed)
 from twinplane.controlplane.ipc import Remote
 from twinplane.controlplane.metrics import EngineMetrics
 from twinplane.controlplane.request_state import RequestState
@@ -166,6 +167,13 @@ class Engine:
             state = self.by_seq.get(seq_id)
             if state is not None:
                 self._fail(state, StepFailed(f"the data plane failed to run this request: {error}"), tell_core=False)
+
+    def refused(self, reasons: list[tuple[int, str]]) -> None:
+        """Requests the core ended because the data plane it connected to can never hold them."""
+        for seq_id, why in reasons:
+            state = self.by_seq.get(seq_id)
+            if state is not None:
+                self._fail(state, NoLongerFits(why), tell_core=False)
 
     # ---- requests -----------------------------------------------------------------------
 

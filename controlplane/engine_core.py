@@ -46,7 +46,7 @@ RECONNECT_TIMEOUT = 2.0  # seconds one attempt waits for the data plane to answe
 
 # What the frontend may call on the core, and what the core calls on the frontend.
 CORE_CALLS = frozenset({"add", "abort", "shutdown"})
-FRONTEND_CALLS = frozenset({"connected", "lost", "step", "step_failed", "snapshot"})
+FRONTEND_CALLS = frozenset({"connected", "lost", "step", "step_failed", "refused", "snapshot"})
 
 # One sampled token as the frontend gets it: (seq_id, token_id, position in the sequence,
 # TokenLogprobs or None, FinishReason value or None, prompt tokens found in the prefix cache).
@@ -105,10 +105,14 @@ class EngineCore:
     # ---- calls from the frontend -------------------------------------------------------
 
     def add(self, seq_id: int, request_id: str, prompt: list[int], params: RequestParams) -> None:
+        self.num_added += 1
         seq = Sequence(seq_id, request_id, prompt, params)
+        why = self._never_fits(seq)
+        if why is not None:  # checked by the frontend against the data plane it knew, which just changed
+            self.frontend.refused([(seq_id, why)])
+            return
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         self.seqs[seq_id] = seq, stop_ids
-        self.num_added += 1
         self.scheduler.add(seq)
         self.wakeup.set()
 
@@ -118,6 +122,33 @@ class EngineCore:
         if entry is not None:
             self.scheduler.finish(entry[0])
             self.wakeup.set()
+
+    def _never_fits(self, seq: Sequence) -> str | None:
+        """Why the connected data plane can never run seq to its max_tokens (None: it can)."""
+        needed = seq.num_prompt_tokens + seq.params.max_tokens
+        max_model_len = self.describe.max_model_len
+        capacity = self.describe.num_kv_blocks * self.describe.block_size
+        if needed > max_model_len:
+            return (f"prompt + max_tokens ({needed} tokens) exceeds the data plane's max_model_len "
+                    f"({max_model_len}), which shrank while the request ran; send it again with fewer tokens")
+        if needed > capacity:
+            return (f"prompt + max_tokens ({needed} tokens) no longer fits in the data plane's KV cache "
+                    f"({capacity} tokens), which shrank while the request ran; send it again with fewer tokens")
+        return None
+
+    def _refuse_what_never_fits(self) -> None:
+        """After a (re)connect: ends the sequences the new data plane can never hold, so they do not
+        block the queue; the others are recomputed."""
+        refused = []
+        for seq_id, (seq, _) in list(self.seqs.items()):
+            why = self._never_fits(seq)
+            if why is not None:
+                self.scheduler.finish(seq)
+                del self.seqs[seq_id]
+                refused.append((seq_id, why))
+        if refused:
+            log.warning("%d requests no longer fit the data plane and were ended", len(refused))
+            self.frontend.refused(refused)
 
     def shutdown(self) -> None:
         self.stopped.set()
@@ -286,6 +317,7 @@ class EngineCore:
         else:  # a new data plane: its KV cache is empty, recompute everything
             self.scheduler.config, self.scheduler.block_manager = sched_config, block_manager
             self.scheduler.reset()
+            self._refuse_what_never_fits()
         self.frontend.connected(desc, self.snapshot())
         self.wakeup.set()
 

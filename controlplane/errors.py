@@ -23,3 +23,9 @@ class NotReady(ServiceError):
 
 class StepFailed(ServiceError):
     code_name = "INTERNAL"
+
+
+class NoLongerFits(ServiceError):
+    """A request admitted earlier that the data plane now connected can never hold."""
+
+    code_name = "FAILED_PRECONDITION"

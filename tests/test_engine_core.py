@@ -108,7 +108,7 @@ def test_the_core_applies_a_step_counts_it_and_logs_it_at_debug(caplog):
     async def run():
         frontend = Frontend()
         core = EngineCore(ControlPlaneConfig(dataplane="unix:///nowhere"), frontend)
-        core.describe = dp.DescribeResponse(max_model_len=64, eos_token_ids=[2])
+        core.describe = dp.DescribeResponse(max_model_len=64, eos_token_ids=[2], num_kv_blocks=16, block_size=4)
         core.eos_token_ids = frozenset({2})
         core.scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64),
                                    BlockManager(16, 4, True))

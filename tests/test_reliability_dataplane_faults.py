@@ -21,7 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.faulty_dataplane import POISON_TOKEN
-from tests.reliability import GREEDY, all_blocks_free, greedy_references, tokens_async, wait_until
+from tests.reliability import GREEDY, all_blocks_free, greedy_references, status_code, tokens_async, wait_until
 from tests.test_e2e_reference import random_prompts
 from twinplane.clients.client import AsyncClient, Client
 
@@ -164,3 +164,49 @@ def test_a_failed_step_fails_only_its_requests(faulty):
     wait_until(lambda: all_blocks_free(faulty), 10, "every KV block to be free")
     with faulty.client() as client:  # the data plane and the control plane keep serving
         assert len([t for c in client.generate(token_ids=[5, 6, 7], max_tokens=5, **GREEDY) for t in c.token_ids]) == 5
+
+
+async def _across_a_restart(planes, requests: list[tuple[list[int], int]], dataplane_args: tuple[str, ...]) -> list:
+    """Starts the streams; once each has its first tokens, replaces the data plane by one started with
+    dataplane_args; returns each stream's tokens, or the error that ended it."""
+    async with AsyncClient(planes.address) as client:
+        streams = [client.generate(token_ids=p, max_tokens=n, **GREEDY).__aiter__() for p, n in requests]
+        firsts = [await s.__anext__() for s in streams]
+        planes.dataplane.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(planes.dataplane.wait, 10)
+        planes.dp_command = [*planes.dp_command, *dataplane_args]  # later flags win
+        await asyncio.to_thread(planes.start_dataplane)
+        rests = await asyncio.gather(*(_rest(s) for s in streams), return_exceptions=True)
+    return [r if isinstance(r, Exception) else f.token_ids + r for f, r in zip(firsts, rests)]
+
+
+def test_a_smaller_data_plane_ends_only_the_requests_it_can_never_hold(tiny_qwen3_dir, planes_factory):
+    """A data plane may come back with fewer KV blocks (measured from free memory) or a shorter
+    max_model_len: requests that can never fit end with FAILED_PRECONDITION instead of blocking
+    the queue, and the others finish exactly as an undisturbed run would."""
+    planes = planes_factory(tiny_qwen3_dir, "--block-size", "16", "--max-model-len", "512", "--num-kv-blocks", "64")
+    keep = random_prompts(2, seed=407, low=10, high=11)
+    expected = asyncio.run(greedy_references(planes.address, keep, MAX_TOKENS))
+    big = [7] * 10
+
+    # 1. 24 blocks of 16 tokens: 384 tokens; the 10 + 400 tokens of the big request no longer fit
+    outputs = asyncio.run(_across_a_restart(planes, [(big, 400), *((p, MAX_TOKENS) for p in keep)],
+                                            ("--num-kv-blocks", "24")))
+    refused, *kept = outputs
+    assert status_code(refused) == grpc.StatusCode.FAILED_PRECONDITION, refused
+    assert "no longer fits in the data plane's KV cache (384 tokens)" in refused.details()
+    assert kept == expected
+    with planes.client() as client:  # health is back, and the frontend checks new requests against the new cache
+        client.wait_ready(timeout=30)
+        with pytest.raises(grpc.RpcError) as info:
+            list(client.generate(token_ids=big, max_tokens=400, **GREEDY))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    # 2. max_model_len 200: 10 + 300 tokens exceed it
+    outputs = asyncio.run(_across_a_restart(planes, [(big, 300), *((p, MAX_TOKENS) for p in keep)],
+                                            ("--max-model-len", "200")))
+    refused, *kept = outputs
+    assert status_code(refused) == grpc.StatusCode.FAILED_PRECONDITION, refused
+    assert "exceeds the data plane's max_model_len (200)" in refused.details()
+    assert kept == expected
+    wait_until(lambda: all_blocks_free(planes), 10, "every KV block to be free")
