@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from twinplane.controlplane.router import ROUTING_POLICIES
+
 
 @dataclass(frozen=True)
 class ControlPlaneConfig:
@@ -25,8 +27,18 @@ class ControlPlaneConfig:
     max_steps_in_flight: int = 2  # steps planned and sent before the oldest one's result is applied
     metrics_port: int | None = None  # Prometheus /metrics over HTTP on this port (0: any free one); None: off
     metrics_host: str | None = None  # default: the host of listen (127.0.0.1 for a unix socket)
+    routing: str = "prefix"  # which data plane a new request goes to, with several (router.py)
+
+    @property
+    def dataplanes(self) -> tuple[str, ...]:
+        """The data planes' gRPC targets: dataplane is one, or several separated by commas."""
+        return tuple(target.strip() for target in self.dataplane.split(",") if target.strip())
 
     def __post_init__(self) -> None:
+        if not self.dataplanes:
+            raise ValueError("dataplane: give at least one data-plane address")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_tokens_with_decode"):
             value = getattr(self, name)
             if value is not None and value <= 0:

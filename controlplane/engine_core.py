@@ -1,14 +1,16 @@
-"""The engine core: the step loop (schedule -> StepPlan -> data plane -> update), in a process of its own.
+"""The engine core: the step loops (schedule -> StepPlan -> data plane -> update), in a process of its own.
 
-The core owns every Sequence, the Scheduler and the BlockManager. It gets new
-requests and aborts from the frontend (``Engine``, in the gRPC server's process)
-and sends back, once per step, the sampled tokens with the finish reasons that
-token rules decide (stop token, length). Text, stop strings and streaming are the
-frontend's, so however many clients stream, this process only plans steps and
-the data plane never waits on the gRPC server's work.
+The core owns every Sequence and, for each data plane it drives, a Scheduler and a
+BlockManager (``replica.py``). It gets new requests and aborts from the frontend
+(``Engine``, in the gRPC server's process), routes each new sequence to a data plane
+(``router.py``) and sends back, once per step, the sampled tokens with the finish
+reasons that token rules decide (stop token, length). Text, stop strings and streaming
+are the frontend's, so however many clients stream, this process only plans steps and
+the data planes never wait on the gRPC server's work.
 
-When the data plane is lost the core waits for a new one, resets the BlockManager
-and recomputes the running sequences, as after a preemption: no request is lost.
+When a data plane is lost, its sequences go back to the core, which recomputes them on
+the data planes still connected (or on the same one once it is back), as after a
+preemption: no request is lost.
 """
 
 from __future__ import annotations
@@ -22,40 +24,42 @@ import sys
 from collections import deque
 from dataclasses import dataclass, field
 
-from twinplane.controlplane.block_manager import BlockManager
-from twinplane.controlplane.config import ControlPlaneConfig
 from twinplane.controlplane import event_loop
-from twinplane.controlplane.dataplane_client import DataPlaneClient, DataPlaneLost
+from twinplane.controlplane.config import ControlPlaneConfig
 from twinplane.controlplane.ipc import Channel, Remote
 from twinplane.controlplane.metrics import STEP_BUCKETS, Histogram
-from twinplane.controlplane.plan_codec import decode_result, encode_plan
-from twinplane.controlplane.scheduler import Scheduler, SchedulerConfig
-from twinplane.controlplane.sequence import FinishReason, RequestParams, Sequence
+from twinplane.controlplane.replica import STAT_NAMES, Replica, TokenOutput, token_finish_reason  # noqa: F401
+from twinplane.controlplane.router import Router
+from twinplane.controlplane.sequence import RequestParams, Sequence
 from twinplane.proto import dataplane_pb2 as dp
 
 log = logging.getLogger("twinplane.controlplane")
-step_log = logging.getLogger("twinplane.controlplane.steps")  # DEBUG: one line per step
-# Steps by path: the graphed ones (the rest ran eagerly), keyed by the data plane's StepPath.
-GRAPH_PATHS = {dp.STEP_PATH_DECODE_GRAPH: "decode_graph", dp.STEP_PATH_MIXED_GRAPH: "mixed_graph"}
-# The core's step counters, named like ServerStats's fields.
-STAT_NAMES = ("steps", "idle_us", "execute_us", "computed_tokens",
-              *(f"{graph}_{counter}" for graph in GRAPH_PATHS.values() for counter in ("steps", "execute_us")),
-              "full_decode_steps", "full_decode_execute_us", "full_decode_idle_us")
-RECONNECT_DELAY = 0.5  # seconds between attempts to reach a data plane
-RECONNECT_TIMEOUT = 2.0  # seconds one attempt waits for the data plane to answer
 
 # What the frontend may call on the core, and what the core calls on the frontend.
 CORE_CALLS = frozenset({"add", "abort", "shutdown"})
 FRONTEND_CALLS = frozenset({"connected", "lost", "step", "step_failed", "refused", "snapshot"})
 
-# One sampled token as the frontend gets it: (seq_id, token_id, position in the sequence,
-# TokenLogprobs or None, FinishReason value or None, prompt tokens found in the prefix cache).
-TokenOutput = tuple
+
+@dataclass
+class DataPlaneSnapshot:
+    """One data plane's share of the core's numbers."""
+
+    target: str
+    connected: bool = False
+    waiting: int = 0
+    running: int = 0
+    free_kv_blocks: int = 0
+    num_kv_blocks: int = 0
+    steps: int = 0
+    computed_tokens: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 @dataclass
 class CoreSnapshot:
-    """The core's numbers, sent with every step and whenever it falls idle."""
+    """The core's numbers, summed over its data planes; sent with every step and whenever it falls idle."""
 
     stats: dict[str, int]  # STAT_NAMES
     num_added: int = 0  # add() calls so far
@@ -67,259 +71,166 @@ class CoreSnapshot:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     dataplane_step: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS))  # data-plane seconds per step
+    dataplanes: list[DataPlaneSnapshot] = field(default_factory=list)
 
 
-def token_finish_reason(seq: Sequence, token_id: int, position: int, stop_ids: frozenset[int],
-                        max_model_len: int) -> FinishReason | None:
-    """Why a request ends at the token it sampled at position, if a token rule says so."""
-    params = seq.params
-    num_outputs = position + 1 - seq.num_prompt_tokens
-    if token_id in stop_ids and num_outputs > params.min_tokens:
-        return FinishReason.STOP_TOKEN
-    if num_outputs >= params.max_tokens or position + 1 >= max_model_len:
-        return FinishReason.LENGTH
+def never_fits(seq: Sequence, desc: dp.DescribeResponse) -> str | None:
+    """Why a data plane described by desc can never run seq to its max_tokens (None: it can)."""
+    needed = seq.num_prompt_tokens + seq.params.max_tokens
+    capacity = desc.num_kv_blocks * desc.block_size
+    if needed > desc.max_model_len:
+        return (f"prompt + max_tokens ({needed} tokens) exceeds the data plane's max_model_len "
+                f"({desc.max_model_len}), which shrank while the request ran; send it again with fewer tokens")
+    if needed > capacity:
+        return (f"prompt + max_tokens ({needed} tokens) no longer fits in the data plane's KV cache "
+                f"({capacity} tokens), which shrank while the request ran; send it again with fewer tokens")
     return None
+
+
+def common_describe(descs: list[dp.DescribeResponse]) -> dp.DescribeResponse:
+    """What the frontend checks requests against: the limits every connected data plane meets."""
+    common = dp.DescribeResponse()
+    common.CopyFrom(descs[0])
+    common.max_model_len = min(d.max_model_len for d in descs)
+    common.num_kv_blocks = min(d.num_kv_blocks * d.block_size for d in descs) // common.block_size
+    common.max_logprobs = min(d.max_logprobs for d in descs)
+    return common
 
 
 class EngineCore:
     def __init__(self, config: ControlPlaneConfig, frontend):
         self.config = config
         self.frontend = frontend  # FRONTEND_CALLS, one-way
-        self.dataplane = DataPlaneClient(config.dataplane, config.dataplane_token)
-        self.dataplane.on_lost = self._on_dataplane_lost
-        self.describe: dp.DescribeResponse | None = None
-        self.scheduler: Scheduler | None = None
+        self.replicas = [Replica(i, target, self) for i, target in enumerate(config.dataplanes)]
+        self.router = Router(config.routing)
         self.seqs: dict[int, tuple[Sequence, frozenset[int]]] = {}  # unfinished sequences and their stop tokens
+        self.replica_of: dict[int, Replica] = {}  # where each routed sequence runs
+        self.unrouted: deque[Sequence] = deque()  # sequences waiting for any data plane to connect
+        self.describe: dp.DescribeResponse | None = None  # the connected data planes' common limits
         self.eos_token_ids: frozenset[int] = frozenset()
-        self.wakeup = asyncio.Event()  # new work arrived, or the data plane was lost
         self.stopped = asyncio.Event()
-        self.stats = dict.fromkeys(STAT_NAMES, 0)
         self.num_added = 0
         self.dataplane_step = Histogram(STEP_BUCKETS)
-        self._deferred: list[TokenOutput] = []  # the last step's tokens, sent while the next step runs
-        # The data plane's idle time before a step counts only while it had work coming: not before
-        # the first step planned after the core ran out of work (or connected).
-        self._out_of_work = True
-        self._first_after_no_work: int | None = None  # step_id
 
     # ---- calls from the frontend -------------------------------------------------------
 
     def add(self, seq_id: int, request_id: str, prompt: list[int], params: RequestParams) -> None:
         self.num_added += 1
         seq = Sequence(seq_id, request_id, prompt, params)
-        why = self._never_fits(seq)
-        if why is not None:  # checked by the frontend against the data plane it knew, which just changed
-            self.frontend.refused([(seq_id, why)])
-            return
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         self.seqs[seq_id] = seq, stop_ids
-        self.scheduler.add(seq)
-        self.wakeup.set()
+        self._route(seq)
 
     def abort(self, seq_id: int) -> None:
         """The frontend ended this sequence (cancelled, stop string, failed): free its blocks now."""
         entry = self.seqs.pop(seq_id, None)
-        if entry is not None:
-            self.scheduler.finish(entry[0])
-            self.wakeup.set()
-
-    def _never_fits(self, seq: Sequence) -> str | None:
-        """Why the connected data plane can never run seq to its max_tokens (None: it can)."""
-        needed = seq.num_prompt_tokens + seq.params.max_tokens
-        max_model_len = self.describe.max_model_len
-        capacity = self.describe.num_kv_blocks * self.describe.block_size
-        if needed > max_model_len:
-            return (f"prompt + max_tokens ({needed} tokens) exceeds the data plane's max_model_len "
-                    f"({max_model_len}), which shrank while the request ran; send it again with fewer tokens")
-        if needed > capacity:
-            return (f"prompt + max_tokens ({needed} tokens) no longer fits in the data plane's KV cache "
-                    f"({capacity} tokens), which shrank while the request ran; send it again with fewer tokens")
-        return None
-
-    def _refuse_what_never_fits(self) -> None:
-        """After a (re)connect: ends the sequences the new data plane can never hold, so they do not
-        block the queue; the others are recomputed."""
-        refused = []
-        for seq_id, (seq, _) in list(self.seqs.items()):
-            why = self._never_fits(seq)
-            if why is not None:
-                self.scheduler.finish(seq)
-                del self.seqs[seq_id]
-                refused.append((seq_id, why))
-        if refused:
-            log.warning("%d requests no longer fit the data plane and were ended", len(refused))
-            self.frontend.refused(refused)
+        if entry is None:
+            return
+        replica = self.replica_of.pop(seq_id, None)
+        if replica is None:
+            self.unrouted.remove(entry[0])
+        else:
+            replica.finish(entry[0])
 
     def shutdown(self) -> None:
         self.stopped.set()
-        self.wakeup.set()
+
+    # ---- routing ------------------------------------------------------------------------
+
+    def forget(self, seq_id: int) -> None:
+        """A token rule ended the sequence; its replica already freed it."""
+        del self.seqs[seq_id]
+        self.replica_of.pop(seq_id, None)
+
+    def _route(self, seq: Sequence) -> None:
+        """Gives seq to a connected data plane that can hold it, or refuses it if none can."""
+        live = [r for r in self.replicas if r.connected]
+        if not live:
+            self.unrouted.append(seq)
+            return
+        able = [r for r in live if never_fits(seq, r.describe) is None]
+        if not able:
+            del self.seqs[seq.seq_id]
+            self.frontend.refused([(seq.seq_id, never_fits(seq, max(live, key=lambda r: r.capacity).describe))])
+            return
+        replica = able[0] if len(self.replicas) == 1 else self.router.pick(seq, able)
+        self.replica_of[seq.seq_id] = replica
+        replica.add(seq)
+
+    def connections_changed(self) -> None:
+        """A data plane connected or was lost: the frontend hears the new limits (or NOT_SERVING),
+        and sequences that waited for any data plane are routed."""
+        self._tell_frontend()
+        if any(r.connected for r in self.replicas):
+            waiting, self.unrouted = self.unrouted, deque()
+            for seq in waiting:
+                self._route(seq)
+
+    def recompute(self, replica: Replica, seqs: list[Sequence]) -> None:
+        """A data plane is gone with its KV cache: its sequences are recomputed elsewhere (or there, once back)."""
+        self.router.forget(replica.index)
+        moved = [seq for seq in seqs if seq.seq_id in self.seqs]
+        if moved:
+            log.warning("recomputing %d sequences of %s", len(moved), replica)
+        for seq in moved:
+            del self.replica_of[seq.seq_id]
+            self._route(seq)
+
+    def _tell_frontend(self) -> None:
+        """NOT_SERVING once no data plane is connected; otherwise the limits they all meet."""
+        live = [r.describe for r in self.replicas if r.connected]
+        if not live:
+            self.frontend.lost()
+            return
+        self.describe = common_describe(live)
+        self.eos_token_ids = frozenset(self.describe.eos_token_ids)
+        self.frontend.connected(self.describe, self.snapshot())
 
     def snapshot(self) -> CoreSnapshot:
-        sched = self.scheduler
-        if sched is None:
-            return CoreSnapshot(dict(self.stats), self.num_added, dataplane_step=self.dataplane_step)
-        bm = sched.block_manager
-        return CoreSnapshot(dict(self.stats), self.num_added, len(sched.waiting), len(sched.running),
-                            sched.num_preemptions, bm.num_free_blocks, bm.num_blocks,
-                            sched.num_prefix_cache_queries, sched.num_prefix_cache_hits, self.dataplane_step)
+        snap = CoreSnapshot(dict.fromkeys(STAT_NAMES, 0), self.num_added, len(self.unrouted),
+                            dataplane_step=self.dataplane_step)
+        for replica in self.replicas:
+            for name, value in replica.stats.items():
+                snap.stats[name] += value
+            part = replica_snapshot(replica)
+            snap.dataplanes.append(part)
+            snap.waiting += part.waiting
+            snap.running += part.running
+            snap.num_preemptions += part.num_preemptions
+            snap.free_kv_blocks += part.free_kv_blocks
+            snap.num_kv_blocks += part.num_kv_blocks
+            snap.prefix_cache_queries += part.prefix_cache_queries
+            snap.prefix_cache_hits += part.prefix_cache_hits
+        return snap
 
-    # ---- the step loop ------------------------------------------------------------------
+    # ---- the step loops -----------------------------------------------------------------
 
     async def run(self) -> None:
-        """Connects to the data plane, then runs steps until shutdown()."""
-        loop = asyncio.create_task(self._connect_and_step())
+        """Runs every data plane's step loop until shutdown(); an unexpected error in one ends them all."""
+        loops = [asyncio.create_task(r.run(), name=f"twinplane-step-loop-{r.index}") for r in self.replicas]
         stopped = asyncio.create_task(self.stopped.wait())
         try:
-            done, _ = await asyncio.wait((loop, stopped), return_when=asyncio.FIRST_COMPLETED)
-            if loop in done:
-                loop.result()  # the loop only ends by an error: raise it
+            done, _ = await asyncio.wait((*loops, stopped), return_when=asyncio.FIRST_COMPLETED)
+            for task in done - {stopped}:
+                task.result()  # a loop only ends by an error: raise it
         finally:
-            loop.cancel()
-            stopped.cancel()
-            await asyncio.gather(loop, return_exceptions=True)
-            await self.dataplane.close()
+            for task in (*loops, stopped):
+                task.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
+            for replica in self.replicas:
+                await replica.close()
 
-    async def _connect_and_step(self) -> None:
-        await self._connect()
-        await self._step_loop()
 
-    async def _step_loop(self) -> None:
-        """Plans ahead, so the data plane always has the next step queued: with
-        ``max_steps_in_flight`` 2 it sends N+1, hands the tokens of N-1 to the frontend, then
-        receives and applies N (sequences whose tokens are still being sampled hold PENDING)."""
-        in_flight: deque = deque()  # steps sent whose results are not applied yet, oldest first
-        max_in_flight = self.config.max_steps_in_flight
-        while True:
-            if self.dataplane.lost:
-                await self._reconnect("the step stream ended")
-                in_flight.clear()  # lost with the stream; the reset recomputes their sequences
-                continue
-            out = self.scheduler.schedule()
-            if out is None and not in_flight:
-                self._send_deferred()
-                self.wakeup.clear()
-                self._out_of_work = True
-                await self.wakeup.wait()
-                continue
-            result = None
-            try:
-                if out is not None:
-                    if self._out_of_work:
-                        self._first_after_no_work, self._out_of_work = out.step_id, False
-                    plan = encode_plan(out, self.scheduler.block_manager.block_size,
-                                       tuple(self.describe.eos_token_ids))
-                    await self.dataplane.send(plan)
-                    in_flight.append(out)
-                self._send_deferred()  # while the data plane computes
-                if in_flight and (out is None or len(in_flight) >= max_in_flight):
-                    result = await self.dataplane.receive()
-            except DataPlaneLost as exc:
-                self._send_deferred()
-                await self._reconnect(str(exc))
-                in_flight.clear()
-                continue
-            if result is not None:
-                step = in_flight.popleft()
-                if result.error:
-                    self._fail_step(step, result.error)
-                else:
-                    self._deferred = self._apply(step, result)
-
-    def _apply(self, out, result: dp.StepResult) -> list[TokenOutput]:
-        """The critical path between two steps: new tokens and the token stop rules, so requests
-        they end are not scheduled again."""
-        tokens = decode_result(result)
-        if out.step_id == self._first_after_no_work:
-            tokens.idle_us = 0  # the data plane waited for requests, not for the control plane
-        stats = self.stats
-        stats["steps"] += 1
-        stats["idle_us"] += tokens.idle_us
-        stats["execute_us"] += tokens.execute_us
-        num_tokens = out.num_batched_tokens
-        stats["computed_tokens"] += num_tokens
-        graph = GRAPH_PATHS.get(tokens.path)
-        if graph is not None:
-            stats[f"{graph}_steps"] += 1
-            stats[f"{graph}_execute_us"] += tokens.execute_us
-        full = self.scheduler.config.max_num_seqs
-        if num_tokens == full and len(out.decode_seqs) + len(out.other_chunks) == full:  # one token each
-            stats["full_decode_steps"] += 1
-            stats["full_decode_execute_us"] += tokens.execute_us
-            stats["full_decode_idle_us"] += tokens.idle_us
-        self.dataplane_step.observe((tokens.prepare_us + tokens.execute_us) * 1e-6)
-        if step_log.isEnabledFor(logging.DEBUG):
-            step_log.debug("step %d: %d sequences, %d tokens, path %s, idle %d us, prepare %d us, execute %d us",
-                           out.step_id, len(out.decode_seqs) + len(out.other_chunks), num_tokens,
-                           graph or "eager", tokens.idle_us, tokens.prepare_us, tokens.execute_us)
-        max_model_len, logprobs = self.describe.max_model_len, tokens.logprobs
-        outputs = []
-        for seq, token, index, position in self.scheduler.update(out, tokens.token_ids):
-            seq_id = seq.seq_id
-            entry = self.seqs.get(seq_id)
-            if entry is None:  # aborted meanwhile
-                continue
-            reason = token_finish_reason(seq, token, position, entry[1], max_model_len)
-            if reason is not None:
-                self.scheduler.finish(seq)
-                del self.seqs[seq_id]
-            outputs.append((seq_id, token, position, logprobs[index] if logprobs else None,
-                            reason and reason.value, seq.num_cached_tokens))
-        return outputs
-
-    def _send_deferred(self) -> None:
-        outputs, self._deferred = self._deferred, []
-        if outputs:
-            self.frontend.step(outputs, self.snapshot())
-        elif self.scheduler is not None and not self.scheduler.has_work():
-            self.frontend.snapshot(self.snapshot())  # falling idle: the frontend sees every block free
-
-    def _fail_step(self, out, error: str) -> None:
-        """A step the data plane could not run fails only the requests in it."""
-        log.error("step %d failed on the data plane: %s", out.step_id, error)
-        failed = [seq.seq_id for seq in out.seqs if seq.seq_id in self.seqs]
-        for seq_id in failed:
-            self.abort(seq_id)
-        self.frontend.step_failed(failed, error)
-
-    def _on_dataplane_lost(self) -> None:
-        """The Step stream ended on its own: tell the frontend now, and let the loop reconnect."""
-        self.frontend.lost()
-        self.wakeup.set()
-
-    async def _reconnect(self, why: str) -> None:
-        log.warning("data plane lost (%s); waiting for it to come back", why)
-        self.frontend.lost()
-        self._out_of_work = True  # a new data plane: its first step's idle is its start-up
-        await self._connect()
-        log.warning("data plane is back; recomputing %d sequences", len(self.scheduler.waiting))
-
-    async def _connect(self) -> None:
-        """Connects to a data plane, retrying until one answers; then sizes (or resets) the BlockManager."""
-        while True:
-            try:
-                desc = await self.dataplane.connect(timeout=RECONNECT_TIMEOUT)
-                break
-            except DataPlaneLost as exc:
-                if exc.fatal:
-                    log.error("the data plane refused the control plane: %s", exc)
-                await asyncio.sleep(RECONNECT_DELAY)
-        self.describe = desc
-        self.eos_token_ids = frozenset(desc.eos_token_ids)
-        c = self.config
-        sched_config = SchedulerConfig(
-            max_num_seqs=min(c.max_num_seqs or desc.max_num_seqs, desc.max_num_seqs),
-            max_num_batched_tokens=min(c.max_num_batched_tokens or desc.max_num_batched_tokens,
-                                       desc.max_num_batched_tokens),
-            max_model_len=desc.max_model_len, max_prefill_tokens_with_decode=c.max_prefill_tokens_with_decode)
-        block_manager = BlockManager(desc.num_kv_blocks, desc.block_size, c.enable_prefix_caching)
-        if self.scheduler is None:
-            self.scheduler = Scheduler(sched_config, block_manager)
-        else:  # a new data plane: its KV cache is empty, recompute everything
-            self.scheduler.config, self.scheduler.block_manager = sched_config, block_manager
-            self.scheduler.reset()
-            self._refuse_what_never_fits()
-        self.frontend.connected(desc, self.snapshot())
-        self.wakeup.set()
+def replica_snapshot(replica: Replica) -> DataPlaneSnapshot:
+    sched = replica.scheduler
+    part = DataPlaneSnapshot(replica.target, replica.connected, steps=replica.stats["steps"],
+                             computed_tokens=replica.stats["computed_tokens"])
+    if sched is not None:
+        bm = sched.block_manager
+        part.waiting, part.running, part.num_preemptions = len(sched.waiting), len(sched.running), sched.num_preemptions
+        part.free_kv_blocks, part.num_kv_blocks = bm.num_free_blocks, bm.num_blocks
+        part.prefix_cache_queries, part.prefix_cache_hits = sched.num_prefix_cache_queries, sched.num_prefix_cache_hits
+    return part
 
 
 # ---- the core's process ---------------------------------------------------------------------

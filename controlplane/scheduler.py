@@ -208,17 +208,16 @@ class Scheduler:
                 index += 1
         return appended
 
-    def reset(self) -> None:
-        """The data plane lost its KV cache: every running sequence is recomputed."""
-        for seq in reversed(self.running):
+    def evict_all(self) -> list[Sequence]:
+        """The data plane lost its KV cache: returns every sequence, ready to be recomputed, running
+        ones first (oldest first), and leaves the scheduler empty (it needs a new BlockManager)."""
+        seqs = self.running + list(self.waiting)
+        for seq in seqs:
             seq.status = SequenceStatus.WAITING
-            self.waiting.appendleft(seq)
-        for seq in self.waiting:
             seq.drop_pending()  # the step that was sampling it is lost
             seq.forget_kv()
-        self.running = []
-        self.dropped_seq_ids = []
-        self.block_manager.reset()
+        self.running, self.waiting, self.dropped_seq_ids = [], deque(), []
+        return seqs
 
     # ---- helpers ------------------------------------------------------------------------
 

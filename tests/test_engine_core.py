@@ -108,25 +108,26 @@ def test_the_core_applies_a_step_counts_it_and_logs_it_at_debug(caplog):
     async def run():
         frontend = Frontend()
         core = EngineCore(ControlPlaneConfig(dataplane="unix:///nowhere"), frontend)
-        core.describe = dp.DescribeResponse(max_model_len=64, eos_token_ids=[2], num_kv_blocks=16, block_size=4)
-        core.eos_token_ids = frozenset({2})
-        core.scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64),
-                                   BlockManager(16, 4, True))
+        replica = core.replicas[0]
+        replica.describe = dp.DescribeResponse(max_model_len=64, eos_token_ids=[2], num_kv_blocks=16, block_size=4)
+        replica.scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64),
+                                      BlockManager(16, 4, True))
+        replica._set_connected(True)
         core.add(7, "a", [5, 6, 7], RequestParams(max_tokens=3))
         core.add(8, "b", [5, 6], RequestParams(max_tokens=3))
-        out = core.scheduler.schedule()
+        out = replica.scheduler.schedule()
         result = dp.StepResult(step_id=out.step_id, sampled_token_ids=np.array([2, 9], "<i4").tobytes(),
                                timings=dp.StepTimings(idle_us=40, execute_us=900, prepare_us=60,
                                                       path=dp.STEP_PATH_MIXED_GRAPH))
         with caplog.at_level("DEBUG", logger="twinplane.controlplane.steps"):
-            outputs = core._apply(out, result)
+            outputs = replica._apply(out, result)
         return core, outputs, out.step_id
 
     core, outputs, step_id = asyncio.run(run())
     # seq 7 sampled eos (2) at position 3 and ends; seq 8 goes on
     assert outputs == [(7, 2, 3, None, "stop_token", 0), (8, 9, 2, None, None, 0)]
     assert list(core.seqs) == [8] and core.snapshot().running == 1
-    stats = core.stats
+    stats = core.snapshot().stats
     assert (stats["steps"], stats["idle_us"], stats["execute_us"], stats["computed_tokens"]) == (1, 40, 900, 5)
     assert stats["mixed_graph_steps"] == 1 and stats["full_decode_steps"] == 0
     assert [r.getMessage() for r in caplog.records] == [

@@ -186,7 +186,7 @@ def test_a_sequence_whose_last_token_is_in_flight_is_not_planned_again():
     assert sched.schedule() is None  # the second output ends it by length
 
 
-def test_preempted_while_in_flight_keeps_its_token_and_reset_forgets_pending():
+def test_preempted_while_in_flight_keeps_its_token_and_evict_all_forgets_pending():
     sched = make(num_blocks=3)
     a, b = add(sched, 1, 4), add(sched, 2, 4, first_token=20)
     first = sched.schedule()
@@ -198,5 +198,6 @@ def test_preempted_while_in_flight_keeps_its_token_and_reset_forgets_pending():
     assert b.token_ids == [20, 21, 22, 23, 6] and a.token_ids == [0, 1, 2, 3, 5, PENDING]
     assert summary(sched.schedule()) == [(1, 5, 1, [], True)]
     assert a.token_ids[-2:] == [PENDING, PENDING]
-    sched.reset()  # the data plane was lost with two steps in flight
-    assert a.token_ids == [0, 1, 2, 3, 5] and a.num_computed_tokens == 0
+    assert sched.evict_all() == [a, b]  # the data plane was lost with two steps in flight: running first
+    assert a.token_ids == [0, 1, 2, 3, 5] and a.num_computed_tokens == 0 and a.block_table == []
+    assert a.status is b.status is SequenceStatus.WAITING and not sched.has_work()

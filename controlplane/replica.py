@@ -1,0 +1,252 @@
+"""One data plane as the engine core drives it: its connection, Scheduler, BlockManager and step loop.
+
+With data parallelism the core drives several replicas, each with its own KV cache and
+scheduler state; the core owns the sequences and routes each new one to a replica
+(``router.py``). A replica that loses its data plane hands its sequences back to the core,
+which recomputes them on the others (or on this one once it is back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import TYPE_CHECKING
+
+from twinplane.controlplane.block_manager import BlockManager
+from twinplane.controlplane.dataplane_client import DataPlaneClient, DataPlaneLost
+from twinplane.controlplane.plan_codec import decode_result, encode_plan
+from twinplane.controlplane.scheduler import Scheduler, SchedulerConfig
+from twinplane.controlplane.sequence import FinishReason, Sequence
+from twinplane.proto import dataplane_pb2 as dp
+
+if TYPE_CHECKING:
+    from twinplane.controlplane.engine_core import EngineCore
+
+log = logging.getLogger("twinplane.controlplane")
+step_log = logging.getLogger("twinplane.controlplane.steps")  # DEBUG: one line per step
+# Steps by path: the graphed ones (the rest ran eagerly), keyed by the data plane's StepPath.
+GRAPH_PATHS = {dp.STEP_PATH_DECODE_GRAPH: "decode_graph", dp.STEP_PATH_MIXED_GRAPH: "mixed_graph"}
+# The step counters, named like ServerStats's fields.
+STAT_NAMES = ("steps", "idle_us", "execute_us", "computed_tokens",
+              *(f"{graph}_{counter}" for graph in GRAPH_PATHS.values() for counter in ("steps", "execute_us")),
+              "full_decode_steps", "full_decode_execute_us", "full_decode_idle_us")
+RECONNECT_DELAY = 0.5  # seconds between attempts to reach a data plane
+RECONNECT_TIMEOUT = 2.0  # seconds one attempt waits for the data plane to answer
+
+# One sampled token as the frontend gets it: (seq_id, token_id, position in the sequence,
+# TokenLogprobs or None, FinishReason value or None, prompt tokens found in the prefix cache).
+TokenOutput = tuple
+
+
+def token_finish_reason(seq: Sequence, token_id: int, position: int, stop_ids: frozenset[int],
+                        max_model_len: int) -> FinishReason | None:
+    """Why a request ends at the token it sampled at position, if a token rule says so."""
+    params = seq.params
+    num_outputs = position + 1 - seq.num_prompt_tokens
+    if token_id in stop_ids and num_outputs > params.min_tokens:
+        return FinishReason.STOP_TOKEN
+    if num_outputs >= params.max_tokens or position + 1 >= max_model_len:
+        return FinishReason.LENGTH
+    return None
+
+
+class Replica:
+    def __init__(self, index: int, target: str, core: EngineCore):
+        self.index = index
+        self.target = target
+        self.core = core
+        self.config = core.config
+        self.dataplane = DataPlaneClient(target, self.config.dataplane_token)
+        self.dataplane.on_lost = self._on_dataplane_lost
+        self.describe: dp.DescribeResponse | None = None
+        self.scheduler: Scheduler | None = None
+        self.connected = False  # a data plane answered and its Step stream is open
+        self.wakeup = asyncio.Event()  # new work arrived, or the data plane was lost
+        self.stats = dict.fromkeys(STAT_NAMES, 0)
+        self._deferred: list[TokenOutput] = []  # the last step's tokens, sent while the next step runs
+        # The data plane's idle time before a step counts only while it had work coming: not before
+        # the first step planned after the replica ran out of work (or connected).
+        self._out_of_work = True
+        self._first_after_no_work: int | None = None  # step_id
+
+    def __repr__(self) -> str:
+        return f"data plane {self.index} ({self.target})"
+
+    @property
+    def load(self) -> int:
+        """Sequences queued or running here (the router's measure of how busy a replica is)."""
+        sched = self.scheduler
+        return len(sched.waiting) + len(sched.running) if sched is not None else 0
+
+    @property
+    def capacity(self) -> int:
+        """Tokens its KV cache holds."""
+        return self.describe.num_kv_blocks * self.describe.block_size
+
+    def add(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+        self.wakeup.set()
+
+    def finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.wakeup.set()
+
+    # ---- the step loop ------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Connects to the data plane, then runs steps; ends only by cancellation or an error."""
+        await self._connect()
+        await self._step_loop()
+
+    async def _step_loop(self) -> None:
+        """Plans ahead, so the data plane always has the next step queued: with
+        ``max_steps_in_flight`` 2 it sends N+1, hands the tokens of N-1 to the frontend, then
+        receives and applies N (sequences whose tokens are still being sampled hold PENDING)."""
+        in_flight: deque = deque()  # steps sent whose results are not applied yet, oldest first
+        max_in_flight = self.config.max_steps_in_flight
+        while True:
+            if self.dataplane.lost:
+                await self._reconnect("the step stream ended")
+                in_flight.clear()  # lost with the stream; the reset recomputes their sequences
+                continue
+            out = self.scheduler.schedule()
+            if out is None and not in_flight:
+                self._send_deferred()
+                self.wakeup.clear()
+                self._out_of_work = True
+                await self.wakeup.wait()
+                continue
+            result = None
+            try:
+                if out is not None:
+                    if self._out_of_work:
+                        self._first_after_no_work, self._out_of_work = out.step_id, False
+                    plan = encode_plan(out, self.scheduler.block_manager.block_size,
+                                       tuple(self.describe.eos_token_ids))
+                    await self.dataplane.send(plan)
+                    in_flight.append(out)
+                self._send_deferred()  # while the data plane computes
+                if in_flight and (out is None or len(in_flight) >= max_in_flight):
+                    result = await self.dataplane.receive()
+            except DataPlaneLost as exc:
+                self._send_deferred()
+                await self._reconnect(str(exc))
+                in_flight.clear()
+                continue
+            if result is not None:
+                step = in_flight.popleft()
+                if result.error:
+                    self._fail_step(step, result.error)
+                else:
+                    self._deferred = self._apply(step, result)
+
+    def _apply(self, out, result: dp.StepResult) -> list[TokenOutput]:
+        """The critical path between two steps: new tokens and the token stop rules, so requests
+        they end are not scheduled again."""
+        tokens = decode_result(result)
+        if out.step_id == self._first_after_no_work:
+            tokens.idle_us = 0  # the data plane waited for requests, not for the control plane
+        self._count(out, tokens)
+        max_model_len, logprobs, seqs = self.describe.max_model_len, tokens.logprobs, self.core.seqs
+        outputs = []
+        for seq, token, index, position in self.scheduler.update(out, tokens.token_ids):
+            seq_id = seq.seq_id
+            entry = seqs.get(seq_id)
+            if entry is None:  # aborted meanwhile
+                continue
+            reason = token_finish_reason(seq, token, position, entry[1], max_model_len)
+            if reason is not None:
+                self.scheduler.finish(seq)
+                self.core.forget(seq_id)
+            outputs.append((seq_id, token, position, logprobs[index] if logprobs else None,
+                            reason and reason.value, seq.num_cached_tokens))
+        return outputs
+
+    def _count(self, out, tokens) -> None:
+        stats = self.stats
+        stats["steps"] += 1
+        stats["idle_us"] += tokens.idle_us
+        stats["execute_us"] += tokens.execute_us
+        num_tokens = out.num_batched_tokens
+        stats["computed_tokens"] += num_tokens
+        graph = GRAPH_PATHS.get(tokens.path)
+        if graph is not None:
+            stats[f"{graph}_steps"] += 1
+            stats[f"{graph}_execute_us"] += tokens.execute_us
+        full = self.scheduler.config.max_num_seqs
+        if num_tokens == full and len(out.decode_seqs) + len(out.other_chunks) == full:  # one token each
+            stats["full_decode_steps"] += 1
+            stats["full_decode_execute_us"] += tokens.execute_us
+            stats["full_decode_idle_us"] += tokens.idle_us
+        self.core.dataplane_step.observe((tokens.prepare_us + tokens.execute_us) * 1e-6)
+        if step_log.isEnabledFor(logging.DEBUG):
+            step_log.debug("%sstep %d: %d sequences, %d tokens, path %s, idle %d us, prepare %d us, execute %d us",
+                           self._log_prefix, out.step_id, len(out.decode_seqs) + len(out.other_chunks), num_tokens,
+                           graph or "eager", tokens.idle_us, tokens.prepare_us, tokens.execute_us)
+
+    @property
+    def _log_prefix(self) -> str:
+        return f"data plane {self.index}: " if len(self.core.replicas) > 1 else ""
+
+    def _send_deferred(self) -> None:
+        outputs, self._deferred = self._deferred, []
+        if outputs:
+            self.core.frontend.step(outputs, self.core.snapshot())
+        elif self.scheduler is not None and not self.scheduler.has_work():
+            self.core.frontend.snapshot(self.core.snapshot())  # falling idle: the frontend sees every block free
+
+    def _fail_step(self, out, error: str) -> None:
+        """A step the data plane could not run fails only the requests in it."""
+        log.error("%sstep %d failed on the data plane: %s", self._log_prefix, out.step_id, error)
+        failed = [seq.seq_id for seq in out.seqs if seq.seq_id in self.core.seqs]
+        for seq_id in failed:
+            self.core.abort(seq_id)
+        self.core.frontend.step_failed(failed, error)
+
+    # ---- connection ---------------------------------------------------------------------
+
+    def _on_dataplane_lost(self) -> None:
+        """The Step stream ended on its own: the frontend hears of it now, and the loop wakes to reconnect."""
+        self._set_connected(False)
+        self.wakeup.set()
+
+    def _set_connected(self, connected: bool) -> None:
+        if connected != self.connected:
+            self.connected = connected
+            self.core.connections_changed()
+
+    async def _reconnect(self, why: str) -> None:
+        log.warning("%s lost (%s); waiting for it to come back", self, why)
+        self._set_connected(False)
+        self._out_of_work = True  # a new data plane: its first step's idle is its start-up
+        self.core.recompute(self, self.scheduler.evict_all())
+        await self._connect()
+
+    async def _connect(self) -> None:
+        """Connects to the data plane, retrying until it answers; then sizes a new BlockManager."""
+        while True:
+            try:
+                desc = await self.dataplane.connect(timeout=RECONNECT_TIMEOUT)
+                break
+            except DataPlaneLost as exc:
+                if exc.fatal:
+                    log.error("%s refused the control plane: %s", self, exc)
+                await asyncio.sleep(RECONNECT_DELAY)
+        self.describe = desc
+        c = self.config
+        sched_config = SchedulerConfig(
+            max_num_seqs=min(c.max_num_seqs or desc.max_num_seqs, desc.max_num_seqs),
+            max_num_batched_tokens=min(c.max_num_batched_tokens or desc.max_num_batched_tokens,
+                                       desc.max_num_batched_tokens),
+            max_model_len=desc.max_model_len, max_prefill_tokens_with_decode=c.max_prefill_tokens_with_decode)
+        block_manager = BlockManager(desc.num_kv_blocks, desc.block_size, c.enable_prefix_caching)
+        if self.scheduler is None:
+            self.scheduler = Scheduler(sched_config, block_manager)
+        else:  # a new data plane with an empty KV cache; this replica's sequences went back to the core
+            self.scheduler.config, self.scheduler.block_manager = sched_config, block_manager
+        self._set_connected(True)
+        self.wakeup.set()
+
+    async def close(self) -> None:
+        await self.dataplane.close()
