@@ -87,6 +87,9 @@ def _add_controlplane_args(p: argparse.ArgumentParser, listen_default: str = DEF
     g.add_argument("--api-key", default=None, help="require this key (default: $TWINPLANE_API_KEY if set)")
     g.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics over HTTP on this port (/metrics); off when not given")
+    g.add_argument("--routing", default="prefix", choices=["prefix", "least-loaded", "round-robin"],
+                   help="which data plane gets a new request, with several: the one holding the longest run of "
+                        "its prompt's blocks (else the least loaded), the least loaded, or each in turn")
     g.add_argument("--metrics-host", default=None,
                    help="address /metrics binds to (default: the host of --listen, or 127.0.0.1 for a unix socket)")
 
@@ -100,7 +103,7 @@ def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None):
         max_waiting_requests=args.max_waiting_requests, enable_prefix_caching=not args.no_prefix_caching,
         shutdown_grace=args.shutdown_grace, max_prefill_tokens_with_decode=args.max_prefill_tokens_with_decode,
         stream_interval=args.stream_interval, max_steps_in_flight=args.max_steps_in_flight,
-        metrics_port=args.metrics_port, metrics_host=args.metrics_host)
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host, routing=args.routing)
     security = Security(args.tls_cert, args.tls_key, args.api_key or os.environ.get("TWINPLANE_API_KEY"))
     return config, security
 
@@ -136,28 +139,50 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dataplane_child(args: argparse.Namespace, address: str, restart: bool = True):
-    """The data plane as a child process, with args' data-plane flags and log level."""
+def _dataplane_child(args: argparse.Namespace, address: str, restart: bool = True, gpus: str | None = None):
+    """The data plane as a child process, with args' data-plane flags and log level (and these GPUs)."""
     from twinplane.clients.launcher import DataPlaneProcess
 
-    return DataPlaneProcess(_dataplane_argv(args) + ["--listen", address], restart=restart, log_level=args.log_level)
+    return DataPlaneProcess(_dataplane_argv(args) + ["--listen", address], restart=restart, log_level=args.log_level,
+                            env={"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else None)
+
+
+def _dataplane_children(args: argparse.Namespace) -> list:
+    """serve's data planes: --data-parallel-size of them, each on its own GPUs and address."""
+    from twinplane.clients.launcher import gpu_groups, private_socket_address
+
+    n = args.data_parallel_size
+    if n < 1:
+        raise SystemExit(f"--data-parallel-size must be >= 1, got {n}")
+    addresses = args.dataplane_listen.split(",") if args.dataplane_listen else [private_socket_address()
+                                                                                for _ in range(n)]
+    if len(addresses) != n:
+        raise SystemExit(f"--dataplane-listen gives {len(addresses)} addresses for --data-parallel-size {n}")
+    groups = [None] * n
+    if n > 1 and args.device != "cpu":
+        try:
+            groups = gpu_groups(n, args.tensor_parallel_size, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+    return [_dataplane_child(args, address, gpus=gpus) for address, gpus in zip(addresses, groups)]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from twinplane.clients.launcher import private_socket_address
     from twinplane.controlplane.main import serve
 
-    address = args.dataplane_listen or private_socket_address()
-    child = _dataplane_child(args, address)
-    config, security = _controlplane(args, address, None)
+    children = _dataplane_children(args)
+    addresses = ",".join(child.command[child.command.index("--listen") + 1] for child in children)
+    config, security = _controlplane(args, addresses, None)
 
     async def main() -> None:
-        child.start()
-        child.start_watching()
+        for child in children:
+            child.start()
+            child.start_watching()
         try:
             await serve(config, security)
         finally:
-            child.stop()
+            for child in children:
+                child.stop()
 
     run_event_loop(main())
     return 0
@@ -265,7 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_dataplane)
 
     p = sub.add_parser("controlplane", help="run the control plane (public API + scheduler)")
-    p.add_argument("--dataplane", default=DEFAULT_DATAPLANE, help="data-plane address")
+    p.add_argument("--dataplane", default=DEFAULT_DATAPLANE,
+                   help="data-plane address, or several separated by commas (data parallelism)")
     p.add_argument("--dataplane-token", default=os.environ.get("TWINPLANE_DATAPLANE_TOKEN"))
     _add_controlplane_args(p)
     _add_log_level(p, argparse.SUPPRESS)
@@ -274,7 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run both planes (the data plane as a child process)")
     _add_dataplane_args(p)
     _add_controlplane_args(p)
-    p.add_argument("--dataplane-listen", default=None, help="data-plane address (default: a private unix socket)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="data planes to start, each on its own --tensor-parallel-size GPUs with its own KV cache")
+    p.add_argument("--dataplane-listen", default=None,
+                   help="data-plane address, one per data plane separated by commas (default: private unix sockets)")
     _add_log_level(p, argparse.SUPPRESS)  # the data plane gets it too
     p.set_defaults(func=cmd_serve)
 

@@ -20,6 +20,18 @@ def restart_delay(quick_exits: int) -> float:
     return min(0.5 * 2 ** max(quick_exits - 1, 0), 30.0)
 
 
+def gpu_groups(data_parallel_size: int, tensor_parallel_size: int, visible: str | None) -> list[str]:
+    """CUDA_VISIBLE_DEVICES for each of data_parallel_size data planes of tensor_parallel_size GPUs each,
+    taken in order from visible (the parent's CUDA_VISIBLE_DEVICES; unset: GPUs 0, 1, ...)."""
+    needed = data_parallel_size * tensor_parallel_size
+    devices = visible.split(",") if visible else [str(i) for i in range(needed)]
+    if len(devices) < needed:
+        raise ValueError(f"{data_parallel_size} data planes of {tensor_parallel_size} GPUs need {needed} GPUs; "
+                         f"CUDA_VISIBLE_DEVICES lists {len(devices)}")
+    return [",".join(devices[i * tensor_parallel_size:(i + 1) * tensor_parallel_size])
+            for i in range(data_parallel_size)]
+
+
 def private_socket_address() -> str:
     """A unix socket in a fresh private folder, for a data plane only its parent uses."""
     folder = tempfile.mkdtemp(prefix="twinplane-")
@@ -27,8 +39,10 @@ def private_socket_address() -> str:
 
 
 class DataPlaneProcess:
-    def __init__(self, args: list[str], restart: bool = True, log_level: str = "INFO"):
+    def __init__(self, args: list[str], restart: bool = True, log_level: str = "INFO",
+                 env: dict[str, str] | None = None):
         self.command = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", log_level, "dataplane", *args]
+        self.env = {**os.environ, **env} if env else None  # e.g. the GPUs this data plane may use
         self.restart = restart
         self.process: subprocess.Popen | None = None
         self._watch: asyncio.Task | None = None
@@ -36,7 +50,7 @@ class DataPlaneProcess:
 
     def start(self) -> None:
         self.started = time.monotonic()
-        self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL)
+        self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, env=self.env)
 
     async def watch(self) -> None:
         """Restarts the child whenever it exits, until stop(); backs off while it keeps failing."""

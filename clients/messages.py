@@ -78,6 +78,7 @@ class ModelInfo:
     weight_bytes: int = 0
     kv_bytes_per_token: int = 0
     device: str = ""
+    data_parallel_size: int = 1
 
 
 # ---- protobuf edge: requests --------------------------------------------------------------
@@ -215,5 +216,8 @@ def model_info_from_pb(info: pb.ModelInfo) -> ModelInfo:
     return ModelInfo(**{**values, "eos_token_ids": list(info.eos_token_ids)})
 
 
-def stats_from_pb(stats: pb.ServerStats) -> dict[str, int]:
-    return {f.name: getattr(stats, f.name) for f in stats.DESCRIPTOR.fields}
+def stats_from_pb(stats: pb.ServerStats) -> dict:
+    """ServerStats as a dict of its counters; "dataplanes" holds one such dict per data plane."""
+    out = {f.name: getattr(stats, f.name) for f in stats.DESCRIPTOR.fields if f.name != "dataplanes"}
+    out["dataplanes"] = [{f.name: getattr(d, f.name) for f in d.DESCRIPTOR.fields} for d in stats.dataplanes]
+    return out

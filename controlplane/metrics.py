@@ -87,6 +87,30 @@ class EngineCollector:
         yield from self._gauges()
         yield from self._counters()
         yield from self._histograms()
+        yield from self._per_dataplane()
+
+    def _per_dataplane(self) -> Iterator[Metric]:
+        """Each data plane's share, labelled by its address (several with data parallelism)."""
+        parts = self.engine.core_snapshot.dataplanes
+        families = (
+            (GaugeMetricFamily, "dataplane_connected", "1 while the control plane is connected to the data plane.",
+             lambda d: int(d.connected)),
+            (GaugeMetricFamily, "dataplane_requests_running", "Requests running on the data plane.",
+             lambda d: d.running),
+            (GaugeMetricFamily, "dataplane_requests_waiting", "Requests queued for the data plane.",
+             lambda d: d.waiting),
+            (GaugeMetricFamily, "dataplane_free_kv_blocks", "Free KV blocks on the data plane.",
+             lambda d: d.free_kv_blocks),
+            (CounterMetricFamily, "dataplane_computed_tokens", "Tokens the data plane computed.",
+             lambda d: d.computed_tokens),
+            (CounterMetricFamily, "dataplane_prefix_cache_hits", "Tokens found in the data plane's prefix cache.",
+             lambda d: d.prefix_cache_hits),
+        )
+        for kind, name, documentation, value in families:
+            family = kind(f"{PREFIX}{name}", documentation, labels=["dataplane"])
+            for part in parts:
+                family.add_metric([part.target], value(part))
+            yield family
 
     def _gauges(self) -> Iterator[Metric]:
         core = self.engine.core_snapshot

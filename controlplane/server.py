@@ -131,15 +131,24 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             tensor_parallel_size=d.tensor_parallel_size, attention_backend=d.attention_backend,
             eos_token_ids=list(d.eos_token_ids), max_logprobs=limits.max_logprobs,
             has_chat_template=bool(tok and tok.chat_template), weight_bytes=d.weight_bytes,
-            kv_bytes_per_token=d.kv_bytes_per_token, device=d.device)
+            kv_bytes_per_token=d.kv_bytes_per_token, device=d.device,
+            data_parallel_size=len(self.engine.config.dataplanes))
 
 
     @unary_errors
     async def GetStats(self, request, context) -> pb.ServerStats:
         await self.engine.wait_ready()
         core = self.engine.core_snapshot
+        dataplanes = [pb.DataPlaneStats(
+            target=d.target, connected=d.connected, waiting=d.waiting, running=d.running,
+            free_kv_blocks=d.free_kv_blocks, num_kv_blocks=d.num_kv_blocks, steps=d.steps,
+            computed_tokens=d.computed_tokens, preemptions=d.num_preemptions,
+            prefix_cache_queries=d.prefix_cache_queries, prefix_cache_hits=d.prefix_cache_hits)
+            for d in core.dataplanes]
         return pb.ServerStats(**core.stats, preemptions=core.num_preemptions, waiting=self.engine.num_waiting,
-                              running=core.running, free_kv_blocks=core.free_kv_blocks)
+                              running=core.running, free_kv_blocks=core.free_kv_blocks,
+                              prefix_cache_queries=core.prefix_cache_queries,
+                              prefix_cache_hits=core.prefix_cache_hits, dataplanes=dataplanes)
 
 
 def create_server(engine: Engine, listen: str, *, max_message_bytes: int = 16 << 20,

@@ -155,7 +155,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "dtype", "block_size", "num_kv_blocks", "tensor_parallel_size", "attention_backend", "eos_token_ids", "max_logprobs", "has_chat_template", "weight_bytes", "kv_bytes_per_token", "device")
+    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "dtype", "block_size", "num_kv_blocks", "tensor_parallel_size", "attention_backend", "eos_token_ids", "max_logprobs", "has_chat_template", "weight_bytes", "kv_bytes_per_token", "device", "data_parallel_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,7 @@ class ModelInfo(_message.Message):
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     vocab_size: int
@@ -186,14 +187,15 @@ class ModelInfo(_message.Message):
     weight_bytes: int
     kv_bytes_per_token: int
     device: str
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    data_parallel_size: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., device: _Optional[str] = ..., data_parallel_size: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("steps", "execute_us", "idle_us", "preemptions", "waiting", "running", "free_kv_blocks", "computed_tokens", "decode_graph_steps", "decode_graph_execute_us", "mixed_graph_steps", "mixed_graph_execute_us", "full_decode_steps", "full_decode_execute_us", "full_decode_idle_us")
+    __slots__ = ("steps", "execute_us", "idle_us", "preemptions", "waiting", "running", "free_kv_blocks", "computed_tokens", "decode_graph_steps", "decode_graph_execute_us", "mixed_graph_steps", "mixed_graph_execute_us", "full_decode_steps", "full_decode_execute_us", "full_decode_idle_us", "prefix_cache_queries", "prefix_cache_hits", "dataplanes")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_US_FIELD_NUMBER: _ClassVar[int]
     IDLE_US_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +211,9 @@ class ServerStats(_message.Message):
     FULL_DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     FULL_DECODE_EXECUTE_US_FIELD_NUMBER: _ClassVar[int]
     FULL_DECODE_IDLE_US_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    DATAPLANES_FIELD_NUMBER: _ClassVar[int]
     steps: int
     execute_us: int
     idle_us: int
@@ -224,4 +229,33 @@ class ServerStats(_message.Message):
     full_decode_steps: int
     full_decode_execute_us: int
     full_decode_idle_us: int
-    def __init__(self, steps: _Optional[int] = ..., execute_us: _Optional[int] = ..., idle_us: _Optional[int] = ..., preemptions: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., decode_graph_steps: _Optional[int] = ..., decode_graph_execute_us: _Optional[int] = ..., mixed_graph_steps: _Optional[int] = ..., mixed_graph_execute_us: _Optional[int] = ..., full_decode_steps: _Optional[int] = ..., full_decode_execute_us: _Optional[int] = ..., full_decode_idle_us: _Optional[int] = ...) -> None: ...
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    dataplanes: _containers.RepeatedCompositeFieldContainer[DataPlaneStats]
+    def __init__(self, steps: _Optional[int] = ..., execute_us: _Optional[int] = ..., idle_us: _Optional[int] = ..., preemptions: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., decode_graph_steps: _Optional[int] = ..., decode_graph_execute_us: _Optional[int] = ..., mixed_graph_steps: _Optional[int] = ..., mixed_graph_execute_us: _Optional[int] = ..., full_decode_steps: _Optional[int] = ..., full_decode_execute_us: _Optional[int] = ..., full_decode_idle_us: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., dataplanes: _Optional[_Iterable[_Union[DataPlaneStats, _Mapping]]] = ...) -> None: ...
+
+class DataPlaneStats(_message.Message):
+    __slots__ = ("target", "connected", "waiting", "running", "free_kv_blocks", "num_kv_blocks", "steps", "computed_tokens", "preemptions", "prefix_cache_queries", "prefix_cache_hits")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    connected: bool
+    waiting: int
+    running: int
+    free_kv_blocks: int
+    num_kv_blocks: int
+    steps: int
+    computed_tokens: int
+    preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    def __init__(self, target: _Optional[str] = ..., connected: _Optional[bool] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., steps: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
