@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,15 +37,20 @@ class Request:
     max_tokens: int
     sent: float = 0.0
     token_times: list[float] = field(default_factory=list)
+    error: str | None = None  # why its stream ended early
 
 
 def make_workload(args: argparse.Namespace) -> list[Request]:
+    """nano-vLLM's workload; with --num-prefixes K, request i's prompt starts with shared prefix i mod K."""
     rng = random.Random(args.seed)
     requests = []
     for _ in range(args.num_requests):
         n = rng.randint(args.min_input, args.max_input)
         requests.append(Request([rng.randrange(args.vocab_limit) for _ in range(n)],
                                 rng.randint(args.min_output, args.max_output)))
+    prefixes = [[rng.randrange(args.vocab_limit) for _ in range(args.prefix_len)] for _ in range(args.num_prefixes)]
+    for i, req in enumerate(requests if prefixes else ()):
+        req.prompt = prefixes[i % len(prefixes)] + req.prompt
     return requests
 
 
@@ -60,13 +67,16 @@ async def _one(client, req: Request, args, progress) -> None:
     req.sent = time.perf_counter()
     stream = client.generate(token_ids=req.prompt, max_tokens=req.max_tokens, temperature=args.temperature,
                              ignore_eos=True)
-    async for chunk in stream:
-        now = time.perf_counter()
-        req.token_times.extend([now] * len(chunk.token_ids))
+    try:
+        async for chunk in stream:
+            now = time.perf_counter()
+            req.token_times.extend([now] * len(chunk.token_ids))
+    except Exception as exc:  # noqa: BLE001 -- counted and reported: a benchmark run names every failure
+        req.error = f"{type(exc).__name__}: {getattr(exc, 'details', lambda: exc)()}"
     progress.update(1)
 
 
-async def _drive(target: str, requests: list[Request], args) -> tuple[float, dict, dict, object]:
+async def _drive(target: str, requests: list[Request], args, chaos=None) -> tuple[float, dict, dict, object]:
     from tqdm import tqdm
 
     from twinplane.clients.client import AsyncClient
@@ -81,7 +91,7 @@ async def _drive(target: str, requests: list[Request], args) -> tuple[float, dic
         rng = np.random.default_rng(args.seed)
         started = time.perf_counter()
         with tqdm(total=len(requests), desc="requests", unit="req", file=sys.stderr) as progress:
-            tasks = []
+            tasks = [asyncio.create_task(chaos())] if chaos else []
             for req in requests:
                 if args.request_rate != float("inf"):
                     await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
@@ -103,8 +113,10 @@ def report(requests: list[Request], elapsed: float, before: dict, after: dict, i
     output_tokens = sum(len(r.token_times) for r in requests)
     ttft = [r.token_times[0] - r.sent for r in requests if r.token_times]
     itl = [b - a for r in requests for a, b in zip(r.token_times, r.token_times[1:])]
-    bandwidth = args.peak_bandwidth_gbs * 1e9 * info.tensor_parallel_size
-    roofline = roofline_seconds(requests, info.weight_bytes, info.kv_bytes_per_token, args.max_num_seqs, bandwidth)
+    dp = max(info.data_parallel_size, 1)  # data planes, each with its own GPUs, weights and batch
+    bandwidth = args.peak_bandwidth_gbs * 1e9 * info.tensor_parallel_size * dp
+    roofline = roofline_seconds(requests, info.weight_bytes * dp, info.kv_bytes_per_token, args.max_num_seqs * dp,
+                                bandwidth)
     steps = after["steps"] - before["steps"]
     idle_us, execute_us = after["idle_us"] - before["idle_us"], after["execute_us"] - before["execute_us"]
     full = {name: after[f"full_decode_{name}"] - before[f"full_decode_{name}"] for name in ("steps", "idle_us", "execute_us")}
@@ -114,10 +126,18 @@ def report(requests: list[Request], elapsed: float, before: dict, after: dict, i
         "idle_fraction": idle_us / max(execute_us, 1), "preemptions": after["preemptions"] - before["preemptions"],
         "full_decode_steps": full["steps"], "full_decode_idle_fraction": full["idle_us"] / max(full["execute_us"], 1),
     }
-    print(f"model {info.model} ({info.dtype}, TP={info.tensor_parallel_size}, {info.device}, "
+    failed = [r for r in requests if r.error or len(r.token_times) != r.max_tokens]
+    queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+    figures["prefix_cache_hit_rate"] = (after["prefix_cache_hits"] - before["prefix_cache_hits"]) / max(queries, 1)
+    figures["incomplete_requests"] = len(failed)
+    print(f"model {info.model} ({info.dtype}, TP={info.tensor_parallel_size}, DP={dp}, {info.device}, "
           f"attention {info.attention_backend}, {info.num_kv_blocks} KV blocks of {info.block_size})")
-    print(f"requests {len(requests)}, output tokens {output_tokens}, time {elapsed:.2f} s, "
-          f"throughput {figures['tokens_per_s']:.0f} tok/s")
+    print(f"requests {len(requests)} ({len(failed)} incomplete), output tokens {output_tokens}, "
+          f"time {elapsed:.2f} s, throughput {figures['tokens_per_s']:.0f} tok/s")
+    for r in failed[:5]:
+        print(f"  incomplete: {len(r.token_times)} of {r.max_tokens} tokens, {r.error or 'stream ended early'}")
+    print(f"prefix cache: {100 * figures['prefix_cache_hit_rate']:.1f}% of prompt tokens found cached; per data "
+          f"plane: " + ", ".join(_dataplane_share(b, a) for b, a in zip(before["dataplanes"], after["dataplanes"])))
     print(f"roofline {roofline:.2f} s at {args.peak_bandwidth_gbs:.0f} GB/s per GPU "
           f"(weights {info.weight_bytes / 1e9:.2f} GB/step, KV {info.kv_bytes_per_token} B/token): "
           f"{100 * figures['roofline_fraction']:.1f}% of roofline")
@@ -131,9 +151,16 @@ def report(requests: list[Request], elapsed: float, before: dict, after: dict, i
     return figures
 
 
+def _dataplane_share(before: dict, after: dict) -> str:
+    tokens = after["computed_tokens"] - before["computed_tokens"]
+    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+    return f"{after['target']}: {tokens} tokens computed, {100 * hits / max(queries, 1):.1f}% cached"
+
+
 def _paths(before: dict, after: dict) -> str:
     """Steps and their mean step time for each way the data plane ran them."""
-    delta = {name: after.get(name, 0) - before.get(name, 0) for name in after}
+    delta = {name: after[name] - before.get(name, 0) for name in after if name != "dataplanes"}
     graphs = [name.removesuffix("_steps") for name in delta if name.endswith("_graph_steps")]
     paths = {graph: (delta[f"{graph}_steps"], delta[f"{graph}_execute_us"]) for graph in graphs}
     paths["eager"] = (delta["steps"] - sum(n for n, _ in paths.values()),
@@ -150,15 +177,29 @@ def _start_server(args) -> tuple[subprocess.Popen, str]:
                *_dataplane_argv(args), "--listen", address, "--max-waiting-requests", str(args.num_requests + 16)]
     if args.max_prefill_tokens_with_decode:
         command += ["--max-prefill-tokens-with-decode", str(args.max_prefill_tokens_with_decode)]
-    command += ["--stream-interval", str(args.stream_interval), "--max-steps-in-flight", str(args.max_steps_in_flight)]
+    command += ["--stream-interval", str(args.stream_interval), "--max-steps-in-flight", str(args.max_steps_in_flight),
+                "--data-parallel-size", str(args.data_parallel_size), "--routing", args.routing]
     return subprocess.Popen(command, stdin=subprocess.DEVNULL), address
+
+
+async def _kill_a_dataplane(server: subprocess.Popen, after: float) -> None:
+    """SIGKILLs the last data-plane child of the server after some seconds (its streams must still finish)."""
+    await asyncio.sleep(after)
+    found = subprocess.run(["pgrep", "-P", str(server.pid), "-f", "dataplane"], capture_output=True, text=True)
+    pids = [int(pid) for pid in found.stdout.split()]
+    if pids:
+        os.kill(pids[-1], signal.SIGKILL)
+        print(f"killed data plane pid {pids[-1]} after {after:.1f} s", file=sys.stderr)
 
 
 def run_bench(args: argparse.Namespace) -> int:
     requests = make_workload(args)
     server, target = (None, args.server) if args.server else _start_server(args)
+    chaos = None
+    if args.kill_dataplane_after is not None and server is not None:
+        chaos = lambda: _kill_a_dataplane(server, args.kill_dataplane_after)  # noqa: E731
     try:
-        elapsed, before, after, info = asyncio.run(_drive(target, requests, args))
+        elapsed, before, after, info = asyncio.run(_drive(target, requests, args, chaos))
     finally:
         if server is not None:
             server.terminate()
@@ -185,4 +226,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="passed to the server it starts (see twinplane serve --help)")
     g.add_argument("--stream-interval", type=int, default=1, help="passed to the server it starts")
     g.add_argument("--max-steps-in-flight", type=int, default=2, help="passed to the server it starts")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="passed to the server it starts")
+    g.add_argument("--routing", default="prefix", choices=["prefix", "least-loaded", "round-robin"],
+                   help="passed to the server it starts")
+    g.add_argument("--num-prefixes", type=int, default=0,
+                   help="shared prompt prefixes: request i's prompt starts with prefix i mod this (0: none)")
+    g.add_argument("--prefix-len", type=int, default=1000, help="tokens of each shared prefix")
+    g.add_argument("--kill-dataplane-after", type=float, default=None,
+                   help="SIGKILL one data plane of the server it starts after this many seconds")
     p.set_defaults(model="dummy:qwen3-0.6b")
