@@ -157,3 +157,21 @@ def test_images_generate_the_stubs_instead_of_copying_them(services):
         dockerfile = _dockerfile(service)
         assert ["grpcio-tools==1.84.0"] in pip_installs(dockerfile)
         assert "RUN python /src/proto/generate.py" in dockerfile.read_text()
+
+
+def test_the_two_data_plane_file_gives_each_its_gpu_and_socket_and_the_control_plane_both():
+    services = compose_config("docker-compose.dp2.yml")["services"]
+    planes = [services[f"dataplane-{i}"] for i in range(2)]
+    assert [p["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for p in planes] == [["0"], ["1"]]
+    addresses = [_args(p).listen for p in planes]
+    assert len(set(addresses)) == 2 and [_health_probe(p) for p in planes] == addresses
+    controlplane = services["controlplane"]
+    assert _args(controlplane).dataplane.split(",") == addresses
+    assert controlplane["depends_on"] == {f"dataplane-{i}": {"condition": "service_healthy"} for i in range(2)}
+    for plane in planes:
+        assert _volume_sources(plane) == {**_volume_sources(controlplane), "/cache": "cache"}
+        assert "ports" not in plane
+    single = compose_config("docker-compose.yml")["services"]["controlplane"]
+    differs = ("command", "depends_on")
+    assert {k: v for k, v in controlplane.items() if k not in differs} == {k: v for k, v in single.items()
+                                                                           if k not in differs}
