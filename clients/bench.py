@@ -41,7 +41,8 @@ class Request:
 
 
 def make_workload(args: argparse.Namespace) -> list[Request]:
-    """nano-vLLM's workload; with --num-prefixes K, request i's prompt starts with shared prefix i mod K."""
+    """nano-vLLM's workload; with --num-prefixes K, each prompt starts with one of K shared prefixes,
+    each prefix as often as the others, in random order."""
     rng = random.Random(args.seed)
     requests = []
     for _ in range(args.num_requests):
@@ -49,8 +50,11 @@ def make_workload(args: argparse.Namespace) -> list[Request]:
         requests.append(Request([rng.randrange(args.vocab_limit) for _ in range(n)],
                                 rng.randint(args.min_output, args.max_output)))
     prefixes = [[rng.randrange(args.vocab_limit) for _ in range(args.prefix_len)] for _ in range(args.num_prefixes)]
-    for i, req in enumerate(requests if prefixes else ()):
-        req.prompt = prefixes[i % len(prefixes)] + req.prompt
+    if prefixes:
+        order = [i % len(prefixes) for i in range(len(requests))]
+        rng.shuffle(order)
+        for req, i in zip(requests, order):
+            req.prompt = prefixes[i] + req.prompt
     return requests
 
 
@@ -230,7 +234,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--routing", default="prefix", choices=["prefix", "least-loaded", "round-robin"],
                    help="passed to the server it starts")
     g.add_argument("--num-prefixes", type=int, default=0,
-                   help="shared prompt prefixes: request i's prompt starts with prefix i mod this (0: none)")
+                   help="shared prompt prefixes, each starting as many prompts, in random order (0: none)")
     g.add_argument("--prefix-len", type=int, default=1000, help="tokens of each shared prefix")
     g.add_argument("--kill-dataplane-after", type=float, default=None,
                    help="SIGKILL one data plane of the server it starts after this many seconds")
