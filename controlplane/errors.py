@@ -23,3 +23,13 @@ class NotReady(ServiceError):
 
 class StepFailed(ServiceError):
     code_name = "INTERNAL"
+
+
+class TemplateBroken(ServiceError):
+    """The server's chat template cannot be compiled or failed while rendering."""
+
+    code_name = "FAILED_PRECONDITION"
+
+
+class StreamNotRead(Overloaded):
+    """The client left too much of its stream unread."""
