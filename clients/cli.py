@@ -80,9 +80,9 @@ def _add_controlplane_args(p: argparse.ArgumentParser, listen_default: str = DEF
     g.add_argument("--max-chat-messages", type=int, default=1024, help="most chat messages a request may send")
     g.add_argument("--tokenizer-threads", type=int, default=2,
                    help="prompts tokenized at once, on threads of their own (never on the event loop)")
-    g.add_argument("--max-unsent-tokens-per-stream", type=int, default=4096,
+    g.add_argument("--max-unsent-tokens-per-stream", type=int, default=1024,
                    help="tokens a stream may leave unread; beyond, the request ends with RESOURCE_EXHAUSTED")
-    g.add_argument("--max-unsent-tokens", type=int, default=262144,
+    g.add_argument("--max-unsent-tokens", type=int, default=65536,
                    help="tokens all streams together may leave unread; beyond, the stream furthest behind ends")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--max-prefill-tokens-with-decode", type=int, default=None,

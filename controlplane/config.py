@@ -24,8 +24,8 @@ class ControlPlaneConfig:
     max_prompt_bytes: int | None = None  # text or chat bytes a request may send; default: BYTES_PER_TOKEN per token
     max_chat_messages: int = 1024  # chat messages a request may send
     tokenizer_threads: int = 2  # prompts tokenized (and chat templates rendered) at once, off the event loop
-    max_unsent_tokens_per_stream: int = 4096  # tokens queued for a stream that is not read; beyond: aborted
-    max_unsent_tokens: int = 262144  # the same, over every stream of the frontend
+    max_unsent_tokens_per_stream: int = 1024  # tokens queued for a stream that is not read; beyond: aborted
+    max_unsent_tokens: int = 65536  # the same, over every stream of the frontend
     shutdown_grace: float = 10.0  # seconds in-flight streams get to finish on SIGTERM
     max_prefill_tokens_with_decode: int | None = None  # cap on prefill tokens in steps that also decode
     stream_interval: int = 1  # tokens per streamed message (fewer messages at high load)
