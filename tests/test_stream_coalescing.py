@@ -70,3 +70,21 @@ def test_unsent_tokens_are_counted_until_read():
     state.push(RequestOutput("r", [4]), 1)
     state.stream_closed()  # the call ended with this unsent: it no longer counts
     assert (state.unsent, unsent.total, unsent.streams) == (0, 0, set())
+
+
+def test_over_the_total_the_streams_furthest_behind_are_ended():
+    from twinplane.controlplane.config import ControlPlaneConfig
+    from twinplane.controlplane.errors import StreamNotRead
+
+    engine = Engine(ControlPlaneConfig(dataplane="unix:///nowhere", max_unsent_tokens=5))
+    ended = []
+    for i, unsent in enumerate((1, 4, 2)):  # finished requests whose clients stopped reading
+        state = RequestState(i, f"r{i}", [1], RequestParams(max_tokens=8), None, 1, EngineMetrics(), 0.0,
+                             engine.unsent)
+        state.finished, state.end_call = True, ended.append
+        state.push(RequestOutput(state.request_id, [7] * unsent), unsent)
+    engine._bound_unsent()
+    assert engine.unsent.total == 3 and len(ended) == 1 and isinstance(ended[0], StreamNotRead)
+    assert "4 tokens" in str(ended[0]) and "max_unsent_tokens 5" in str(ended[0])
+    assert sorted(s.request_id for s in engine.unsent.streams) == ["r0", "r2"]
+    engine._tokenizer_pool.shutdown()
