@@ -39,6 +39,9 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     await context.abort(*status_of(exc))
 
 
+_ending: set[asyncio.Task] = set()  # calls being ended by _end_call (held until done)
+
+
 def _end_call(context: grpc.aio.ServicerContext, handler: asyncio.Task, exc: Exception) -> None:
     """Ends a call now, even one whose handler waits on a write its client never reads: the status
     goes out behind what gRPC already holds for the client, and the handler stops."""
@@ -46,7 +49,9 @@ def _end_call(context: grpc.aio.ServicerContext, handler: asyncio.Task, exc: Exc
         with contextlib.suppress(grpc.aio.AbortError):
             await _abort(context, exc)
 
-    asyncio.ensure_future(abort())
+    task = asyncio.ensure_future(abort())
+    _ending.add(task)
+    task.add_done_callback(_ending.discard)
     asyncio.get_running_loop().call_soon(handler.cancel)
 
 
