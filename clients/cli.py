@@ -74,6 +74,16 @@ def _add_controlplane_args(p: argparse.ArgumentParser, listen_default: str = DEF
     g.add_argument("--listen", default=listen_default, help="public API address (loopback unless told otherwise)")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     g.add_argument("--max-waiting-requests", type=int, default=4096)
+    g.add_argument("--max-prompt-bytes", type=int, default=None,
+                   help="most UTF-8 bytes of text (or of all chat content) a request may send (default: 64 per "
+                        "token of max_model_len)")
+    g.add_argument("--max-chat-messages", type=int, default=1024, help="most chat messages a request may send")
+    g.add_argument("--tokenizer-threads", type=int, default=2,
+                   help="prompts tokenized at once, on threads of their own (never on the event loop)")
+    g.add_argument("--max-unsent-tokens-per-stream", type=int, default=1024,
+                   help="tokens a stream may leave unread; beyond, the request ends with RESOURCE_EXHAUSTED")
+    g.add_argument("--max-unsent-tokens", type=int, default=65536,
+                   help="tokens all streams together may leave unread; beyond, the stream furthest behind ends")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--max-prefill-tokens-with-decode", type=int, default=None,
                    help="cap on prefill tokens in a step that also decodes (steadier inter-token latency)")
@@ -103,7 +113,9 @@ def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None):
         max_waiting_requests=args.max_waiting_requests, enable_prefix_caching=not args.no_prefix_caching,
         shutdown_grace=args.shutdown_grace, max_prefill_tokens_with_decode=args.max_prefill_tokens_with_decode,
         stream_interval=args.stream_interval, max_steps_in_flight=args.max_steps_in_flight,
-        metrics_port=args.metrics_port, metrics_host=args.metrics_host, routing=args.routing)
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host, max_prompt_bytes=args.max_prompt_bytes,
+        max_chat_messages=args.max_chat_messages, routing=args.routing, tokenizer_threads=args.tokenizer_threads,
+        max_unsent_tokens_per_stream=args.max_unsent_tokens_per_stream, max_unsent_tokens=args.max_unsent_tokens)
     security = Security(args.tls_cert, args.tls_key, args.api_key or os.environ.get("TWINPLANE_API_KEY"))
     return config, security
 

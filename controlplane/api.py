@@ -31,6 +31,8 @@ class Limits:
     max_logprobs: int = 20
     max_stop_strings: int = 16
     max_stop_string_len: int = 256
+    max_prompt_bytes: int = 1 << 20  # UTF-8 bytes of text, or of every chat message's role and content
+    max_chat_messages: int = 1024
 
 
 @dataclass(frozen=True)
@@ -120,9 +122,11 @@ def sampling_from_pb(s: pb.SamplingParams) -> SamplingOptions:
 
 
 def prompt_from_pb(req: pb.GenerateRequest | pb.TokenizeRequest, limits: Limits) -> Prompt:
+    """The request's input, refused before any tokenizing when it is empty or over the size limits."""
     kind = req.WhichOneof("input")
     if kind == "text":
         _check(req.text != "", "text must not be empty")
+        _check_bytes("text", len(req.text.encode()), limits)
         return Prompt(text=req.text)
     if kind == "token_ids":
         ids = list(req.token_ids.ids)
@@ -131,13 +135,26 @@ def prompt_from_pb(req: pb.GenerateRequest | pb.TokenizeRequest, limits: Limits)
         _check(not bad, f"token_ids.ids must be in [0, {limits.vocab_size}); got {bad[:5]}")
         return Prompt(token_ids=ids)
     if kind == "chat":
-        messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
-        _check(bool(messages), "chat.messages must not be empty")
-        for i, m in enumerate(messages):
-            _check(m["role"] in CHAT_ROLES, f"chat.messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
-                                            f"got {m['role']!r}")
-        return Prompt(messages=messages)
+        return Prompt(messages=_chat_messages(req.chat.messages, limits))
     raise InvalidRequest("input is required: set one of text, token_ids or chat")
+
+
+def _check_bytes(name: str, size: int, limits: Limits) -> None:
+    _check(size <= limits.max_prompt_bytes, f"{name} is {size} bytes; at most {limits.max_prompt_bytes} are "
+                                            "allowed (max_prompt_bytes)")
+
+
+def _chat_messages(chat, limits: Limits) -> list[dict[str, str]]:
+    _check(len(chat) > 0, "chat.messages must not be empty")
+    _check(len(chat) <= limits.max_chat_messages,
+           f"chat.messages holds {len(chat)} messages; at most {limits.max_chat_messages} are allowed "
+           "(max_chat_messages)")
+    messages = [{"role": m.role, "content": m.content} for m in chat]
+    for i, m in enumerate(messages):
+        _check(m["role"] in CHAT_ROLES, f"chat.messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
+                                        f"got {m['role']!r}")
+    _check_bytes("chat.messages (content, all together)", sum(len(m["content"].encode()) for m in messages), limits)
+    return messages
 
 
 def request_id_of(req: pb.GenerateRequest, header: str | None) -> str:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from twinplane.controlplane.router import ROUTING_POLICIES
 
+BYTES_PER_TOKEN = 64  # default max_prompt_bytes per token of max_model_len (generous: room for truncation)
+
 
 @dataclass(frozen=True)
 class ControlPlaneConfig:
@@ -21,6 +23,11 @@ class ControlPlaneConfig:
     max_stop_strings: int = 16
     max_stop_string_len: int = 256
     max_message_bytes: int = 16 * 1024 * 1024
+    max_prompt_bytes: int | None = None  # text or chat bytes a request may send; default: BYTES_PER_TOKEN per token
+    max_chat_messages: int = 1024  # chat messages a request may send
+    tokenizer_threads: int = 2  # prompts tokenized (and chat templates rendered) at once, off the event loop
+    max_unsent_tokens_per_stream: int = 1024  # tokens queued for a stream that is not read; beyond: aborted
+    max_unsent_tokens: int = 65536  # the same, over every stream of the frontend
     shutdown_grace: float = 10.0  # seconds in-flight streams get to finish on SIGTERM
     max_prefill_tokens_with_decode: int | None = None  # cap on prefill tokens in steps that also decode
     stream_interval: int = 1  # tokens per streamed message (fewer messages at high load)
@@ -51,5 +58,10 @@ class ControlPlaneConfig:
             raise ValueError("max_waiting_requests must be > 0")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        for name in ("max_chat_messages", "tokenizer_threads", "max_unsent_tokens_per_stream", "max_unsent_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_prompt_bytes is not None and self.max_prompt_bytes <= 0:
+            raise ValueError(f"max_prompt_bytes must be > 0, got {self.max_prompt_bytes}")
         if self.max_logprobs < 0:
             raise ValueError("max_logprobs must be >= 0")

@@ -14,20 +14,21 @@ import itertools
 import logging
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from collections.abc import AsyncIterator
 
 from twinplane.controlplane.api import GenerateCall, Limits, Prompt, RequestOutput
-from twinplane.controlplane.config import ControlPlaneConfig
+from twinplane.controlplane.config import BYTES_PER_TOKEN, ControlPlaneConfig
 from twinplane.controlplane.engine_core import (CORE_CALLS, FRONTEND_CALLS, STAT_NAMES, CoreSnapshot, TokenOutput,
                                                 start_core_process)
 from twinplane.controlplane.errors import (InvalidRequest, NoLongerFits, NotReady, Overloaded, ServiceError,
-                                          StepFailed)
+                                          StepFailed, StreamNotRead)
 from twinplane.controlplane.ipc import Remote
 from twinplane.controlplane.metrics import EngineMetrics
-from twinplane.controlplane.request_state import RequestState
+from twinplane.controlplane.request_state import RequestState, Unsent
 from twinplane.controlplane.sequence import FinishReason
-from twinplane.controlplane.tokenizer import TemplateError, Tokenizer
+from twinplane.controlplane.tokenizer import Tokenizer
 from twinplane.proto import dataplane_pb2 as dp
 
 log = logging.getLogger("twinplane.controlplane")
@@ -45,12 +46,16 @@ class Engine:
         self.limits: Limits | None = None
         self.requests: dict[str, RequestState] = {}  # in flight, by request id
         self.by_seq: dict[int, RequestState] = {}  # the same, by the core's seq_id
+        self.unsent = Unsent()  # outputs queued for streams, finished requests' included, until sent
         self.core_snapshot = CoreSnapshot(dict.fromkeys(STAT_NAMES, 0))  # the latest the core sent
         self.ready = asyncio.Event()  # a data plane is connected
         self.stopping = asyncio.Event()  # set once the engine stops accepting requests
         self.crashed = asyncio.Event()  # the engine core died of an unexpected error (logged)
         self.accepting = True
         self.num_waiting_ready = 0  # requests waiting for a data plane (they count as waiting)
+        self.num_tokenizing = 0  # requests being tokenized (they count as waiting too)
+        # tokenizing and chat templates: off the event loop, a few at a time (bounded memory)
+        self._tokenizer_pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="twinplane-tokenizer")
         self._num_added = 0  # requests sent to the core (core_snapshot.num_added: those it had seen)
         self._seq_ids = itertools.count(1)
         self.metrics = EngineMetrics()
@@ -111,6 +116,7 @@ class Engine:
         for state in list(self.requests.values()):
             self._finish(state, FinishReason.ABORTED)
         self._stopped = True
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         process = self._core_process
         if process is None:
             return
@@ -134,7 +140,9 @@ class Engine:
         c = self.config
         self.limits = Limits(vocab_size=desc.vocab_size, max_model_len=desc.max_model_len,
                              max_logprobs=min(c.max_logprobs, desc.max_logprobs),
-                             max_stop_strings=c.max_stop_strings, max_stop_string_len=c.max_stop_string_len)
+                             max_stop_strings=c.max_stop_strings, max_stop_string_len=c.max_stop_string_len,
+                             max_prompt_bytes=c.max_prompt_bytes or BYTES_PER_TOKEN * desc.max_model_len,
+                             max_chat_messages=c.max_chat_messages)
         self.snapshot(snapshot)
         self._set_ready(True)
 
@@ -148,7 +156,7 @@ class Engine:
     def step(self, outputs: list[TokenOutput], snapshot: CoreSnapshot) -> None:
         """A step's tokens: detokenizes, applies stop strings and pushes each request's new output."""
         self.snapshot(snapshot)
-        by_seq = self.by_seq
+        by_seq, limit = self.by_seq, self.config.max_unsent_tokens_per_stream
         for seq_id, token, position, logprobs, reason, num_cached in outputs:
             state = by_seq.get(seq_id)
             if state is None:  # ended here meanwhile (cancelled, stop string)
@@ -160,6 +168,15 @@ class Engine:
                 self._finish(state, reason, tell_core=core_reason is None)
             else:
                 state.emit()
+            if state.unsent > limit:
+                self._end_unread(state, f"max_unsent_tokens_per_stream {limit}")
+        self._bound_unsent()
+
+    def _bound_unsent(self) -> None:
+        """Ends the streams furthest behind while all of them together hold too much unsent output."""
+        limit, unsent = self.config.max_unsent_tokens, self.unsent
+        while unsent.total > limit and unsent.streams:
+            self._end_unread(unsent.furthest_behind(), f"all streams together over max_unsent_tokens {limit}")
 
     def step_failed(self, seq_ids: list[int], error: str) -> None:
         """A step the data plane could not run fails only the requests in it."""
@@ -177,17 +194,20 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    async def tokenize(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids; text and chat are tokenized in the tokenizer pool, off the event loop."""
         if prompt.token_ids is not None:
             return list(prompt.token_ids)
         if self.tokenizer is None:
             raise InvalidRequest("this model has no tokenizer: send token_ids instead of text or chat")
-        try:
-            if prompt.messages is not None:
-                return self.tokenizer.encode_chat(prompt.messages)
-            return self.tokenizer.encode(prompt.text)
-        except TemplateError as exc:
-            raise InvalidRequest(str(exc)) from exc
+        if prompt.messages is not None:
+            return await self.in_tokenizer_pool(self.tokenizer.encode_chat, prompt.messages)
+        return await self.in_tokenizer_pool(self.tokenizer.encode, prompt.text)
+
+    async def in_tokenizer_pool(self, function, *args):
+        """function(*args) on one of the tokenizer threads: work that grows with the input never
+        holds up the event loop (streams, health)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, function, *args)
 
     async def outputs(self, state: RequestState) -> AsyncIterator[RequestOutput]:
         """Yields a request's outputs until it finishes; leaving early aborts it.
@@ -196,19 +216,9 @@ class Engine:
         reader, a loaded server) go out merged into one: a stream that falls behind catches up
         with fewer, larger messages, and one that keeps up is never delayed.
         """
-        queue = state.outputs
         try:
             while True:
-                item = await queue.get()
-                while not isinstance(item, Exception) and item.finish_reason is None and not queue.empty():
-                    later = queue.get_nowait()
-                    if isinstance(later, Exception):
-                        yield item
-                        item = later
-                    else:
-                        item.absorb(later)
-                if isinstance(item, Exception):
-                    raise item
+                item = await state.next_output()
                 yield item
                 if item.finish_reason is not None:
                     return
@@ -216,9 +226,19 @@ class Engine:
             self.abort(state)
 
     def abort(self, state: RequestState) -> None:
-        """Ends a request the client gave up on (cancelled, deadline passed); frees its blocks now."""
+        """Ends a request whose call ended (cancelled, deadline passed, done); frees its blocks now."""
         if not state.finished:
             self._finish(state, FinishReason.ABORTED)
+        state.stream_closed()
+
+    def _end_unread(self, state: RequestState, limit: str) -> None:
+        """Aborts a request whose client does not read its stream, and ends its call."""
+        error = StreamNotRead(f"the client did not read its stream: {state.unsent} tokens waited to be sent "
+                              f"({limit}); the request was aborted")
+        if not state.finished:
+            self._forget(state, tell_core=True)
+            request_log.info(state.summary(f"error:{error.code_name}"))
+        state.end_unread(error)
 
     async def wait_ready(self, queued: bool = False) -> None:
         """Returns once a data plane is connected; calls wait for it, up to their deadline.
@@ -244,7 +264,7 @@ class Engine:
     def num_waiting(self) -> int:
         """Requests not yet admitted: waiting for a data plane, queued in the core, or on their way there."""
         core = self.core_snapshot
-        return self.num_waiting_ready + core.waiting + self._num_added - core.num_added
+        return self.num_waiting_ready + self.num_tokenizing + core.waiting + self._num_added - core.num_added
 
     def _check_room(self) -> None:
         if not self.accepting:
@@ -254,24 +274,30 @@ class Engine:
             raise Overloaded(f"too many waiting requests ({waiting}, max_waiting_requests "
                              f"{self.config.max_waiting_requests}); retry later")
 
-    def add(self, call: GenerateCall) -> RequestState:
-        """Queues a validated request (call after wait_ready); returns its state."""
+    async def add(self, call: GenerateCall) -> RequestState:
+        """Tokenizes and queues a validated request (call after wait_ready); returns its state."""
         arrival_time = time.monotonic()
         self._check_room()
+        self.num_tokenizing += 1
+        try:
+            prompt = await self._prompt_tokens(call)
+        finally:
+            self.num_tokenizing -= 1
+        if not self.accepting:
+            raise NotReady("the server is shutting down")
         request_id = call.request_id
         if request_id in self.requests:
             raise InvalidRequest(f"request_id {request_id!r} is already in flight")
-        prompt = self._prompt_tokens(call)
         params = self._resolve_max_tokens(call.params, len(prompt))
         state = RequestState(next(self._seq_ids), request_id, prompt, params, self.tokenizer,
-                             self.config.stream_interval, self.metrics, arrival_time)
+                             self.config.stream_interval, self.metrics, arrival_time, self.unsent)
         self.requests[request_id] = self.by_seq[state.seq_id] = state
         self._num_added += 1
         self.core.add(state.seq_id, request_id, prompt, params)
         return state
 
-    def _prompt_tokens(self, call: GenerateCall) -> list[int]:
-        prompt = self.tokenize(call.prompt)
+    async def _prompt_tokens(self, call: GenerateCall) -> list[int]:
+        prompt = await self.tokenize(call.prompt)
         if call.truncate_prompt_tokens and len(prompt) > call.truncate_prompt_tokens:
             prompt = prompt[-call.truncate_prompt_tokens:]
         if not prompt:

@@ -29,3 +29,13 @@ class NoLongerFits(ServiceError):
     """A request admitted earlier that the data plane now connected can never hold."""
 
     code_name = "FAILED_PRECONDITION"
+
+
+class TemplateBroken(ServiceError):
+    """The server's chat template cannot be compiled or failed while rendering."""
+
+    code_name = "FAILED_PRECONDITION"
+
+
+class StreamNotRead(Overloaded):
+    """The client left too much of its stream unread."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
+from collections.abc import Callable
 
 from twinplane.controlplane.api import RequestOutput, TokenLogprobs
 from twinplane.controlplane.detokenizer import IncrementalDetokenizer
@@ -13,11 +15,23 @@ from twinplane.controlplane.sequence import FinishReason, RequestParams
 from twinplane.controlplane.tokenizer import Tokenizer
 
 
+class Unsent:
+    """Tokens queued for streams and not sent yet, over every stream, and the streams still being read."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.streams: set[RequestState] = set()
+
+    def furthest_behind(self) -> RequestState:
+        return max(self.streams, key=lambda state: state.unsent)
+
+
 class RequestState:
     """A request as the frontend sees it (the engine core holds its Sequence), and its stream."""
 
     def __init__(self, seq_id: int, request_id: str, prompt: list[int], params: RequestParams,
-                 tokenizer: Tokenizer | None, stream_interval: int, metrics: EngineMetrics, arrival_time: float):
+                 tokenizer: Tokenizer | None, stream_interval: int, metrics: EngineMetrics, arrival_time: float,
+                 unsent: Unsent):
         self.seq_id = seq_id  # the engine core's name for it
         self.request_id = request_id
         self.params = params
@@ -31,7 +45,12 @@ class RequestState:
         self.detokenizer = None
         if tokenizer is not None:
             self.detokenizer = IncrementalDetokenizer(tokenizer, prompt, params.skip_special_tokens, params.stop)
-        self.outputs: asyncio.Queue[RequestOutput | ServiceError] = asyncio.Queue()
+        self.outputs: deque[RequestOutput | ServiceError] = deque()  # queued for the stream, not sent yet
+        self._queued = asyncio.Event()  # set while outputs is not empty
+        self.unsent = 0  # tokens in outputs
+        self.all_unsent = unsent
+        unsent.streams.add(self)
+        self.end_call: Callable[[ServiceError], None] | None = None  # ends the call at once (set by the server)
         self.pending = self._new_output()
         self.num_outputs = 0  # output tokens recorded so far
         self.finished = False
@@ -80,8 +99,38 @@ class RequestState:
             self.finished = True
         if out.token_ids:
             self._count_streamed(len(out.token_ids))
-        self.outputs.put_nowait(out)
+        self.push(out, len(out.token_ids))
         self.pending = self._new_output()
+
+    def push(self, item: RequestOutput | ServiceError, num_tokens: int = 0) -> None:
+        self.outputs.append(item)
+        self._queued.set()
+        self.unsent += num_tokens
+        self.all_unsent.total += num_tokens
+
+    async def next_output(self) -> RequestOutput:
+        """The next output, with the outputs queued behind it merged in (a stream that fell behind
+        catches up with fewer, larger messages); raises the request's error once it comes next."""
+        while not self.outputs:
+            self._queued.clear()
+            await self._queued.wait()
+        item = self.outputs.popleft()
+        if isinstance(item, Exception):
+            raise item
+        while self.outputs and item.finish_reason is None and not isinstance(self.outputs[0], Exception):
+            item.absorb(self.outputs.popleft())
+        self._sent(len(item.token_ids))
+        return item
+
+    def _sent(self, num_tokens: int) -> None:
+        self.unsent -= num_tokens
+        self.all_unsent.total -= num_tokens
+
+    def stream_closed(self) -> None:
+        """The call ended: nothing queued is sent any more."""
+        self.outputs.clear()
+        self._sent(self.unsent)
+        self.all_unsent.streams.discard(self)
 
     def _count_streamed(self, num_tokens: int) -> None:
         """Times a message of num_tokens tokens: the first one gives the time to first token, each
@@ -106,4 +155,11 @@ class RequestState:
 
     def fail(self, error: ServiceError) -> None:
         self.finished = True
-        self.outputs.put_nowait(error)
+        self.push(error)
+
+    def end_unread(self, error: ServiceError) -> None:
+        """Drops what the client left unread and ends its call with error."""
+        self.stream_closed()
+        self.fail(error)
+        if self.end_call is not None:
+            self.end_call(error)

@@ -7,6 +7,7 @@ become gRPC status codes here and nowhere else.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 
@@ -36,6 +37,22 @@ def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     await context.abort(*status_of(exc))
+
+
+_ending: set[asyncio.Task] = set()  # calls being ended by _end_call (held until done)
+
+
+def _end_call(context: grpc.aio.ServicerContext, handler: asyncio.Task, exc: Exception) -> None:
+    """Ends a call now, even one whose handler waits on a write its client never reads: the status
+    goes out behind what gRPC already holds for the client, and the handler stops."""
+    async def abort() -> None:
+        with contextlib.suppress(grpc.aio.AbortError):
+            await _abort(context, exc)
+
+    task = asyncio.ensure_future(abort())
+    _ending.add(task)
+    task.add_done_callback(_ending.discard)
+    asyncio.get_running_loop().call_soon(handler.cancel)
 
 
 class Undecodable:
@@ -104,9 +121,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         engine = self.engine
         await engine.wait_ready(queued=True)
         header = dict(context.invocation_metadata() or ()).get(REQUEST_ID_HEADER)
-        state = engine.add(generate_call_from_pb(request, engine.limits, header))
+        state = await engine.add(generate_call_from_pb(request, engine.limits, header))
         # cancelled, deadline passed or connection lost: free the blocks now, not when the handler unwinds
         context.add_done_callback(lambda _: engine.abort(state))
+        state.end_call = functools.partial(_end_call, context, asyncio.current_task())
         await context.send_initial_metadata(((REQUEST_ID_HEADER, request_id_header_value(state.request_id)),))
         async for out in engine.outputs(state):
             yield output_to_pb(out)
@@ -116,9 +134,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         await self.engine.wait_ready()
         if request.WhichOneof("input") is None:
             raise InvalidRequest("input is required: set text or chat")
-        ids = self.engine.tokenize(prompt_from_pb(request, self.engine.limits))
-        tok = self.engine.tokenizer
-        return pb.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token_text(i) for i in ids])
+        engine = self.engine
+        ids = await engine.tokenize(prompt_from_pb(request, engine.limits))
+        texts = await engine.in_tokenizer_pool(engine.tokenizer.token_texts, ids)
+        return pb.TokenizeResponse(token_ids=ids, tokens=texts)
 
     @unary_errors
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:

@@ -10,6 +10,7 @@ in torch and the control plane stays CPU-light.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -17,15 +18,17 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from twinplane.controlplane.errors import InvalidRequest, TemplateBroken
+
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
-class TemplateError(ValueError):
-    """The chat template refused the messages."""
+class TemplateError(InvalidRequest):
+    """The chat template refused the messages (its raise_exception)."""
 
 
 def _raise_exception(message: str) -> None:
-    raise TemplateError(message)
+    raise TemplateError(f"the chat template refused the messages: {message}")
 
 
 def _token_text(value: object) -> str | None:
@@ -51,8 +54,16 @@ class Tokenizer:
         if isinstance(template, list):  # named templates: use "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self.chat_template: str | None = template
-        self._template = self._compile(template) if template else None
-        self.special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        self._template, self._template_error = None, None
+        if template:
+            try:
+                self._template = self._compile(template)
+            except jinja2.TemplateError as exc:  # served anyway: text and token ids still work
+                self._template_error = f"the server's chat template does not compile: {exc}"
+        special = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        self.special_ids = set(special)
+        longest_first = sorted(special.values(), key=len, reverse=True)
+        self._special_text = re.compile("|".join(map(re.escape, longest_first))) if special else None
 
     @property
     def vocab_size(self) -> int:
@@ -62,29 +73,39 @@ class Tokenizer:
         return None if text is None else self._tok.token_to_id(text)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch lets other threads run while it works (encode holds the GIL throughout)
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def id_to_token_text(self, token_id: int) -> str:
-        return self._tok.decode([token_id], skip_special_tokens=False)
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        """Each token's own text, special tokens included."""
+        return self._tok.decode_batch([[i] for i in token_ids], skip_special_tokens=False)
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The template's text for messages: InvalidRequest when the template refuses them,
+        TemplateBroken when the template itself fails."""
+        if self._template_error:
+            raise TemplateBroken(self._template_error)
         if self._template is None:
-            raise TemplateError("this model has no chat template; send text or token ids instead")
+            raise InvalidRequest("this model has no chat template; send text or token ids instead")
         try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
-        except jinja2.TemplateError as exc:
-            raise TemplateError(f"chat template failed: {exc}") from exc
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TemplateError:
+            raise
+        except Exception as exc:  # noqa: BLE001 -- whatever a template raises, the template is at fault
+            raise TemplateBroken(f"the server's chat template failed: {type(exc).__name__}: {exc}") from exc
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        # The template already places the special tokens the model expects.
+        """Token ids of the rendered messages; content may not spell out special tokens, which only the
+        template places (else a message could forge turns, e.g. end its own and start the system's)."""
+        for i, message in enumerate(messages):
+            found = self._special_text and self._special_text.search(message["content"])
+            if found:
+                raise InvalidRequest(f"chat.messages[{i}].content holds {found.group()!r}, a special token of this "
+                                     "model that only the chat template may place; remove it or send text")
         return self.encode(self.render_chat(messages), add_special_tokens=False)
 
     @staticmethod
