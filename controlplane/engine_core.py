@@ -9,6 +9,9 @@ the data plane never waits on the gRPC server's work.
 
 When the data plane is lost the core waits for a new one, resets the BlockManager
 and recomputes the running sequences, as after a preemption: no request is lost.
+A data plane that stops answering counts as lost after ``dataplane_timeout``; before
+that, once ``stall_timeout`` passes, the core tells the frontend it is stalled. The
+core sends the frontend a heartbeat every ``HEARTBEAT_INTERVAL`` seconds, busy or idle.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from twinplane.controlplane.config import ControlPlaneConfig
 from twinplane.controlplane import event_loop
 from twinplane.controlplane.dataplane_client import DataPlaneClient, DataPlaneLost
 from twinplane.controlplane.ipc import Channel, Remote
+from twinplane.controlplane.liveness import ticks
 from twinplane.controlplane.metrics import STEP_BUCKETS, Histogram
 from twinplane.controlplane.plan_codec import decode_result, encode_plan
 from twinplane.controlplane.scheduler import Scheduler, SchedulerConfig
@@ -46,7 +50,7 @@ RECONNECT_TIMEOUT = 2.0  # seconds one attempt waits for the data plane to answe
 
 # What the frontend may call on the core, and what the core calls on the frontend.
 CORE_CALLS = frozenset({"add", "abort", "shutdown"})
-FRONTEND_CALLS = frozenset({"connected", "lost", "step", "step_failed", "snapshot"})
+FRONTEND_CALLS = frozenset({"connected", "lost", "stalled", "step", "step_failed", "snapshot", "heartbeat"})
 
 # One sampled token as the frontend gets it: (seq_id, token_id, position in the sequence,
 # TokenLogprobs or None, FinishReason value or None, prompt tokens found in the prefix cache).
@@ -82,10 +86,11 @@ def token_finish_reason(seq: Sequence, token_id: int, position: int, stop_ids: f
 
 
 class EngineCore:
-    def __init__(self, config: ControlPlaneConfig, frontend):
+    def __init__(self, config: ControlPlaneConfig, frontend, counters: CoreSnapshot | None = None):
+        """counters: the last snapshot of the core this one replaces, whose counters it carries on."""
         self.config = config
         self.frontend = frontend  # FRONTEND_CALLS, one-way
-        self.dataplane = DataPlaneClient(config.dataplane, config.dataplane_token)
+        self.dataplane = DataPlaneClient(config.dataplane, config.dataplane_token, config.dataplane_timeout)
         self.dataplane.on_lost = self._on_dataplane_lost
         self.describe: dp.DescribeResponse | None = None
         self.scheduler: Scheduler | None = None
@@ -93,19 +98,27 @@ class EngineCore:
         self.eos_token_ids: frozenset[int] = frozenset()
         self.wakeup = asyncio.Event()  # new work arrived, or the data plane was lost
         self.stopped = asyncio.Event()
-        self.stats = dict.fromkeys(STAT_NAMES, 0)
+        self.counters = counters or CoreSnapshot(dict.fromkeys(STAT_NAMES, 0))
+        self.stats = dict(self.counters.stats)
         self.num_added = 0
-        self.dataplane_step = Histogram(STEP_BUCKETS)
+        self.dataplane_step = self.counters.dataplane_step
         self._deferred: list[TokenOutput] = []  # the last step's tokens, sent while the next step runs
         # The data plane's idle time before a step counts only while it had work coming: not before
         # the first step planned after the core ran out of work (or connected).
         self._out_of_work = True
         self._first_after_no_work: int | None = None  # step_id
+        self._awaiting_dataplane = False  # the step loop waits for the Step stream (a send or a result)
+        self._waited = 0.0  # seconds it has waited so far, counted by ticks()
+        self._stalled = False  # the frontend was told the data plane stalled
 
     # ---- calls from the frontend -------------------------------------------------------
 
-    def add(self, seq_id: int, request_id: str, prompt: list[int], params: RequestParams) -> None:
+    def add(self, seq_id: int, request_id: str, prompt: list[int], params: RequestParams,
+            output_ids: list[int] = (), num_cached_tokens: int = 0) -> None:
+        """A new request; or one a previous core had started (its tokens so far), to recompute."""
         seq = Sequence(seq_id, request_id, prompt, params)
+        seq.token_ids += output_ids
+        seq.num_cached_tokens = num_cached_tokens
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         self.seqs[seq_id] = seq, stop_ids
         self.num_added += 1
@@ -135,18 +148,50 @@ class EngineCore:
     # ---- the step loop ------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Connects to the data plane, then runs steps until shutdown()."""
+        """Connects to the data plane, then runs steps until shutdown(); sends heartbeats meanwhile."""
         loop = asyncio.create_task(self._connect_and_step())
         stopped = asyncio.create_task(self.stopped.wait())
+        watch = asyncio.create_task(self._watch())
         try:
             done, _ = await asyncio.wait((loop, stopped), return_when=asyncio.FIRST_COMPLETED)
             if loop in done:
                 loop.result()  # the loop only ends by an error: raise it
         finally:
-            loop.cancel()
-            stopped.cancel()
-            await asyncio.gather(loop, return_exceptions=True)
+            for task in (loop, stopped, watch):
+                task.cancel()
+            await asyncio.gather(loop, watch, return_exceptions=True)
             await self.dataplane.close()
+
+    async def _watch(self) -> None:
+        """Every tick: a heartbeat to the frontend, and the step loop's wait on the data plane checked."""
+        async for elapsed in ticks():
+            self.frontend.heartbeat()
+            if self._awaiting_dataplane:
+                self._waited += elapsed
+                self._check_wait()
+
+    def _check_wait(self) -> None:
+        """The data plane owes the step loop a result (or room for a plan): flags a stall, then gives up."""
+        c, waited = self.config, self._waited
+        if waited >= c.dataplane_timeout:
+            self.dataplane.abandon(f"no answer on the step stream for {waited:.1f} s")
+        elif waited >= c.stall_timeout and not self._stalled:
+            log.warning("the data plane has not answered for %.1f s; reporting NOT_SERVING", waited)
+            self._stalled = True
+            self.frontend.stalled(True)
+
+    async def _on_stream(self, awaitable):
+        """Awaits a send or receive on the Step stream, watched by _watch()."""
+        self._awaiting_dataplane, self._waited = True, 0.0
+        try:
+            result = await awaitable
+        finally:
+            self._awaiting_dataplane = False
+        if self._stalled:
+            log.warning("the data plane answers again")
+            self._stalled = False
+            self.frontend.stalled(False)
+        return result
 
     async def _connect_and_step(self) -> None:
         await self._connect()
@@ -177,11 +222,11 @@ class EngineCore:
                         self._first_after_no_work, self._out_of_work = out.step_id, False
                     plan = encode_plan(out, self.scheduler.block_manager.block_size,
                                        tuple(self.describe.eos_token_ids))
-                    await self.dataplane.send(plan)
+                    await self._on_stream(self.dataplane.send(plan))
                     in_flight.append(out)
                 self._send_deferred()  # while the data plane computes
                 if in_flight and (out is None or len(in_flight) >= max_in_flight):
-                    result = await self.dataplane.receive()
+                    result = await self._on_stream(self.dataplane.receive())
             except DataPlaneLost as exc:
                 self._send_deferred()
                 await self._reconnect(str(exc))
@@ -258,6 +303,7 @@ class EngineCore:
     async def _reconnect(self, why: str) -> None:
         log.warning("data plane lost (%s); waiting for it to come back", why)
         self.frontend.lost()
+        self._stalled = False  # lost() ends the stall too
         self._out_of_work = True  # a new data plane: its first step's idle is its start-up
         await self._connect()
         log.warning("data plane is back; recomputing %d sequences", len(self.scheduler.waiting))
@@ -282,12 +328,21 @@ class EngineCore:
             max_model_len=desc.max_model_len, max_prefill_tokens_with_decode=c.max_prefill_tokens_with_decode)
         block_manager = BlockManager(desc.num_kv_blocks, desc.block_size, c.enable_prefix_caching)
         if self.scheduler is None:
-            self.scheduler = Scheduler(sched_config, block_manager)
+            self.scheduler = self._new_scheduler(sched_config, block_manager)
         else:  # a new data plane: its KV cache is empty, recompute everything
             self.scheduler.config, self.scheduler.block_manager = sched_config, block_manager
             self.scheduler.reset()
         self.frontend.connected(desc, self.snapshot())
         self.wakeup.set()
+
+
+    def _new_scheduler(self, config: SchedulerConfig, block_manager: BlockManager) -> Scheduler:
+        scheduler = Scheduler(config, block_manager)
+        counters = self.counters
+        scheduler.num_preemptions = counters.num_preemptions
+        scheduler.num_prefix_cache_queries = counters.prefix_cache_queries
+        scheduler.num_prefix_cache_hits = counters.prefix_cache_hits
+        return scheduler
 
 
 # ---- the core's process ---------------------------------------------------------------------
@@ -297,7 +352,8 @@ def start_core_process(config: ControlPlaneConfig) -> tuple[subprocess.Popen, Ch
     """Starts the engine core in a child process; returns it and the frontend's end of their channel.
 
     The child gets its end of a socketpair as an inherited file descriptor; the frontend's first
-    call on the channel must be ``configure(config)`` (so no secret shows on a command line).
+    call on the channel must be ``configure(config, counters)`` (so no secret shows on a command
+    line; counters: the CoreSnapshot of the core this one replaces, or None).
     """
     frontend_end, core_end = socket.socketpair()
     with core_end:
@@ -326,9 +382,9 @@ async def _serve_core(sock: socket.socket) -> None:
     first = await channel.receive()
     if first is None:
         return  # the frontend went away before it said anything
-    name, (config,) = first
+    name, (config, counters) = first
     assert name == "configure", f"the engine core's first call must be configure, got {name!r}"
-    core = EngineCore(config, Remote(channel, FRONTEND_CALLS))
+    core = EngineCore(config, Remote(channel, FRONTEND_CALLS), counters)
     calls = asyncio.create_task(channel.serve(core, CORE_CALLS))
     calls.add_done_callback(lambda _: core.shutdown())  # the frontend is gone: nobody to serve
     try:
