@@ -30,7 +30,7 @@ from twinplane.controlplane.config import ControlPlaneConfig
 from twinplane.controlplane import event_loop
 from twinplane.controlplane.dataplane_client import DataPlaneClient, DataPlaneLost
 from twinplane.controlplane.ipc import Channel, Remote
-from twinplane.controlplane.liveness import ticks
+from twinplane.controlplane.liveness import Silence, ticks
 from twinplane.controlplane.metrics import STEP_BUCKETS, Histogram
 from twinplane.controlplane.plan_codec import decode_result, encode_plan
 from twinplane.controlplane.scheduler import Scheduler, SchedulerConfig
@@ -108,7 +108,7 @@ class EngineCore:
         self._out_of_work = True
         self._first_after_no_work: int | None = None  # step_id
         self._awaiting_dataplane = False  # the step loop waits for the Step stream (a send or a result)
-        self._waited = 0.0  # seconds it has waited so far, counted by ticks()
+        self._num_waits = 0  # waits on the Step stream so far
         self._stalled = False  # the frontend was told the data plane stalled
 
     # ---- calls from the frontend -------------------------------------------------------
@@ -164,15 +164,16 @@ class EngineCore:
 
     async def _watch(self) -> None:
         """Every tick: a heartbeat to the frontend, and the step loop's wait on the data plane checked."""
+        silence, seen = Silence(), 0
         async for elapsed in ticks():
             self.frontend.heartbeat()
-            if self._awaiting_dataplane:
-                self._waited += elapsed
-                self._check_wait()
+            heard = not self._awaiting_dataplane or self._num_waits != seen  # not waiting, or a new wait
+            seen = self._num_waits
+            self._check_wait(silence.tick(heard, elapsed))
 
-    def _check_wait(self) -> None:
+    def _check_wait(self, waited: float) -> None:
         """The data plane owes the step loop a result (or room for a plan): flags a stall, then gives up."""
-        c, waited = self.config, self._waited
+        c = self.config
         if waited >= c.dataplane_timeout:
             self.dataplane.abandon(f"no answer on the step stream for {waited:.1f} s")
         elif waited >= c.stall_timeout and not self._stalled:
@@ -182,7 +183,8 @@ class EngineCore:
 
     async def _on_stream(self, awaitable):
         """Awaits a send or receive on the Step stream, watched by _watch()."""
-        self._awaiting_dataplane, self._waited = True, 0.0
+        self._awaiting_dataplane = True
+        self._num_waits += 1
         try:
             result = await awaitable
         finally:

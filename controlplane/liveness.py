@@ -22,6 +22,22 @@ async def ticks(interval: float = HEARTBEAT_INTERVAL) -> AsyncIterator[float]:
         last = now
 
 
+class Silence:
+    """How long something has gone unheard, in the elapsed times of ticks(): counted from the first
+    tick that heard nothing, so a late tick never blames it for time before it went quiet."""
+
+    def __init__(self) -> None:
+        self.seconds: float | None = None  # None: heard at the last tick
+
+    def tick(self, heard: bool, elapsed: float) -> float:
+        """Seconds of silence after a tick that heard (or did not hear) from it."""
+        if heard:
+            self.seconds = None
+            return 0.0
+        self.seconds = 0.0 if self.seconds is None else self.seconds + elapsed
+        return self.seconds
+
+
 class Backoff:
     """Delays between restarts of one process: 0.5 s, doubling up to 30 s while it keeps exiting
     soon after it started, so a process that cannot start does not spin."""

@@ -16,7 +16,7 @@ import time
 from twinplane.controlplane.config import ControlPlaneConfig
 from twinplane.controlplane.engine_core import CORE_CALLS, FRONTEND_CALLS, start_core_process
 from twinplane.controlplane.ipc import Channel, Remote
-from twinplane.controlplane.liveness import Backoff, ticks
+from twinplane.controlplane.liveness import Backoff, Silence, ticks
 
 log = logging.getLogger("twinplane.controlplane")
 CORE_STOP_TIMEOUT = 5.0  # seconds the engine core gets to exit before it is killed
@@ -68,12 +68,11 @@ class CoreSupervisor:
 
     async def _watch(self, process: subprocess.Popen, channel: Channel) -> None:
         """Counts the core's silence (from its first call on: before that it is still starting)."""
-        silent, seen = 0.0, 0
+        silence, seen = Silence(), 0
         async for elapsed in ticks():
-            if channel.num_received != seen:
-                silent, seen = 0.0, channel.num_received
-            elif seen:
-                silent += elapsed
+            heard = channel.num_received != seen or not seen
+            seen = channel.num_received
+            silent = silence.tick(heard, elapsed)
             self._set_hung(silent >= self.config.stall_timeout)
             if silent >= self.config.core_timeout:
                 log.error("the engine core has not answered for %.1f s; killing it", silent)
