@@ -92,6 +92,13 @@ def _add_controlplane_args(p: argparse.ArgumentParser, listen_default: str = DEF
     g.add_argument("--max-steps-in-flight", type=int, default=2,
                    help="steps planned and sent to the data plane before the oldest one's result is applied")
     g.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight streams get on SIGTERM")
+    g.add_argument("--stall-timeout", type=float, default=5.0,
+                   help="seconds a step result or the engine core's heartbeat may be late before health says "
+                        "NOT_SERVING (until it comes)")
+    g.add_argument("--dataplane-timeout", type=float, default=30.0,
+                   help="seconds the data plane may stay silent before its Step stream is dropped and reconnected")
+    g.add_argument("--core-timeout", type=float, default=30.0,
+                   help="seconds the engine core may stay silent before it is killed and restarted")
     g.add_argument("--tls-cert", default=None)
     g.add_argument("--tls-key", default=None)
     g.add_argument("--api-key", default=None, help="require this key (default: $TWINPLANE_API_KEY if set)")
@@ -108,14 +115,18 @@ def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None):
     from twinplane.controlplane.config import ControlPlaneConfig
     from twinplane.controlplane.main import Security
 
-    config = ControlPlaneConfig(
-        dataplane=dataplane, dataplane_token=token, listen=args.listen, tokenizer=args.tokenizer,
-        max_waiting_requests=args.max_waiting_requests, enable_prefix_caching=not args.no_prefix_caching,
-        shutdown_grace=args.shutdown_grace, max_prefill_tokens_with_decode=args.max_prefill_tokens_with_decode,
-        stream_interval=args.stream_interval, max_steps_in_flight=args.max_steps_in_flight,
-        metrics_port=args.metrics_port, metrics_host=args.metrics_host, max_prompt_bytes=args.max_prompt_bytes,
-        max_chat_messages=args.max_chat_messages, routing=args.routing, tokenizer_threads=args.tokenizer_threads,
-        max_unsent_tokens_per_stream=args.max_unsent_tokens_per_stream, max_unsent_tokens=args.max_unsent_tokens)
+    try:
+        config = ControlPlaneConfig(
+            dataplane=dataplane, dataplane_token=token, listen=args.listen, tokenizer=args.tokenizer,
+            max_waiting_requests=args.max_waiting_requests, enable_prefix_caching=not args.no_prefix_caching,
+            shutdown_grace=args.shutdown_grace, max_prefill_tokens_with_decode=args.max_prefill_tokens_with_decode,
+            stream_interval=args.stream_interval, max_steps_in_flight=args.max_steps_in_flight,
+            metrics_port=args.metrics_port, metrics_host=args.metrics_host, max_prompt_bytes=args.max_prompt_bytes,
+            max_chat_messages=args.max_chat_messages, routing=args.routing, tokenizer_threads=args.tokenizer_threads,
+            max_unsent_tokens_per_stream=args.max_unsent_tokens_per_stream, max_unsent_tokens=args.max_unsent_tokens,
+            stall_timeout=args.stall_timeout, dataplane_timeout=args.dataplane_timeout, core_timeout=args.core_timeout)
+    except ValueError as exc:  # a flag out of range: say which, without a traceback
+        raise SystemExit(f"twinplane {args.command}: {exc}") from None
     security = Security(args.tls_cert, args.tls_key, args.api_key or os.environ.get("TWINPLANE_API_KEY"))
     return config, security
 

@@ -10,14 +10,9 @@ import sys
 import tempfile
 import time
 
+from twinplane.controlplane.liveness import Backoff
+
 log = logging.getLogger("twinplane")
-STABLE_SECONDS = 60.0  # a child that ran this long before exiting resets the back-off
-
-
-def restart_delay(quick_exits: int) -> float:
-    """Seconds to wait before a restart after `quick_exits` exits in a row that came soon after a
-    start: 0.5 s, doubling up to 30 s, so a data plane that cannot start does not spin."""
-    return min(0.5 * 2 ** max(quick_exits - 1, 0), 30.0)
 
 
 def gpu_groups(data_parallel_size: int, tensor_parallel_size: int, visible: str | None) -> list[str]:
@@ -54,13 +49,12 @@ class DataPlaneProcess:
 
     async def watch(self) -> None:
         """Restarts the child whenever it exits, until stop(); backs off while it keeps failing."""
-        quick_exits = 0
+        backoff = Backoff()
         while True:
             code = await asyncio.to_thread(self.process.wait)
             if not self.restart:
                 return
-            quick_exits = quick_exits + 1 if time.monotonic() - self.started < STABLE_SECONDS else 0
-            delay = restart_delay(quick_exits)
+            delay = backoff.delay(time.monotonic() - self.started)
             self.restarts += 1
             log.warning("data plane exited with %s; restarting it in %.1f s (restart %d)", code, delay, self.restarts)
             await asyncio.sleep(delay)

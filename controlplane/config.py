@@ -34,6 +34,13 @@ class ControlPlaneConfig:
     max_steps_in_flight: int = 2  # steps planned and sent before the oldest one's result is applied
     metrics_port: int | None = None  # Prometheus /metrics over HTTP on this port (0: any free one); None: off
     metrics_host: str | None = None  # default: the host of listen (127.0.0.1 for a unix socket)
+    # Liveness, in seconds: a step result or an engine-core heartbeat later than stall_timeout makes
+    # health NOT_SERVING until it comes; a data plane silent for dataplane_timeout is dropped and
+    # reconnected to (keepalive pings find a silent connection within it even when idle); an engine
+    # core silent for core_timeout is killed and restarted.
+    stall_timeout: float = 5.0
+    dataplane_timeout: float = 30.0
+    core_timeout: float = 30.0
     routing: str = "prefix"  # which data plane a new request goes to, with several (router.py)
 
     @property
@@ -65,3 +72,8 @@ class ControlPlaneConfig:
             raise ValueError(f"max_prompt_bytes must be > 0, got {self.max_prompt_bytes}")
         if self.max_logprobs < 0:
             raise ValueError("max_logprobs must be >= 0")
+        if not self.stall_timeout > 0:
+            raise ValueError(f"stall_timeout must be > 0, got {self.stall_timeout}")
+        for name in ("dataplane_timeout", "core_timeout"):
+            if not getattr(self, name) > self.stall_timeout:
+                raise ValueError(f"{name} must be > stall_timeout ({self.stall_timeout}), got {getattr(self, name)}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from twinplane.proto import dataplane_pb2 as dp
@@ -21,22 +23,32 @@ class DataPlaneLost(Exception):
         self.fatal = fatal
 
 
+def channel_options(silence_timeout: float) -> list[tuple[str, int]]:
+    """Message limits, and keepalive pings that close a connection silent for silence_timeout seconds
+    (a hung peer or a dead network; the data plane's server accepts pings every second)."""
+    half = max(1000, int(silence_timeout * 500))  # ms: ping after half of it, give up after the other half
+    return [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.keepalive_time_ms", half), ("grpc.keepalive_timeout_ms", half), ("grpc.http2.ping_timeout_ms", half),
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+
+
 class DataPlaneClient:
-    def __init__(self, target: str, token: str | None = None):
+    def __init__(self, target: str, token: str | None = None, silence_timeout: float = 30.0):
         self.target = target
+        self.options = channel_options(silence_timeout)
         self.metadata = (("x-twinplane-token", token),) if token else ()
         self.channel: grpc.aio.Channel | None = None
         self.stub: dp_grpc.DataPlaneStub | None = None
         self.stream = None
         self.lost = False  # the Step stream ended without close(): the data plane is gone
+        self.abandoned: str | None = None  # why abandon() dropped the Step stream
         self.on_lost = lambda: None  # called once when that happens
 
     async def connect(self, timeout: float | None = None) -> dp.DescribeResponse:
         """Opens a channel, waits for the data plane to be ready, and opens the Step stream."""
         await self.close()
-        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-        self.channel = grpc.aio.insecure_channel(self.target, options=options)
+        self.channel = grpc.aio.insecure_channel(self.target, options=self.options)
         self.stub = dp_grpc.DataPlaneStub(self.channel)
         try:
             desc = await self.stub.Describe(dp.DescribeRequest(), timeout=timeout, wait_for_ready=True,
@@ -47,13 +59,20 @@ class DataPlaneClient:
                                 fatal=exc.code() in FATAL_CODES) from exc
         self.stream = self.stub.Step(metadata=self.metadata)
         self.stream.add_done_callback(self._stream_done)
-        self.lost = False
+        self.lost, self.abandoned = False, None
         return desc
 
     def _stream_done(self, call) -> None:
         if call is self.stream and not self.lost:  # not one that close() cancelled
             self.lost = True
             self.on_lost()
+
+    def abandon(self, why: str) -> None:
+        """Drops the Step stream of a data plane that stopped answering: a send() or receive() that
+        waits on it raises DataPlaneLost(why), and on_lost is called."""
+        if self.stream is not None and not self.stream.done():
+            self.abandoned = why
+            self.stream.cancel()
 
     async def send(self, plan: dp.StepPlan) -> None:
         """Sends a plan; its result is read with receive(), so work can go on in between."""
@@ -62,6 +81,9 @@ class DataPlaneClient:
             await self.stream.write(plan)
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
             raise DataPlaneLost(str(exc)) from exc
+        except asyncio.CancelledError:
+            self._raise_if_abandoned()
+            raise
 
     async def receive(self) -> dp.StepResult:
         """The result of the oldest plan sent and not yet received."""
@@ -70,9 +92,18 @@ class DataPlaneClient:
             result = await self.stream.read()
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
             raise DataPlaneLost(str(exc)) from exc
+        except asyncio.CancelledError:
+            self._raise_if_abandoned()
+            raise
         if result is grpc.aio.EOF:
             raise DataPlaneLost("the data plane closed the step stream")
         return result
+
+    def _raise_if_abandoned(self) -> None:
+        """abandon() cancelled the call, which gRPC reports as a CancelledError: a lost data plane,
+        unless this task itself is being cancelled."""
+        if self.abandoned is not None and not asyncio.current_task().cancelling():
+            raise DataPlaneLost(self.abandoned) from None
 
     async def close(self) -> None:
         if self.stream is not None:

@@ -5,6 +5,10 @@ The engine core (``engine_core.py``), in a process of its own, owns every Sequen
 and runs the step loop; once per step it sends the sampled tokens, which this
 side detokenizes, checks against stop strings and streams. So streaming to many
 clients costs this process's CPU, never the time between two data-plane steps.
+
+Health says SERVING while the core has a data plane and neither the data plane nor the
+core is stalled. A core that dies is replaced (``supervisor.py``); the requests in flight
+go to the new core with their tokens so far and are recomputed, as after a preemption.
 """
 
 from __future__ import annotations
@@ -12,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -20,20 +23,20 @@ from collections.abc import AsyncIterator
 
 from twinplane.controlplane.api import GenerateCall, Limits, Prompt, RequestOutput
 from twinplane.controlplane.config import BYTES_PER_TOKEN, ControlPlaneConfig
-from twinplane.controlplane.engine_core import (CORE_CALLS, FRONTEND_CALLS, STAT_NAMES, CoreSnapshot, TokenOutput,
-                                                start_core_process)
+from twinplane.controlplane.engine_core import STAT_NAMES, CoreSnapshot, TokenOutput
 from twinplane.controlplane.errors import (InvalidRequest, NoLongerFits, NotReady, Overloaded, ServiceError,
                                           StepFailed, StreamNotRead)
 from twinplane.controlplane.ipc import Remote
 from twinplane.controlplane.metrics import EngineMetrics
 from twinplane.controlplane.request_state import RequestState, Unsent
 from twinplane.controlplane.sequence import FinishReason
+from twinplane.controlplane.supervisor import CoreSupervisor
 from twinplane.controlplane.tokenizer import Tokenizer
 from twinplane.proto import dataplane_pb2 as dp
 
 log = logging.getLogger("twinplane.controlplane")
 request_log = logging.getLogger("twinplane.controlplane.requests")  # one line per finished request
-CORE_STOP_TIMEOUT = 5.0  # seconds the engine core gets to exit before it is killed
+MAX_CORES_PER_REQUEST = 2  # a request in flight when this many engine cores died fails (it may be the cause)
 
 
 class Engine:
@@ -48,9 +51,9 @@ class Engine:
         self.by_seq: dict[int, RequestState] = {}  # the same, by the core's seq_id
         self.unsent = Unsent()  # outputs queued for streams, finished requests' included, until sent
         self.core_snapshot = CoreSnapshot(dict.fromkeys(STAT_NAMES, 0))  # the latest the core sent
-        self.ready = asyncio.Event()  # a data plane is connected
+        self.ready = asyncio.Event()  # serving: a data plane is connected and nothing is stalled
         self.stopping = asyncio.Event()  # set once the engine stops accepting requests
-        self.crashed = asyncio.Event()  # the engine core died of an unexpected error (logged)
+        self.crashed = asyncio.Event()  # the engine stopped on an unexpected error (logged)
         self.accepting = True
         self.num_waiting_ready = 0  # requests waiting for a data plane (they count as waiting)
         self.num_tokenizing = 0  # requests being tokenized (they count as waiting too)
@@ -60,46 +63,48 @@ class Engine:
         self._seq_ids = itertools.count(1)
         self.metrics = EngineMetrics()
         self.on_readiness: list = []  # callbacks(bool), e.g. the health service
-        self.core: Remote | None = None  # CORE_CALLS on the engine core
-        self._core_process = None
-        self._channel = None
-        self._calls_task: asyncio.Task | None = None
-        self._stopped = False
+        self.supervisor = CoreSupervisor(config, self)
+        self._core_task: asyncio.Task | None = None
+        self._connected = False  # the engine core has a data plane
+        self._stalls: set[str] = set()  # what stalled ("data plane", "engine core")
+        self._replay = False  # the core died: send the requests in flight to the next one when it connects
 
-    def _set_ready(self, ready: bool) -> None:
+    @property
+    def core(self) -> Remote | None:
+        """CORE_CALLS on the running engine core."""
+        return self.supervisor.core
+
+    def _update_ready(self) -> None:
+        ready = self._connected and not self._stalls
         (self.ready.set if ready else self.ready.clear)()
         for callback in self.on_readiness:
             callback(ready and self.accepting)
+
+    def _set_stalled(self, what: str, stalled: bool) -> None:
+        (self._stalls.add if stalled else self._stalls.discard)(what)
+        self._update_ready()
 
     # ---- lifecycle ----------------------------------------------------------------------
 
     async def start(self) -> None:
         """Starts the engine core's process, which first connects to the data plane (capacity first)."""
-        self._core_process, self._channel = start_core_process(self.config)
-        await self._channel.open()
-        self._channel.call("configure", self.config)
-        self.core = Remote(self._channel, CORE_CALLS)
-        self._calls_task = asyncio.create_task(self._serve_core_calls(), name="twinplane-engine-core-calls")
+        self._core_task = asyncio.create_task(self._run_core(), name="twinplane-engine-core")
 
-    async def _serve_core_calls(self) -> None:
+    async def _run_core(self) -> None:
         try:
-            await self._channel.serve(self, FRONTEND_CALLS)
+            await self.supervisor.run()
         except Exception:
             log.critical("the control plane's engine stopped on an unexpected error", exc_info=True)
-        else:
-            if self._stopped:
-                return
-            code = await asyncio.to_thread(_wait, self._core_process, CORE_STOP_TIMEOUT)
-            log.critical("the control plane's engine core exited (code %s)", code)
-        self.crashed.set()
-        self._set_ready(False)
-        for state in list(self.requests.values()):
-            self._fail(state, NotReady("the control plane's engine core stopped; retry later"), tell_core=False)
+            self.crashed.set()
+            self._connected = False
+            self._update_ready()
+            for state in list(self.requests.values()):
+                self._fail(state, NotReady("the control plane's engine stopped; retry later"), tell_core=False)
 
     def stop_accepting(self) -> None:
         self.accepting = False
         self.stopping.set()
-        self._set_ready(self.ready.is_set())
+        self._update_ready()
 
     async def drain(self, grace: float) -> None:
         """Lets in-flight requests finish for up to grace seconds, then ends the rest (UNAVAILABLE)."""
@@ -115,20 +120,11 @@ class Engine:
         self.stop_accepting()
         for state in list(self.requests.values()):
             self._finish(state, FinishReason.ABORTED)
-        self._stopped = True
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
-        process = self._core_process
-        if process is None:
-            return
-        if self.core is not None:
-            self.core.shutdown()
-        if await asyncio.to_thread(_wait, process, CORE_STOP_TIMEOUT) is None:
-            log.warning("the engine core did not stop in %.0f s; killing it", CORE_STOP_TIMEOUT)
-            process.kill()
-            await asyncio.to_thread(process.wait)
-        self._channel.close()
-        if self._calls_task is not None:
-            await asyncio.gather(self._calls_task, return_exceptions=True)
+        await self.supervisor.stop()
+        if self._core_task is not None:
+            self._core_task.cancel()
+            await asyncio.gather(self._core_task, return_exceptions=True)
 
     # ---- calls from the engine core -----------------------------------------------------
 
@@ -144,11 +140,45 @@ class Engine:
                              max_prompt_bytes=c.max_prompt_bytes or BYTES_PER_TOKEN * desc.max_model_len,
                              max_chat_messages=c.max_chat_messages)
         self.snapshot(snapshot)
-        self._set_ready(True)
+        if self._replay:
+            self._replay = False
+            log.warning("the new engine core carries on with %d requests in flight", len(self.requests))
+            for state in self.requests.values():
+                self._send_to_core(state)
+        self._connected = True
+        self._set_stalled("data plane", False)
 
     def lost(self) -> None:
         """The data plane is gone: NOT_SERVING until the core connects to a new one."""
-        self._set_ready(False)
+        self._connected = False
+        self._set_stalled("data plane", False)
+
+    def stalled(self, stalled: bool) -> None:
+        """The data plane has not answered the core for stall_timeout (True), or answers again."""
+        self._set_stalled("data plane", stalled)
+
+    def heartbeat(self) -> None:
+        """The core is alive (the supervisor counts every call that arrives)."""
+
+    # ---- from the supervisor --------------------------------------------------------------
+
+    def core_hung(self, hung: bool) -> None:
+        self._set_stalled("engine core", hung)
+
+    def core_died(self) -> None:
+        """NOT_SERVING until a new core connects; the requests in flight wait for it, unless they
+        were in flight on MAX_CORES_PER_REQUEST cores that died."""
+        self._connected = False
+        self._stalls.clear()
+        self._update_ready()
+        self.core_snapshot = replace(self.core_snapshot, num_added=0, waiting=0, running=0)
+        self._num_added = 0
+        self._replay = True
+        for state in list(self.requests.values()):
+            if state.num_cores >= MAX_CORES_PER_REQUEST:
+                error = NotReady(f"the control plane's engine core stopped {state.num_cores} times while it ran "
+                                 "this request; retry later")
+                self._fail(state, error, tell_core=False)
 
     def snapshot(self, snapshot: CoreSnapshot) -> None:
         self.core_snapshot = snapshot
@@ -292,9 +322,15 @@ class Engine:
         state = RequestState(next(self._seq_ids), request_id, prompt, params, self.tokenizer,
                              self.config.stream_interval, self.metrics, arrival_time, self.unsent)
         self.requests[request_id] = self.by_seq[state.seq_id] = state
-        self._num_added += 1
-        self.core.add(state.seq_id, request_id, prompt, params)
+        if not self._replay:  # else the next core gets it with the others
+            self._send_to_core(state)
         return state
+
+    def _send_to_core(self, state: RequestState) -> None:
+        state.num_cores += 1
+        self._num_added += 1
+        self.core.add(state.seq_id, state.request_id, state.prompt, state.params, state.output_ids,
+                      state.num_cached_tokens)
 
     async def _prompt_tokens(self, call: GenerateCall) -> list[int]:
         prompt = await self.tokenize(call.prompt)
@@ -341,14 +377,6 @@ class Engine:
         self._forget(state, tell_core)
         state.fail(error)
         request_log.info(state.summary(f"error:{error.code_name}"))
-
-
-def _wait(process: subprocess.Popen, timeout: float) -> int | None:
-    """The process's exit code once it exits within timeout seconds, else None."""
-    try:
-        return process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        return None
 
 
 async def first_of(*events: asyncio.Event) -> None:

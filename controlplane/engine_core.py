@@ -10,7 +10,10 @@ the data planes never wait on the gRPC server's work.
 
 When a data plane is lost, its sequences go back to the core, which recomputes them on
 the data planes still connected (or on the same one once it is back), as after a
-preemption: no request is lost.
+preemption: no request is lost. A data plane that stops answering counts as lost after
+``dataplane_timeout``; before that, once ``stall_timeout`` passes, it counts as stalled (the
+frontend reports NOT_SERVING while every connected data plane is). The core sends the frontend
+a heartbeat every ``HEARTBEAT_INTERVAL`` seconds, busy or idle.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 from twinplane.controlplane import event_loop
 from twinplane.controlplane.config import ControlPlaneConfig
 from twinplane.controlplane.ipc import Channel, Remote
+from twinplane.controlplane.liveness import ticks
 from twinplane.controlplane.metrics import STEP_BUCKETS, Histogram
 from twinplane.controlplane.replica import STAT_NAMES, Replica, TokenOutput, token_finish_reason  # noqa: F401
 from twinplane.controlplane.router import Router
@@ -37,7 +41,8 @@ log = logging.getLogger("twinplane.controlplane")
 
 # What the frontend may call on the core, and what the core calls on the frontend.
 CORE_CALLS = frozenset({"add", "abort", "shutdown"})
-FRONTEND_CALLS = frozenset({"connected", "lost", "step", "step_failed", "refused", "snapshot"})
+FRONTEND_CALLS = frozenset({"connected", "lost", "stalled", "step", "step_failed", "refused", "snapshot",
+                            "heartbeat"})
 
 
 @dataclass
@@ -98,7 +103,8 @@ def common_describe(descs: list[dp.DescribeResponse]) -> dp.DescribeResponse:
 
 
 class EngineCore:
-    def __init__(self, config: ControlPlaneConfig, frontend):
+    def __init__(self, config: ControlPlaneConfig, frontend, counters: CoreSnapshot | None = None):
+        """counters: the last snapshot of the core this one replaces, whose counters it carries on."""
         self.config = config
         self.frontend = frontend  # FRONTEND_CALLS, one-way
         self.replicas = [Replica(i, target, self) for i, target in enumerate(config.dataplanes)]
@@ -110,13 +116,19 @@ class EngineCore:
         self.eos_token_ids: frozenset[int] = frozenset()
         self.stopped = asyncio.Event()
         self.num_added = 0
-        self.dataplane_step = Histogram(STEP_BUCKETS)
+        self.carried = counters or CoreSnapshot(dict.fromkeys(STAT_NAMES, 0))
+        self.dataplane_step = self.carried.dataplane_step
+        self._stalled = False  # the frontend was told every connected data plane stalled
 
     # ---- calls from the frontend -------------------------------------------------------
 
-    def add(self, seq_id: int, request_id: str, prompt: list[int], params: RequestParams) -> None:
+    def add(self, seq_id: int, request_id: str, prompt: list[int], params: RequestParams,
+            output_ids: list[int] = (), num_cached_tokens: int = 0) -> None:
+        """A new request; or one a previous core had started (its tokens so far), to recompute."""
         self.num_added += 1
         seq = Sequence(seq_id, request_id, prompt, params)
+        seq.token_ids += output_ids
+        seq.num_cached_tokens = num_cached_tokens
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         self.seqs[seq_id] = seq, stop_ids
         self._route(seq)
@@ -179,16 +191,28 @@ class EngineCore:
     def _tell_frontend(self) -> None:
         """NOT_SERVING once no data plane is connected; otherwise the limits they all meet."""
         live = [r.describe for r in self.replicas if r.connected]
+        self._stalled = False  # lost() and connected() both end a stall on the frontend
         if not live:
             self.frontend.lost()
             return
         self.describe = common_describe(live)
         self.eos_token_ids = frozenset(self.describe.eos_token_ids)
         self.frontend.connected(self.describe, self.snapshot())
+        self.stalls_changed()
+
+    def stalls_changed(self) -> None:
+        """The frontend reports NOT_SERVING while every connected data plane has stalled."""
+        live = [r for r in self.replicas if r.connected]
+        stalled = bool(live) and all(r.stalled for r in live)
+        if stalled != self._stalled:
+            self._stalled = stalled
+            self.frontend.stalled(stalled)
 
     def snapshot(self) -> CoreSnapshot:
-        snap = CoreSnapshot(dict.fromkeys(STAT_NAMES, 0), self.num_added, len(self.unrouted),
-                            dataplane_step=self.dataplane_step)
+        carried = self.carried  # counters of the cores before this one
+        snap = CoreSnapshot(dict(carried.stats), self.num_added, len(self.unrouted),
+                            num_preemptions=carried.num_preemptions, prefix_cache_queries=carried.prefix_cache_queries,
+                            prefix_cache_hits=carried.prefix_cache_hits, dataplane_step=self.dataplane_step)
         for replica in self.replicas:
             for name, value in replica.stats.items():
                 snap.stats[name] += value
@@ -206,19 +230,29 @@ class EngineCore:
     # ---- the step loops -----------------------------------------------------------------
 
     async def run(self) -> None:
-        """Runs every data plane's step loop until shutdown(); an unexpected error in one ends them all."""
+        """Runs every data plane's step loop until shutdown(), and heartbeats meanwhile; an
+        unexpected error in one loop ends them all."""
         loops = [asyncio.create_task(r.run(), name=f"twinplane-step-loop-{r.index}") for r in self.replicas]
         stopped = asyncio.create_task(self.stopped.wait())
+        watch = asyncio.create_task(self._watch())
         try:
             done, _ = await asyncio.wait((*loops, stopped), return_when=asyncio.FIRST_COMPLETED)
             for task in done - {stopped}:
                 task.result()  # a loop only ends by an error: raise it
         finally:
-            for task in (*loops, stopped):
+            for task in (*loops, stopped, watch):
                 task.cancel()
-            await asyncio.gather(*loops, return_exceptions=True)
+            await asyncio.gather(*loops, watch, return_exceptions=True)
             for replica in self.replicas:
                 await replica.close()
+
+
+    async def _watch(self) -> None:
+        """Every tick: a heartbeat to the frontend, and each step loop's wait on its data plane checked."""
+        async for elapsed in ticks():
+            self.frontend.heartbeat()
+            for replica in self.replicas:
+                replica.check_wait(elapsed)
 
 
 def replica_snapshot(replica: Replica) -> DataPlaneSnapshot:
@@ -240,7 +274,8 @@ def start_core_process(config: ControlPlaneConfig) -> tuple[subprocess.Popen, Ch
     """Starts the engine core in a child process; returns it and the frontend's end of their channel.
 
     The child gets its end of a socketpair as an inherited file descriptor; the frontend's first
-    call on the channel must be ``configure(config)`` (so no secret shows on a command line).
+    call on the channel must be ``configure(config, counters)`` (so no secret shows on a command
+    line; counters: the CoreSnapshot of the core this one replaces, or None).
     """
     frontend_end, core_end = socket.socketpair()
     # The child starts with SIGINT blocked (a signal mask survives fork and exec): a Ctrl-C that
@@ -277,9 +312,9 @@ async def _serve_core(sock: socket.socket) -> None:
     first = await channel.receive()
     if first is None:
         return  # the frontend went away before it said anything
-    name, (config,) = first
+    name, (config, counters) = first
     assert name == "configure", f"the engine core's first call must be configure, got {name!r}"
-    core = EngineCore(config, Remote(channel, FRONTEND_CALLS))
+    core = EngineCore(config, Remote(channel, FRONTEND_CALLS), counters)
     calls = asyncio.create_task(channel.serve(core, CORE_CALLS))
     calls.add_done_callback(lambda _: core.shutdown())  # the frontend is gone: nobody to serve
     try:

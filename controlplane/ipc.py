@@ -24,12 +24,15 @@ class Channel:
         self.sock = sock
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
+        self.num_received = 0  # calls received so far: a count that moves while the other end is alive
 
     async def open(self) -> None:
         self.reader, self.writer = await asyncio.open_connection(sock=self.sock)
 
     def call(self, name: str, *args) -> None:
-        """Sends ``name(*args)`` to the other end, without waiting."""
+        """Sends ``name(*args)`` to the other end, without waiting; dropped unless the channel is open."""
+        if self.writer is None or self.writer.is_closing():
+            return
         payload = pickle.dumps((name, args), protocol=pickle.HIGHEST_PROTOCOL)
         self.writer.write(_LENGTH.pack(len(payload)) + payload)
 
@@ -40,6 +43,7 @@ class Channel:
             payload = await self.reader.readexactly(_LENGTH.unpack(header)[0])
         except (asyncio.IncompleteReadError, ConnectionError):
             return None
+        self.num_received += 1
         return pickle.loads(payload)
 
     async def serve(self, target, names: frozenset[str]) -> None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from twinplane.controlplane.block_manager import BlockManager
 from twinplane.controlplane.dataplane_client import DataPlaneClient, DataPlaneLost
+from twinplane.controlplane.liveness import Silence
 from twinplane.controlplane.plan_codec import decode_result, encode_plan
 from twinplane.controlplane.scheduler import Scheduler, SchedulerConfig
 from twinplane.controlplane.sequence import FinishReason, Sequence
@@ -57,7 +58,7 @@ class Replica:
         self.target = target
         self.core = core
         self.config = core.config
-        self.dataplane = DataPlaneClient(target, self.config.dataplane_token)
+        self.dataplane = DataPlaneClient(target, self.config.dataplane_token, self.config.dataplane_timeout)
         self.dataplane.on_lost = self._on_dataplane_lost
         self.describe: dp.DescribeResponse | None = None
         self.scheduler: Scheduler | None = None
@@ -69,6 +70,11 @@ class Replica:
         # the first step planned after the replica ran out of work (or connected).
         self._out_of_work = True
         self._first_after_no_work: int | None = None  # step_id
+        self.stalled = False  # its data plane has owed the step loop an answer for stall_timeout
+        self._awaiting = False  # the step loop waits on the Step stream (a send or a result)
+        self._num_waits = 0  # waits on the Step stream so far
+        self._waits_seen = 0  # at the last check_wait()
+        self._silence = Silence()
 
     def __repr__(self) -> str:
         return f"data plane {self.index} ({self.target})"
@@ -124,11 +130,11 @@ class Replica:
                         self._first_after_no_work, self._out_of_work = out.step_id, False
                     plan = encode_plan(out, self.scheduler.block_manager.block_size,
                                        tuple(self.describe.eos_token_ids))
-                    await self.dataplane.send(plan)
+                    await self._on_stream(self.dataplane.send(plan))
                     in_flight.append(out)
                 self._send_deferred()  # while the data plane computes
                 if in_flight and (out is None or len(in_flight) >= max_in_flight):
-                    result = await self.dataplane.receive()
+                    result = await self._on_stream(self.dataplane.receive())
             except DataPlaneLost as exc:
                 self._send_deferred()
                 await self._reconnect(str(exc))
@@ -204,6 +210,37 @@ class Replica:
             self.core.abort(seq_id)
         self.core.frontend.step_failed(failed, error)
 
+    # ---- liveness -----------------------------------------------------------------------
+
+    async def _on_stream(self, awaitable):
+        """Awaits a send or receive on the Step stream, watched by check_wait()."""
+        self._awaiting = True
+        self._num_waits += 1
+        try:
+            result = await awaitable
+        finally:
+            self._awaiting = False
+        if self.stalled:
+            log.warning("%s answers again", self)
+            self._set_stalled(False)
+        return result
+
+    def check_wait(self, elapsed: float) -> None:
+        """A tick of the core's watch: a data plane that owes the step loop an answer (a result, or
+        room for a plan) for stall_timeout has stalled; after dataplane_timeout it is given up."""
+        heard = not self._awaiting or self._num_waits != self._waits_seen  # not waiting, or a new wait
+        self._waits_seen = self._num_waits
+        waited = self._silence.tick(heard, elapsed)
+        if waited >= self.config.dataplane_timeout:
+            self.dataplane.abandon(f"no answer on the step stream for {waited:.1f} s")
+        elif waited >= self.config.stall_timeout and not self.stalled:
+            log.warning("%s has not answered for %.1f s; it counts as stalled", self, waited)
+            self._set_stalled(True)
+
+    def _set_stalled(self, stalled: bool) -> None:
+        self.stalled = stalled
+        self.core.stalls_changed()
+
     # ---- connection ---------------------------------------------------------------------
 
     def _on_dataplane_lost(self) -> None:
@@ -218,6 +255,7 @@ class Replica:
 
     async def _reconnect(self, why: str) -> None:
         log.warning("%s lost (%s); waiting for it to come back", self, why)
+        self.stalled = False
         self._set_connected(False)
         self._out_of_work = True  # a new data plane: its first step's idle is its start-up
         self.core.recompute(self, self.scheduler.evict_all())

@@ -34,8 +34,11 @@ class RequestState:
                  unsent: Unsent):
         self.seq_id = seq_id  # the engine core's name for it
         self.request_id = request_id
+        self.prompt = prompt
         self.params = params
         self.num_prompt_tokens = len(prompt)
+        self.output_ids: list[int] = []  # every token recorded so far
+        self.num_cores = 0  # engine cores it was sent to (a new one gets it after a core dies)
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache (the core says)
         self.metrics = metrics
         self.arrival_time = arrival_time  # time.monotonic() when the request arrived
@@ -62,6 +65,7 @@ class RequestState:
         """Records a token the core sampled at position."""
         out = self.pending
         out.token_ids.append(token_id)
+        self.output_ids.append(token_id)
         if logprobs is not None and self.params.logprobs is not None:
             out.logprobs.append(logprobs)
         self.num_outputs = position + 1 - self.num_prompt_tokens

@@ -33,6 +33,13 @@ log = logging.getLogger("twinplane.dataplane")
 step_log = logging.getLogger("twinplane.dataplane.steps")
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 TOKEN_HEADER = "x-twinplane-token"
+# The control plane pings to find a silent data plane: accept its pings (every second at most). Pinging
+# back closes the connection of a control plane that went silent (a dead host, a lost network), so its
+# Step stream stops holding the lock that a new control plane's Reset and Step wait for.
+KEEPALIVE_OPTIONS = [("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_ping_strikes", 0),
+                     ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+                     ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 30_000),
+                     ("grpc.http2.ping_timeout_ms", 30_000)]
 
 
 class DataPlaneServicer(dp_grpc.DataPlaneServicer):
@@ -183,7 +190,7 @@ def create_server(runner, listen: str, token: str | None = None,
     """Builds the data-plane server (not started); returns it, the bound port (0 for unix sockets)
     and the servicer (whose ``close`` releases the runner after the server stopped)."""
     options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), *KEEPALIVE_OPTIONS]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=options)
     servicer = DataPlaneServicer(runner, token, workers)
     dp_grpc.add_DataPlaneServicer_to_server(servicer, server)

@@ -3,28 +3,38 @@
 Run it like the CLI: ``python tests/faulty_dataplane.py dataplane --model ... --listen ...``.
 A prompt whose first token is POISON_TOKEN makes its first step raise, so the data
 plane answers that step with an error result, as it would after a real fault.
+The first step that starts a prompt whose first token is SLOW_TOKEN takes SLOW_SECONDS
+more (once per process): a data plane that still answers keepalive pings, but not the step.
 No hook of this kind lives in the product code: this script swaps the runner class.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 
 import numpy as np
 
 POISON_TOKEN = 48999
+SLOW_TOKEN, SLOW_SECONDS = 48998, 8.0
 
 
 def install() -> None:
     from twinplane.dataplane import model_runner
+
+    slowed = []
 
     class FaultyRunner(model_runner.ModelRunner):
         def launch(self, plan, keep_logits=False):
             cols = plan.cols()
             firsts = np.concatenate([[0], np.cumsum(cols.num_tokens)[:-1]]).astype(int)
             for seq_id, start, first in zip(cols.seq_ids.tolist(), cols.start_pos.tolist(), firsts.tolist()):
-                if seq_id in cols.inits and start == 0 and int(cols.token_ids[first]) == POISON_TOKEN:
+                first_token = int(cols.token_ids[first])
+                if seq_id in cols.inits and start == 0 and first_token == POISON_TOKEN:
                     raise RuntimeError(f"injected fault in step {plan.step_id} (seq {seq_id})")
+                if start == 0 and first_token == SLOW_TOKEN and not slowed:
+                    slowed.append(plan.step_id)
+                    time.sleep(SLOW_SECONDS)
             return super().launch(plan, keep_logits)
 
     model_runner.ModelRunner = FaultyRunner  # dataplane.main imports it when serving starts

@@ -122,13 +122,13 @@ def test_a_data_plane_that_keeps_failing_is_restarted_with_growing_delays(monkey
     from twinplane.clients import launcher
 
     delays: list[float] = []
-    real_sleep = asyncio.sleep
 
-    async def no_wait(seconds: float) -> None:
-        delays.append(seconds)
-        await real_sleep(0)
+    class NoWait(launcher.Backoff):  # records each delay and waits none (patching asyncio.sleep would
+        def delay(self, ran_for: float) -> float:  # reach every event loop of the test process)
+            delays.append(super().delay(ran_for))
+            return 0.0
 
-    monkeypatch.setattr(launcher.asyncio, "sleep", no_wait)
+    monkeypatch.setattr(launcher, "Backoff", NoWait)
     child = launcher.DataPlaneProcess([])
     child.command = [sys.executable, "-c", "raise SystemExit(3)"]  # exits at once, like a bad model path
 
@@ -136,7 +136,7 @@ def test_a_data_plane_that_keeps_failing_is_restarted_with_growing_delays(monkey
         child.start()
         watching = asyncio.create_task(child.watch())
         while child.restarts < 8:
-            await real_sleep(0.05)
+            await asyncio.sleep(0.05)
         child.stop()
         await asyncio.gather(watching, return_exceptions=True)
 
