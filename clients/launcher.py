@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -12,6 +14,7 @@ import time
 
 log = logging.getLogger("twinplane")
 STABLE_SECONDS = 60.0  # a child that ran this long before exiting resets the back-off
+TOKEN_ENV = "TWINPLANE_DATAPLANE_TOKEN"
 
 
 def restart_delay(quick_exits: int) -> float:
@@ -20,15 +23,23 @@ def restart_delay(quick_exits: int) -> float:
     return min(0.5 * 2 ** max(quick_exits - 1, 0), 30.0)
 
 
-def private_socket_address() -> str:
-    """A unix socket in a fresh private folder, for a data plane only its parent uses."""
-    folder = tempfile.mkdtemp(prefix="twinplane-")
-    return f"unix://{os.path.join(folder, 'dataplane.sock')}"
+def new_token() -> str:
+    """A random data-plane token (256 bits)."""
+    return secrets.token_urlsafe(32)
 
 
 class DataPlaneProcess:
-    def __init__(self, args: list[str], restart: bool = True, log_level: str = "INFO"):
-        self.command = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", log_level, "dataplane", *args]
+    """The data plane as a child process, listening on address (default: a unix socket in a fresh
+    private folder, removed by stop()). The token reaches the child through its environment, never
+    its command line, which any local user can read."""
+
+    def __init__(self, args: list[str], restart: bool = True, log_level: str = "INFO", *,
+                 address: str | None = None, token: str | None = None):
+        self._folder = None if address else tempfile.mkdtemp(prefix="twinplane-")  # mode 0700
+        self.address = address or f"unix://{os.path.join(self._folder, 'dataplane.sock')}"
+        self.command = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", log_level, "dataplane", *args,
+                        "--listen", self.address]
+        self.env = {**os.environ, TOKEN_ENV: token} if token else None
         self.restart = restart
         self.process: subprocess.Popen | None = None
         self._watch: asyncio.Task | None = None
@@ -36,7 +47,7 @@ class DataPlaneProcess:
 
     def start(self) -> None:
         self.started = time.monotonic()
-        self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL)
+        self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, env=self.env)
 
     async def watch(self) -> None:
         """Restarts the child whenever it exits, until stop(); backs off while it keeps failing."""
@@ -68,3 +79,5 @@ class DataPlaneProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
