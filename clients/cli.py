@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from twinplane.clients.launcher import TOKEN_ENV
+from twinplane.clients.launcher import TOKEN_ENV, DataPlaneProcess, new_token
 from twinplane.controlplane.event_loop import run as run_event_loop
 
 DEFAULT_DATAPLANE = "127.0.0.1:50061"
@@ -172,16 +172,12 @@ def _dataplane_child(args: argparse.Namespace, address: str | None = None, token
                      restart: bool = True):
     """The data plane as a child process, with args' data-plane flags and log level, on address
     (default: a private unix socket), requiring token (passed in its environment)."""
-    from twinplane.clients.launcher import DataPlaneProcess
-
     return DataPlaneProcess(_dataplane_argv(args), restart=restart, log_level=args.log_level, address=address,
                             token=token)
 
 
 def _child_token(args: argparse.Namespace) -> str:
     """The token serve and run give both planes: --dataplane-token, else the environment's, else a new one."""
-    from twinplane.clients.launcher import new_token
-
     return getattr(args, "dataplane_token", None) or os.environ.get(TOKEN_ENV) or new_token()
 
 
