@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -208,26 +209,30 @@ def run_bench(args: argparse.Namespace) -> int:
         if server is not None:
             server.terminate()
             server.wait(60)
+            shutil.rmtree(os.path.dirname(target.removeprefix("unix://")), ignore_errors=True)
     report(requests, elapsed, before, after, info, args)
     return 0
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--server", default=None, help="benchmark a running server instead of starting one")
-    g.add_argument("--num-requests", type=int, default=256)
-    g.add_argument("--min-input", type=int, default=100)
-    g.add_argument("--max-input", type=int, default=1024)
-    g.add_argument("--min-output", type=int, default=100)
-    g.add_argument("--max-output", type=int, default=1024)
+    g.add_argument("--server", default=None,
+                   help="benchmark a running server at this address (default: start twinplane serve)")
+    g.add_argument("--num-requests", type=int, default=256, help="requests in the workload")
+    g.add_argument("--min-input", type=int, default=100, help="shortest prompt, in tokens")
+    g.add_argument("--max-input", type=int, default=1024, help="longest prompt, in tokens")
+    g.add_argument("--min-output", type=int, default=100, help="smallest max_tokens")
+    g.add_argument("--max-output", type=int, default=1024, help="largest max_tokens")
     g.add_argument("--vocab-limit", type=int, default=10000, help="prompt token ids are drawn from [0, this)")
-    g.add_argument("--temperature", type=float, default=0.6)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (default: all at once)")
-    g.add_argument("--peak-bandwidth-gbs", type=float, default=H200_BANDWIDTH_GBS, help="per GPU, for the roofline")
-    g.add_argument("--ready-timeout", type=float, default=600.0)
+    g.add_argument("--temperature", type=float, default=0.6, help="sampling temperature of every request")
+    g.add_argument("--seed", type=int, default=0, help="seed of the workload and of the arrival times")
+    g.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson arrivals; inf sends them all at once")
+    g.add_argument("--peak-bandwidth-gbs", type=float, default=H200_BANDWIDTH_GBS,
+                   help="memory bandwidth per GPU in GB/s, for the roofline")
+    g.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the server to serve")
     g.add_argument("--max-prefill-tokens-with-decode", type=int, default=None,
-                   help="passed to the server it starts (see twinplane serve --help)")
+                   help="passed to the server it starts (default: no cap)")
     g.add_argument("--stream-interval", type=int, default=1, help="passed to the server it starts")
     g.add_argument("--max-steps-in-flight", type=int, default=2, help="passed to the server it starts")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="passed to the server it starts")
@@ -237,5 +242,5 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="shared prompt prefixes, each starting as many prompts, in random order (0: none)")
     g.add_argument("--prefix-len", type=int, default=1000, help="tokens of each shared prefix")
     g.add_argument("--kill-dataplane-after", type=float, default=None,
-                   help="SIGKILL one data plane of the server it starts after this many seconds")
+                   help="SIGKILL one data plane of the server it starts after this many seconds (default: never)")
     p.set_defaults(model="dummy:qwen3-0.6b")

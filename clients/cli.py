@@ -1,4 +1,4 @@
-"""The ``twinplane`` command: run either plane, both, a prompt, a health check, or a benchmark."""
+"""The twinplane command: run either plane, both, a prompt, a health check, or a benchmark."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from twinplane.clients.launcher import TOKEN_ENV, DataPlaneProcess, gpu_groups, new_token
 from twinplane.controlplane.event_loop import run as run_event_loop
 
 DEFAULT_DATAPLANE = "127.0.0.1:50061"
@@ -19,18 +20,25 @@ def _add_dataplane_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data plane")
     g.add_argument("--model", default="default",
                    help="Hugging Face folder, 'dummy:<shape>' (random weights), or 'default' (SmolLM2-135M-Instruct)")
-    g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    g.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 256 on GPU, 16 on CPU)")
-    g.add_argument("--max-model-len", type=int, default=4096)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--num-kv-blocks", type=int, default=0, help="0 = measure (GPU) or use --cpu-kv-cache-gib")
-    g.add_argument("--cpu-kv-cache-gib", type=float, default=1.0)
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                   help="auto: CUDA when torch sees a GPU, else CPU")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="weights, activations and KV cache; auto: bfloat16 on CUDA, float32 on CPU")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block, also the prefix-cache granularity (default: 256 on GPU, 16 on CPU)")
+    g.add_argument("--max-model-len", type=int, default=4096, help="longest sequence, prompt plus output")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="most tokens in one step, and the size of the GPU memory warm-up")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of GPU memory for weights, activations and KV cache")
+    g.add_argument("--num-kv-blocks", type=int, default=0,
+                   help="a fixed number of KV blocks; 0 measures them (GPU) or uses --cpu-kv-cache-gib")
+    g.add_argument("--cpu-kv-cache-gib", type=float, default=1.0, help="KV-cache size on CPU, in GiB")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs to shard the model over")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "flash_attn_4", "flash_attn_2", "torch"])
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "flash_attn_4", "flash_attn_2", "torch"],
+                   help="auto: the first FlashAttention that imports on CUDA in 16 bits, else torch")
     g.add_argument("--weights-seed", type=int, default=0, help="seed of dummy weights and unseeded sampling")
 
 
@@ -71,9 +79,12 @@ def _has_cuda() -> bool:
 
 def _add_controlplane_args(p: argparse.ArgumentParser, listen_default: str = DEFAULT_LISTEN) -> None:
     g = p.add_argument_group("control plane")
-    g.add_argument("--listen", default=listen_default, help="public API address (loopback unless told otherwise)")
+    g.add_argument("--listen", default=listen_default,
+                   help="public API address, host:port or unix:///path (loopback unless told otherwise)")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
-    g.add_argument("--max-waiting-requests", type=int, default=4096)
+    g.add_argument("--max-waiting-requests", type=int, default=4096,
+                   help="most requests waiting; beyond it, RESOURCE_EXHAUSTED")
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     g.add_argument("--max-prompt-bytes", type=int, default=None,
                    help="most UTF-8 bytes of text (or of all chat content) a request may send (default: 64 per "
                         "token of max_model_len)")
@@ -84,9 +95,9 @@ def _add_controlplane_args(p: argparse.ArgumentParser, listen_default: str = DEF
                    help="tokens a stream may leave unread; beyond, the request ends with RESOURCE_EXHAUSTED")
     g.add_argument("--max-unsent-tokens", type=int, default=65536,
                    help="tokens all streams together may leave unread; beyond, the stream furthest behind ends")
-    g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--max-prefill-tokens-with-decode", type=int, default=None,
-                   help="cap on prefill tokens in a step that also decodes (steadier inter-token latency)")
+                   help="cap on prefill tokens in a step that also decodes: steadier inter-token latency "
+                        "(default: no cap)")
     g.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed message after the first; more means fewer messages under heavy load")
     g.add_argument("--max-steps-in-flight", type=int, default=2,
@@ -99,16 +110,19 @@ def _add_controlplane_args(p: argparse.ArgumentParser, listen_default: str = DEF
                    help="seconds the data plane may stay silent before its Step stream is dropped and reconnected")
     g.add_argument("--core-timeout", type=float, default=30.0,
                    help="seconds the engine core may stay silent before it is killed and restarted")
-    g.add_argument("--tls-cert", default=None)
-    g.add_argument("--tls-key", default=None)
-    g.add_argument("--api-key", default=None, help="require this key (default: $TWINPLANE_API_KEY if set)")
+    g.add_argument("--tls-cert", default=None, help="PEM certificate chain; with --tls-key, TLS on (default: off)")
+    g.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert (default: off)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'authorization: Bearer KEY' on every call but health "
+                        "(default: $TWINPLANE_API_KEY if set, else none)")
     g.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics over HTTP on this port (/metrics); off when not given")
+                   help="serve Prometheus metrics over HTTP on this port (/metrics) (default: off)")
+    g.add_argument("--metrics-host", default="127.0.0.1", help="address /metrics binds to")
+    g.add_argument("--metrics-no-auth", action="store_true",
+                   help="serve /metrics without the API key even when --api-key is set")
     g.add_argument("--routing", default="prefix", choices=["prefix", "least-loaded", "round-robin"],
                    help="which data plane gets a new request, with several: the one holding the longest run of "
                         "its prompt's blocks (else the least loaded), the least loaded, or each in turn")
-    g.add_argument("--metrics-host", default=None,
-                   help="address /metrics binds to (default: the host of --listen, or 127.0.0.1 for a unix socket)")
 
 
 def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None):
@@ -124,7 +138,8 @@ def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None):
             metrics_port=args.metrics_port, metrics_host=args.metrics_host, max_prompt_bytes=args.max_prompt_bytes,
             max_chat_messages=args.max_chat_messages, routing=args.routing, tokenizer_threads=args.tokenizer_threads,
             max_unsent_tokens_per_stream=args.max_unsent_tokens_per_stream, max_unsent_tokens=args.max_unsent_tokens,
-            stall_timeout=args.stall_timeout, dataplane_timeout=args.dataplane_timeout, core_timeout=args.core_timeout)
+            stall_timeout=args.stall_timeout, dataplane_timeout=args.dataplane_timeout, core_timeout=args.core_timeout,
+            metrics_api_key=not args.metrics_no_auth)
     except ValueError as exc:  # a flag out of range: say which, without a traceback
         raise SystemExit(f"twinplane {args.command}: {exc}") from None
     security = Security(args.tls_cert, args.tls_key, args.api_key or os.environ.get("TWINPLANE_API_KEY"))
@@ -132,11 +147,12 @@ def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None):
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default here)")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--seed", dest="sample_seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling, in (0, 1] (default: off)")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default: off)")
+    p.add_argument("--seed", dest="sample_seed", metavar="SEED", type=int, default=None,
+                   help="per-request seed: the same request and seed give the same tokens (default: none)")
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
@@ -144,65 +160,90 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
                 seed=args.sample_seed)
 
 
+def _progress(message: str) -> None:
+    """One short line on stderr while a command starts up."""
+    print(f"twinplane: {message}", file=sys.stderr, flush=True)
+
+
 # ---- commands ---------------------------------------------------------------------------------
 
 
+def _dataplane_token(args: argparse.Namespace) -> str | None:
+    """The token the data plane requires; TCP without one needs --insecure (any local user, or the
+    network, can reach a TCP port; a unix socket is guarded by its folder's permissions)."""
+    token = args.token or os.environ.get(TOKEN_ENV)
+    if not token and not args.listen.startswith("unix:") and not args.insecure:
+        raise SystemExit(f"twinplane dataplane: error: {args.listen} is a TCP address, which needs a token: "
+                         f"give --token or set {TOKEN_ENV} (and the same to the control plane), "
+                         "or pass --insecure to serve without one")
+    return token
+
+
 def cmd_dataplane(args: argparse.Namespace) -> int:
+    token = _dataplane_token(args)  # before the model loads
     from twinplane.dataplane.main import serve
 
-    serve(_dataplane_config(args), args.listen, args.token or os.environ.get("TWINPLANE_DATAPLANE_TOKEN"))
+    serve(_dataplane_config(args), args.listen, token)
     return 0
 
 
 def cmd_controlplane(args: argparse.Namespace) -> int:
     from twinplane.controlplane.main import serve
 
-    config, security = _controlplane(args, args.dataplane, args.dataplane_token)
+    config, security = _controlplane(args, args.dataplane, args.dataplane_token or os.environ.get(TOKEN_ENV))
     run_event_loop(serve(config, security))
     return 0
 
 
-def _dataplane_child(args: argparse.Namespace, address: str, restart: bool = True, gpus: str | None = None):
-    """The data plane as a child process, with args' data-plane flags and log level (and these GPUs)."""
-    from twinplane.clients.launcher import DataPlaneProcess
+def _dataplane_child(args: argparse.Namespace, address: str | None = None, token: str | None = None,
+                     restart: bool = True, gpus: str | None = None):
+    """The data plane as a child process, with args' data-plane flags and log level, on address
+    (default: a private unix socket), requiring token (passed in its environment), on these GPUs."""
+    return DataPlaneProcess(_dataplane_argv(args), restart=restart, log_level=args.log_level, address=address,
+                            token=token, env={"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else None)
 
-    return DataPlaneProcess(_dataplane_argv(args) + ["--listen", address], restart=restart, log_level=args.log_level,
-                            env={"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else None)
 
-
-def _dataplane_children(args: argparse.Namespace) -> list:
+def _dataplane_children(args: argparse.Namespace, token: str) -> list[DataPlaneProcess]:
     """serve's data planes: --data-parallel-size of them, each on its own GPUs and address."""
-    from twinplane.clients.launcher import gpu_groups, private_socket_address
-
     n = args.data_parallel_size
     if n < 1:
-        raise SystemExit(f"--data-parallel-size must be >= 1, got {n}")
-    addresses = args.dataplane_listen.split(",") if args.dataplane_listen else [private_socket_address()
-                                                                                for _ in range(n)]
+        raise SystemExit(f"twinplane serve: --data-parallel-size must be >= 1, got {n}")
+    addresses = args.dataplane_listen.split(",") if args.dataplane_listen else [None] * n
     if len(addresses) != n:
-        raise SystemExit(f"--dataplane-listen gives {len(addresses)} addresses for --data-parallel-size {n}")
+        raise SystemExit(f"twinplane serve: --dataplane-listen gives {len(addresses)} addresses for "
+                         f"--data-parallel-size {n}")
     groups = [None] * n
     if n > 1 and args.device != "cpu":
         try:
             groups = gpu_groups(n, args.tensor_parallel_size, os.environ.get("CUDA_VISIBLE_DEVICES"))
         except ValueError as exc:
-            raise SystemExit(str(exc)) from None
-    return [_dataplane_child(args, address, gpus=gpus) for address, gpus in zip(addresses, groups)]
+            raise SystemExit(f"twinplane serve: {exc}") from None
+    return [_dataplane_child(args, address, token, gpus=gpus) for address, gpus in zip(addresses, groups)]
+
+
+def _child_token(args: argparse.Namespace) -> str:
+    """The token serve and run give both planes: --dataplane-token, else the environment's, else a new one."""
+    return getattr(args, "dataplane_token", None) or os.environ.get(TOKEN_ENV) or new_token()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from twinplane.controlplane.main import serve
 
-    children = _dataplane_children(args)
-    addresses = ",".join(child.command[child.command.index("--listen") + 1] for child in children)
-    config, security = _controlplane(args, addresses, None)
+    token = _child_token(args)
+    children = _dataplane_children(args, token)
+    config, security = _controlplane(args, ",".join(child.address for child in children), token)
+
+    def announce(ready: bool) -> None:
+        if ready:
+            _progress(f"data plane ready; serving on {args.listen}")
 
     async def main() -> None:
         for child in children:
+            _progress(f"starting the data plane ({args.model}) on {child.address}; loading the model")
             child.start()
             child.start_watching()
         try:
-            await serve(config, security)
+            await serve(config, security, on_readiness=announce)
         finally:
             for child in children:
                 child.stop()
@@ -214,8 +255,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from twinplane.clients.client import Client
 
-    prompt = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
     with Client(args.server, api_key=args.api_key or os.environ.get("TWINPLANE_API_KEY")) as client:
+        chat = args.chat if args.chat is not None else client.model_info().has_chat_template
+        prompt = {"messages": [{"role": "user", "content": args.prompt}]} if chat else {"prompt": args.prompt}
         return _stream_to_terminal(client.generate(**prompt, **_sampling_kwargs(args)))
 
 
@@ -254,20 +296,21 @@ def _stream_to_terminal(stream) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     """Both planes on loopback, one prompt, then both stop."""
     from twinplane.clients.client import AsyncClient
-    from twinplane.clients.launcher import private_socket_address
     from twinplane.controlplane.config import ControlPlaneConfig
     from twinplane.controlplane.main import ControlPlane
 
-    address = private_socket_address()
-    child = _dataplane_child(args, address, restart=False)
+    token = _child_token(args)
+    child = _dataplane_child(args, token=token, restart=False)
     prompt = {"prompt": args.prompt} if args.no_chat else {"messages": [{"role": "user", "content": args.prompt}]}
 
     async def main() -> int:
+        _progress(f"loading the model ({args.model}) in a data-plane process")
         child.start()
-        plane = ControlPlane(ControlPlaneConfig(dataplane=address, listen="127.0.0.1:0"))
-        await plane.start()
+        plane = ControlPlane(ControlPlaneConfig(dataplane=child.address, dataplane_token=token, listen="127.0.0.1:0"))
         try:
+            await plane.start()
             await _wait_ready(plane, child)
+            _progress("data plane ready; generating")
             async with AsyncClient(f"127.0.0.1:{plane.port}") as client:
                 async for chunk in client.generate(**prompt, **_sampling_kwargs(args)):
                     sys.stdout.write(chunk.text)
@@ -294,70 +337,117 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except where there is none (None) or the flag is a switch:
+    those say in their help what happens without them."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or isinstance(action.default, bool):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def _add_log_level(p: argparse.ArgumentParser, default=None) -> None:
     p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=default,
-                   help="default: INFO for servers, WARNING otherwise")
+                   help="Python logging level (default: INFO for dataplane, controlplane and serve, "
+                        "WARNING otherwise)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="twinplane", description=__doc__)
-    _add_log_level(parser)
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_command(sub, name: str, description: str, func) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=description, description=description, formatter_class=HelpFormatter)
+    p.set_defaults(func=func)
+    return p
 
-    p = sub.add_parser("dataplane", help="run the data plane (model + KV cache)")
+
+def _add_dataplane_command(sub) -> None:
+    p = _add_command(sub, "dataplane", "run the data plane (model and KV cache)", cmd_dataplane)
     _add_dataplane_args(p)
-    p.add_argument("--listen", default=DEFAULT_DATAPLANE, help="address, e.g. 127.0.0.1:50061 or unix:///path")
-    p.add_argument("--token", default=None, help="require this token from the control plane "
-                                                 "(default: $TWINPLANE_DATAPLANE_TOKEN if set)")
+    p.add_argument("--listen", default=DEFAULT_DATAPLANE,
+                   help="address: host:port (needs --token or --insecure) or unix:///path")
+    p.add_argument("--token", default=None,
+                   help=f"require this token from the control plane (default: ${TOKEN_ENV} if set, else none)")
+    p.add_argument("--insecure", action="store_true",
+                   help="serve on a TCP address without a token (only on a private network)")
     _add_log_level(p, argparse.SUPPRESS)  # here, or before the command
-    p.set_defaults(func=cmd_dataplane)
 
-    p = sub.add_parser("controlplane", help="run the control plane (public API + scheduler)")
-    p.add_argument("--dataplane", default=DEFAULT_DATAPLANE,
-                   help="data-plane address, or several separated by commas (data parallelism)")
-    p.add_argument("--dataplane-token", default=os.environ.get("TWINPLANE_DATAPLANE_TOKEN"))
+
+def _add_controlplane_command(sub) -> None:
+    p = _add_command(sub, "controlplane", "run the control plane (public API and scheduler)", cmd_controlplane)
+    p.add_argument("--dataplane", default=DEFAULT_DATAPLANE, help="the data plane's address, or several separated by commas (data parallelism)")
+    p.add_argument("--dataplane-token", default=None,
+                   help=f"token sent to the data plane (default: ${TOKEN_ENV} if set, else none)")
     _add_controlplane_args(p)
     _add_log_level(p, argparse.SUPPRESS)
-    p.set_defaults(func=cmd_controlplane)
 
-    p = sub.add_parser("serve", help="run both planes (the data plane as a child process)")
+
+def _add_serve_command(sub) -> None:
+    p = _add_command(sub, "serve", "run both planes (the data plane as a child process)", cmd_serve)
     _add_dataplane_args(p)
     _add_controlplane_args(p)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="data planes to start, each on its own --tensor-parallel-size GPUs with its own KV cache")
     p.add_argument("--dataplane-listen", default=None,
-                   help="data-plane address, one per data plane separated by commas (default: private unix sockets)")
+                   help="where the data-plane children listen, one address each, separated by commas "
+                        "(default: private unix sockets)")
+    p.add_argument("--dataplane-token", default=None,
+                   help=f"token both planes share (default: ${TOKEN_ENV} if set, else a random one)")
     _add_log_level(p, argparse.SUPPRESS)  # the data plane gets it too
-    p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("generate", help="stream a completion from a running server")
-    p.add_argument("prompt")
-    p.add_argument("--server", default=DEFAULT_LISTEN)
-    p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
-    p.add_argument("--api-key", default=None)
+
+def _add_generate_command(sub) -> None:
+    p = _add_command(sub, "generate", "stream a completion from a running server", cmd_generate)
+    p.add_argument("prompt", help="the prompt")
+    p.add_argument("--server", default=DEFAULT_LISTEN, help="the control plane's address")
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--chat", action="store_true", default=None,
+                      help="send the prompt as a user chat message (default: when the model has a chat template)")
+    chat.add_argument("--no-chat", dest="chat", action="store_false", help="send the prompt as plain text")
+    p.add_argument("--api-key", default=None,
+                   help="the key of a server started with --api-key (default: $TWINPLANE_API_KEY if set)")
     _add_sampling_args(p)
-    p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("health", help="check a server's grpc.health.v1 status: exit 0 when SERVING, 1 otherwise")
+
+def _add_health_command(sub) -> None:
+    p = _add_command(sub, "health", "check a server's grpc.health.v1 status: exit 0 when SERVING, 1 otherwise",
+                     cmd_health)
     p.add_argument("--server", default=DEFAULT_LISTEN, help="either plane's address, e.g. unix:///path")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
-    p.set_defaults(func=cmd_health)
 
-    p = sub.add_parser("run", help="start both planes on loopback, answer one prompt, stop")
-    p.add_argument("prompt")
+
+def _add_run_command(sub) -> None:
+    p = _add_command(sub, "run", "start both planes, answer one prompt, stop", cmd_run)
+    p.add_argument("prompt", help="the prompt")
     p.add_argument("--no-chat", action="store_true", help="send the prompt as plain text, not as a chat message")
     _add_dataplane_args(p)
     _add_sampling_args(p)
     _add_log_level(p, argparse.SUPPRESS)  # the data plane gets it too
-    p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("bench", help="throughput and latency benchmark through the gRPC path")
-    _add_dataplane_args(p)
+
+def _add_bench_command(sub) -> None:
     from twinplane.clients.bench import add_bench_args
 
+    p = _add_command(sub, "bench", "throughput and latency benchmark through the gRPC path", cmd_bench)
+    _add_dataplane_args(p)
     add_bench_args(p)
-    p.set_defaults(func=cmd_bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="twinplane", description=__doc__, formatter_class=HelpFormatter)
+    _add_log_level(parser)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_dataplane_command, _add_controlplane_command, _add_serve_command, _add_generate_command,
+                _add_health_command, _add_run_command, _add_bench_command):
+        add(sub)
     return parser
+
+
+def _rpc_error_line(exc: BaseException) -> str | None:
+    """'error: CODE: details' for a failed gRPC call, else None."""
+    import grpc
+
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return f"error: {exc.code().name}: {exc.details()}"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -365,7 +455,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.log_level is None:
         args.log_level = "INFO" if args.command in ("dataplane", "controlplane", "serve") else "WARNING"
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return args.func(args) or 0
+    try:
+        return args.func(args) or 0
+    except Exception as exc:  # noqa: BLE001 -- a failed call is one line, anything else a traceback
+        line = _rpc_error_line(exc)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -13,6 +15,7 @@ import time
 from twinplane.controlplane.liveness import Backoff
 
 log = logging.getLogger("twinplane")
+TOKEN_ENV = "TWINPLANE_DATAPLANE_TOKEN"
 
 
 def gpu_groups(data_parallel_size: int, tensor_parallel_size: int, visible: str | None) -> list[str]:
@@ -27,17 +30,24 @@ def gpu_groups(data_parallel_size: int, tensor_parallel_size: int, visible: str 
             for i in range(data_parallel_size)]
 
 
-def private_socket_address() -> str:
-    """A unix socket in a fresh private folder, for a data plane only its parent uses."""
-    folder = tempfile.mkdtemp(prefix="twinplane-")
-    return f"unix://{os.path.join(folder, 'dataplane.sock')}"
+def new_token() -> str:
+    """A random data-plane token (256 bits)."""
+    return secrets.token_urlsafe(32)
 
 
 class DataPlaneProcess:
-    def __init__(self, args: list[str], restart: bool = True, log_level: str = "INFO",
-                 env: dict[str, str] | None = None):
-        self.command = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", log_level, "dataplane", *args]
-        self.env = {**os.environ, **env} if env else None  # e.g. the GPUs this data plane may use
+    """The data plane as a child process, listening on address (default: a unix socket in a fresh
+    private folder, removed by stop()). The token reaches the child through its environment, never
+    its command line, which any local user can read; env adds to its environment (e.g. its GPUs)."""
+
+    def __init__(self, args: list[str], restart: bool = True, log_level: str = "INFO", *,
+                 address: str | None = None, token: str | None = None, env: dict[str, str] | None = None):
+        self._folder = None if address else tempfile.mkdtemp(prefix="twinplane-")  # mode 0700
+        self.address = address or f"unix://{os.path.join(self._folder, 'dataplane.sock')}"
+        self.command = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", log_level, "dataplane", *args,
+                        "--listen", self.address]
+        extra = {**(env or {}), **({TOKEN_ENV: token} if token else {})}
+        self.env = {**os.environ, **extra} if extra else None
         self.restart = restart
         self.process: subprocess.Popen | None = None
         self._watch: asyncio.Task | None = None
@@ -76,3 +86,5 @@ class DataPlaneProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)

@@ -11,6 +11,7 @@ tokens per second that no GPU speed-up can push the service beyond.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -97,6 +98,7 @@ def main() -> int:
         control.terminate()
         control.wait(30)
         server.stop(0)
+        shutil.rmtree(os.path.dirname(dp_address.removeprefix("unix://")), ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ class ControlPlaneConfig:
     stream_interval: int = 1  # tokens per streamed message (fewer messages at high load)
     max_steps_in_flight: int = 2  # steps planned and sent before the oldest one's result is applied
     metrics_port: int | None = None  # Prometheus /metrics over HTTP on this port (0: any free one); None: off
-    metrics_host: str | None = None  # default: the host of listen (127.0.0.1 for a unix socket)
+    metrics_host: str = "127.0.0.1"  # address /metrics binds to
+    metrics_api_key: bool = True  # with an API key, /metrics requires it too
     # Liveness, in seconds: a step result or an engine-core heartbeat later than stall_timeout makes
     # health NOT_SERVING until it comes; a data plane silent for dataplane_timeout is dropped and
     # reconnected to (keepalive pings find a silent connection within it even when idle); an engine

@@ -12,7 +12,7 @@ import grpc
 from twinplane.controlplane.auth import ApiKeyInterceptor
 from twinplane.controlplane.config import ControlPlaneConfig
 from twinplane.controlplane.engine import Engine, first_of
-from twinplane.controlplane.metrics import metrics_host, registry_for, serve_metrics
+from twinplane.controlplane.metrics import registry_for, serve_metrics
 from twinplane.controlplane.server import create_server
 
 log = logging.getLogger("twinplane.controlplane")
@@ -43,15 +43,18 @@ class ControlPlane:
         self.server, self.port = create_server(self.engine, config.listen, max_message_bytes=config.max_message_bytes,
                                                credentials=security.credentials(), interceptors=interceptors)
         self.metrics_registry = registry_for(self.engine)
+        self.metrics_key = security.api_key if config.metrics_api_key else None
         self.metrics_server = None  # the HTTP server of /metrics, once started
         self._start_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.server.start()
         if self.config.metrics_port is not None:
-            host = self.config.metrics_host or metrics_host(self.config.listen)
-            self.metrics_server = serve_metrics(self.metrics_registry, host, self.config.metrics_port)
-            log.info("metrics on http://%s:%d/metrics", host, self.metrics_port)
+            host = self.config.metrics_host
+            self.metrics_server = serve_metrics(self.metrics_registry, host, self.config.metrics_port,
+                                                self.metrics_key)
+            log.info("metrics on http://%s:%d/metrics%s", host, self.metrics_port,
+                     " (API key required)" if self.metrics_key else "")
         # health says NOT_SERVING until the data plane is ready
         self._start_task = asyncio.create_task(self.engine.start())
 
@@ -76,9 +79,12 @@ class ControlPlane:
             self.metrics_server.server_close()
 
 
-async def serve(config: ControlPlaneConfig, security: Security = Security()) -> None:
-    """Serves until SIGTERM or SIGINT, then shuts down gracefully."""
+async def serve(config: ControlPlaneConfig, security: Security = Security(), on_readiness=None) -> None:
+    """Serves until SIGTERM or SIGINT, then shuts down gracefully; on_readiness(ready) is called
+    whenever the service becomes ready or stops being ready."""
     plane = ControlPlane(config, security)
+    if on_readiness is not None:
+        plane.engine.on_readiness.append(on_readiness)
     await plane.start()
     log.info("control plane listening on %s (port %d), data plane %s", config.listen, plane.port, config.dataplane)
     stop = asyncio.Event()

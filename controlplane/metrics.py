@@ -13,19 +13,22 @@ Names follow vLLM's (``vllm:`` becomes ``twinplane:``) where the meaning is the 
 from __future__ import annotations
 
 import bisect
+import hmac
 import math
+import socket
+import threading
 from collections.abc import Iterator
+from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
 from twinplane.controlplane.sequence import FinishReason
 
 if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
-
     from twinplane.controlplane.engine import Engine
 
 PREFIX = "twinplane:"
@@ -163,17 +166,37 @@ def registry_for(engine: Engine) -> CollectorRegistry:
     return registry
 
 
-def metrics_host(listen: str) -> str:
-    """The host of a TCP listen address ("[::]:50051" -> "::"); 127.0.0.1 for a unix socket."""
-    if listen.startswith("unix:"):
-        return "127.0.0.1"
-    return listen.rpartition(":")[0].strip("[]") or "127.0.0.1"
+def require_api_key(app, api_key: str):
+    """app, answering 401 to a request without 'Authorization: Bearer <api_key>'."""
+    expected = f"Bearer {api_key}".encode()
+
+    def guarded(environ, start_response):
+        sent = environ.get("HTTP_AUTHORIZATION", "").encode()
+        if hmac.compare_digest(sent, expected):  # constant-time comparison
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
+        return [b"missing or wrong API key: send 'Authorization: Bearer <key>'\n"]
+
+    return guarded
 
 
-def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> WSGIServer:
-    """Serves registry over HTTP (/metrics) on its own daemon thread; port 0 lets the OS choose."""
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:  # noqa: A002 -- no line on stderr per scrape
+        pass
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int, api_key: str | None = None) -> WSGIServer:
+    """Serves registry over HTTP (/metrics) on its own daemon thread; port 0 lets the OS choose.
+    With api_key, a scrape must send it as a bearer token."""
+    app = make_wsgi_app(registry)
+    if api_key:
+        app = require_api_key(app, api_key)
     try:
-        server, _ = start_http_server(port, host, registry)
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        server_class = type("MetricsServer", (ThreadingMixIn, WSGIServer), {"address_family": family,
+                                                                            "daemon_threads": True})
+        server = make_server(host, port, app, server_class, handler_class=_QuietHandler)
     except OSError as exc:
         raise OSError(f"cannot serve metrics on {host}:{port}: {exc}") from exc
+    threading.Thread(target=server.serve_forever, daemon=True, name="twinplane-metrics").start()
     return server

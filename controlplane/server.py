@@ -12,9 +12,10 @@ import functools
 import logging
 
 import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from twinplane.controlplane.api import (REQUEST_ID_HEADER, generate_call_from_pb, output_to_pb, prompt_from_pb,
                                         request_id_header_value)
@@ -25,6 +26,7 @@ from twinplane.proto import generation_pb2_grpc as pb_grpc
 
 log = logging.getLogger("twinplane.controlplane")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
 
 def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
@@ -188,7 +190,41 @@ def create_server(engine: Engine, listen: str, *, max_message_bytes: int = 16 <<
 
     set_health(engine.ready.is_set() and engine.accepting)
     engine.on_readiness.append(set_health)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    _enable_reflection(server, (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
     port = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
     return server, port
+
+
+def _enable_reflection(server: grpc.aio.Server, service_names: tuple[str, ...]) -> None:
+    """Server reflection as grpc.reflection.v1 (what current tools ask first) and v1alpha. grpcio-reflection
+    implements v1alpha only; v1 has the same messages under another package, so one servicer serves both."""
+    _add_v1_reflection_descriptors()
+    servicer = reflection.aio.ReflectionServicer((*service_names, REFLECTION_V1, reflection.SERVICE_NAME))
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    info = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo, request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1,
+                                                                          {"ServerReflectionInfo": info}),))
+
+
+def _add_v1_reflection_descriptors() -> None:
+    """grpc/reflection/v1/reflection.proto in the default pool (so reflection can describe v1 itself),
+    made from the v1alpha file: the same messages and service, renamed."""
+    pool = descriptor_pool.Default()
+    try:
+        pool.FindServiceByName(REFLECTION_V1)
+        return
+    except KeyError:
+        pass
+    old, new = reflection_pb2.DESCRIPTOR.package, REFLECTION_V1.rpartition(".")[0]
+    file = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(file)
+    file.name, file.package = "grpc/reflection/v1/reflection.proto", new
+    file.ClearField("options")
+    for field in (f for message in file.message_type for f in message.field if f.type_name):
+        field.type_name = field.type_name.replace(f".{old}.", f".{new}.")
+    for method in file.service[0].method:
+        method.input_type = method.input_type.replace(f".{old}.", f".{new}.")
+        method.output_type = method.output_type.replace(f".{old}.", f".{new}.")
+    pool.Add(file)

@@ -1,6 +1,12 @@
 """The data plane's gRPC server: Describe, Step (one result per plan, in order), Reset.
 
-One Step stream is served at a time. Its plans are launched as soon as they arrive,
+One Step stream is served at a time: a newer one (or a Reset) ends the older one with
+ABORTED and takes over, so a control plane that restarts never waits behind a stale
+stream. With a token, every call but a health check must send it (metadata
+``x-twinplane-token``) and is refused before it takes any lock; calls beyond
+``MAX_CONCURRENT_CALLS`` get RESOURCE_EXHAUSTED at once rather than queueing for a thread.
+
+A Step stream's plans are launched as soon as they arrive,
 so the device already holds the next step when the current one ends: a reader thread
 queues incoming plans, a watcher thread reports each launched step as it finishes on
 the device, and the stream's handler launches plans and sends results in plan order
@@ -40,25 +46,57 @@ KEEPALIVE_OPTIONS = [("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.ma
                      ("grpc.http2.min_ping_interval_without_data_ms", 1000),
                      ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 30_000),
                      ("grpc.http2.ping_timeout_ms", 30_000)]
+MAX_CONCURRENT_CALLS = 16  # one thread each; more get RESOURCE_EXHAUSTED
+OPEN_METHODS = ("/grpc.health.v1.Health/Check",)  # probes need no token
+SUPERSEDED = "a newer Step stream took over this data plane"
+TAKEOVER_POLL_S = 0.05
+
+
+def _deny(request, context):
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong data-plane token")
+
+
+_DENY = {  # (request_streaming, response_streaming) -> handler
+    (False, False): grpc.unary_unary_rpc_method_handler(_deny),
+    (False, True): grpc.unary_stream_rpc_method_handler(_deny),
+    (True, False): grpc.stream_unary_rpc_method_handler(_deny),
+    (True, True): grpc.stream_stream_rpc_method_handler(_deny),
+}
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Refuses every call but a health check that does not send the token (constant-time comparison)."""
+
+    def __init__(self, token: str):
+        self._expected = token.encode()
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method in OPEN_METHODS:
+            return handler
+        sent = dict(handler_call_details.invocation_metadata or ()).get(TOKEN_HEADER, "")
+        if hmac.compare_digest(sent.encode(), self._expected):
+            return handler
+        return _DENY[(handler.request_streaming, handler.response_streaming)]
 
 
 class DataPlaneServicer(dp_grpc.DataPlaneServicer):
-    def __init__(self, runner, token: str | None = None, workers=None):
+    def __init__(self, runner, workers=None):
         self.runner = runner
-        self.token = token
         self.workers = workers  # TensorParallelWorkers, or None with one rank
-        self.lock = threading.Lock()  # one Step stream, Reset or Describe at a time
-
-    def _authorize(self, context: grpc.ServicerContext) -> None:
-        if self.token is None:
-            return
-        sent = dict(context.invocation_metadata()).get(TOKEN_HEADER, "")
-        if not hmac.compare_digest(sent.encode(), self.token.encode()):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong data-plane token")
+        self.lock = threading.Lock()  # held by the Step stream, a Reset, or close()
+        self._pipeline: _StepPipeline | None = None  # the Step stream holding the lock
 
     def Describe(self, request, context) -> dp.DescribeResponse:
-        self._authorize(context)
         return describe_to_pb(self.runner.describe())
+
+    def _take_over(self) -> None:
+        """Takes the lock, ending the Step stream that holds it (the newest session wins)."""
+        while True:
+            if (pipeline := self._pipeline) is not None:
+                pipeline.supersede()
+            if self.lock.acquire(timeout=TAKEOVER_POLL_S):
+                return
 
     def close(self, timeout: float = 10.0) -> None:
         """Stops the tensor-parallel workers and releases the runner once no Step stream uses them
@@ -75,9 +113,11 @@ class DataPlaneServicer(dp_grpc.DataPlaneServicer):
                 self.lock.release()
 
     def Reset(self, request, context) -> dp.ResetResponse:
-        self._authorize(context)
-        with self.lock:
+        self._take_over()
+        try:
             self._reset()
+        finally:
+            self.lock.release()
         return dp.ResetResponse()
 
     def _reset(self) -> None:
@@ -86,10 +126,18 @@ class DataPlaneServicer(dp_grpc.DataPlaneServicer):
         self.runner.reset()
 
     def Step(self, request_iterator, context):
-        self._authorize(context)
-        with self.lock:
+        self._take_over()
+        pipeline = _StepPipeline(self._launch)
+        try:
             self._reset()  # a new stream means a new control-plane session
-            yield from _StepPipeline(self._launch).run(request_iterator)
+            self._pipeline = pipeline
+            yield from pipeline.run(request_iterator)
+        finally:
+            self._pipeline = None
+            self.lock.release()
+        if pipeline.superseded:
+            log.warning("a newer Step stream took over; the older one ends with ABORTED")
+            context.abort(grpc.StatusCode.ABORTED, SUPERSEDED)
 
     def _launch(self, msg: dp.StepPlan):
         """Queues a plan on the device; returns its LaunchedStep, or a StepResult if it failed."""
@@ -107,6 +155,7 @@ def _failed(step_id: int, exc: Exception) -> dp.StepResult:
 
 
 _FINISHED = object()  # the watcher saw the oldest launched step finish
+_SUPERSEDED = object()  # a newer stream wants the device: stop taking plans
 
 
 class _StepPipeline:
@@ -114,8 +163,13 @@ class _StepPipeline:
 
     def __init__(self, launch) -> None:
         self.launch = launch
-        self.events: queue.SimpleQueue = queue.SimpleQueue()  # plans, _FINISHED, or None (stream ended)
+        self.events: queue.SimpleQueue = queue.SimpleQueue()  # plans, _FINISHED, _SUPERSEDED, or None (ended)
         self.to_watch: queue.SimpleQueue = queue.SimpleQueue()
+        self.superseded = False
+
+    def supersede(self) -> None:
+        """Ends run() once the steps already launched are done (called from another thread)."""
+        self.events.put((_SUPERSEDED, time.perf_counter()))
 
     def run(self, requests):
         threading.Thread(target=self._read, args=(requests,), daemon=True, name="twinplane-plans").start()
@@ -126,6 +180,9 @@ class _StepPipeline:
         try:
             while (event := self.events.get()) is not None:
                 what, at = event
+                if what is _SUPERSEDED:
+                    self.superseded = True
+                    return
                 if what is _FINISHED:
                     step, times = launched.popleft()
                     if debug:
@@ -191,8 +248,10 @@ def create_server(runner, listen: str, token: str | None = None,
     and the servicer (whose ``close`` releases the runner after the server stopped)."""
     options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), *KEEPALIVE_OPTIONS]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=options)
-    servicer = DataPlaneServicer(runner, token, workers)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_CONCURRENT_CALLS), options=options,
+                         interceptors=[TokenInterceptor(token)] if token else [],
+                         maximum_concurrent_rpcs=MAX_CONCURRENT_CALLS)
+    servicer = DataPlaneServicer(runner, workers)
     dp_grpc.add_DataPlaneServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)

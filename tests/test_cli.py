@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -12,32 +13,95 @@ from twinplane.clients.client import Client
 CLI = [sys.executable, "-m", "twinplane.clients.cli"]
 
 
-def test_run_answers_with_the_embedded_model(smollm2_dir):
+def _fresh_tmpdir(tmp_path) -> dict:
+    """An environment whose TMPDIR is a new empty folder, tmp_path/tmp."""
+    (tmp_path / "tmp").mkdir()
+    return {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+
+
+def _left_in_tmpdir(tmp_path) -> list[str]:
+    """What a run left in its TMPDIR, but torch's own cache folder (one per user, shared by every run)."""
+    return sorted(p.name for p in (tmp_path / "tmp").iterdir() if not p.name.startswith("torchinductor_"))
+
+
+def test_run_answers_with_the_embedded_model(smollm2_dir, tmp_path):
     result = subprocess.run([*CLI, "run", "What is the capital of France?", "--max-tokens", "32"],
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=300, env=_fresh_tmpdir(tmp_path))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Paris" in result.stdout
     # shutting down while a step planned ahead is still in flight must be quiet
     assert "Traceback" not in result.stderr and " ERROR " not in result.stderr, result.stderr[-2000:]
+    assert "twinplane: loading the model (default)" in result.stderr
+    assert "twinplane: data plane ready" in result.stderr
+    assert _left_in_tmpdir(tmp_path) == []
+
+
+def _generate(address: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, "generate", *args, "--server", address], capture_output=True, text=True,
+                          timeout=120)
 
 
 def test_serve_then_generate_streams_text(smollm2_dir, tmp_path):
     address = f"unix://{tmp_path}/cp.sock"
+    log = (tmp_path / "serve.log").open("w")
     server = subprocess.Popen([*CLI, "serve", "--model", str(smollm2_dir), "--device", "cpu", "--listen", address,
-                               "--shutdown-grace", "1"], stdin=subprocess.DEVNULL)
+                               "--shutdown-grace", "1"], stdin=subprocess.DEVNULL, stderr=log,
+                              env=_fresh_tmpdir(tmp_path))
     try:
         with Client(address) as client:
             client.wait_ready(timeout=180)
-        result = subprocess.run([*CLI, "generate", "What is the capital of France?", "--chat", "--server", address,
-                                 "--max-tokens", "32"], capture_output=True, text=True, timeout=120)
-        assert result.returncode == 0, result.stderr[-2000:]
-        assert "Paris" in result.stdout
-        assert "prompt" in result.stderr and "completion" in result.stderr
+        for chat in ("--chat", None):  # a model with a chat template gets chat by default
+            result = _generate(address, "What is the capital of France?", "--max-tokens", "32", *filter(None, [chat]))
+            assert result.returncode == 0, result.stderr[-2000:]
+            assert "Paris" in result.stdout
+            assert "prompt" in result.stderr and "completion" in result.stderr
+        plain = _generate(address, "The capital of France is", "--no-chat", "--max-tokens", "4")
+        assert plain.returncode == 0 and "prompt 5 tokens" in plain.stderr, plain.stderr
+        bad = _generate(address, "hi", "--top-p", "5")
+        assert bad.returncode == 1 and bad.stderr.startswith("error: INVALID_ARGUMENT: "), bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1 and "top_p" in bad.stderr
     finally:
         server.terminate()
         start = time.time()
         assert server.wait(60) == 0
         assert time.time() - start < 30
+        log.close()
+    stderr = (tmp_path / "serve.log").read_text()
+    assert f"twinplane: starting the data plane ({smollm2_dir})" in stderr
+    assert f"twinplane: data plane ready; serving on {address}" in stderr
+    assert _left_in_tmpdir(tmp_path) == []
+
+
+def test_generate_says_in_one_line_when_it_cannot_reach_the_server(tmp_path):
+    result = _generate(f"unix://{tmp_path}/nobody.sock", "hi")
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: UNAVAILABLE: ") and len(result.stderr.strip().splitlines()) == 1, (
+        result.stderr)
+
+
+def test_every_flag_has_a_help_text_and_shows_its_default(monkeypatch):
+    import argparse
+
+    from twinplane.clients.cli import build_parser
+
+    for name in ("TWINPLANE_API_KEY", "TWINPLANE_DATAPLANE_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, command in [("twinplane", parser), *commands.items()]:
+        text = command.format_help()
+        assert "`" not in text and "``" not in text, name
+        assert command.description, name
+        for action in command._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            assert action.help, f"{name} {action.option_strings or action.dest}: no help text"
+            shown = command._get_formatter()._expand_help(action)  # as --help prints it
+            flag = f"{name} {action.option_strings[0] if action.option_strings else action.dest}"
+            if action.default is None:  # said in words
+                assert action.option_strings == [] or "default" in shown, f"{flag}: default not shown"
+            elif not isinstance(action.default, bool) and action.default is not argparse.SUPPRESS:
+                assert f"(default: {action.default})" in shown, f"{flag}: default not shown"
 
 
 def _health(address: str) -> subprocess.CompletedProcess:

@@ -101,6 +101,7 @@ def test_planes_meet_on_a_socket_in_a_shared_volume_and_see_the_same_model_paths
 def test_public_api_on_port_50051_of_loopback_by_default(services):
     assert services["controlplane"]["ports"] == ["127.0.0.1:50051:50051/tcp", "127.0.0.1:9400:9400/tcp"]
     assert _args(services["controlplane"]).metrics_port == 9400
+    assert _args(services["controlplane"]).metrics_host == "0.0.0.0"  # inside its container, to be published
     assert _args(services["controlplane"]).listen == "0.0.0.0:50051"
 
 
@@ -110,6 +111,9 @@ def test_variables_reach_the_commands():
     dataplane = _args(resolved["dataplane"])
     assert (dataplane.model, dataplane.tensor_parallel_size) == ("/models/Qwen3-0.6B", 2)
     assert resolved["controlplane"]["environment"]["TWINPLANE_API_KEY"] == "k"
+    for file in FILES:
+        services = compose_config(file, TWINPLANE_DATAPLANE_TOKEN="t")["services"]
+        assert {services[s]["environment"]["TWINPLANE_DATAPLANE_TOKEN"] for s in services} == {"t"}
     assert resolved["controlplane"]["ports"] == ["0.0.0.0:50051:50051/tcp", "0.0.0.0:9400:9400/tcp"]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import urllib.error
 import urllib.request
 
 import grpc
@@ -11,7 +12,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.test_e2e_reference import random_prompts
 from twinplane.clients.messages import build_request
-from twinplane.controlplane.metrics import metrics_host
 from twinplane.proto import generation_pb2_grpc as pb_grpc
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -145,7 +145,53 @@ def test_too_long_request_id_header_is_refused(planes):
     assert "x-request-id must be at most 256 characters" in info.value.details()
 
 
-def test_metrics_bind_to_the_listen_host():
-    assert metrics_host("unix:///tmp/cp.sock") == "127.0.0.1"
-    assert metrics_host("0.0.0.0:50051") == "0.0.0.0"
-    assert metrics_host("[::1]:50051") == "::1"
+def _control_plane_metrics(tmp_path, **config) -> tuple[str, int]:
+    """Starts a control plane (no data plane needed) with /metrics; returns the metrics server's
+    host, and the HTTP status of a scrape without and with the API key."""
+    import asyncio
+
+    from twinplane.controlplane.config import ControlPlaneConfig
+    from twinplane.controlplane.main import ControlPlane, Security
+
+    async def run():
+        plane = ControlPlane(ControlPlaneConfig(dataplane=f"unix://{tmp_path}/none.sock", listen="0.0.0.0:0",
+                                                metrics_port=0, **config), Security(api_key="m3trics-key"))
+        await plane.start()
+        try:
+            host = plane.metrics_server.server_address[0]
+            return host, [await asyncio.to_thread(_scrape_status, plane.metrics_port, key)
+                          for key in (None, "wrong", "m3trics-key")]
+        finally:
+            await plane.shutdown(grace=0)
+
+    return asyncio.run(asyncio.wait_for(run(), 120))
+
+
+def _scrape_status(port: int, key: str | None) -> int:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers),
+                                    timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+def test_metrics_bind_to_loopback_and_need_the_api_key(tmp_path):
+    """Even with the public API on 0.0.0.0, /metrics stays on 127.0.0.1 unless --metrics-host says
+    otherwise; with an API key, a scrape must send it (Authorization: Bearer <key>)."""
+    host, statuses = _control_plane_metrics(tmp_path)
+    assert host == "127.0.0.1"
+    assert statuses == [401, 401, 200]
+
+
+def test_metrics_can_be_opened_explicitly(tmp_path):
+    from twinplane.clients.cli import _controlplane, build_parser
+
+    args = build_parser().parse_args(["controlplane", "--listen", "0.0.0.0:50051", "--metrics-port", "9400"])
+    config, _ = _controlplane(args, args.dataplane, None)
+    assert (config.metrics_host, config.metrics_api_key) == ("127.0.0.1", True)
+    args = build_parser().parse_args(["controlplane", "--metrics-port", "9400", "--metrics-no-auth"])
+    assert _controlplane(args, args.dataplane, None)[0].metrics_api_key is False
+    _, statuses = _control_plane_metrics(tmp_path, metrics_api_key=False)
+    assert statuses == [200, 200, 200]

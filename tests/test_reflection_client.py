@@ -111,3 +111,35 @@ def test_readme_grpcurl_commands_work_through_reflection(loopback_planes):
     assert results["twinplane.v1.Generation/GetModelInfo"][0]["vocab_size"] == 49152
     assert results["grpc.health.v1.Health/Check"] == [{"status": "SERVING"}]
     assert int(results["twinplane.v1.Generation/GetStats"][0]["steps"]) > 0
+
+
+REFLECTION_VERSIONS = ("grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection")
+
+
+def _raw_reflection(channel: grpc.Channel, service: str, requests: list[dict]) -> list[dict]:
+    """ServerReflectionInfo of one reflection version, with request and reply classes built here from
+    that version's own .proto description (v1 and v1alpha differ only in their package)."""
+    from twinplane.controlplane.server import _add_v1_reflection_descriptors
+
+    _add_v1_reflection_descriptors()  # this client's own copy of v1's description, for the message classes
+    method = descriptor_pool.Default().FindServiceByName(service).methods_by_name["ServerReflectionInfo"]
+    request_class = message_factory.GetMessageClass(method.input_type)
+    reply_class = message_factory.GetMessageClass(method.output_type)
+    call = channel.stream_stream(f"/{service}/ServerReflectionInfo", request_serializer=request_class.SerializeToString,
+                                 response_deserializer=reply_class.FromString)
+    replies = call(iter([json_format.ParseDict(r, request_class()) for r in requests]), timeout=30)
+    return [json_format.MessageToDict(r, preserving_proto_field_name=True) for r in replies]
+
+
+def test_reflection_answers_as_v1_and_v1alpha(loopback_planes):
+    with grpc.insecure_channel(loopback_planes.address) as channel:
+        for service in REFLECTION_VERSIONS:
+            listed, described = _raw_reflection(channel, service, [
+                {"list_services": ""}, {"file_containing_symbol": "twinplane.v1.Generation"}])
+            names = {s["name"] for s in listed["list_services_response"]["service"]}
+            assert {"twinplane.v1.Generation", "grpc.health.v1.Health", *REFLECTION_VERSIONS} <= names, service
+            assert described["file_descriptor_response"]["file_descriptor_proto"], service
+        # every listed service can be described, as `grpcurl describe` does
+        for name in sorted(names):
+            reply, = _raw_reflection(channel, REFLECTION_VERSIONS[0], [{"file_containing_symbol": name}])
+            assert "file_descriptor_response" in reply, name

@@ -186,3 +186,16 @@ def test_the_pickled_channel_is_a_private_socketpair():
     assert [p.name for p in users] == ["engine_core.py"]
     assert re.findall(r"Channel\((\w+)\)", users[0].read_text()) == ["frontend_end", "sock"]
     assert "frontend_end, core_end = socket.socketpair()" in users[0].read_text()
+
+
+def test_jinja2_without_the_sandbox_breakout_is_required():
+    """Chat templates run in jinja2's sandbox, which 3.1.5 and older let a template leave."""
+    import importlib.metadata
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    jinja2, = (r for r in map(Requirement, dependencies) if r.name.lower() == "jinja2")
+    assert not jinja2.specifier.contains("3.1.5") and jinja2.specifier.contains("3.1.6")
+    assert jinja2.specifier.contains(importlib.metadata.version("jinja2"))
