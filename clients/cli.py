@@ -89,6 +89,8 @@ def _add_controlplane_args(p: argparse.ArgumentParser, listen_default: str = DEF
                    help="serve Prometheus metrics over HTTP on this port (/metrics); off when not given")
     g.add_argument("--metrics-host", default=None,
                    help="address /metrics binds to (default: the host of --listen, or 127.0.0.1 for a unix socket)")
+    g.add_argument("--http-listen", default=None,
+                   help="serve the OpenAI-compatible HTTP API here: host:port, or a port on 127.0.0.1; off when not given")
 
 
 def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None):
@@ -100,7 +102,7 @@ def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None):
         max_waiting_requests=args.max_waiting_requests, enable_prefix_caching=not args.no_prefix_caching,
         shutdown_grace=args.shutdown_grace, max_prefill_tokens_with_decode=args.max_prefill_tokens_with_decode,
         stream_interval=args.stream_interval, max_steps_in_flight=args.max_steps_in_flight,
-        metrics_port=args.metrics_port, metrics_host=args.metrics_host)
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host, http_listen=args.http_listen)
     security = Security(args.tls_cert, args.tls_key, args.api_key or os.environ.get("TWINPLANE_API_KEY"))
     return config, security
 

@@ -25,6 +25,7 @@ class ControlPlaneConfig:
     max_steps_in_flight: int = 2  # steps planned and sent before the oldest one's result is applied
     metrics_port: int | None = None  # Prometheus /metrics over HTTP on this port (0: any free one); None: off
     metrics_host: str | None = None  # default: the host of listen (127.0.0.1 for a unix socket)
+    http_listen: str | None = None  # OpenAI-compatible HTTP API: "host:port" or a port (loopback); None: off
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_tokens_with_decode"):
