@@ -20,6 +20,9 @@ from twinplane.controlplane.tokenizer import Tokenizer
 MAX_CHOICES = 16  # most sequences (n) one request may ask for
 UNSUPPORTED = ("tools", "functions", "logit_bias", "suffix", "audio", "prediction")  # refused unless null/empty
 _INTS = ("top_k", "seed", "n", "max_tokens", "max_completion_tokens", "min_tokens", "top_logprobs")
+# request fields an error message may start with: an error's "param"
+PARAMS = frozenset((*SAMPLING_FIELDS, *_INTS, "messages", "prompt", "stop", "stop_token_ids", "logprobs",
+                    "stream_options", "response_format", "echo", *UNSUPPORTED))
 FINISH_REASONS = {FinishReason.STOP_TOKEN: "stop", FinishReason.STOP_STRING: "stop",
                   FinishReason.LENGTH: "length", FinishReason.ABORTED: "abort"}
 

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -27,7 +28,7 @@ from twinplane.controlplane.api import REQUEST_ID_HEADER, checked_request_id, re
 from twinplane.controlplane.auth import MESSAGE as API_KEY_MESSAGE
 from twinplane.controlplane.engine import Engine
 from twinplane.controlplane.errors import InvalidRequest, NotReady, ServiceError
-from twinplane.controlplane.openai_api import parse_request
+from twinplane.controlplane.openai_api import PARAMS, parse_request
 from twinplane.controlplane.openai_stream import Choices, ResponseBuilder
 
 log = logging.getLogger("twinplane.controlplane")
@@ -63,7 +64,8 @@ def response_of(exc: Exception) -> JSONResponse:
     if isinstance(exc, ServiceError):
         status, message = _STATUS[exc.code_name], str(exc)
         match = _PARAM.match(message) if status == 400 else None
-        return error_response(status, message, getattr(exc, "code", None), match and match.group(1))
+        param = match.group(1) if match and match.group(1) in PARAMS else None
+        return error_response(status, message, getattr(exc, "code", None), param)
     if isinstance(exc, HTTPException):
         return error_response(exc.status_code, str(exc.detail))
     log.exception("unexpected error while serving an HTTP request", exc_info=exc)
@@ -166,8 +168,10 @@ class OpenAIService:
         builder = ResponseBuilder(parsed, prefix + request_id, model, self.engine.tokenizer)
         headers = {REQUEST_ID_HEADER: request_id_header_value(request_id)}
         if parsed.stream:
+            # the background task also aborts a stream the client left before its first chunk
             return StreamingResponse(_sse(choices, builder), media_type="text/event-stream",
-                                     headers={**headers, "cache-control": "no-cache"})
+                                     headers={**headers, "cache-control": "no-cache"},
+                                     background=BackgroundTask(choices.close))
         return await _whole(request, choices, builder, headers)
 
 

@@ -11,6 +11,7 @@ import pytest
 from tests.conftest import Planes
 from tests.reliability import all_blocks_free, wait_until
 from twinplane.controlplane.main import Security
+from twinplane.controlplane.sequence import FinishReason
 
 KEY = "sk-test-key"
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one word, then explain."}]
@@ -192,16 +193,27 @@ def test_bad_json_gets_400_and_leaks_nothing(base_url):
 
 
 def test_disconnect_mid_stream_frees_the_blocks(base_url, model, http_planes):
-    tokens_before = http_planes.engine.metrics.generation_tokens
-    body = {"model": model, "prompt": LONG_PROMPT, "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    metrics = http_planes.engine.metrics
+    tokens_before, aborted_before = metrics.generation_tokens, metrics.finished[FinishReason.ABORTED]
+    body = {"model": model, "prompt": LONG_PROMPT, "max_tokens": 3000, "stream": True, "ignore_eos": True}
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", base_url + "/v1/completions", json=body,
                          headers={"authorization": f"Bearer {KEY}"}) as response:
             lines = response.iter_lines()
             assert next(lines).startswith("data: ")
-            wait_until(lambda: http_planes.engine.requests, 10, "the request to run")
+            assert http_planes.free_blocks()[0] < http_planes.free_blocks()[1]
     wait_until(lambda: all_blocks_free(http_planes), 20, "every KV block free after the client left")
-    assert http_planes.engine.metrics.generation_tokens > tokens_before  # HTTP counts in the same metrics
+    assert metrics.finished[FinishReason.ABORTED] == aborted_before + 1  # ended by the disconnect, not max_tokens
+    assert metrics.generation_tokens > tokens_before  # HTTP requests count in the same metrics
+
+
+def test_disconnect_while_waiting_for_a_whole_response_aborts(base_url, model, http_planes):
+    aborted_before = http_planes.engine.metrics.finished[FinishReason.ABORTED]
+    body = {"model": model, "prompt": LONG_PROMPT, "max_tokens": 3000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base_url + "/v1/completions", json=body, headers={"authorization": f"Bearer {KEY}"}, timeout=1.5)
+    wait_until(lambda: all_blocks_free(http_planes), 20, "every KV block free after the client left")
+    assert http_planes.engine.metrics.finished[FinishReason.ABORTED] == aborted_before + 1
 
 
 def test_503_without_a_data_plane(tmp_path):
@@ -216,3 +228,24 @@ def test_503_without_a_data_plane(tmp_path):
         assert httpx.get(url + "/health", timeout=30).status_code == 503
     finally:
         planes.stop()
+
+
+def test_429_when_too_many_wait_and_shutdown_ends_streams(planes_factory, tiny_qwen3_dir):
+    planes = planes_factory(tiny_qwen3_dir, "--block-size", "16", "--max-num-seqs", "1", max_waiting_requests=1,
+                            http_listen="127.0.0.1:0")
+    url = f"http://127.0.0.1:{planes.plane.http_port}/v1/completions"
+    body = {"prompt": "Once upon a time", "max_tokens": 3000, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", url, json=body) as running:
+            running_lines = running.iter_lines()
+            assert next(running_lines).startswith("data: ")  # running: the one sequence a step may hold
+            with http.stream("POST", url, json=body) as waiting:
+                wait_until(lambda: planes.engine.num_waiting == 1, 10, "the second request to wait")
+                refused = http.post(url, json={**body, "stream": False})
+                assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error"
+                planes.call(planes.plane.shutdown(grace=0))  # what SIGTERM does
+                for lines in (running_lines, waiting.iter_lines()):
+                    events = [line for line in lines if line]
+                    assert events[-1] == "data: [DONE]"
+                    assert "shut down" in json.loads(events[-2][len("data: "):])["error"]["message"]
+    planes.plane = None  # already shut down
