@@ -187,7 +187,7 @@ async def _sse(choices: Choices, builder: ResponseBuilder):
             yield _event(builder.chunk(index, out))
         if builder.request.include_usage:
             yield _event(builder.usage_chunk(choices.usage()))
-    except ServiceError as exc:
+    except Exception as exc:  # noqa: BLE001 -- the status line is sent: the error goes as an event
         yield _event(json.loads(response_of(exc).body))
     finally:
         choices.close()

@@ -108,3 +108,14 @@ def test_listen_addresses():
     assert parse_listen("[::1]:0") == ("::1", 0)
     with pytest.raises(ValueError):
         parse_listen("localhost:http")
+
+
+def test_the_command_line_passes_http_listen_on(monkeypatch):
+    from twinplane.clients.cli import _controlplane, build_parser
+
+    monkeypatch.delenv("TWINPLANE_API_KEY", raising=False)
+    args = build_parser().parse_args(["serve", "--http-listen", "8000", "--api-key", "k"])
+    config, security = _controlplane(args, "unix:///tmp/dp.sock", None)
+    assert (config.http_listen, security.api_key) == ("8000", "k")
+    off, _ = _controlplane(build_parser().parse_args(["controlplane"]), "127.0.0.1:50061", None)
+    assert off.http_listen is None  # off unless asked for
