@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import ssl
 
 import httpx
 import openai
@@ -249,3 +250,20 @@ def test_429_when_too_many_wait_and_shutdown_ends_streams(planes_factory, tiny_q
                     assert events[-1] == "data: [DONE]"
                     assert "shut down" in json.loads(events[-2][len("data: "):])["error"]["message"]
     planes.plane = None  # already shut down
+
+
+def test_tls_files_serve_the_http_api_over_https(tmp_path):
+    from tests.test_reliability_security import self_signed_cert
+
+    cert, key = self_signed_cert(tmp_path)
+    planes = Planes(tmp_path, "unused", http_listen="127.0.0.1:0", listen="127.0.0.1:0",
+                    security=Security(tls_cert=str(cert), tls_key=str(key)))
+    planes.start_controlplane()  # no data plane: health answers 503, over TLS
+    try:
+        port = planes.plane.http_port
+        trusted = ssl.create_default_context(cafile=str(cert))
+        assert httpx.get(f"https://127.0.0.1:{port}/health", verify=trusted, timeout=30).status_code == 503
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)  # plaintext is refused
+    finally:
+        planes.stop()
