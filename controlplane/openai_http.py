@@ -135,7 +135,7 @@ class OpenAIService:
                 raise InvalidRequest(f"the request body is over {self.max_body_bytes} bytes")
         try:
             body = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError):  # say where, never echo the body
+        except (UnicodeDecodeError, json.JSONDecodeError):  # never echo the body back
             raise InvalidRequest("the request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise InvalidRequest("the request body must be a JSON object")
