@@ -97,45 +97,77 @@ def _range(name: str, value: float, low: float, high: float, *, low_open: bool =
     _check(ok, f"{name} must be in {interval}, got {value:g}")
 
 
-def sampling_from_pb(s: pb.SamplingParams) -> SamplingOptions:
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "seed")
+
+
+def sampling_options(values: dict, prefix: str = "sampling.") -> SamplingOptions:
+    """Validated sampling options from plain values (SAMPLING_FIELDS; a missing one takes its default).
+    prefix goes before each field name in error messages."""
     options = SamplingOptions()
-    temperature = s.temperature if s.HasField("temperature") else options.temperature
+    temperature = values.get("temperature", options.temperature)
     _check(math.isfinite(temperature) and temperature >= 0,
-           f"sampling.temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
-    top_p = s.top_p if s.HasField("top_p") else 1.0
-    _range("sampling.top_p", top_p, 0.0, 1.0, low_open=True)
-    top_k = s.top_k if s.HasField("top_k") else 0
-    _check(top_k >= -1, f"sampling.top_k must be >= 1, or 0 or -1 for no limit, got {top_k}")
-    min_p = s.min_p if s.HasField("min_p") else 0.0
-    _range("sampling.min_p", min_p, 0.0, 1.0)
-    repetition = s.repetition_penalty if s.HasField("repetition_penalty") else 1.0
-    _range("sampling.repetition_penalty", repetition, 0.0, 2.0, low_open=True)
-    presence = s.presence_penalty if s.HasField("presence_penalty") else 0.0
-    _range("sampling.presence_penalty", presence, -2.0, 2.0)
-    frequency = s.frequency_penalty if s.HasField("frequency_penalty") else 0.0
-    _range("sampling.frequency_penalty", frequency, -2.0, 2.0)
+           f"{prefix}temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    top_p = values.get("top_p", 1.0)
+    _range(f"{prefix}top_p", top_p, 0.0, 1.0, low_open=True)
+    top_k = values.get("top_k", 0)
+    _check(top_k >= -1, f"{prefix}top_k must be >= 1, or 0 or -1 for no limit, got {top_k}")
+    min_p = values.get("min_p", 0.0)
+    _range(f"{prefix}min_p", min_p, 0.0, 1.0)
+    repetition = values.get("repetition_penalty", 1.0)
+    _range(f"{prefix}repetition_penalty", repetition, 0.0, 2.0, low_open=True)
+    presence = values.get("presence_penalty", 0.0)
+    _range(f"{prefix}presence_penalty", presence, -2.0, 2.0)
+    frequency = values.get("frequency_penalty", 0.0)
+    _range(f"{prefix}frequency_penalty", frequency, -2.0, 2.0)
     return SamplingOptions(
         temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0), min_p=float(min_p),
         repetition_penalty=float(repetition), presence_penalty=float(presence),
-        frequency_penalty=float(frequency), seed=s.seed if s.HasField("seed") else None,
+        frequency_penalty=float(frequency), seed=values.get("seed"),
     )
+
+
+def sampling_from_pb(s: pb.SamplingParams) -> SamplingOptions:
+    return sampling_options({name: getattr(s, name) for name in SAMPLING_FIELDS if s.HasField(name)})
+
+
+def text_prompt(text: str, limits: Limits, name: str = "text") -> Prompt:
+    _check(text != "", f"{name} must not be empty")
+    _check_bytes(name, len(text.encode()), limits)
+    return Prompt(text=text)
+
+
+def token_prompt(ids: list[int], limits: Limits, name: str = "token_ids.ids") -> Prompt:
+    _check(bool(ids), f"{name} must not be empty")
+    bad = [i for i in ids if not 0 <= i < limits.vocab_size]
+    _check(not bad, f"{name} must be in [0, {limits.vocab_size}); got {bad[:5]}")
+    return Prompt(token_ids=ids)
+
+
+def chat_prompt(messages: list[dict[str, str]], limits: Limits, name: str = "chat.messages") -> Prompt:
+    check_chat_count(len(messages), limits, name)
+    for i, m in enumerate(messages):
+        _check(m["role"] in CHAT_ROLES, f"{name}[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
+                                        f"got {m['role']!r}")
+    _check_bytes(f"{name} (content, all together)", sum(len(m["content"].encode()) for m in messages), limits)
+    return Prompt(messages=messages)
+
+
+def check_chat_count(count: int, limits: Limits, name: str = "chat.messages") -> None:
+    _check(count > 0, f"{name} must not be empty")
+    _check(count <= limits.max_chat_messages,
+           f"{name} holds {count} messages; at most {limits.max_chat_messages} are allowed (max_chat_messages)")
 
 
 def prompt_from_pb(req: pb.GenerateRequest | pb.TokenizeRequest, limits: Limits) -> Prompt:
     """The request's input, refused before any tokenizing when it is empty or over the size limits."""
     kind = req.WhichOneof("input")
     if kind == "text":
-        _check(req.text != "", "text must not be empty")
-        _check_bytes("text", len(req.text.encode()), limits)
-        return Prompt(text=req.text)
+        return text_prompt(req.text, limits)
     if kind == "token_ids":
-        ids = list(req.token_ids.ids)
-        _check(bool(ids), "token_ids.ids must not be empty")
-        bad = [i for i in ids if i >= limits.vocab_size]
-        _check(not bad, f"token_ids.ids must be in [0, {limits.vocab_size}); got {bad[:5]}")
-        return Prompt(token_ids=ids)
+        return token_prompt(list(req.token_ids.ids), limits)
     if kind == "chat":
-        return Prompt(messages=_chat_messages(req.chat.messages, limits))
+        return chat_prompt([{"role": m.role, "content": m.content} for m in req.chat.messages], limits)
     raise InvalidRequest("input is required: set one of text, token_ids or chat")
 
 
@@ -144,25 +176,17 @@ def _check_bytes(name: str, size: int, limits: Limits) -> None:
                                             "allowed (max_prompt_bytes)")
 
 
-def _chat_messages(chat, limits: Limits) -> list[dict[str, str]]:
-    _check(len(chat) > 0, "chat.messages must not be empty")
-    _check(len(chat) <= limits.max_chat_messages,
-           f"chat.messages holds {len(chat)} messages; at most {limits.max_chat_messages} are allowed "
-           "(max_chat_messages)")
-    messages = [{"role": m.role, "content": m.content} for m in chat]
-    for i, m in enumerate(messages):
-        _check(m["role"] in CHAT_ROLES, f"chat.messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
-                                        f"got {m['role']!r}")
-    _check_bytes("chat.messages (content, all together)", sum(len(m["content"].encode()) for m in messages), limits)
-    return messages
-
-
 def request_id_of(req: pb.GenerateRequest, header: str | None) -> str:
     """The request's id: the request_id field, else the x-request-id header, else a new one."""
-    for name, value in (("request_id", req.request_id), (REQUEST_ID_HEADER, header or "")):
+    return checked_request_id(req.request_id, header)
+
+
+def checked_request_id(request_id: str, header: str | None) -> str:
+    """request_id if given, else the x-request-id header, else a new id; both at most MAX_REQUEST_ID_LEN long."""
+    for name, value in (("request_id", request_id), (REQUEST_ID_HEADER, header or "")):
         _check(len(value) <= MAX_REQUEST_ID_LEN,
                f"{name} must be at most {MAX_REQUEST_ID_LEN} characters, got {len(value)}")
-    return req.request_id or header or uuid.uuid4().hex
+    return request_id or header or uuid.uuid4().hex
 
 
 def request_id_header_value(request_id: str) -> str:
@@ -173,6 +197,33 @@ def request_id_header_value(request_id: str) -> str:
     return urllib.parse.quote(request_id, safe=_PERCENT_ENCODE_SAFE)
 
 
+def request_params(limits: Limits, sampling: SamplingOptions, *, max_tokens: int | None = None, min_tokens: int = 0,
+                   stop: tuple[str, ...] = (), stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False,
+                   logprobs: int | None = None, skip_special_tokens: bool = True,
+                   logprobs_name: str = "logprobs") -> RequestParams:
+    """Validated RequestParams from plain values; max_tokens None means as many as fit."""
+    if max_tokens is not None:
+        _check(0 < max_tokens <= limits.max_model_len,
+               f"max_tokens must be in [1, {limits.max_model_len}] (max_model_len), got {max_tokens}")
+    _check(0 <= min_tokens <= limits.max_model_len,
+           f"min_tokens must be at most {limits.max_model_len} (max_model_len), got {min_tokens}")
+    _check(max_tokens is None or min_tokens <= max_tokens,
+           f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})")
+    _check(len(stop) <= limits.max_stop_strings,
+           f"stop may hold at most {limits.max_stop_strings} strings, got {len(stop)}")
+    for i, s in enumerate(stop):
+        _check(0 < len(s) <= limits.max_stop_string_len,
+               f"stop[{i}] must be 1 to {limits.max_stop_string_len} characters long, got {len(s)}")
+    bad = [i for i in stop_token_ids if not 0 <= i < limits.vocab_size]
+    _check(not bad, f"stop_token_ids must be in [0, {limits.vocab_size}); got {bad[:5]}")
+    _check(len(stop_token_ids) <= 64, f"stop_token_ids may hold at most 64 ids, got {len(stop_token_ids)}")
+    _check(logprobs is None or 0 <= logprobs <= limits.max_logprobs,
+           f"{logprobs_name} must be in [0, {limits.max_logprobs}], got {logprobs}")
+    return RequestParams(max_tokens=max_tokens or 0, sampling=sampling, min_tokens=min_tokens, stop=stop,
+                         stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
+                         skip_special_tokens=skip_special_tokens)
+
+
 def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, header_request_id: str | None = None
                           ) -> GenerateCall:
     request_id = request_id_of(req, header_request_id)
@@ -180,34 +231,14 @@ def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, header_reques
     _check(req.truncate_prompt_tokens < limits.max_model_len,
            f"truncate_prompt_tokens must be below max_model_len ({limits.max_model_len}), 0 for no truncation; "
            f"got {req.truncate_prompt_tokens}")
-    max_tokens = req.max_tokens if req.HasField("max_tokens") else 0
-    if req.HasField("max_tokens"):
-        _check(0 < max_tokens <= limits.max_model_len,
-               f"max_tokens must be in [1, {limits.max_model_len}] (max_model_len), got {max_tokens}")
-    _check(req.min_tokens <= limits.max_model_len,
-           f"min_tokens must be at most {limits.max_model_len} (max_model_len), got {req.min_tokens}")
-    _check(not req.HasField("max_tokens") or req.min_tokens <= max_tokens,
-           f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})")
-    stop = tuple(req.stop)
-    _check(len(stop) <= limits.max_stop_strings,
-           f"stop may hold at most {limits.max_stop_strings} strings, got {len(stop)}")
-    for i, s in enumerate(stop):
-        _check(0 < len(s) <= limits.max_stop_string_len,
-               f"stop[{i}] must be 1 to {limits.max_stop_string_len} characters long, got {len(s)}")
-    bad = [i for i in req.stop_token_ids if i >= limits.vocab_size]
-    _check(not bad, f"stop_token_ids must be in [0, {limits.vocab_size}); got {bad[:5]}")
-    _check(len(req.stop_token_ids) <= 64, f"stop_token_ids may hold at most 64 ids, got {len(req.stop_token_ids)}")
-    logprobs = req.logprobs if req.HasField("logprobs") else None
-    _check(logprobs is None or logprobs <= limits.max_logprobs,
-           f"logprobs must be in [0, {limits.max_logprobs}], got {logprobs}")
-    params = RequestParams(
-        max_tokens=max_tokens,
-        sampling=sampling_from_pb(req.sampling),
+    params = request_params(
+        limits, sampling_from_pb(req.sampling),
+        max_tokens=req.max_tokens if req.HasField("max_tokens") else None,
         min_tokens=req.min_tokens,
-        stop=stop,
+        stop=tuple(req.stop),
         stop_token_ids=tuple(req.stop_token_ids),
         ignore_eos=req.ignore_eos,
-        logprobs=logprobs,
+        logprobs=req.logprobs if req.HasField("logprobs") else None,
         skip_special_tokens=req.skip_special_tokens if req.HasField("skip_special_tokens") else True,
     )
     return GenerateCall(request_id, prompt, params, req.truncate_prompt_tokens)

@@ -42,6 +42,7 @@ class ControlPlaneConfig:
     stall_timeout: float = 5.0
     dataplane_timeout: float = 30.0
     core_timeout: float = 30.0
+    http_listen: str | None = None  # OpenAI-compatible HTTP API: "host:port" or a port (loopback); None: off
     routing: str = "prefix"  # which data plane a new request goes to, with several (router.py)
 
     @property

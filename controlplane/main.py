@@ -45,6 +45,12 @@ class ControlPlane:
         self.metrics_registry = registry_for(self.engine)
         self.metrics_key = security.api_key if config.metrics_api_key else None
         self.metrics_server = None  # the HTTP server of /metrics, once started
+        self.http_server = None  # the OpenAI-compatible HTTP API, when config.http_listen is set
+        if config.http_listen is not None:
+            from twinplane.controlplane.openai_http import HttpServer
+
+            self.http_server = HttpServer(self.engine, config.http_listen, security.api_key, config.max_message_bytes,
+                                          security.tls_cert, security.tls_key)
         self._start_task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -55,8 +61,16 @@ class ControlPlane:
                                                 self.metrics_key)
             log.info("metrics on http://%s:%d/metrics%s", host, self.metrics_port,
                      " (API key required)" if self.metrics_key else "")
+        if self.http_server is not None:
+            await self.http_server.start()
+            log.info("OpenAI-compatible HTTP API on %s:%d", self.http_server.host, self.http_server.port)
         # health says NOT_SERVING until the data plane is ready
         self._start_task = asyncio.create_task(self.engine.start())
+
+    @property
+    def http_port(self) -> int | None:
+        """The port of the HTTP API (the one the OS chose for port 0), or None."""
+        return self.http_server.port if self.http_server else None
 
     @property
     def metrics_port(self) -> int | None:
@@ -70,6 +84,8 @@ class ControlPlane:
         grace = self.config.shutdown_grace if grace is None else grace
         if self.engine.describe is not None:
             await self.engine.drain(grace)
+        if self.http_server is not None:
+            await self.http_server.stop()
         await self.server.stop(1.0)
         if self._start_task is not None and not self._start_task.done():
             self._start_task.cancel()

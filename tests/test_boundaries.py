@@ -14,12 +14,14 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
-IMPORTED_WHEN_INSTALLED = {"grpc_tools"}  # grpc's extension shims import it if it is there (dev extra)
+IMPORTED_WHEN_INSTALLED = {"grpc_tools",  # grpc's extension shims import it if it is there (dev extra)
+                           "sniffio"}  # so does anyio (under starlette) when the dev extra's httpx brought it
 
 
 def test_control_plane_imports_no_torch():
     code = ("import sys\n"
             "import twinplane.controlplane.main, twinplane.controlplane.engine, twinplane.controlplane.server\n"
+            "import twinplane.controlplane.openai_http\n"
             "import twinplane.clients.client, twinplane.clients.launcher\n"
             "bad = [m for m in ('torch', 'transformers', 'triton') if m in sys.modules]\n"
             "assert not bad, bad\n")
@@ -53,6 +55,7 @@ def test_core_dependencies_cover_what_the_control_plane_imports():
     code = ("import sys\n"
             "before = set(sys.modules)\n"
             "import twinplane.controlplane.main, twinplane.clients.cli, twinplane.clients.client, twinplane.clients.bench\n"
+            "import twinplane.controlplane.openai_http\n"
             "print(' '.join({m.partition('.')[0] for m in set(sys.modules) - before}))\n")
     modules = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split()
     provided = _installed_closure(core_dependencies()) | {"twinplane"}

@@ -1,0 +1,242 @@
+"""OpenAI-compatible requests in, validated GenerateCalls out; outputs back as OpenAI JSON objects.
+
+No HTTP here: ``openai_http.py`` is the edge. Field checks reuse ``api.py``'s validators, so limits
+and messages are those of the gRPC API (fields named as OpenAI names them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import xxhash
+
+from twinplane.controlplane.api import (SAMPLING_FIELDS, GenerateCall, Limits, Prompt, RequestOutput, TokenLogprobs,
+                                        chat_prompt, check_chat_count, request_params, sampling_options, text_prompt,
+                                        token_prompt)
+from twinplane.controlplane.errors import InvalidRequest
+from twinplane.controlplane.sequence import FinishReason
+from twinplane.controlplane.tokenizer import Tokenizer
+
+MAX_CHOICES = 16  # most sequences (n) one request may ask for
+UNSUPPORTED = ("tools", "functions", "logit_bias", "suffix", "audio", "prediction")  # refused unless null/empty
+_INTS = ("top_k", "seed", "n", "max_tokens", "max_completion_tokens", "min_tokens", "top_logprobs")
+# request fields an error message may start with: an error's "param"
+PARAMS = frozenset((*SAMPLING_FIELDS, *_INTS, "messages", "prompt", "stop", "stop_token_ids", "logprobs",
+                    "stream_options", "response_format", "echo", *UNSUPPORTED))
+FINISH_REASONS = {FinishReason.STOP_TOKEN: "stop", FinishReason.STOP_STRING: "stop",
+                  FinishReason.LENGTH: "length", FinishReason.ABORTED: "abort"}
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """A validated /v1/chat/completions or /v1/completions request: one GenerateCall per choice."""
+
+    chat: bool  # chat completion, else text completion
+    calls: list[GenerateCall]
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    logprobs: bool = False  # return log-probabilities (the top ones: calls[i].params.logprobs of them)
+
+
+def _fail(message: str) -> None:
+    raise InvalidRequest(message)
+
+
+def _typed(body: dict, name: str, kinds: tuple[type, ...], what: str):
+    value = body.get(name)
+    if value is not None and (not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds):
+        _fail(f"{name} must be {what}, got {type(value).__name__}")
+    return value
+
+
+def _number(body: dict, name: str) -> float | None:
+    value = _typed(body, name, (int, float), "a number")
+    return None if value is None else float(value)
+
+
+def _int(body: dict, name: str) -> int | None:
+    return _typed(body, name, (int,), "an integer")
+
+
+def _bool(body: dict, name: str) -> bool:
+    return bool(_typed(body, name, (bool,), "true or false"))
+
+
+def _sampling(body: dict):
+    values = {}
+    for name in SAMPLING_FIELDS:
+        value = _int(body, name) if name in _INTS else _number(body, name)
+        if value is not None:
+            values[name] = value
+    seed = values.get("seed")
+    if seed is not None and not 0 <= seed < 1 << 64:
+        _fail(f"seed must be in [0, 2**64), got {seed}")
+    return sampling_options(values, prefix="")
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        _fail("stop must be a string or a list of strings")
+    return tuple(stop)
+
+
+def _int_list(body: dict, name: str) -> tuple[int, ...]:
+    value = body.get(name) or []
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        _fail(f"{name} must be a list of integers")
+    return tuple(value)
+
+
+def _content(content, where: str) -> str:
+    """A message's content: a string, or a list of text parts joined."""
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if not isinstance(content, list):
+        _fail(f"{where}.content must be a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            _fail(f"{where}.content[{j}] must be a text part ({{\"type\": \"text\", \"text\": ...}}); "
+                  "only text input is supported")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _messages(body: dict, limits: Limits) -> Prompt:
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        _fail("messages is required: a list of {role, content} objects")
+    check_chat_count(len(messages), limits, "messages")  # before any work per message
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            _fail(f"messages[{i}] must be an object with a string role")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": _content(m.get("content"), f"messages[{i}]")})
+    return chat_prompt(out, limits, name="messages")
+
+
+def _prompt(body: dict, limits: Limits) -> Prompt:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return text_prompt(prompt, limits, name="prompt")
+    if isinstance(prompt, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+        return token_prompt(prompt, limits, name="prompt")
+    if isinstance(prompt, list):
+        _fail("prompt: a batch of several prompts is not supported; send one prompt (text or token ids) "
+              "per request")
+    _fail("prompt is required: a string or a list of token ids")
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many top alternatives per token (0: the sampled token's only), or None for no logprobs."""
+    if chat:
+        top = _int(body, "top_logprobs")
+        if not _bool(body, "logprobs"):
+            if top is not None:
+                _fail("top_logprobs needs logprobs: true")
+            return None
+        return top or 0
+    return _int(body, "logprobs")
+
+
+def _check_supported(body: dict) -> None:
+    for name in UNSUPPORTED:
+        if body.get(name):
+            _fail(f"{name} is not supported by this server")
+    if body.get("echo"):
+        _fail("echo is not supported by this server")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        _fail("response_format: only {\"type\": \"text\"} is supported")
+    best_of = _int(body, "best_of")
+    if best_of is not None and best_of != (body.get("n") or 1):
+        _fail("best_of is not supported by this server (leave it unset or equal to n)")
+
+
+def _max_tokens(body: dict) -> int | None:
+    completion = _int(body, "max_completion_tokens")
+    return completion if completion is not None else _int(body, "max_tokens")
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice 0 keeps the request's seed (so n=1 matches the gRPC API); the others get distinct ones."""
+    if seed is None or index == 0:
+        return seed
+    return xxhash.xxh64_intdigest(f"{seed}:{index}".encode())
+
+
+def parse_request(body: dict, limits: Limits, request_id: str, chat: bool) -> OpenAIRequest:
+    """Validates an OpenAI request body; each choice gets the request id with '-<index>' when n > 1."""
+    _check_supported(body)
+    n = _int(body, "n")
+    n = 1 if n is None else n
+    if not 1 <= n <= MAX_CHOICES:
+        _fail(f"n must be in [1, {MAX_CHOICES}], got {n}")
+    prompt = _messages(body, limits) if chat else _prompt(body, limits)
+    top = _logprobs(body, chat)
+    params = request_params(
+        limits, _sampling(body), max_tokens=_max_tokens(body), min_tokens=_int(body, "min_tokens") or 0,
+        stop=_stop(body), stop_token_ids=_int_list(body, "stop_token_ids"), ignore_eos=_bool(body, "ignore_eos"),
+        logprobs=top, skip_special_tokens=body.get("skip_special_tokens") is not False,
+        logprobs_name="top_logprobs" if chat else "logprobs")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        _fail("stream_options must be an object")
+    calls = []
+    for i in range(n):
+        sampling = replace(params.sampling, seed=choice_seed(params.sampling.seed, i))
+        call_id = request_id if n == 1 else f"{request_id}-{i}"
+        calls.append(GenerateCall(call_id, prompt, replace(params, sampling=sampling)))
+    return OpenAIRequest(chat=chat, calls=calls, stream=_bool(body, "stream"),
+                         include_usage=bool(options and options.get("include_usage")), logprobs=top is not None)
+
+
+# ---- responses ------------------------------------------------------------------------------------
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    return None if out.finish_reason is None else FINISH_REASONS[out.finish_reason]
+
+
+def usage_json(finals: list[RequestOutput]) -> dict:
+    """Usage of a request's choices: the prompt counted once, the completions added up."""
+    prompt = finals[0].prompt_tokens if finals else 0
+    completion = sum(f.completion_tokens for f in finals)
+    cached = finals[0].cached_prompt_tokens if finals else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _token_text(tokenizer: Tokenizer | None, token_id: int) -> str:
+    return tokenizer.token_texts([token_id])[0] if tokenizer is not None else f"token_id:{token_id}"
+
+
+def _safe(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else -9999.0  # JSON has no -inf
+
+
+def logprobs_json(chat: bool, entries: list[TokenLogprobs], tokenizer: Tokenizer | None, offset: int = 0) -> dict:
+    """Chat: {content: [...]}; completions: the legacy columns. offset: the text before these tokens."""
+    text = lambda token_id: _token_text(tokenizer, token_id)  # noqa: E731
+    if chat:
+        return {"content": [{"token": text(e.token_id), "logprob": _safe(e.logprob),
+                             "bytes": list(text(e.token_id).encode()),
+                             "top_logprobs": [{"token": text(t), "logprob": _safe(lp), "bytes": list(text(t).encode())}
+                                              for t, lp in e.top]} for e in entries]}
+    tokens = [text(e.token_id) for e in entries]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": [_safe(e.logprob) for e in entries],
+            "top_logprobs": [{text(t): _safe(lp) for t, lp in e.top} for e in entries], "text_offset": offsets}

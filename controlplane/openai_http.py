@@ -1,0 +1,258 @@
+"""OpenAI-compatible HTTP API beside the gRPC one: Starlette routes served by uvicorn on the same event loop.
+
+POST /v1/chat/completions and /v1/completions (streamed as server-sent events or not), GET /v1/models
+and /health. Requests go to the same Engine as gRPC calls, with the same validation, API key and
+metrics. Errors become OpenAI's JSON error objects here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import re
+import socket
+import uuid
+from contextlib import contextmanager
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from twinplane.controlplane.api import REQUEST_ID_HEADER, checked_request_id, request_id_header_value
+from twinplane.controlplane.auth import MESSAGE as API_KEY_MESSAGE
+from twinplane.controlplane.engine import Engine
+from twinplane.controlplane.errors import InvalidRequest, NotReady, ServiceError
+from twinplane.controlplane.openai_api import PARAMS, parse_request
+from twinplane.controlplane.openai_stream import Choices, ResponseBuilder
+
+log = logging.getLogger("twinplane.controlplane")
+DEFAULT_HOST = "127.0.0.1"
+_STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429,
+           "UNAVAILABLE": 503, "INTERNAL": 500}
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          413: "invalid_request_error", 405: "invalid_request_error", 429: "rate_limit_error",
+          503: "service_unavailable", 500: "server_error"}
+_PARAM = re.compile(r"^([a-z_]+)(?:\[\d+\])?[ .:]")
+
+
+class Unauthenticated(ServiceError):
+    code_name = "UNAUTHENTICATED"
+
+
+class NotFound(ServiceError):
+    code_name = "NOT_FOUND"
+
+    def __init__(self, message: str, code: str):
+        super().__init__(message)
+        self.code = code
+
+
+def error_response(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param,
+                      "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+def response_of(exc: Exception) -> JSONResponse:
+    """The one place where errors become HTTP statuses and OpenAI error objects."""
+    if isinstance(exc, ServiceError):
+        status, message = _STATUS[exc.code_name], str(exc)
+        match = _PARAM.match(message) if status == 400 else None
+        param = match.group(1) if match and match.group(1) in PARAMS else None
+        return error_response(status, message, getattr(exc, "code", None), param)
+    if isinstance(exc, HTTPException):
+        return error_response(exc.status_code, str(exc.detail))
+    log.exception("unexpected error while serving an HTTP request", exc_info=exc)
+    return error_response(500, f"internal error ({type(exc).__name__}); the server keeps serving")
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """'host:port', '[v6]:port' or a bare port (loopback)."""
+    host, sep, port = listen.rpartition(":")
+    host = host.strip("[]") if sep else DEFAULT_HOST
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"--http-listen must be host:port or a port, got {listen!r}")
+    return host or DEFAULT_HOST, int(port)
+
+
+class OpenAIService:
+    """The routes, over one engine."""
+
+    def __init__(self, engine: Engine, api_key: str | None = None, max_body_bytes: int = 16 << 20):
+        self.engine = engine
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    def app(self) -> Starlette:
+        routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                  Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/health", self.health, methods=["GET"])]
+        handlers = {Exception: lambda request, exc: response_of(exc),
+                    HTTPException: lambda request, exc: response_of(exc)}
+        return Starlette(routes=routes, exception_handlers=handlers)
+
+    def _authorize(self, request: Request) -> None:
+        sent = request.headers.get("authorization", "").encode()
+        if self.expected is not None and not hmac.compare_digest(sent, self.expected):
+            raise Unauthenticated(API_KEY_MESSAGE.replace("metadata", "header"))
+
+    def _model_id(self) -> str:
+        if self.engine.describe is None:
+            raise NotReady("no data plane is connected yet; retry later")
+        return self.engine.describe.model
+
+    async def health(self, request: Request) -> Response:
+        ready = self.engine.ready.is_set() and self.engine.accepting
+        return JSONResponse({"status": "SERVING" if ready else "NOT_SERVING"}, status_code=200 if ready else 503)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            model = {"id": self._model_id(), "object": "model", "created": 0, "owned_by": "twinplane",
+                     "max_model_len": self.engine.describe.max_model_len}
+            return JSONResponse({"object": "list", "data": [model]})
+        except Exception as exc:  # noqa: BLE001 -- every error becomes an OpenAI error object
+            return response_of(exc)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def _body(self, request: Request) -> dict:
+        data = bytearray()
+        async for part in request.stream():
+            data += part
+            if len(data) > self.max_body_bytes:
+                raise InvalidRequest(f"the request body is over {self.max_body_bytes} bytes")
+        try:
+            body = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError):  # never echo the body back
+            raise InvalidRequest("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise InvalidRequest("the request body must be a JSON object")
+        return body
+
+    def _check_model(self, body: dict) -> str:
+        served, asked = self._model_id(), body.get("model")
+        if asked is not None and asked != served:
+            raise NotFound(f"the model {str(asked)[:256]!r} does not exist; this server serves {served!r}",
+                           "model_not_found")
+        return served
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        try:
+            self._authorize(request)
+            body = await self._body(request)
+            if not self.engine.ready.is_set():
+                raise NotReady("no data plane is connected yet; retry later")
+            model = self._check_model(body)
+            await self.engine.wait_ready(queued=True)  # refuses at once when too many wait
+            request_id = checked_request_id("", request.headers.get(REQUEST_ID_HEADER))
+            parsed = parse_request(body, self.engine.limits, request_id, chat)
+            choices = Choices(self.engine, parsed)
+            await choices.open()
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except Exception as exc:  # noqa: BLE001 -- every error becomes an OpenAI error object
+            return response_of(exc)
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        builder = ResponseBuilder(parsed, prefix + request_id, model, self.engine.tokenizer)
+        headers = {REQUEST_ID_HEADER: request_id_header_value(request_id)}
+        if parsed.stream:
+            # the background task also aborts a stream the client left before its first chunk
+            return StreamingResponse(_sse(choices, builder), media_type="text/event-stream",
+                                     headers={**headers, "cache-control": "no-cache"},
+                                     background=BackgroundTask(choices.close))
+        return await _whole(request, choices, builder, headers)
+
+
+def _event(data: dict | str) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()
+
+
+async def _sse(choices: Choices, builder: ResponseBuilder):
+    """The stream: one event per output, the usage when asked for, then [DONE]; an error as an error event."""
+    try:
+        async for index, out in choices:
+            yield _event(builder.chunk(index, out))
+        if builder.request.include_usage:
+            yield _event(builder.usage_chunk(choices.usage()))
+    except Exception as exc:  # noqa: BLE001 -- the status line is sent: the error goes as an event
+        yield _event(json.loads(response_of(exc).body))
+    finally:
+        choices.close()
+    yield _event("[DONE]")
+
+
+async def _whole(request: Request, choices: Choices, builder: ResponseBuilder, headers: dict) -> Response:
+    """Collects every output; a client that goes away meanwhile aborts the request."""
+    async def collect() -> None:
+        async for index, out in choices:
+            builder.add(index, out)
+
+    collecting = asyncio.ensure_future(collect())
+    disconnect = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait([collecting, disconnect], return_when=asyncio.FIRST_COMPLETED)
+        if not collecting.done():
+            collecting.cancel()
+            return Response(status_code=499)
+        collecting.result()
+    except Exception as exc:  # noqa: BLE001 -- every error becomes an OpenAI error object
+        return response_of(exc)
+    finally:
+        disconnect.cancel()
+        choices.close()
+    return JSONResponse(builder.response(choices.usage()), headers=headers)
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the control plane owns SIGTERM and SIGINT."""
+
+    @contextmanager
+    def capture_signals(self):
+        yield
+
+
+class HttpServer:
+    """The HTTP API on an event loop that already runs (the control plane's)."""
+
+    def __init__(self, engine: Engine, listen: str, api_key: str | None = None, max_body_bytes: int = 16 << 20,
+                 tls_cert: str | None = None, tls_key: str | None = None):
+        self.host, port = parse_listen(listen)
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        self.socket = socket.create_server((self.host, port), family=family)  # bound now: errors come early
+        self.port = self.socket.getsockname()[1]
+        app = OpenAIService(engine, api_key, max_body_bytes).app()
+        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", ws="none", http="h11",
+                                timeout_graceful_shutdown=1, ssl_certfile=tls_cert, ssl_keyfile=tls_key)
+        self.server = _Server(config)
+        self.task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.task = asyncio.create_task(self.server.serve(sockets=[self.socket]), name="twinplane-http")
+        while not self.server.started and not self.task.done():
+            await asyncio.sleep(0.01)
+        if self.task.done():
+            self.task.result()  # raises what stopped it
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        if self.task is not None:
+            await asyncio.gather(self.task, return_exceptions=True)
+        self.socket.close()

@@ -1,0 +1,135 @@
+"""The choices of one OpenAI request as engine requests, and their outputs as OpenAI JSON objects.
+
+Each choice is an engine request of its own with the same prompt. With n > 1 the first one goes
+alone; the others are added once its first token is out, when its prompt's full blocks are in the
+prefix cache, so they share those blocks instead of computing the prompt again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from twinplane.controlplane.api import RequestOutput
+from twinplane.controlplane.engine import Engine
+from twinplane.controlplane.openai_api import OpenAIRequest, finish_reason, logprobs_json, usage_json
+from twinplane.controlplane.request_state import RequestState
+
+
+class Choices:
+    """The engine requests of one OpenAI request, read as one stream of (choice index, output)."""
+
+    def __init__(self, engine: Engine, request: OpenAIRequest):
+        self.engine = engine
+        self.calls = request.calls
+        self.states: list[RequestState] = []
+        self.tasks: list[asyncio.Task] = []
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finals: list[RequestOutput | None] = [None] * len(self.calls)
+
+    async def open(self) -> None:
+        """Adds the first choice (raises the engine's ServiceError for a request it refuses)."""
+        await self._start(0)
+
+    async def _start(self, index: int) -> None:
+        state = await self.engine.add(self.calls[index])
+        self.states.append(state)
+        self.tasks.append(asyncio.create_task(self._pump(index, state)))
+
+    async def _pump(self, index: int, state: RequestState) -> None:
+        try:
+            async for out in self.engine.outputs(state):
+                self.queue.put_nowait((index, out))
+        except Exception as exc:  # noqa: BLE001 -- handed to the reader, which raises it
+            self.queue.put_nowait((index, exc))
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        remaining = len(self.calls)
+        try:
+            while remaining:
+                index, out = await self.queue.get()
+                if isinstance(out, Exception):
+                    raise out
+                if len(self.states) < len(self.calls):  # the prompt's blocks are cached now
+                    for i in range(len(self.states), len(self.calls)):
+                        await self._start(i)
+                if out.finish_reason is not None:
+                    self.finals[index] = out
+                    remaining -= 1
+                yield index, out
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Aborts what still runs (a client that went away, an error): frees the blocks now."""
+        for task in self.tasks:
+            task.cancel()
+        for state in self.states:
+            self.engine.abort(state)
+
+    def usage(self) -> dict:
+        return usage_json([f for f in self.finals if f is not None])
+
+
+class ResponseBuilder:
+    """OpenAI JSON for one request: stream chunks as outputs come, or the whole response at the end."""
+
+    def __init__(self, request: OpenAIRequest, response_id: str, model: str, tokenizer):
+        self.request = request
+        self.id, self.model, self.tokenizer = response_id, model, tokenizer
+        self.created = int(time.time())
+        n = len(request.calls)
+        self.texts = [""] * n
+        self.logprobs: list[list] = [[] for _ in range(n)]
+        self.reasons: list[str | None] = [None] * n
+        self.started = [False] * n
+
+    def _object(self, chunk: bool) -> dict:
+        kind = ("chat.completion" if self.request.chat else "text_completion") + (".chunk" if chunk and
+                                                                                  self.request.chat else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def _logprobs(self, index: int, out: RequestOutput) -> dict | None:
+        if not self.request.logprobs:
+            return None
+        return logprobs_json(self.request.chat, out.logprobs, self.tokenizer, offset=len(self.texts[index]))
+
+    def chunk(self, index: int, out: RequestOutput) -> dict:
+        """The stream chunk of one output of choice index."""
+        choice = {"index": index, "logprobs": self._logprobs(index, out), "finish_reason": finish_reason(out)}
+        if self.request.chat:
+            choice["delta"] = {"content": out.text}
+            if not self.started[index]:
+                choice["delta"] = {"role": "assistant", "content": out.text}
+        else:
+            choice["text"] = out.text
+        self.started[index] = True
+        self.texts[index] += out.text
+        chunk = {**self._object(True), "choices": [choice]}
+        if self.request.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return {**self._object(True), "choices": [], "usage": usage}
+
+    def add(self, index: int, out: RequestOutput) -> None:
+        """Collects an output of choice index for the whole response."""
+        self.logprobs[index] += out.logprobs
+        self.texts[index] += out.text
+        self.reasons[index] = finish_reason(out) or self.reasons[index]
+
+    def response(self, usage: dict) -> dict:
+        choices = []
+        for i, text in enumerate(self.texts):
+            logprobs = None
+            if self.request.logprobs:
+                logprobs = logprobs_json(self.request.chat, self.logprobs[i], self.tokenizer)
+            choice = {"index": i, "logprobs": logprobs, "finish_reason": self.reasons[i]}
+            if self.request.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        return {**self._object(False), "choices": choices, "usage": usage}

@@ -1,0 +1,121 @@
+"""OpenAI request translation and error mapping, without a server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from twinplane.controlplane.api import Limits
+from twinplane.controlplane.errors import InvalidRequest, NotReady, Overloaded, StepFailed
+from twinplane.controlplane.openai_api import parse_request
+from twinplane.controlplane.openai_http import NotFound, Unauthenticated, parse_listen, response_of
+
+LIMITS = Limits(vocab_size=1000, max_model_len=512)
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def parse(body: dict, chat: bool = True):
+    return parse_request(body, LIMITS, "rid", chat)
+
+
+def test_fields_map_onto_request_params():
+    req = parse({**CHAT, "max_completion_tokens": 9, "max_tokens": 5, "temperature": 0.5, "top_p": 0.9,
+                 "top_k": 4, "min_p": 0.1, "seed": 3, "stop": "END", "presence_penalty": 0.5,
+                 "frequency_penalty": -0.5, "logprobs": True, "top_logprobs": 2,
+                 "stream": True, "stream_options": {"include_usage": True}})
+    (call,) = req.calls
+    p, s = call.params, call.params.sampling
+    assert (p.max_tokens, p.stop, p.logprobs) == (9, ("END",), 2)
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed) == (0.5, pytest.approx(0.9), 4, pytest.approx(0.1), 3)
+    assert (s.presence_penalty, s.frequency_penalty) == (0.5, -0.5)
+    assert req.stream and req.include_usage and req.logprobs and req.chat
+    assert call.request_id == "rid"
+
+
+def test_content_parts_and_developer_role():
+    req = parse({"messages": [{"role": "developer", "content": "be brief"},
+                              {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
+    assert req.calls[0].prompt.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
+
+
+def test_n_gives_distinct_seeds_and_ids():
+    req = parse({**CHAT, "n": 3, "seed": 11})
+    assert [c.request_id for c in req.calls] == ["rid-0", "rid-1", "rid-2"]
+    seeds = [c.params.sampling.seed for c in req.calls]
+    assert seeds[0] == 11 and len(set(seeds)) == 3
+    assert [c.params.sampling.seed for c in parse({**CHAT, "n": 2}).calls] == [None, None]
+
+
+def test_prompt_forms():
+    assert parse({"prompt": "hello"}, chat=False).calls[0].prompt.text == "hello"
+    assert parse({"prompt": [1, 2, 3]}, chat=False).calls[0].prompt.token_ids == [1, 2, 3]
+    assert parse({"prompt": ["hello"]}, chat=False).calls[0].prompt.text == "hello"
+    assert parse({"prompt": "x", "logprobs": 3}, chat=False).calls[0].params.logprobs == 3
+
+
+@pytest.mark.parametrize("body, chat, words", [
+    ({**CHAT, "temperature": -1}, True, "temperature must be"),
+    ({**CHAT, "temperature": "hot"}, True, "temperature must be a number"),
+    ({**CHAT, "max_tokens": True}, True, "max_tokens must be an integer"),
+    ({**CHAT, "max_tokens": 0}, True, "max_tokens must be in [1, 512]"),
+    ({**CHAT, "n": 0}, True, "n must be in [1, 16]"),
+    ({**CHAT, "top_logprobs": 2}, True, "top_logprobs needs logprobs"),
+    ({**CHAT, "logprobs": True, "top_logprobs": 50}, True, "top_logprobs must be in [0, 20]"),
+    ({**CHAT, "tools": [{"type": "function"}]}, True, "tools is not supported"),
+    ({**CHAT, "stop": ["a", 3]}, True, "stop must be a string or a list of strings"),
+    ({**CHAT, "seed": -1}, True, "seed must be in"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, True, "messages[0].role must be one of"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, True, "only text input"),
+    ({}, True, "messages is required"),
+    ({}, False, "prompt is required"),
+    ({"prompt": ["a", "b"]}, False, "batch of several prompts"),
+    ({"prompt": [5000]}, False, "prompt must be in [0, 1000)"),
+    ({"prompt": "x", "echo": True}, False, "echo is not supported"),
+])
+def test_invalid_fields_name_the_field(body, chat, words):
+    with pytest.raises(InvalidRequest) as error:
+        parse(body, chat)
+    assert words in str(error.value)
+
+
+@pytest.mark.parametrize("exc, status, kind", [
+    (InvalidRequest("temperature must be a finite number"), 400, "invalid_request_error"),
+    (Unauthenticated("missing or wrong API key"), 401, "authentication_error"),
+    (NotFound("no such model", "model_not_found"), 404, "not_found_error"),
+    (Overloaded("too many waiting requests"), 429, "rate_limit_error"),
+    (NotReady("no data plane"), 503, "service_unavailable"),
+    (StepFailed("the data plane failed"), 500, "server_error"),
+])
+def test_errors_become_openai_error_objects(exc, status, kind):
+    response = response_of(exc)
+    error = json.loads(response.body)["error"]
+    assert response.status_code == status
+    assert (error["message"], error["type"]) == (str(exc), kind)
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == ("temperature" if status == 400 else None)
+    assert error["code"] == ("model_not_found" if status == 404 else None)
+
+
+def test_unexpected_errors_leak_no_details():
+    error = json.loads(response_of(RuntimeError("secret path /etc/x")).body)["error"]
+    assert "secret" not in error["message"] and "RuntimeError" in error["message"]
+
+
+def test_listen_addresses():
+    assert parse_listen("8000") == ("127.0.0.1", 8000)
+    assert parse_listen("0.0.0.0:80") == ("0.0.0.0", 80)
+    assert parse_listen("[::1]:0") == ("::1", 0)
+    with pytest.raises(ValueError):
+        parse_listen("localhost:http")
+
+
+def test_the_command_line_passes_http_listen_on(monkeypatch):
+    from twinplane.clients.cli import _controlplane, build_parser
+
+    monkeypatch.delenv("TWINPLANE_API_KEY", raising=False)
+    args = build_parser().parse_args(["serve", "--http-listen", "8000", "--api-key", "k"])
+    config, security = _controlplane(args, "unix:///tmp/dp.sock", None)
+    assert (config.http_listen, security.api_key) == ("8000", "k")
+    off, _ = _controlplane(build_parser().parse_args(["controlplane"]), "127.0.0.1:50061", None)
+    assert off.http_listen is None  # off unless asked for

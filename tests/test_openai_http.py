@@ -1,0 +1,269 @@
+"""The OpenAI-compatible HTTP API, through the official openai client and raw HTTP, on both planes."""
+
+from __future__ import annotations
+
+import json
+import ssl
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import Planes
+from tests.reliability import all_blocks_free, wait_until
+from twinplane.controlplane.main import Security
+from twinplane.controlplane.sequence import FinishReason
+
+KEY = "sk-test-key"
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one word, then explain."}]
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 8  # several full KV blocks of 16 tokens
+
+
+@pytest.fixture(scope="module")
+def http_planes(tiny_qwen3_dir, tmp_path_factory):
+    planes = Planes(tmp_path_factory.mktemp("http"), tiny_qwen3_dir, ("--block-size", "16"),
+                    security=Security(api_key=KEY), http_listen="127.0.0.1:0").start()
+    yield planes
+    planes.stop()
+
+
+@pytest.fixture(scope="module")
+def base_url(http_planes) -> str:
+    return f"http://127.0.0.1:{http_planes.plane.http_port}"
+
+
+@pytest.fixture(scope="module")
+def client(base_url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model(http_planes) -> str:
+    return http_planes.engine.describe.model
+
+
+def grpc_text(planes: Planes, **kwargs) -> str:
+    with planes.client(api_key=KEY) as grpc_client:
+        return grpc_client.generate_text(**kwargs, timeout=60)
+
+
+def test_models_lists_the_served_model(client, model):
+    assert [m.id for m in client.models.list().data] == [model]
+
+
+def test_chat_greedy_text_equals_the_grpc_text(client, model, http_planes):
+    answer = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=24, temperature=0)
+    expected = grpc_text(http_planes, messages=QUESTION, max_tokens=24, temperature=0)
+    choice = answer.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == expected
+    assert choice.finish_reason in ("stop", "length")
+    assert answer.object == "chat.completion" and answer.model == model and answer.id.startswith("chatcmpl-")
+    assert answer.usage.completion_tokens <= 24
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
+
+
+def test_chat_stream_with_usage(client, model, http_planes):
+    stream = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=20, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == grpc_text(http_planes, messages=QUESTION, max_tokens=20, temperature=0)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_stream_and_not_equal_the_grpc_text(client, model, http_planes):
+    expected = grpc_text(http_planes, prompt="Once upon a time", max_tokens=16, temperature=0, ignore_eos=True)
+    whole = client.completions.create(model=model, prompt="Once upon a time", max_tokens=16, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert whole.choices[0].text == expected and whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 16
+    stream = client.completions.create(model=model, prompt="Once upon a time", max_tokens=16, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in stream) == expected
+
+
+def test_completions_from_token_ids(client, model, http_planes):
+    ids = list(range(100, 120))
+    expected = grpc_text(http_planes, token_ids=ids, max_tokens=8, temperature=0, ignore_eos=True)
+    answer = client.completions.create(model=model, prompt=ids, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert answer.choices[0].text == expected and answer.usage.prompt_tokens == len(ids)
+
+
+def test_n_choices_share_the_prompt_blocks(client, model, http_planes):
+    hits_before = http_planes.engine.core_snapshot.prefix_cache_hits
+    answer = client.completions.create(model=model, prompt=LONG_PROMPT, max_tokens=12, temperature=1.0, seed=7,
+                                       n=3, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in answer.choices) == [0, 1, 2]
+    assert all(c.finish_reason == "length" for c in answer.choices)
+    assert answer.usage.completion_tokens == 36
+    assert len({c.text for c in answer.choices}) > 1  # each choice draws with a seed of its own
+    full_blocks = answer.usage.prompt_tokens // 16 * 16
+    assert http_planes.engine.core_snapshot.prefix_cache_hits - hits_before >= 2 * min(full_blocks, 64)
+    again = client.completions.create(model=model, prompt=LONG_PROMPT, max_tokens=12, temperature=1.0, seed=7,
+                                      n=3, extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in answer.choices]  # seeded: reproducible
+
+
+def test_n_choices_stream_with_indexes(client, model):
+    stream = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=6, n=2, seed=3, stream=True)
+    texts = {0: "", 1: ""}
+    finished = set()
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished.add(c.index)
+    assert finished == {0, 1}
+
+
+def test_logprobs(client, model):
+    answer = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=5, temperature=0,
+                                            logprobs=True, top_logprobs=3)
+    content = answer.choices[0].logprobs.content
+    assert len(content) == answer.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-4  # greedy took the most likely one
+    text = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0, logprobs=2,
+                                     extra_body={"ignore_eos": True})
+    lp = text.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(len(top) <= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+
+
+def test_stop_string(client, model):
+    free = client.completions.create(model=model, prompt="Once upon a time", max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = free[len(free) // 2:len(free) // 2 + 3]
+    assert stop.strip(), free
+    cut = client.completions.create(model=model, prompt="Once upon a time", max_tokens=16, temperature=0,
+                                    stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == free[:free.index(stop)]
+
+
+def test_errors_through_the_sdk(base_url, client, model):
+    with pytest.raises(openai.AuthenticationError) as error:
+        openai.OpenAI(base_url=base_url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert error.value.status_code == 401
+    with pytest.raises(openai.NotFoundError) as error:
+        client.chat.completions.create(model="gpt-4o", messages=QUESTION)
+    assert error.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=model, messages=QUESTION, temperature=-1)
+    assert "temperature must be" in error.value.message and error.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=model, prompt="Hi", max_tokens=100_000)
+    assert "max_tokens" in error.value.message
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=model, messages=[{"role": "wizard", "content": "hi"}])
+    assert "messages[0].role" in error.value.message
+
+
+def test_sse_framing_over_raw_http(base_url, model):
+    body = {"model": model, "messages": QUESTION, "max_tokens": 8, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", base_url + "/v1/chat/completions", json=body,
+                         headers={"authorization": f"Bearer {KEY}"}) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            raw = b"".join(response.iter_bytes()).decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for event in events[:-2]:
+        assert event.startswith("data: ") and "\n" not in event
+        assert json.loads(event[len("data: "):])["object"] == "chat.completion.chunk"
+
+
+def test_bad_json_gets_400_and_leaks_nothing(base_url):
+    secret = "s3cr3t-payload-do-not-echo"
+    with httpx.Client(timeout=30, headers={"authorization": f"Bearer {KEY}"}) as http:
+        for body in ('{"messages": [{"role": "user", "content": "' + secret, f'["{secret}"]', b"\xff\xfe" + secret.encode()):
+            response = http.post(base_url + "/v1/chat/completions", content=body,
+                                 headers={"content-type": "application/json"})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["type"] == "invalid_request_error" and "JSON" in error["message"]
+            assert secret not in response.text and "Traceback" not in response.text
+        response = http.get(base_url + "/v1/nowhere")
+        assert response.status_code == 404 and "error" in response.json()
+        assert http.get(base_url + "/health").json() == {"status": "SERVING"}
+
+
+def test_disconnect_mid_stream_frees_the_blocks(base_url, model, http_planes):
+    metrics = http_planes.engine.metrics
+    tokens_before, aborted_before = metrics.generation_tokens, metrics.finished[FinishReason.ABORTED]
+    body = {"model": model, "prompt": LONG_PROMPT, "max_tokens": 3000, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", base_url + "/v1/completions", json=body,
+                         headers={"authorization": f"Bearer {KEY}"}) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            assert http_planes.free_blocks()[0] < http_planes.free_blocks()[1]
+    wait_until(lambda: all_blocks_free(http_planes), 20, "every KV block free after the client left")
+    assert metrics.finished[FinishReason.ABORTED] == aborted_before + 1  # ended by the disconnect, not max_tokens
+    assert metrics.generation_tokens > tokens_before  # HTTP requests count in the same metrics
+
+
+def test_disconnect_while_waiting_for_a_whole_response_aborts(base_url, model, http_planes):
+    aborted_before = http_planes.engine.metrics.finished[FinishReason.ABORTED]
+    body = {"model": model, "prompt": LONG_PROMPT, "max_tokens": 3000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base_url + "/v1/completions", json=body, headers={"authorization": f"Bearer {KEY}"}, timeout=1.5)
+    wait_until(lambda: all_blocks_free(http_planes), 20, "every KV block free after the client left")
+    assert http_planes.engine.metrics.finished[FinishReason.ABORTED] == aborted_before + 1
+
+
+def test_503_without_a_data_plane(tmp_path):
+    planes = Planes(tmp_path, "unused", http_listen="127.0.0.1:0")
+    planes.start_controlplane()  # no data plane ever answers
+    try:
+        url = f"http://127.0.0.1:{planes.plane.http_port}"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
+        with pytest.raises(openai.APIStatusError) as error:
+            client.chat.completions.create(model="any", messages=QUESTION)
+        assert error.value.status_code == 503
+        assert httpx.get(url + "/health", timeout=30).status_code == 503
+    finally:
+        planes.stop()
+
+
+def test_429_when_too_many_wait_and_shutdown_ends_streams(planes_factory, tiny_qwen3_dir):
+    planes = planes_factory(tiny_qwen3_dir, "--block-size", "16", "--max-num-seqs", "1", max_waiting_requests=1,
+                            http_listen="127.0.0.1:0")
+    url = f"http://127.0.0.1:{planes.plane.http_port}/v1/completions"
+    body = {"prompt": "Once upon a time", "max_tokens": 3000, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", url, json=body) as running:
+            running_lines = running.iter_lines()
+            assert next(running_lines).startswith("data: ")  # running: the one sequence a step may hold
+            with http.stream("POST", url, json=body) as waiting:
+                wait_until(lambda: planes.engine.num_waiting == 1, 10, "the second request to wait")
+                refused = http.post(url, json={**body, "stream": False})
+                assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error"
+                planes.call(planes.plane.shutdown(grace=0))  # what SIGTERM does
+                for lines in (running_lines, waiting.iter_lines()):
+                    events = [line for line in lines if line]
+                    assert events[-1] == "data: [DONE]"
+                    assert "shut down" in json.loads(events[-2][len("data: "):])["error"]["message"]
+    planes.plane = None  # already shut down
+
+
+def test_tls_files_serve_the_http_api_over_https(tmp_path):
+    from tests.test_reliability_security import self_signed_cert
+
+    cert, key = self_signed_cert(tmp_path)
+    planes = Planes(tmp_path, "unused", http_listen="127.0.0.1:0", listen="127.0.0.1:0",
+                    security=Security(tls_cert=str(cert), tls_key=str(key)))
+    planes.start_controlplane()  # no data plane: health answers 503, over TLS
+    try:
+        port = planes.plane.http_port
+        trusted = ssl.create_default_context(cafile=str(cert))
+        assert httpx.get(f"https://127.0.0.1:{port}/health", verify=trusted, timeout=30).status_code == 503
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)  # plaintext is refused
+    finally:
+        planes.stop()
