@@ -375,7 +375,8 @@ def _add_dataplane_command(sub) -> None:
 
 def _add_controlplane_command(sub) -> None:
     p = _add_command(sub, "controlplane", "run the control plane (public API and scheduler)", cmd_controlplane)
-    p.add_argument("--dataplane", default=DEFAULT_DATAPLANE, help="the data plane's address, or several separated by commas (data parallelism)")
+    p.add_argument("--dataplane", default=DEFAULT_DATAPLANE,
+                   help="the data plane's address, or several separated by commas (data parallelism)")
     p.add_argument("--dataplane-token", default=None,
                    help=f"token sent to the data plane (default: ${TOKEN_ENV} if set, else none)")
     _add_controlplane_args(p)

@@ -35,8 +35,10 @@ def test_fields_map_onto_request_params():
 
 def test_content_parts_and_developer_role():
     req = parse({"messages": [{"role": "developer", "content": "be brief"},
-                              {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
-    assert req.calls[0].prompt.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
+                              {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                           {"type": "text", "text": "b"}]}]})
+    assert req.calls[0].prompt.messages == [{"role": "system", "content": "be brief"},
+                                            {"role": "user", "content": "ab"}]
 
 
 def test_n_gives_distinct_seeds_and_ids():

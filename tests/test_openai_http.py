@@ -181,7 +181,8 @@ def test_sse_framing_over_raw_http(base_url, model):
 def test_bad_json_gets_400_and_leaks_nothing(base_url):
     secret = "s3cr3t-payload-do-not-echo"
     with httpx.Client(timeout=30, headers={"authorization": f"Bearer {KEY}"}) as http:
-        for body in ('{"messages": [{"role": "user", "content": "' + secret, f'["{secret}"]', b"\xff\xfe" + secret.encode()):
+        bodies = ('{"messages": [{"role": "user", "content": "' + secret, f'["{secret}"]', b"\xff\xfe" + secret.encode())
+        for body in bodies:
             response = http.post(base_url + "/v1/chat/completions", content=body,
                                  headers={"content-type": "application/json"})
             assert response.status_code == 400, response.text
