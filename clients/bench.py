@@ -88,6 +88,7 @@ async def _drive(target: str, requests: list[Request], args, chaos=None) -> tupl
 
     async with AsyncClient(target, options=[("grpc.max_receive_message_length", 64 << 20)]) as client:
         await client.wait_ready(timeout=args.ready_timeout)
+        await _every_dataplane_connected(client, args.ready_timeout)
         info = await client.model_info()
         warm = Request([1, 2, 3], 8)
         with tqdm(disable=True) as none:
@@ -105,6 +106,15 @@ async def _drive(target: str, requests: list[Request], args, chaos=None) -> tupl
         elapsed = time.perf_counter() - started
         after = await client.stats()
     return elapsed, before, after, info
+
+
+async def _every_dataplane_connected(client, timeout: float) -> None:
+    """Waits until every data plane of the server is connected (SERVING needs only one)."""
+    deadline = time.monotonic() + timeout
+    while not all(d["connected"] for d in (await client.stats())["dataplanes"]):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"not every data plane connected within {timeout:.0f} s")
+        await asyncio.sleep(0.5)
 
 
 def _percentiles(values: list[float]) -> str:
