@@ -104,7 +104,7 @@ def test_full_batch_decode_steps_are_counted_with_their_idle_time(control_plane,
 
     requests = [Request([1] * 40, 300, 0.0, [0.1] * 300), Request([1] * 70, 300, 0.0, [0.2] * 300)]
     info = SimpleNamespace(model="m", dtype="bfloat16", tensor_parallel_size=1, device="d", attention_backend="a",
-                           num_kv_blocks=1, block_size=16, weight_bytes=1, kv_bytes_per_token=1)
+                           num_kv_blocks=1, block_size=16, weight_bytes=1, kv_bytes_per_token=1, data_parallel_size=1)
     args = SimpleNamespace(peak_bandwidth_gbs=4800.0, max_num_seqs=FULL_BATCH)
     figures = report(requests, 1.0, before, after, info, args)
     assert figures["full_decode_steps"] == full and abs(figures["full_decode_idle_fraction"] - 0.07) < 1e-9
