@@ -137,10 +137,6 @@ class BlockManager:
                 self.free_block_ids[block_id] = None
         seq.forget_kv()
 
-    def reset(self) -> None:
-        """Forgets every block and hash (the data plane lost its KV cache)."""
-        self.__init__(self.num_blocks, self.block_size, self.enable_prefix_caching)
-
     def _take_free_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
