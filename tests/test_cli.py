@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.conftest import Planes
 from twinplane.clients.client import Client
 
@@ -220,3 +222,18 @@ def test_bench_passes_its_server_flags_on(monkeypatch):
     assert command[command.index("--stream-interval") + 1] == "2"
     assert command[command.index("--max-steps-in-flight") + 1] == "3"
     assert command[command.index("--max-waiting-requests") + 1] == str(args.num_requests + 16)
+
+
+def test_serve_refuses_a_data_parallel_size_its_addresses_or_gpus_cannot_serve(monkeypatch):
+    from twinplane.clients.cli import _dataplane_children, build_parser
+
+    def children(*argv: str) -> str:
+        args = build_parser().parse_args(["serve", *argv])
+        with pytest.raises(SystemExit) as info:
+            _dataplane_children(args, "token")
+        return str(info.value)
+
+    assert children("-dp", "0") == "twinplane serve: --data-parallel-size must be >= 1, got 0"
+    assert "gives 1 addresses for --data-parallel-size 2" in children("-dp", "2", "--dataplane-listen", "unix:///a")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert "need 2 GPUs; CUDA_VISIBLE_DEVICES lists 1" in children("-dp", "2", "--device", "cuda")
