@@ -37,6 +37,7 @@ def plan_from_pb(msg: dp.StepPlan) -> StepPlan:
         new_block_ids=_ints(msg.new_block_ids),
         sample=_ints(msg.sample, np.uint8).astype(bool),
         inits={i.seq_id: init_from_pb(i) for i in msg.inits},
+        decode_budget=_ints(msg.decode_budget) if msg.decode_budget else None,
     )
     n = len(columns.seq_ids)
     if not (len(columns.num_tokens) == len(columns.start_pos) == len(columns.num_new_blocks)
@@ -45,7 +46,10 @@ def plan_from_pb(msg: dp.StepPlan) -> StepPlan:
     if (len(columns.token_ids) != columns.num_tokens.sum() or len(columns.slot_mapping) != len(columns.token_ids)
             or len(columns.new_block_ids) != columns.num_new_blocks.sum()):
         raise ValueError("plan token or block columns do not match their counts")
-    return StepPlan(step_id=msg.step_id, dropped_seq_ids=list(msg.dropped_seq_ids), columns=columns)
+    if columns.decode_budget is not None and len(columns.decode_budget) != n:
+        raise ValueError(f"decode_budget has {len(columns.decode_budget)} entries for {n} sequences")
+    return StepPlan(step_id=msg.step_id, dropped_seq_ids=list(msg.dropped_seq_ids), columns=columns,
+                    num_steps=max(msg.num_steps, 1))
 
 
 def output_to_pb(out: StepOutput) -> dp.StepResult:

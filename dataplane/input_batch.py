@@ -12,6 +12,11 @@ was, apart from its drops.
 A plan may arrive before the previous step's tokens are on the host: a decode token of
 -1 (PENDING) stands for the token that sequence sampled in the previous plan, which stays
 on the device (``last_token``, one entry per row) and is gathered into the inputs there.
+
+A plan of K decode steps (``StepPlan.num_steps``) gets, besides the first step's inputs, the
+positions, slots and context lengths of all K steps, computed here from the block tables: a
+sequence whose budget ends before K keeps its last position and stores nothing more, so
+only the tokens fed back from one step to the next are left to the device.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from twinplane.dataplane.plan import PlanColumns, SamplingParams, SequenceInit, 
 from twinplane.dataplane.sampling_batch import SamplingBatch, SamplingRow, build_sampling_batch
 
 PENDING = -1  # a decode token the data plane sampled in the previous plan
+MAX_DECODE_STEPS = 64  # most decode steps one plan may ask for
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,24 @@ class StepInputs:
     sampling: SamplingBatch | None  # None when no sequence samples
     sample_rows: torch.Tensor  # int32 [num_sampled]: their batch rows (where last_token is kept)
     sampled: "SampledRows"  # the same, on the host, to record the tokens when they arrive
+    decode_steps: DecodeSteps | None = None  # a plan of several decode steps
+
+
+@dataclass
+class DecodeSteps:
+    """The inputs of steps 0 .. K-1 of a plan of K decode steps (step 0's also in StepInputs)."""
+
+    positions: torch.Tensor  # int32 [K, n]
+    slot_mapping: torch.Tensor  # int32 [K, n]: -1 once a sequence's budget is spent
+    context_lens: torch.Tensor  # int32 [K, n]
+    cu_seqlens_k: torch.Tensor  # int32 [K, n + 1]
+    context_lens_host: list[list[int]]  # [K][n]
+    budget: np.ndarray  # int32 [n]: tokens each sequence samples
+    last: torch.Tensor  # int32 [n]: where each sequence's last token lands in the [K, n] tokens, flattened
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.context_lens_host)
 
 
 @dataclass
@@ -97,7 +121,8 @@ class InputBatch:
         self.wait_for_tokens = lambda: None  # brings the previous plan's tokens to the host
         self._allocate(max(limits.max_num_seqs, 8))
         staging = 4 * limits.max_num_batched_tokens + (self.max_blocks + 6) * limits.max_num_seqs + 8
-        staging += 4 * 16  # each of the step's (at most 16) arrays starts 16-byte aligned
+        staging += 4 * MAX_DECODE_STEPS * (limits.max_num_seqs + 1)  # the inputs of several decode steps
+        staging += 4 * 17  # each of the step's (at most 17) arrays starts 16-byte aligned
         pinned = device.type == "cuda"
         # two staging buffers, alternating: one may still be copying while the next plan is prepared
         self._staging = [torch.empty(staging, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
@@ -177,14 +202,17 @@ class InputBatch:
         cols = plan.cols()
         self.plan_index += 1
         self.drop(plan.dropped_seq_ids)
-        self._check_shapes(cols)
+        budget = self._check_shapes(cols, plan.num_steps)
         if len(cols.seq_ids) == 0:
             return None
         rows, undo = self._rows(cols)
         unknown = cols.token_ids == PENDING
         try:
+            if plan.num_steps > 1 and not self.plain[rows].all():
+                _fail("a plan of several decode steps takes only sequences sampled with temperature, top-k, "
+                      "top-p and min-p (no penalties, seed, log-probabilities or min_tokens)")
             pending = self._check_pending(cols, rows, unknown)
-            positions = self._apply_blocks_and_check(cols, rows)
+            positions = self._apply_blocks_and_check(cols, rows, cols.start_pos + cols.num_tokens + budget - 1)
         except ValueError:
             self._undo(undo)
             raise
@@ -196,7 +224,7 @@ class InputBatch:
         if pending.any() and not self.plain[rows[pending]].all():
             self.wait_for_tokens()  # penalties read the history, PENDING tokens included
         self.sampled_at[rows[cols.sample]] = self.plan_index
-        return self._build(cols, rows, positions, context, pending)
+        return self._build(cols, rows, positions, context, pending, budget if plan.num_steps > 1 else None)
 
     def _check_pending(self, cols: PlanColumns, rows: np.ndarray, unknown: np.ndarray) -> np.ndarray:
         """Which sequences decode a PENDING token (unknown: per token, whether it is PENDING);
@@ -216,20 +244,33 @@ class InputBatch:
         alive = self.owner[sampled.rows] == sampled.seq_ids
         self.tokens[sampled.rows[alive], sampled.positions[alive]] = token_ids[alive]
 
-    def _check_shapes(self, cols: PlanColumns) -> None:
+    def _check_shapes(self, cols: PlanColumns, num_steps: int) -> np.ndarray:
+        """Checks what needs no row; returns each sequence's decode budget (1 unless num_steps > 1)."""
         lim = self.limits
         n, num_tokens = len(cols.seq_ids), int(cols.num_tokens.sum())
+        budget = np.ones(n, dtype=np.int32)
+        if num_steps > 1:
+            if num_steps > MAX_DECODE_STEPS:
+                _fail(f"plan asks for {num_steps} decode steps, at most {MAX_DECODE_STEPS} are allowed")
+            if cols.decode_budget is None or len(cols.decode_budget) != n:
+                _fail("a plan of several decode steps needs one decode_budget per sequence")
+            budget = cols.decode_budget
+            if n and (budget.min() < 1 or budget.max() > num_steps):
+                _fail(f"decode_budget must be in [1, {num_steps}] (num_steps)")
+            if n and (cols.num_tokens.max() != 1 or not cols.sample.all() or cols.inits):
+                _fail("in a plan of several decode steps every sequence computes one token, samples, "
+                      "and was seen before (no SequenceInit)")
         if n > lim.max_num_seqs:
             _fail(f"plan has {n} sequences, max_num_seqs is {lim.max_num_seqs}")
         if num_tokens > lim.max_num_batched_tokens:
             _fail(f"plan has {num_tokens} tokens, max_num_batched_tokens is {lim.max_num_batched_tokens}")
         if n == 0:
-            return
+            return budget
         if len(np.unique(cols.seq_ids)) != n:
             _fail("plan schedules a seq_id more than once")
         if cols.num_tokens.min() < 1 or cols.start_pos.min() < 0:
             _fail("every scheduled sequence needs at least one token and a start position >= 0")
-        if (cols.start_pos + cols.num_tokens).max() > lim.max_model_len:
+        if (cols.start_pos + cols.num_tokens + budget - 1).max() > lim.max_model_len:
             _fail(f"positions exceed max_model_len {lim.max_model_len}")
         if cols.token_ids.min() < PENDING or cols.token_ids.max() >= lim.vocab_size:
             _fail(f"token ids must be in [0, {lim.vocab_size}) or {PENDING} (pending)")
@@ -240,6 +281,7 @@ class InputBatch:
             _fail("slot_mapping points past the KV cache")
         for seq_id, init in cols.inits.items():
             check_sampling(seq_id, init, lim)
+        return budget
 
     def _rows(self, cols: PlanColumns) -> tuple[np.ndarray, tuple[list[int], dict[int, int]]]:
         """The row of each scheduled sequence; new rows for inits. Also what undoing takes."""
@@ -267,8 +309,9 @@ class InputBatch:
         self.drop(added)
         self.row_of.update(replaced)
 
-    def _apply_blocks_and_check(self, cols: PlanColumns, rows: np.ndarray) -> np.ndarray:
-        """Appends new blocks, checks slots and prompts; returns each token's position."""
+    def _apply_blocks_and_check(self, cols: PlanColumns, rows: np.ndarray, final: np.ndarray) -> np.ndarray:
+        """Appends new blocks, checks slots and prompts; returns each token's position.
+        final: each sequence's context once the plan has run (all its steps)."""
         bs = self.limits.block_size
         saved = self.num_blocks[rows].copy()
         try:
@@ -279,8 +322,7 @@ class InputBatch:
                     _fail(f"seq {int(cols.seq_ids[i])}: block table longer than max_model_len allows")
                 self.block_table[row, have:have + k] = cols.new_block_ids[offsets[i]:offsets[i] + k]
                 self.num_blocks[row] = have + k
-            context = cols.start_pos + cols.num_tokens
-            if np.any(-(-context // bs) > self.num_blocks[rows]):
+            if np.any(-(-final // bs) > self.num_blocks[rows]):
                 _fail("a sequence's block table does not cover its tokens")
             starts = np.concatenate([[0], np.cumsum(cols.num_tokens)[:-1]])
             positions = np.arange(len(cols.token_ids)) + np.repeat(cols.start_pos - starts, cols.num_tokens)
@@ -289,7 +331,7 @@ class InputBatch:
             slots = cols.slot_mapping
             if not np.all((slots == -1) | (slots == expected)):
                 _fail("slot_mapping disagrees with the block table (slot = block_id * block_size + offset)")
-            if np.any(cols.sample & (context < self.num_prompt[rows])):
+            if np.any(cols.sample & (cols.start_pos + cols.num_tokens < self.num_prompt[rows])):
                 _fail("sample=True before the prompt is complete")
             return positions
         except ValueError:
@@ -297,9 +339,10 @@ class InputBatch:
             raise
 
     def _build(self, cols: PlanColumns, rows: np.ndarray, positions: np.ndarray, context: np.ndarray,
-               pending: np.ndarray) -> StepInputs:
+               pending: np.ndarray, budget: np.ndarray | None) -> StepInputs:
         n, t = len(rows), len(cols.token_ids)
-        width = max(int((-(-context // self.limits.block_size)).max()), 1)
+        final = context if budget is None else context + budget - 1
+        width = max(int((-(-final // self.limits.block_size)).max()), 1)
         cu_q = np.concatenate([[0], np.cumsum(cols.num_tokens)])
         sample_idx = cu_q[1:][cols.sample] - 1
         sample_rows = rows[cols.sample]
@@ -309,6 +352,9 @@ class InputBatch:
         decode = n == t
         if decode:  # longest context first: the decode kernel starts them in this order
             parts.append(np.argsort(-context, kind="stable"))
+        if budget is not None:
+            steps = self._decode_steps(rows, cols.start_pos, budget)
+            parts += [a.ravel() for a in steps]
         views = self._to_device(parts)
         input_ids = views[0]
         if pending.any():  # the previous plan's samples, still on the device
@@ -321,7 +367,25 @@ class InputBatch:
         sampling = self._sampling(cols, sample_rows, context[cols.sample]) if len(sample_idx) else None
         sampled = SampledRows(sample_rows, cols.seq_ids[cols.sample], context[cols.sample])
         assert input_ids.shape[0] == t
-        return StepInputs(input_ids, views[1], metadata, views[7], sampling, views[8], sampled)
+        inputs = StepInputs(input_ids, views[1], metadata, views[7], sampling, views[8], sampled)
+        if budget is not None:
+            k = len(steps[0])
+            pos, slots, ctx, cu_k = (v.view(k, -1) for v in views[12:16])
+            inputs.decode_steps = DecodeSteps(pos, slots, ctx, cu_k, steps[2].tolist(), budget, views[16])
+        return inputs
+
+    def _decode_steps(self, rows: np.ndarray, start: np.ndarray, budget: np.ndarray) -> list[np.ndarray]:
+        """Positions, slots, context lengths and cumulative context lengths [K, ...] of each of
+        K decode steps: sequence i advances for budget[i] steps, then stays and stores nothing."""
+        bs, k = self.limits.block_size, int(budget.max())
+        step = np.arange(k, dtype=np.int32)[:, None]
+        positions = start[None, :] + np.minimum(step, budget[None, :] - 1)
+        slots = self.block_table[rows[None, :], positions // bs] * bs + positions % bs
+        slots = np.where(step < budget[None, :], slots, -1)
+        context = positions + 1
+        cu_k = np.concatenate([np.zeros((k, 1), np.int32), np.cumsum(context, axis=1)], axis=1)
+        last = (budget - 1) * len(rows) + np.arange(len(rows))
+        return [a.astype(np.int32) for a in (positions, slots, context, cu_k, last)]
 
     def set_last_tokens(self, sample_rows: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Keeps a step's sampled tokens on the device, as inputs for PENDING tokens of the next plan."""

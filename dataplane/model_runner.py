@@ -9,13 +9,17 @@ StepOutput in plan order. A bad plan raises ValueError before any state changes.
 ``step`` is ``launch`` then ``LaunchedStep.result``: ``launch`` only queues the device work
 (the sampled tokens stay on the device as the next plan's PENDING inputs and start their
 copy to the host), so the server can launch the next plan before this one's tokens are read.
+
+A plan of K decode steps queues K forward passes and samplings at once, each step's tokens
+the next one's inputs on the device, with no round trip to the control plane or the host in
+between: what a small batch's step costs beyond its GPU time is paid once per K tokens.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -29,7 +33,7 @@ from twinplane.dataplane.loader import load_model
 from twinplane.dataplane.plan import StepOutput, StepPath, StepPlan
 from twinplane.dataplane.sampler import Sampler, SamplerOutput
 from twinplane.dataplane.sampling_batch import SamplingBatch
-from twinplane.dataplane.input_batch import InputBatch, PlanLimits, SampledRows
+from twinplane.dataplane.input_batch import MAX_DECODE_STEPS, InputBatch, PlanLimits, SampledRows, StepInputs
 
 MAX_LOGPROBS = 20
 
@@ -55,6 +59,7 @@ class DataPlaneDescription:
     device: str
     weight_bytes: int
     kv_bytes_per_token: int
+    max_decode_steps: int
 
 
 def resolve_device(name: str) -> torch.device:
@@ -92,6 +97,7 @@ class LaunchedStep:
     done: torch.cuda.Event | None = None  # CUDA: ... finished it, tokens copied to the host
     previous_done: torch.cuda.Event | None = None  # CUDA: the step before finished
     record: Callable[[SampledRows, np.ndarray], None] | None = None  # stores the tokens in the history
+    decode_budget: np.ndarray | None = None  # a plan of several decode steps: tokens of each sequence
     _output: StepOutput | None = None
 
     def wait(self) -> None:
@@ -108,7 +114,11 @@ class LaunchedStep:
     def _build_output(self) -> StepOutput:
         output = StepOutput(step_id=self.step_id, sampled_token_ids=np.empty(0, np.int32))
         sampled = self.sampler_output
-        if sampled is not None:
+        if sampled is not None and self.decode_budget is not None:  # [K, n] -> each sequence's budget, in order
+            budget = self.decode_budget
+            tokens = sampled.token_ids.numpy().reshape(-1, len(budget))
+            output.sampled_token_ids = tokens.T[np.arange(len(tokens))[None, :] < budget[:, None]]
+        elif sampled is not None:
             output.sampled_token_ids = sampled.token_ids.numpy()
             if self.record is not None:
                 self.record(self.sampled, output.sampled_token_ids)
@@ -244,7 +254,8 @@ class ModelRunner:
             attention_backend=self.backend.name, vocab_size=self.vocab_size,
             eos_token_ids=list(self.loaded.eos_token_ids), max_logprobs=MAX_LOGPROBS, device=device,
             weight_bytes=self._weight_bytes() * c.tensor_parallel_size,
-            kv_bytes_per_token=bytes_per_block(self.model.attention_layers(), 1, self.dtype) * c.tensor_parallel_size)
+            kv_bytes_per_token=bytes_per_block(self.model.attention_layers(), 1, self.dtype) * c.tensor_parallel_size,
+            max_decode_steps=MAX_DECODE_STEPS)
 
     def _weight_bytes(self) -> int:
         """This rank's weight bytes (tied embeddings counted once)."""
@@ -289,13 +300,10 @@ class ModelRunner:
             step.begin, step.done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             step.begin.record()
             step.previous_done = self._last.done if self._last is not None else None
-        if inputs is not None:
-            shape = None if self.graphs is None else self.graphs.shape_for(inputs.metadata, len(inputs.input_ids))
-            if shape is not None:
-                hidden = self.graphs.run(shape, inputs.input_ids, inputs.positions, inputs.metadata)
-                step.path = self.graphs.path_of(shape)
-            else:
-                hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        if inputs is not None and inputs.decode_steps is not None:
+            self._decode_steps(step, inputs)
+        elif inputs is not None:
+            hidden, step.path = self._forward(inputs.input_ids, inputs.positions, inputs.metadata)
             forwarded = time.perf_counter()
             step.forward_us = int((forwarded - prepared) * 1e6)
             if inputs.sampling is not None:
@@ -310,21 +318,58 @@ class ModelRunner:
         self._last = step
         return step
 
-    def _sample(self, step: LaunchedStep, inputs, hidden: torch.Tensor, keep_logits: bool) -> None:
-        """Samples on rank 0; every rank keeps the sampled tokens for the next plan's PENDING inputs."""
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata) -> tuple[torch.Tensor, StepPath]:
+        """The hidden states of one forward pass: a graph replay when one fits, else eager."""
+        shape = None if self.graphs is None else self.graphs.shape_for(metadata, len(input_ids))
+        if shape is None:
+            return self.model(input_ids, positions, metadata), StepPath.EAGER
+        return self.graphs.run(shape, input_ids, positions, metadata), self.graphs.path_of(shape)
+
+    def _draw(self, inputs: StepInputs, hidden: torch.Tensor) -> tuple[torch.Tensor, SamplerOutput | None, torch.Tensor | None]:
+        """Samples on rank 0 and broadcasts: the token ids (int32, on every rank), and rank 0's
+        sampler output and logits (None on other ranks)."""
         num_sampled = inputs.sample_indices.shape[0]
         rank_logits = self.model.compute_logits(self._logits_input(hidden, inputs.sample_indices))
+        sampled = None
         if rank_logits is not None:  # rank 0
             rank_logits = rank_logits[:num_sampled]
             sampled = self.sampler(rank_logits, inputs.sampling)
             token_ids = sampled.token_ids.to(torch.int32)
+        else:
+            token_ids = torch.empty(num_sampled, dtype=torch.int32, device=self.device)
+        if tp_world_size() > 1:
+            torch.distributed.broadcast(token_ids, src=0)
+        return token_ids, sampled, rank_logits
+
+    def _sample(self, step: LaunchedStep, inputs: StepInputs, hidden: torch.Tensor, keep_logits: bool) -> None:
+        """Samples on rank 0; every rank keeps the sampled tokens for the next plan's PENDING inputs."""
+        token_ids, sampled, rank_logits = self._draw(inputs, hidden)
+        if sampled is not None:
             step.sampler_output = _to_host(sampled, token_ids)
             step.sampled, step.num_logprobs = inputs.sampled, inputs.sampling.num_logprobs
             step.record = self.sequences.record_sampled
             if keep_logits:
                 step.logits = rank_logits.float()
-        else:
-            token_ids = torch.empty(len(inputs.sampled.rows), dtype=torch.int32, device=self.device)
-        if tp_world_size() > 1:
-            torch.distributed.broadcast(token_ids, src=0)
         self.sequences.set_last_tokens(inputs.sample_rows, token_ids)
+
+    def _decode_steps(self, step: LaunchedStep, inputs: StepInputs) -> None:
+        """Queues K decode steps, each fed the tokens the one before sampled; the host never waits.
+
+        The token history is not recorded: these sequences use no penalties.
+        """
+        steps, n = inputs.decode_steps, len(inputs.input_ids)
+        tokens = torch.empty(steps.num_steps, n, dtype=torch.int32, device=self.device)
+        input_ids, metadata = inputs.input_ids, inputs.metadata
+        for k in range(steps.num_steps):
+            context_host = steps.context_lens_host[k]
+            metadata = replace(metadata, slot_mapping=steps.slot_mapping[k], context_lens=steps.context_lens[k],
+                               cu_seqlens_k=steps.cu_seqlens_k[k], max_seqlen_k=max(context_host),
+                               context_lens_host=context_host)
+            hidden, _ = self._forward(input_ids, steps.positions[k], metadata)
+            input_ids, sampled, _ = self._draw(inputs, hidden)
+            tokens[k] = input_ids
+        self.sequences.set_last_tokens(inputs.sample_rows, tokens.view(-1)[steps.last.long()])
+        step.path = StepPath.MULTI_DECODE
+        if sampled is not None:  # rank 0
+            step.sampler_output = SamplerOutput(tokens.view(-1).to("cpu", non_blocking=True))
+            step.decode_budget = steps.budget

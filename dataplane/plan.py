@@ -58,6 +58,7 @@ class ScheduledSeq:
     new_block_ids: np.ndarray  # int32: appended to the sequence's block table
     sample: bool  # sample a token after this chunk
     init: SequenceInit | None = None  # first time only
+    decode_budget: int = 1  # tokens to sample in a plan of several decode steps (StepPlan.num_steps)
 
     @property
     def num_tokens(self) -> int:
@@ -83,6 +84,7 @@ class PlanColumns:
     new_block_ids: np.ndarray  # int32 [sum(num_new_blocks)]
     sample: np.ndarray  # bool [n]
     inits: dict[int, SequenceInit]  # seq_id -> init, for sequences seen for the first time
+    decode_budget: np.ndarray | None = None  # int32 [n]: tokens to sample, with num_steps > 1
 
     @classmethod
     def from_seqs(cls, seqs: list[ScheduledSeq]) -> PlanColumns:
@@ -99,17 +101,23 @@ class PlanColumns:
             new_block_ids=cat([s.new_block_ids for s in seqs]),
             sample=np.array([s.sample for s in seqs], dtype=bool),
             inits={s.seq_id: s.init for s in seqs if s.init is not None},
+            decode_budget=np.array([s.decode_budget for s in seqs], dtype=np.int32),
         )
 
 
 @dataclass
 class StepPlan:
-    """One step: built from ScheduledSeq objects (tests, tools) or directly as columns (the server)."""
+    """One step: built from ScheduledSeq objects (tests, tools) or directly as columns (the server).
+
+    With num_steps K > 1 it is K decode steps: every sequence decodes one token and samples,
+    then each sampled token is fed back in, until sequence i has its decode_budget[i] tokens.
+    """
 
     step_id: int
     seqs: list[ScheduledSeq] = field(default_factory=list)
     dropped_seq_ids: list[int] = field(default_factory=list)
     columns: PlanColumns | None = None
+    num_steps: int = 1
 
     def cols(self) -> PlanColumns:
         if self.columns is None:
@@ -123,11 +131,13 @@ class StepPath(IntEnum):
     EAGER = 0
     DECODE_GRAPH = 1
     MIXED_GRAPH = 2
+    MULTI_DECODE = 3
 
 
 @dataclass
 class StepOutput:
-    """Sampled tokens of one step, one per sequence with sample=True, in plan order."""
+    """Sampled tokens of one step, one per sequence with sample=True, in plan order (with
+    num_steps > 1: each sequence's decode_budget tokens, sequences in plan order)."""
 
     step_id: int
     sampled_token_ids: np.ndarray  # int32 [num_sampled]

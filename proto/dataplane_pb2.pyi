@@ -12,16 +12,18 @@ class StepPath(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STEP_PATH_EAGER: _ClassVar[StepPath]
     STEP_PATH_DECODE_GRAPH: _ClassVar[StepPath]
     STEP_PATH_MIXED_GRAPH: _ClassVar[StepPath]
+    STEP_PATH_MULTI_DECODE: _ClassVar[StepPath]
 STEP_PATH_EAGER: StepPath
 STEP_PATH_DECODE_GRAPH: StepPath
 STEP_PATH_MIXED_GRAPH: StepPath
+STEP_PATH_MULTI_DECODE: StepPath
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model", "tokenizer_path", "architecture", "dtype", "block_size", "num_kv_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "attention_backend", "vocab_size", "eos_token_ids", "max_logprobs", "device", "weight_bytes", "kv_bytes_per_token")
+    __slots__ = ("model", "tokenizer_path", "architecture", "dtype", "block_size", "num_kv_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "attention_backend", "vocab_size", "eos_token_ids", "max_logprobs", "device", "weight_bytes", "kv_bytes_per_token", "max_decode_steps")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_PATH_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +41,7 @@ class DescribeResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     model: str
     tokenizer_path: str
     architecture: str
@@ -56,7 +59,8 @@ class DescribeResponse(_message.Message):
     device: str
     weight_bytes: int
     kv_bytes_per_token: int
-    def __init__(self, model: _Optional[str] = ..., tokenizer_path: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ...) -> None: ...
+    max_decode_steps: int
+    def __init__(self, model: _Optional[str] = ..., tokenizer_path: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., max_decode_steps: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "has_seed", "seed", "num_logprobs", "min_tokens", "stop_token_ids")
@@ -99,7 +103,7 @@ class SequenceInit(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., prior_token_ids: _Optional[bytes] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "num_tokens", "start_pos", "token_ids", "slot_mapping", "num_new_blocks", "new_block_ids", "sample", "inits", "dropped_seq_ids")
+    __slots__ = ("step_id", "seq_ids", "num_tokens", "start_pos", "token_ids", "slot_mapping", "num_new_blocks", "new_block_ids", "sample", "inits", "dropped_seq_ids", "num_steps", "decode_budget")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +115,8 @@ class StepPlan(_message.Message):
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     INITS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: bytes
     num_tokens: bytes
@@ -122,7 +128,9 @@ class StepPlan(_message.Message):
     sample: bytes
     inits: _containers.RepeatedCompositeFieldContainer[SequenceInit]
     dropped_seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., num_tokens: _Optional[bytes] = ..., start_pos: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., slot_mapping: _Optional[bytes] = ..., num_new_blocks: _Optional[bytes] = ..., new_block_ids: _Optional[bytes] = ..., sample: _Optional[bytes] = ..., inits: _Optional[_Iterable[_Union[SequenceInit, _Mapping]]] = ..., dropped_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_steps: int
+    decode_budget: bytes
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., num_tokens: _Optional[bytes] = ..., start_pos: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., slot_mapping: _Optional[bytes] = ..., num_new_blocks: _Optional[bytes] = ..., new_block_ids: _Optional[bytes] = ..., sample: _Optional[bytes] = ..., inits: _Optional[_Iterable[_Union[SequenceInit, _Mapping]]] = ..., dropped_seq_ids: _Optional[_Iterable[int]] = ..., num_steps: _Optional[int] = ..., decode_budget: _Optional[bytes] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("index", "token_ids", "logprobs")

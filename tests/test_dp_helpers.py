@@ -43,12 +43,14 @@ class PlanBuilder:
             seq.num_computed = len(shared_blocks) * self.block_size
         return seq
 
-    def schedule(self, seq: DrivenSeq, num_tokens: int | None = None, sample: bool = True) -> ScheduledSeq:
-        """The next ``num_tokens`` uncomputed tokens (all by default) of ``seq``."""
+    def schedule(self, seq: DrivenSeq, num_tokens: int | None = None, sample: bool = True,
+                 decode_budget: int = 1) -> ScheduledSeq:
+        """The next ``num_tokens`` uncomputed tokens (all by default) of ``seq``; with a decode
+        budget b > 1, its last token and the b - 1 tokens a plan of several decode steps feeds back."""
         start = seq.num_computed
         end = len(seq.tokens) if num_tokens is None else start + num_tokens
         assert start < end <= len(seq.tokens), "nothing to compute"
-        while len(seq.blocks) * self.block_size < end:
+        while len(seq.blocks) * self.block_size < end + decode_budget - 1:
             seq.blocks.append(self.next_block)
             self.next_block += 1
         positions = np.arange(start, end)
@@ -56,7 +58,7 @@ class PlanBuilder:
         slots += positions % self.block_size
         init = None if seq.initialised else SequenceInit(seq.sampling, seq.num_prompt_tokens)
         new_blocks = np.array(seq.blocks[seq.sent_blocks:], dtype=np.int32)
-        seq.sent_blocks, seq.num_computed, seq.initialised = len(seq.blocks), end, True
+        seq.sent_blocks, seq.num_computed, seq.initialised = len(seq.blocks), end + decode_budget - 1, True
         return ScheduledSeq(seq_id=seq.seq_id, token_ids=np.array(seq.tokens[start:end], dtype=np.int32),
                             start_pos=start, slot_mapping=slots.astype(np.int32), new_block_ids=new_blocks,
-                            sample=sample, init=init)
+                            sample=sample, init=init, decode_budget=decode_budget)

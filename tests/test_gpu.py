@@ -243,6 +243,26 @@ def test_cuda_graphs_give_the_same_tokens_as_eager(qwen3_folder):
     assert with_graphs == without
 
 
+def test_several_decode_steps_in_one_plan_give_the_tokens_of_single_steps(qwen3_folder):
+    """Decode graphs replayed back to back from one plan, each step's tokens fed in on the device."""
+    prompts = _prompts(5, seed=3)
+    runner = _runner(qwen3_folder)
+    single, _ = _drive(runner, prompts, num_decode=12)
+    runner.reset()
+    builder = PlanBuilder(16)
+    seqs = [builder.new_seq(i, p) for i, p in enumerate(prompts)]
+    out = runner.step(StepPlan(0, [builder.schedule(s) for s in seqs]))
+    for s, token in zip(seqs, out.sampled_token_ids.tolist()):
+        s.tokens.append(token)
+    for step, k in enumerate((4, 8), start=1):
+        out = runner.step(StepPlan(step, [builder.schedule(s, decode_budget=k) for s in seqs], num_steps=k))
+        assert out.path is StepPath.MULTI_DECODE
+        for s, part in zip(seqs, out.sampled_token_ids.reshape(len(seqs), k).tolist()):
+            s.tokens += part
+    runner.close()
+    assert [s.tokens[len(p):] for s, p in zip(seqs, prompts)] == single
+
+
 def _drive_with_arrival(runner) -> tuple[list[list[int]], list[StepPath]]:
     """Two sequences decode while a third prompt arrives beside them in chunks of 100 tokens;
     returns the generated tokens and how each step ran."""
