@@ -176,8 +176,8 @@ def _dataplane_share(before: dict, after: dict) -> str:
 def _paths(before: dict, after: dict) -> str:
     """Steps and their mean step time for each way the data plane ran them."""
     delta = {name: after[name] - before.get(name, 0) for name in after if name != "dataplanes"}
-    graphs = [name.removesuffix("_steps") for name in delta if name.endswith("_graph_steps")]
-    paths = {graph: (delta[f"{graph}_steps"], delta[f"{graph}_execute_us"]) for graph in graphs}
+    named = [path for path in ("decode_graph", "mixed_graph", "multi_decode") if f"{path}_steps" in delta]
+    paths = {path: (delta[f"{path}_steps"], delta[f"{path}_execute_us"]) for path in named}
     paths["eager"] = (delta["steps"] - sum(n for n, _ in paths.values()),
                       delta["execute_us"] - sum(us for _, us in paths.values()))
     return ", ".join(f"{name.replace('_', ' ')} {n} ({us / max(n, 1) / 1e3:.2f} ms each)"
@@ -193,6 +193,7 @@ def _start_server(args) -> tuple[subprocess.Popen, str]:
     if args.max_prefill_tokens_with_decode:
         command += ["--max-prefill-tokens-with-decode", str(args.max_prefill_tokens_with_decode)]
     command += ["--stream-interval", str(args.stream_interval), "--max-steps-in-flight", str(args.max_steps_in_flight),
+                "--decode-steps", str(args.decode_steps),
                 "--data-parallel-size", str(args.data_parallel_size), "--routing", args.routing]
     return subprocess.Popen(command, stdin=subprocess.DEVNULL), address
 
@@ -245,6 +246,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="passed to the server it starts (default: no cap)")
     g.add_argument("--stream-interval", type=int, default=1, help="passed to the server it starts")
     g.add_argument("--max-steps-in-flight", type=int, default=2, help="passed to the server it starts")
+    g.add_argument("--decode-steps", type=int, default=8, help="passed to the server it starts")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="passed to the server it starts")
     g.add_argument("--routing", default="prefix", choices=["prefix", "least-loaded", "round-robin"],
                    help="passed to the server it starts")

@@ -102,6 +102,11 @@ def _add_controlplane_args(p: argparse.ArgumentParser, listen_default: str = DEF
                    help="tokens per streamed message after the first; more means fewer messages under heavy load")
     g.add_argument("--max-steps-in-flight", type=int, default=2,
                    help="steps planned and sent to the data plane before the oldest one's result is applied")
+    g.add_argument("--decode-steps", type=int, default=8,
+                   help="decode steps in one plan while at most --decode-steps-max-seqs sequences decode and none "
+                        "waits: fewer round trips for small batches (1: one step per plan)")
+    g.add_argument("--decode-steps-max-seqs", type=int, default=32,
+                   help="the most sequences a plan of several decode steps takes")
     g.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight streams get on SIGTERM")
     g.add_argument("--stall-timeout", type=float, default=5.0,
                    help="seconds a step result or the engine core's heartbeat may be late before health says "
@@ -137,6 +142,7 @@ def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None):
             max_waiting_requests=args.max_waiting_requests, enable_prefix_caching=not args.no_prefix_caching,
             shutdown_grace=args.shutdown_grace, max_prefill_tokens_with_decode=args.max_prefill_tokens_with_decode,
             stream_interval=args.stream_interval, max_steps_in_flight=args.max_steps_in_flight,
+            decode_steps=args.decode_steps, decode_steps_max_seqs=args.decode_steps_max_seqs,
             metrics_port=args.metrics_port, metrics_host=args.metrics_host, max_prompt_bytes=args.max_prompt_bytes,
             max_chat_messages=args.max_chat_messages, routing=args.routing, tokenizer_threads=args.tokenizer_threads,
             max_unsent_tokens_per_stream=args.max_unsent_tokens_per_stream, max_unsent_tokens=args.max_unsent_tokens,

@@ -32,6 +32,8 @@ class ControlPlaneConfig:
     max_prefill_tokens_with_decode: int | None = None  # cap on prefill tokens in steps that also decode
     stream_interval: int = 1  # tokens per streamed message (fewer messages at high load)
     max_steps_in_flight: int = 2  # steps planned and sent before the oldest one's result is applied
+    decode_steps: int = 8  # decode steps in one plan when few sequences decode and none waits (1: one per plan)
+    decode_steps_max_seqs: int = 32  # the most sequences such a plan takes
     metrics_port: int | None = None  # Prometheus /metrics over HTTP on this port (0: any free one); None: off
     metrics_host: str = "127.0.0.1"  # address /metrics binds to
     metrics_api_key: bool = True  # with an API key, /metrics requires it too
@@ -61,6 +63,10 @@ class ControlPlaneConfig:
                 raise ValueError(f"{name} must be > 0, got {value}")
         if self.max_steps_in_flight < 1:
             raise ValueError(f"max_steps_in_flight must be >= 1, got {self.max_steps_in_flight}")
+        if not 1 <= self.decode_steps <= 64:
+            raise ValueError(f"decode_steps must be in [1, 64], got {self.decode_steps}")
+        if self.decode_steps_max_seqs < 1:
+            raise ValueError(f"decode_steps_max_seqs must be >= 1, got {self.decode_steps_max_seqs}")
         if self.stream_interval <= 0:
             raise ValueError(f"stream_interval must be > 0, got {self.stream_interval}")
         if self.max_waiting_requests <= 0:

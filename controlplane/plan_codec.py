@@ -72,6 +72,8 @@ def encode_plan(out: SchedulerOutput, block_size: int, eos_token_ids: tuple[int,
         sample=np.asarray(sample, dtype=np.uint8).tobytes(),
         inits=inits,
         dropped_seq_ids=out.dropped_seq_ids,
+        num_steps=out.num_steps,
+        decode_budget=np.asarray(out.decode_budget, dtype="<i4").tobytes(),
     )
 
 

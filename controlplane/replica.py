@@ -26,11 +26,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("twinplane.controlplane")
 step_log = logging.getLogger("twinplane.controlplane.steps")  # DEBUG: one line per step
-# Steps by path: the graphed ones (the rest ran eagerly), keyed by the data plane's StepPath.
-GRAPH_PATHS = {dp.STEP_PATH_DECODE_GRAPH: "decode_graph", dp.STEP_PATH_MIXED_GRAPH: "mixed_graph"}
+# Steps by path: the graphed ones and plans of several decode steps (the rest ran eagerly),
+# keyed by the data plane's StepPath.
+STEP_PATHS = {dp.STEP_PATH_DECODE_GRAPH: "decode_graph", dp.STEP_PATH_MIXED_GRAPH: "mixed_graph",
+              dp.STEP_PATH_MULTI_DECODE: "multi_decode"}
 # The step counters, named like ServerStats's fields.
 STAT_NAMES = ("steps", "idle_us", "execute_us", "computed_tokens",
-              *(f"{graph}_{counter}" for graph in GRAPH_PATHS.values() for counter in ("steps", "execute_us")),
+              *(f"{path}_{counter}" for path in STEP_PATHS.values() for counter in ("steps", "execute_us")),
               "full_decode_steps", "full_decode_execute_us", "full_decode_idle_us")
 RECONNECT_DELAY = 0.5  # seconds between attempts to reach a data plane
 RECONNECT_TIMEOUT = 2.0  # seconds one attempt waits for the data plane to answer
@@ -176,10 +178,10 @@ class Replica:
         stats["execute_us"] += tokens.execute_us
         num_tokens = out.num_batched_tokens
         stats["computed_tokens"] += num_tokens
-        graph = GRAPH_PATHS.get(tokens.path)
-        if graph is not None:
-            stats[f"{graph}_steps"] += 1
-            stats[f"{graph}_execute_us"] += tokens.execute_us
+        path = STEP_PATHS.get(tokens.path)
+        if path is not None:
+            stats[f"{path}_steps"] += 1
+            stats[f"{path}_execute_us"] += tokens.execute_us
         full = self.scheduler.config.max_num_seqs
         if num_tokens == full and len(out.decode_seqs) + len(out.other_chunks) == full:  # one token each
             stats["full_decode_steps"] += 1
@@ -189,7 +191,7 @@ class Replica:
         if step_log.isEnabledFor(logging.DEBUG):
             step_log.debug("%sstep %d: %d sequences, %d tokens, path %s, idle %d us, prepare %d us, execute %d us",
                            self._log_prefix, out.step_id, len(out.decode_seqs) + len(out.other_chunks), num_tokens,
-                           graph or "eager", tokens.idle_us, tokens.prepare_us, tokens.execute_us)
+                           path or "eager", tokens.idle_us, tokens.prepare_us, tokens.execute_us)
 
     @property
     def _log_prefix(self) -> str:
@@ -277,7 +279,8 @@ class Replica:
             max_num_seqs=min(c.max_num_seqs or desc.max_num_seqs, desc.max_num_seqs),
             max_num_batched_tokens=min(c.max_num_batched_tokens or desc.max_num_batched_tokens,
                                        desc.max_num_batched_tokens),
-            max_model_len=desc.max_model_len, max_prefill_tokens_with_decode=c.max_prefill_tokens_with_decode)
+            max_model_len=desc.max_model_len, max_prefill_tokens_with_decode=c.max_prefill_tokens_with_decode,
+            decode_steps=max(min(c.decode_steps, desc.max_decode_steps), 1), decode_steps_max_seqs=c.decode_steps_max_seqs)
         block_manager = BlockManager(desc.num_kv_blocks, desc.block_size, c.enable_prefix_caching)
         if self.scheduler is None:
             self.scheduler = Scheduler(sched_config, block_manager)

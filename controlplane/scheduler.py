@@ -11,6 +11,10 @@ A step may be planned while the previous one is still in flight: scheduling adva
 each sequence at once, and a sequence whose token is still being sampled decodes that
 PENDING token (the data plane feeds its own sampled token back). ``update`` fills the
 token in when the result arrives, and only then do full blocks join the prefix cache.
+
+When a few sequences only decode and nothing waits, one plan holds several decode steps
+(``decode_steps``): each sequence samples up to that many tokens before the control plane
+hears back, so a small batch pays the round trip once per several tokens.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ class SchedulerConfig:
     # Most prefill tokens in a step that also decodes (None: only max_num_batched_tokens
     # bounds them). Lower values keep inter-token latency steady while long prompts arrive.
     max_prefill_tokens_with_decode: int | None = None
+    # Decode steps one plan may hold when only a few sequences decode and none waits (1: one
+    # step per plan), and the most sequences such a plan takes.
+    decode_steps: int = 1
+    decode_steps_max_seqs: int = 32
 
 
 @dataclass(slots=True)
@@ -54,6 +62,8 @@ class SchedulerOutput:
     decode_start: list[int]  # their positions (= num_computed_tokens when scheduled)
     other_chunks: list[ScheduledChunk]
     dropped_seq_ids: list[int] = field(default_factory=list)
+    num_steps: int = 1  # > 1: that many decode steps, each decode and chunk one token with a budget
+    decode_budget: list[int] = field(default_factory=list)  # then: tokens each samples, in plan order
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
@@ -68,6 +78,9 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
+        """Tokens the step computes (all its decode steps)."""
+        if self.num_steps > 1:
+            return sum(self.decode_budget)
         return len(self.decode_seqs) + sum(c.num_tokens for c in self.other_chunks)
 
 
@@ -105,14 +118,32 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput | None:
         """Builds the next step, or returns None when nothing can run."""
+        self._preempted_now = set()
+        steps = self._schedule_decode_steps()
+        if steps is not None:
+            return steps
         budget = self.config.max_num_batched_tokens
-        block_size = self.block_manager.block_size
+        decodes, chunks, prefilling, budget = self._schedule_decodes(budget)
+        cap = self.config.max_prefill_tokens_with_decode
+        if cap is not None and (decodes or chunks):
+            budget = min(budget, cap)
+        budget = self._schedule_prefills(prefilling, chunks, budget)
+        self._admit(chunks, budget)
+        if self._preempted_now:  # a sequence preempted after it was scheduled must not run
+            decodes = [s for s in decodes if s.status is SequenceStatus.RUNNING]
+            chunks = [c for c in chunks if c.seq.status is SequenceStatus.RUNNING]
+        if not decodes and not chunks:
+            return None
+        return self._emit(decodes, chunks)
+
+    def _schedule_decodes(self, budget: int) -> tuple[list[Sequence], list[ScheduledChunk], list[Sequence], int]:
+        """1. Every running sequence with one token to compute gets it: plain decodes, or a chunk
+        when it needs a new block. Returns them, the running sequences still in prefill, and the
+        token budget left."""
         decodes: list[Sequence] = []
         chunks: list[ScheduledChunk] = []
         prefilling: list[Sequence] = []
-        self._preempted_now: set[int] = set()
-        max_model_len = self.config.max_model_len
-        # 1. decode: every running sequence with one token to compute
+        block_size, max_model_len = self.block_manager.block_size, self.config.max_model_len
         for seq in list(self.running):
             if len(seq.token_ids) - seq.num_computed_tokens != 1:
                 prefilling.append(seq)
@@ -125,17 +156,21 @@ class Scheduler:
                 elif self._reserve(seq, 1):
                     chunks.append(self._chunk(seq, 1))
                     budget -= 1
-        cap = self.config.max_prefill_tokens_with_decode
-        if cap is not None and (decodes or chunks):
-            budget = min(budget, cap)
-        # 2. running sequences still in prefill (prompt chunks, or recompute)
+        return decodes, chunks, prefilling, budget
+
+    def _schedule_prefills(self, prefilling: list[Sequence], chunks: list[ScheduledChunk], budget: int) -> int:
+        """2. Running sequences still in prefill (prompt chunks, or recompute); returns the budget left."""
         for seq in prefilling:
             if seq.status is SequenceStatus.RUNNING and budget > 0:
                 num_tokens = min(seq.num_uncomputed_tokens, budget)
                 if self._reserve(seq, num_tokens):
                     chunks.append(self._chunk(seq, num_tokens))
                     budget -= num_tokens
-        # 3. admit waiting sequences, first come first served (not one preempted in this very step)
+        return budget
+
+    def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
+        """3. Waiting sequences, first come first served (not one preempted in this very step)."""
+        block_size = self.block_manager.block_size
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.seq_id in self._preempted_now:
@@ -158,16 +193,55 @@ class Scheduler:
             self.running.append(seq)
             chunks.append(self._chunk(seq, num_tokens))
             budget -= num_tokens
-        if self._preempted_now:  # a sequence preempted after it was scheduled must not run
-            decodes = [s for s in decodes if s.status is SequenceStatus.RUNNING]
-            chunks = [c for c in chunks if c.seq.status is SequenceStatus.RUNNING]
-        if not decodes and not chunks:
+
+    def _schedule_decode_steps(self) -> SchedulerOutput | None:
+        """Several decode steps in one plan, when every running sequence decodes, nothing waits,
+        the batch is small (``decode_steps_max_seqs``) and every sequence samples plainly; else None.
+
+        Each sequence gets a budget of up to ``decode_steps`` tokens (fewer when max_tokens or
+        max_model_len comes first) and blocks for them; a token rule that ends it earlier (a stop
+        token) drops the rest when the result is applied.
+        """
+        k, running, bm = self.config.decode_steps, self.running, self.block_manager
+        if k <= 1 or self.waiting or not running or len(running) > self.config.decode_steps_max_seqs:
             return None
+        seqs, budgets, needed = [], [], 0
+        for seq in running:
+            if len(seq.token_ids) - seq.num_computed_tokens != 1 or not seq.params.plain_sampling:
+                return None
+            budget = min(k, seq.params.max_tokens - seq.num_output_tokens,
+                         self.config.max_model_len - len(seq.token_ids))
+            if budget >= 1:  # else its last token is in flight; the result ends it
+                seqs.append(seq)
+                budgets.append(budget)
+                needed += bm.blocks_for(seq.num_computed_tokens + budget) - len(seq.block_table)
+        if not budgets or max(budgets) == 1 or needed > bm.num_free_blocks:
+            return None  # one step does it, or blocks are short (one step at a time may preempt)
+        decodes, chunks = [], []
+        for seq, budget in zip(seqs, budgets):
+            if bm.blocks_for(seq.num_computed_tokens + budget) <= len(seq.block_table):
+                decodes.append((seq, budget))
+            else:
+                bm.append(seq, budget)
+                chunks.append((self._chunk(seq, 1), budget))
+        order = [b for _, b in decodes] + [b for _, b in chunks]
+        return self._emit([s for s, _ in decodes], [c for c, _ in chunks], order)
+
+    def _emit(self, decodes: list[Sequence], chunks: list[ScheduledChunk],
+              decode_budget: list[int] | None = None) -> SchedulerOutput:
+        """Numbers the step and advances its sequences as planned: what it computes counts as
+        computed, and each token it samples is PENDING until ``update``."""
         self.step_id += 1
         output = SchedulerOutput(self.step_id, decodes, [s.num_computed_tokens for s in decodes], chunks,
                                  self.dropped_seq_ids)
         self.dropped_seq_ids = []
-        for seq in decodes:  # planned as computed; the sampled token is PENDING until update
+        if decode_budget is not None:
+            output.num_steps, output.decode_budget = max(decode_budget), decode_budget
+            for seq, budget in zip(output.seqs, decode_budget):
+                seq.num_computed_tokens += budget
+                seq.token_ids += [PENDING] * budget
+            return output
+        for seq in decodes:
             seq.num_computed_tokens += 1
             seq.token_ids.append(PENDING)
         for c in chunks:
@@ -180,33 +254,57 @@ class Scheduler:
         """Applies a step's result: fills in the sampled tokens; full blocks join the prefix cache.
 
         Returns (sequence, token, index among the step's sampled sequences, token position)
-        for every sampled sequence not finished meanwhile. A sequence preempted while the
-        step ran keeps its token (it was sampled from a complete context).
+        for every sampled token of a sequence not finished meanwhile (several per sequence for
+        a plan of several decode steps, in order). A sequence preempted while the step ran keeps
+        its tokens (they were sampled from a complete context).
         """
+        if output.num_steps > 1:
+            return self._update_decode_steps(output, sampled_token_ids)
         num_sampled = len(output.decode_seqs) + sum(c.sample for c in output.other_chunks)
         assert num_sampled == len(sampled_token_ids), (
             f"{len(sampled_token_ids)} tokens for {num_sampled} sampled sequences")
         appended = []
-        block_size, running, finished = self.block_manager.block_size, SequenceStatus.RUNNING, SequenceStatus.FINISHED
+        running, finished = SequenceStatus.RUNNING, SequenceStatus.FINISHED
         for index, (seq, start, token) in enumerate(zip(output.decode_seqs, output.decode_start, sampled_token_ids)):
             if seq.status is finished:
                 continue
             pos = start + 1
             seq.token_ids[pos] = token
-            if seq.status is running and pos >= (len(seq.block_hashes) + 1) * block_size:
-                self.block_manager.cache_full_blocks(seq, pos)
+            if seq.status is running:
+                self._cache_full_blocks(seq, pos)
             appended.append((seq, token, index, pos))
         index = len(output.decode_seqs)
         for chunk in output.other_chunks:
             seq, end = chunk.seq, chunk.start_pos + chunk.num_tokens
-            if seq.status is running and end >= (len(seq.block_hashes) + 1) * block_size:
-                self.block_manager.cache_full_blocks(seq, end)
+            if seq.status is running:
+                self._cache_full_blocks(seq, end)
             if chunk.sample:
                 if seq.status is not finished:
                     seq.token_ids[end] = sampled_token_ids[index]
                     appended.append((seq, sampled_token_ids[index], index, end))
                 index += 1
         return appended
+
+    def _update_decode_steps(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list:
+        """update() for a plan of several decode steps: each sequence's decode_budget tokens, in plan order."""
+        assert sum(output.decode_budget) == len(sampled_token_ids), (
+            f"{len(sampled_token_ids)} tokens for decode budgets summing to {sum(output.decode_budget)}")
+        starts = output.decode_start + [c.start_pos for c in output.other_chunks]
+        appended, offset = [], 0
+        for index, (seq, start, budget) in enumerate(zip(output.seqs, starts, output.decode_budget)):
+            tokens, offset = sampled_token_ids[offset:offset + budget], offset + budget
+            if seq.status is SequenceStatus.FINISHED:
+                continue
+            seq.token_ids[start + 1:start + 1 + budget] = tokens
+            if seq.status is SequenceStatus.RUNNING:
+                self._cache_full_blocks(seq, start + budget)
+            appended += [(seq, token, index, start + 1 + j) for j, token in enumerate(tokens)]
+        return appended
+
+    def _cache_full_blocks(self, seq: Sequence, num_known: int) -> None:
+        """Blocks below num_known tokens (known, K/V written) join the prefix cache once full."""
+        if num_known >= (len(seq.block_hashes) + 1) * self.block_manager.block_size:
+            self.block_manager.cache_full_blocks(seq, num_known)
 
     def evict_all(self) -> list[Sequence]:
         """The data plane lost its KV cache: returns every sequence, ready to be recomputed, running

@@ -50,6 +50,14 @@ class RequestParams:
     logprobs: int | None = None  # None = none; n = the sampled token's plus the top n
     skip_special_tokens: bool = True
 
+    @property
+    def plain_sampling(self) -> bool:
+        """Temperature, top-k, top-p and min-p only (no penalties, seed, logprobs or min_tokens):
+        what a plan of several decode steps allows."""
+        s = self.sampling
+        return (s.repetition_penalty == 1.0 and s.presence_penalty == 0.0 and s.frequency_penalty == 0.0
+                and s.seed is None and self.logprobs is None and self.min_tokens == 0)
+
 
 class Sequence:
     """Prompt plus generated tokens, and how far the KV cache has caught up.
@@ -101,7 +109,7 @@ class Sequence:
 
     def drop_pending(self) -> None:
         """Forgets tokens whose steps will never report back (data plane lost, sequence ended);
-        two steps may be in flight, so there may be two."""
+        several steps may be in flight, each with one or more."""
         while self.token_ids[-1] == PENDING:
             self.token_ids.pop()
 

@@ -155,7 +155,8 @@ def test_penalties_see_the_prefix_served_from_the_cache(qwen3_planes):
 
 
 def test_stream_interval_batches_tokens_per_message(tiny_qwen3_dir, planes_factory):
-    planes = planes_factory(tiny_qwen3_dir, "--block-size", "16", stream_interval=3)
+    # one decode step per plan: a plan of several would bring several tokens a step
+    planes = planes_factory(tiny_qwen3_dir, "--block-size", "16", stream_interval=3, decode_steps=1)
     prompt = random_prompts(1, seed=41)[0]
     with planes.client() as client:
         chunks = list(client.generate(token_ids=prompt, max_tokens=10, temperature=0, ignore_eos=True))

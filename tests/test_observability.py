@@ -68,7 +68,8 @@ def test_metrics_move_during_and_after_a_generation(planes):
     assert growth(before, after, "time_to_first_token_seconds_count") == 1
     assert growth(before, after, "e2e_request_latency_seconds_count") == 1
     assert growth(before, after, "inter_token_latency_seconds_count") == usage.completion_tokens - 1
-    assert growth(before, after, "dataplane_step_seconds_count") >= usage.completion_tokens
+    # one step per token, or per up to --decode-steps (8) tokens for a plan of several decode steps
+    assert growth(before, after, "dataplane_step_seconds_count") >= usage.completion_tokens / 8
     assert growth(before, after, "e2e_request_latency_seconds_sum") >= growth(
         before, after, "time_to_first_token_seconds_sum") > 0
     # a histogram's +Inf bucket holds every observation

@@ -85,7 +85,7 @@ def test_engine_counts_steps_by_path(control_plane):
     assert delta["execute_us"] == DECODE_US * decode + MIXED_US * mixed
     report = _paths(before, after)
     assert report == (f"decode graph {decode} (0.10 ms each), mixed graph {mixed} (0.30 ms each), "
-                      f"eager 0 (0.00 ms each)")
+                      f"multi decode 0 (0.00 ms each), eager 0 (0.00 ms each)")
 
 
 def test_full_batch_decode_steps_are_counted_with_their_idle_time(control_plane, capsys):
