@@ -67,6 +67,13 @@ def control_plane():
         server.stop(0)
 
 
+def test_model_info_carries_the_step_limits_and_shapes_the_roofline_needs(control_plane):
+    info = control_plane.model_info()
+    assert (info.max_num_seqs, info.max_num_batched_tokens) == (FULL_BATCH, QWEN3_0_6B.max_num_batched_tokens)
+    assert (info.hidden_size, info.num_hidden_layers, info.num_attention_heads, info.head_dim) == (1024, 28, 16, 128)
+    assert info.layer_params == QWEN3_0_6B.layer_params > 0
+
+
 def test_engine_counts_steps_by_path(control_plane):
     before = control_plane.stats()
     for prompt in ([5] * 40, [6] * 70):
