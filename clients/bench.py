@@ -1,12 +1,16 @@
 """``twinplane bench``: a workload through the full gRPC path, with throughput, latency and roofline.
 
-The default workload is nano-vLLM's bench.py: seed 0, 256 requests, prompts of
-uniform length in [100, 1024] made of random token ids in [0, 10000), max_tokens
-uniform in [100, 1024], temperature 0.6, ignore_eos, on ``dummy:qwen3-0.6b`` with
-max_model_len 4096. Without ``--server`` it starts both planes itself (``twinplane
-serve`` as a child process). With ``--request-rate`` requests arrive as a Poisson
-process instead of all at once, and time to first token and inter-token latency
-are what matter.
+The default workload is nano-vLLM's bench.py, draw for draw: seed 0, 256 requests, prompts of
+uniform length in [100, 1024] made of random token ids in [0, 10000] (its ``randint`` includes
+both ends), max_tokens uniform in [100, 1024] (133,966 output tokens), temperature 0.6,
+ignore_eos, on ``dummy:qwen3-0.6b`` with max_model_len 4096. Like nano-vLLM, one
+``random.Random(seed)`` draws every prompt first (its length, then its ids), then every
+max_tokens. ``--workload interleaved`` draws each prompt (ids in [0, 10000)) followed by its
+max_tokens instead (137,723 output tokens): the workload of BENCHMARKS.md's rows before
+nano-vLLM's order became the default. With ``--num-prefixes`` the prefixes are drawn after the
+requests, from the same generator. Without ``--server`` it starts both planes itself
+(``twinplane serve`` as a child process). With ``--request-rate`` requests arrive as a Poisson
+process instead of all at once, and time to first token and inter-token latency are what matter.
 
 The roofline is the time the GPU would need to move this workload's bytes at its
 peak memory bandwidth: the weights once per decode step (at least as many steps as
@@ -26,6 +30,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -42,15 +47,21 @@ class Request:
 
 
 def make_workload(args: argparse.Namespace) -> list[Request]:
-    """nano-vLLM's workload; with --num-prefixes K, each prompt starts with one of K shared prefixes,
-    each prefix as often as the others, in random order."""
+    """The requests of --workload (see the module docstring); with --num-prefixes K, each prompt then
+    starts with one of K shared prefixes, each prefix as often as the others, in random order."""
     rng = random.Random(args.seed)
-    requests = []
-    for _ in range(args.num_requests):
-        n = rng.randint(args.min_input, args.max_input)
-        requests.append(Request([rng.randrange(args.vocab_limit) for _ in range(n)],
-                                rng.randint(args.min_output, args.max_output)))
-    prefixes = [[rng.randrange(args.vocab_limit) for _ in range(args.prefix_len)] for _ in range(args.num_prefixes)]
+    n = args.num_requests
+    if args.workload == "nanovllm":  # every prompt, then every max_tokens; ids in [0, vocab_limit]
+        token = partial(rng.randint, 0, args.vocab_limit)
+        prompts = [[token() for _ in range(rng.randint(args.min_input, args.max_input))] for _ in range(n)]
+        requests = [Request(prompt, rng.randint(args.min_output, args.max_output)) for prompt in prompts]
+    else:  # "interleaved": each prompt followed by its max_tokens; ids in [0, vocab_limit)
+        token = partial(rng.randrange, args.vocab_limit)
+        requests = []
+        for _ in range(n):
+            prompt = [token() for _ in range(rng.randint(args.min_input, args.max_input))]
+            requests.append(Request(prompt, rng.randint(args.min_output, args.max_output)))
+    prefixes = [[token() for _ in range(args.prefix_len)] for _ in range(args.num_prefixes)]
     if prefixes:
         order = [i % len(prefixes) for i in range(len(requests))]
         rng.shuffle(order)
@@ -228,12 +239,16 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--server", default=None,
                    help="benchmark a running server at this address (default: start twinplane serve)")
+    g.add_argument("--workload", default="nanovllm", choices=["nanovllm", "interleaved"],
+                   help="order of the random draws: nanovllm (its bench.py: every prompt, then every "
+                        "max_tokens) or interleaved (each prompt, then its max_tokens: BENCHMARKS.md's older rows)")
     g.add_argument("--num-requests", type=int, default=256, help="requests in the workload")
     g.add_argument("--min-input", type=int, default=100, help="shortest prompt, in tokens")
     g.add_argument("--max-input", type=int, default=1024, help="longest prompt, in tokens")
     g.add_argument("--min-output", type=int, default=100, help="smallest max_tokens")
     g.add_argument("--max-output", type=int, default=1024, help="largest max_tokens")
-    g.add_argument("--vocab-limit", type=int, default=10000, help="prompt token ids are drawn from [0, this)")
+    g.add_argument("--vocab-limit", type=int, default=10000,
+                   help="prompt token ids are drawn from [0, this] (nanovllm) or [0, this) (interleaved)")
     g.add_argument("--temperature", type=float, default=0.6, help="sampling temperature of every request")
     g.add_argument("--seed", type=int, default=0, help="seed of the workload and of the arrival times")
     g.add_argument("--request-rate", type=float, default=float("inf"),
