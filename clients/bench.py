@@ -12,9 +12,13 @@ requests, from the same generator. Without ``--server`` it starts both planes it
 (``twinplane serve`` as a child process). With ``--request-rate`` requests arrive as a Poisson
 process instead of all at once, and time to first token and inter-token latency are what matter.
 
-The roofline is the time the GPU would need to move this workload's bytes at its
-peak memory bandwidth: the weights once per decode step (at least as many steps as
-the longest output) and, for every generated token, the K/V of its whole context.
+Two rooflines are printed. The bandwidth roofline is the time the GPU would need to move this
+workload's bytes at its peak memory bandwidth: the weights once per decode step (at least as
+many steps as the longest output) and, for every generated token, the K/V of its whole
+context. The step roofline (``roofline.py``) plans the steps a continuous-batching scheduler
+would run under the server's max_num_seqs and max_num_batched_tokens, and takes for each the
+longer of its bytes at ``--peak-bandwidth-gbs`` and its FLOPs at ``--peak-tflops``: prompt
+steps are compute-bound, so it is the truer floor; the first stays comparable with older rows.
 """
 
 from __future__ import annotations
@@ -34,7 +38,10 @@ from functools import partial
 
 import numpy as np
 
+from twinplane.clients.roofline import ModelCost, StepLimits, StepRoofline, step_roofline
+
 H200_BANDWIDTH_GBS = 4800.0  # HBM3e, per GPU, datasheet
+H200_BF16_TFLOPS = 989.0  # dense BF16 tensor cores, per GPU, datasheet
 
 
 @dataclass
@@ -77,6 +84,21 @@ def roofline_seconds(requests: list[Request], weight_bytes: int, kv_bytes_per_to
     kv_read = sum(len(r.prompt) * r.max_tokens + r.max_tokens * (r.max_tokens - 1) // 2 for r in requests)
     kv_written = sum(len(r.prompt) + r.max_tokens for r in requests)
     return (steps * weight_bytes + (kv_read + kv_written) * kv_bytes_per_token) / bandwidth_bytes
+
+
+def workload_step_roofline(requests: list[Request], info, args) -> StepRoofline:
+    """The step-by-step roofline (roofline.py) on the server info describes. DP data planes count as one
+    machine DP times as large: DP times the weights read per step, budgets, bandwidth and peak FLOP/s."""
+    dp = max(info.data_parallel_size, 1)
+    gpus = info.tensor_parallel_size * dp
+    cap = args.max_prefill_tokens_with_decode
+    limits = StepLimits((info.max_num_seqs or args.max_num_seqs) * dp,
+                        (info.max_num_batched_tokens or args.max_num_batched_tokens) * dp, cap * dp if cap else None)
+    cost = ModelCost(weight_bytes=info.weight_bytes * dp, kv_bytes_per_token=info.kv_bytes_per_token,
+                     layer_params=info.layer_params, logits_params=info.hidden_size * info.vocab_size,
+                     attention_flops_per_pair=4 * info.num_hidden_layers * info.num_attention_heads * info.head_dim)
+    return step_roofline([(len(r.prompt), r.max_tokens) for r in requests], limits, cost,
+                         args.peak_bandwidth_gbs * 1e9 * gpus, args.peak_tflops * 1e12 * gpus)
 
 
 async def _one(client, req: Request, args, progress) -> None:
@@ -152,6 +174,9 @@ def report(requests: list[Request], elapsed: float, before: dict, after: dict, i
         "idle_fraction": idle_us / max(execute_us, 1), "preemptions": after["preemptions"] - before["preemptions"],
         "full_decode_steps": full["steps"], "full_decode_idle_fraction": full["idle_us"] / max(full["execute_us"], 1),
     }
+    by_step = workload_step_roofline(requests, info, args)
+    figures.update(step_roofline_s=by_step.seconds, step_roofline_fraction=by_step.seconds / elapsed,
+                   step_roofline_steps=by_step.num_steps, compute_bound_steps=by_step.compute_bound_steps)
     failed = [r for r in requests if r.error or len(r.token_times) != r.max_tokens]
     queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
     figures["prefix_cache_hit_rate"] = (after["prefix_cache_hits"] - before["prefix_cache_hits"]) / max(queries, 1)
@@ -167,6 +192,9 @@ def report(requests: list[Request], elapsed: float, before: dict, after: dict, i
     print(f"roofline {roofline:.2f} s at {args.peak_bandwidth_gbs:.0f} GB/s per GPU "
           f"(weights {info.weight_bytes / 1e9:.2f} GB/step, KV {info.kv_bytes_per_token} B/token): "
           f"{100 * figures['roofline_fraction']:.1f}% of roofline")
+    print(f"roofline by step {by_step.seconds:.2f} s: {by_step.num_steps} planned steps, each the longer of its "
+          f"bytes at {args.peak_bandwidth_gbs:.0f} GB/s and its FLOPs at {args.peak_tflops:.0f} TFLOPS per GPU "
+          f"({by_step.compute_bound_steps} compute-bound): {100 * figures['step_roofline_fraction']:.1f}% of it")
     print(f"data plane: {steps} steps, {execute_us / max(steps, 1) / 1e3:.2f} ms per step, idle between steps "
           f"{100 * figures['idle_fraction']:.1f}% of step time; preemptions {figures['preemptions']}")
     print(f"full-batch decode ({args.max_num_seqs} sequences): {full['steps']} steps, "
@@ -255,6 +283,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="requests per second, Poisson arrivals; inf sends them all at once")
     g.add_argument("--peak-bandwidth-gbs", type=float, default=H200_BANDWIDTH_GBS,
                    help="memory bandwidth per GPU in GB/s, for the roofline")
+    g.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS,
+                   help="dense matrix-multiply TFLOP/s per GPU in the model's dtype, for the step roofline")
     g.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the server to serve")
     g.add_argument("--max-prefill-tokens-with-decode", type=int, default=None,
                    help="passed to the server it starts (default: no cap)")
