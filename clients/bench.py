@@ -1,16 +1,24 @@
 """``twinplane bench``: a workload through the full gRPC path, with throughput, latency and roofline.
 
-The default workload is nano-vLLM's bench.py: seed 0, 256 requests, prompts of
-uniform length in [100, 1024] made of random token ids in [0, 10000), max_tokens
-uniform in [100, 1024], temperature 0.6, ignore_eos, on ``dummy:qwen3-0.6b`` with
-max_model_len 4096. Without ``--server`` it starts both planes itself (``twinplane
-serve`` as a child process). With ``--request-rate`` requests arrive as a Poisson
-process instead of all at once, and time to first token and inter-token latency
-are what matter.
+The default workload is nano-vLLM's bench.py, draw for draw: seed 0, 256 requests, prompts of
+uniform length in [100, 1024] made of random token ids in [0, 10000] (its ``randint`` includes
+both ends), max_tokens uniform in [100, 1024] (133,966 output tokens), temperature 0.6,
+ignore_eos, on ``dummy:qwen3-0.6b`` with max_model_len 4096. Like nano-vLLM, one
+``random.Random(seed)`` draws every prompt first (its length, then its ids), then every
+max_tokens. ``--workload interleaved`` draws each prompt (ids in [0, 10000)) followed by its
+max_tokens instead (137,723 output tokens): the workload of BENCHMARKS.md's rows before
+nano-vLLM's order became the default. With ``--num-prefixes`` the prefixes are drawn after the
+requests, from the same generator. Without ``--server`` it starts both planes itself
+(``twinplane serve`` as a child process). With ``--request-rate`` requests arrive as a Poisson
+process instead of all at once, and time to first token and inter-token latency are what matter.
 
-The roofline is the time the GPU would need to move this workload's bytes at its
-peak memory bandwidth: the weights once per decode step (at least as many steps as
-the longest output) and, for every generated token, the K/V of its whole context.
+Two rooflines are printed. The bandwidth roofline is the time the GPU would need to move this
+workload's bytes at its peak memory bandwidth: the weights once per decode step (at least as
+many steps as the longest output) and, for every generated token, the K/V of its whole
+context. The step roofline (``roofline.py``) plans the steps a continuous-batching scheduler
+would run under the server's max_num_seqs and max_num_batched_tokens, and takes for each the
+longer of its bytes at ``--peak-bandwidth-gbs`` and its FLOPs at ``--peak-tflops``: prompt
+steps are compute-bound, so it is the truer floor; the first stays comparable with older rows.
 """
 
 from __future__ import annotations
@@ -26,10 +34,14 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
+from twinplane.clients.roofline import ModelCost, StepLimits, StepRoofline, step_roofline
+
 H200_BANDWIDTH_GBS = 4800.0  # HBM3e, per GPU, datasheet
+H200_BF16_TFLOPS = 989.0  # dense BF16 tensor cores, per GPU, datasheet
 
 
 @dataclass
@@ -42,15 +54,21 @@ class Request:
 
 
 def make_workload(args: argparse.Namespace) -> list[Request]:
-    """nano-vLLM's workload; with --num-prefixes K, each prompt starts with one of K shared prefixes,
-    each prefix as often as the others, in random order."""
+    """The requests of --workload (see the module docstring); with --num-prefixes K, each prompt then
+    starts with one of K shared prefixes, each prefix as often as the others, in random order."""
     rng = random.Random(args.seed)
-    requests = []
-    for _ in range(args.num_requests):
-        n = rng.randint(args.min_input, args.max_input)
-        requests.append(Request([rng.randrange(args.vocab_limit) for _ in range(n)],
-                                rng.randint(args.min_output, args.max_output)))
-    prefixes = [[rng.randrange(args.vocab_limit) for _ in range(args.prefix_len)] for _ in range(args.num_prefixes)]
+    n = args.num_requests
+    if args.workload == "nanovllm":  # every prompt, then every max_tokens; ids in [0, vocab_limit]
+        token = partial(rng.randint, 0, args.vocab_limit)
+        prompts = [[token() for _ in range(rng.randint(args.min_input, args.max_input))] for _ in range(n)]
+        requests = [Request(prompt, rng.randint(args.min_output, args.max_output)) for prompt in prompts]
+    else:  # "interleaved": each prompt followed by its max_tokens; ids in [0, vocab_limit)
+        token = partial(rng.randrange, args.vocab_limit)
+        requests = []
+        for _ in range(n):
+            prompt = [token() for _ in range(rng.randint(args.min_input, args.max_input))]
+            requests.append(Request(prompt, rng.randint(args.min_output, args.max_output)))
+    prefixes = [[token() for _ in range(args.prefix_len)] for _ in range(args.num_prefixes)]
     if prefixes:
         order = [i % len(prefixes) for i in range(len(requests))]
         rng.shuffle(order)
@@ -66,6 +84,21 @@ def roofline_seconds(requests: list[Request], weight_bytes: int, kv_bytes_per_to
     kv_read = sum(len(r.prompt) * r.max_tokens + r.max_tokens * (r.max_tokens - 1) // 2 for r in requests)
     kv_written = sum(len(r.prompt) + r.max_tokens for r in requests)
     return (steps * weight_bytes + (kv_read + kv_written) * kv_bytes_per_token) / bandwidth_bytes
+
+
+def workload_step_roofline(requests: list[Request], info, args) -> StepRoofline:
+    """The step-by-step roofline (roofline.py) on the server info describes. DP data planes count as one
+    machine DP times as large: DP times the weights read per step, budgets, bandwidth and peak FLOP/s."""
+    dp = max(info.data_parallel_size, 1)
+    gpus = info.tensor_parallel_size * dp
+    cap = args.max_prefill_tokens_with_decode
+    limits = StepLimits((info.max_num_seqs or args.max_num_seqs) * dp,
+                        (info.max_num_batched_tokens or args.max_num_batched_tokens) * dp, cap * dp if cap else None)
+    cost = ModelCost(weight_bytes=info.weight_bytes * dp, kv_bytes_per_token=info.kv_bytes_per_token,
+                     layer_params=info.layer_params, logits_params=info.hidden_size * info.vocab_size,
+                     attention_flops_per_pair=4 * info.num_hidden_layers * info.num_attention_heads * info.head_dim)
+    return step_roofline([(len(r.prompt), r.max_tokens) for r in requests], limits, cost,
+                         args.peak_bandwidth_gbs * 1e9 * gpus, args.peak_tflops * 1e12 * gpus)
 
 
 async def _one(client, req: Request, args, progress) -> None:
@@ -141,6 +174,9 @@ def report(requests: list[Request], elapsed: float, before: dict, after: dict, i
         "idle_fraction": idle_us / max(execute_us, 1), "preemptions": after["preemptions"] - before["preemptions"],
         "full_decode_steps": full["steps"], "full_decode_idle_fraction": full["idle_us"] / max(full["execute_us"], 1),
     }
+    by_step = workload_step_roofline(requests, info, args)
+    figures.update(step_roofline_s=by_step.seconds, step_roofline_fraction=by_step.seconds / elapsed,
+                   step_roofline_steps=by_step.num_steps, compute_bound_steps=by_step.compute_bound_steps)
     failed = [r for r in requests if r.error or len(r.token_times) != r.max_tokens]
     queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
     figures["prefix_cache_hit_rate"] = (after["prefix_cache_hits"] - before["prefix_cache_hits"]) / max(queries, 1)
@@ -156,6 +192,9 @@ def report(requests: list[Request], elapsed: float, before: dict, after: dict, i
     print(f"roofline {roofline:.2f} s at {args.peak_bandwidth_gbs:.0f} GB/s per GPU "
           f"(weights {info.weight_bytes / 1e9:.2f} GB/step, KV {info.kv_bytes_per_token} B/token): "
           f"{100 * figures['roofline_fraction']:.1f}% of roofline")
+    print(f"roofline by step {by_step.seconds:.2f} s: {by_step.num_steps} planned steps, each the longer of its "
+          f"bytes at {args.peak_bandwidth_gbs:.0f} GB/s and its FLOPs at {args.peak_tflops:.0f} TFLOPS per GPU "
+          f"({by_step.compute_bound_steps} compute-bound): {100 * figures['step_roofline_fraction']:.1f}% of it")
     print(f"data plane: {steps} steps, {execute_us / max(steps, 1) / 1e3:.2f} ms per step, idle between steps "
           f"{100 * figures['idle_fraction']:.1f}% of step time; preemptions {figures['preemptions']}")
     print(f"full-batch decode ({args.max_num_seqs} sequences): {full['steps']} steps, "
@@ -229,18 +268,24 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--server", default=None,
                    help="benchmark a running server at this address (default: start twinplane serve)")
+    g.add_argument("--workload", default="nanovllm", choices=["nanovllm", "interleaved"],
+                   help="order of the random draws: nanovllm (its bench.py: every prompt, then every "
+                        "max_tokens) or interleaved (each prompt, then its max_tokens: BENCHMARKS.md's older rows)")
     g.add_argument("--num-requests", type=int, default=256, help="requests in the workload")
     g.add_argument("--min-input", type=int, default=100, help="shortest prompt, in tokens")
     g.add_argument("--max-input", type=int, default=1024, help="longest prompt, in tokens")
     g.add_argument("--min-output", type=int, default=100, help="smallest max_tokens")
     g.add_argument("--max-output", type=int, default=1024, help="largest max_tokens")
-    g.add_argument("--vocab-limit", type=int, default=10000, help="prompt token ids are drawn from [0, this)")
+    g.add_argument("--vocab-limit", type=int, default=10000,
+                   help="prompt token ids are drawn from [0, this] (nanovllm) or [0, this) (interleaved)")
     g.add_argument("--temperature", type=float, default=0.6, help="sampling temperature of every request")
     g.add_argument("--seed", type=int, default=0, help="seed of the workload and of the arrival times")
     g.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, Poisson arrivals; inf sends them all at once")
     g.add_argument("--peak-bandwidth-gbs", type=float, default=H200_BANDWIDTH_GBS,
                    help="memory bandwidth per GPU in GB/s, for the roofline")
+    g.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS,
+                   help="dense matrix-multiply TFLOP/s per GPU in the model's dtype, for the step roofline")
     g.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the server to serve")
     g.add_argument("--max-prefill-tokens-with-decode", type=int, default=None,
                    help="passed to the server it starts (default: no cap)")

@@ -79,6 +79,13 @@ class ModelInfo:
     kv_bytes_per_token: int = 0
     device: str = ""
     data_parallel_size: int = 1
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    hidden_size: int = 0
+    num_hidden_layers: int = 0
+    num_attention_heads: int = 0
+    head_dim: int = 0
+    layer_params: int = 0  # decoder-layer matrix weights, all ranks together (0: not reported)
 
 
 # ---- protobuf edge: requests --------------------------------------------------------------

@@ -27,7 +27,8 @@ QWEN3_0_6B = dp.DescribeResponse(
     model="null:qwen3-0.6b", architecture="Qwen3ForCausalLM", dtype="bfloat16", block_size=256,
     num_kv_blocks=4500, max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192,
     tensor_parallel_size=1, attention_backend="none", vocab_size=151936, eos_token_ids=[151645],
-    max_logprobs=20, device="none", weight_bytes=1192099840, kv_bytes_per_token=114688)
+    max_logprobs=20, device="none", weight_bytes=1192099840, kv_bytes_per_token=114688, hidden_size=1024,
+    num_hidden_layers=28, num_attention_heads=16, head_dim=128, layer_params=440401920)
 
 
 class NullDataPlane(dp_grpc.DataPlaneServicer):

@@ -153,7 +153,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             eos_token_ids=list(d.eos_token_ids), max_logprobs=limits.max_logprobs,
             has_chat_template=bool(tok and tok.chat_template), weight_bytes=d.weight_bytes,
             kv_bytes_per_token=d.kv_bytes_per_token, device=d.device,
-            data_parallel_size=len(self.engine.config.dataplanes))
+            data_parallel_size=len(self.engine.config.dataplanes), max_num_seqs=d.max_num_seqs,
+            max_num_batched_tokens=d.max_num_batched_tokens, hidden_size=d.hidden_size,
+            num_hidden_layers=d.num_hidden_layers, num_attention_heads=d.num_attention_heads, head_dim=d.head_dim,
+            layer_params=d.layer_params)
 
 
     @unary_errors

@@ -30,6 +30,7 @@ from twinplane.dataplane.cuda_graphs import StepGraphs, bucket, graph_batch_size
 from twinplane.dataplane.distributed import tp_rank, tp_world_size
 from twinplane.dataplane.kv_cache import allocate_kv_cache, bytes_per_block, cpu_num_blocks, cuda_num_blocks
 from twinplane.dataplane.loader import load_model
+from twinplane.dataplane.models.decoder import head_dim_of
 from twinplane.dataplane.plan import StepOutput, StepPath, StepPlan
 from twinplane.dataplane.sampler import Sampler, SamplerOutput
 from twinplane.dataplane.sampling_batch import SamplingBatch
@@ -60,6 +61,11 @@ class DataPlaneDescription:
     weight_bytes: int
     kv_bytes_per_token: int
     max_decode_steps: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    layer_params: int
 
 
 def resolve_device(name: str) -> torch.device:
@@ -255,7 +261,14 @@ class ModelRunner:
             eos_token_ids=list(self.loaded.eos_token_ids), max_logprobs=MAX_LOGPROBS, device=device,
             weight_bytes=self._weight_bytes() * c.tensor_parallel_size,
             kv_bytes_per_token=bytes_per_block(self.model.attention_layers(), 1, self.dtype) * c.tensor_parallel_size,
-            max_decode_steps=MAX_DECODE_STEPS)
+            max_decode_steps=MAX_DECODE_STEPS,
+            **self._shape(), layer_params=self.model.layer_params() * c.tensor_parallel_size)
+
+    def _shape(self) -> dict[str, int]:
+        """The model's sizes that FLOP counts need (query heads: all ranks together)."""
+        hf = self.loaded.hf_config
+        return {"hidden_size": int(hf.hidden_size), "num_hidden_layers": int(hf.num_hidden_layers),
+                "num_attention_heads": int(hf.num_attention_heads), "head_dim": head_dim_of(hf)}
 
     def _weight_bytes(self) -> int:
         """This rank's weight bytes (tied embeddings counted once)."""

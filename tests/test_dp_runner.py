@@ -30,6 +30,11 @@ def test_describe_fills_the_proto(runner: ModelRunner) -> None:
     assert (description.vocab_size, description.num_kv_blocks, description.max_model_len) == (49152, 64, 64)
     assert description.attention_backend == "torch" and description.eos_token_ids == [2]
     assert describe_to_pb(description).max_logprobs == 20
+    shape = (description.hidden_size, description.num_hidden_layers, description.num_attention_heads,
+             description.head_dim)
+    assert shape == (64, 2, 4, 16)
+    qkv, o, gate_up, down = 64 * (4 + 2 * 2) * 16, 4 * 16 * 64, 64 * 2 * 128, 128 * 64
+    assert description.layer_params == 2 * (qkv + o + gate_up + down)  # matrices only, no norm weights
 
 
 def test_cpu_cache_size_follows_the_gib_budget() -> None:

@@ -67,6 +67,13 @@ def control_plane():
         server.stop(0)
 
 
+def test_model_info_carries_the_step_limits_and_shapes_the_roofline_needs(control_plane):
+    info = control_plane.model_info()
+    assert (info.max_num_seqs, info.max_num_batched_tokens) == (FULL_BATCH, QWEN3_0_6B.max_num_batched_tokens)
+    assert (info.hidden_size, info.num_hidden_layers, info.num_attention_heads, info.head_dim) == (1024, 28, 16, 128)
+    assert info.layer_params == QWEN3_0_6B.layer_params > 0
+
+
 def test_engine_counts_steps_by_path(control_plane):
     before = control_plane.stats()
     for prompt in ([5] * 40, [6] * 70):
@@ -104,12 +111,18 @@ def test_full_batch_decode_steps_are_counted_with_their_idle_time(control_plane,
 
     requests = [Request([1] * 40, 300, 0.0, [0.1] * 300), Request([1] * 70, 300, 0.0, [0.2] * 300)]
     info = SimpleNamespace(model="m", dtype="bfloat16", tensor_parallel_size=1, device="d", attention_backend="a",
-                           num_kv_blocks=1, block_size=16, weight_bytes=1, kv_bytes_per_token=1, data_parallel_size=1)
-    args = SimpleNamespace(peak_bandwidth_gbs=4800.0, max_num_seqs=FULL_BATCH)
+                           num_kv_blocks=1, block_size=16, weight_bytes=1, kv_bytes_per_token=1, data_parallel_size=1,
+                           max_num_seqs=FULL_BATCH, max_num_batched_tokens=128, layer_params=1, hidden_size=1,
+                           vocab_size=1, num_hidden_layers=1, num_attention_heads=1, head_dim=1)
+    args = SimpleNamespace(peak_bandwidth_gbs=4800.0, peak_tflops=989.0, max_num_seqs=FULL_BATCH,
+                           max_prefill_tokens_with_decode=None)
     figures = report(requests, 1.0, before, after, info, args)
     assert figures["full_decode_steps"] == full and abs(figures["full_decode_idle_fraction"] - 0.07) < 1e-9
-    assert f"full-batch decode (2 sequences): {full} steps, 0.10 ms per step, idle before them 7.0% of step time" \
-        in capsys.readouterr().out
+    assert figures["step_roofline_steps"] == 1 + 299 and figures["compute_bound_steps"] == 0  # prompts, decodes
+    assert figures["roofline_s"] > 0 and figures["step_roofline_fraction"] == figures["step_roofline_s"] > 0
+    out = capsys.readouterr().out
+    assert f"full-batch decode (2 sequences): {full} steps, 0.10 ms per step, idle before them 7.0% of step time" in out
+    assert "roofline 0.00 s at 4800 GB/s per GPU" in out and "roofline by step 0.00 s: 300 planned steps" in out
 
 
 def test_data_plane_logs_each_steps_host_timeline_at_debug(caplog):

@@ -173,6 +173,10 @@ class DecoderForCausalLM(nn.Module):
         """hidden [n, hidden] -> logits [n, vocab] (None on TP ranks other than 0)."""
         return self.lm_head(hidden)
 
+    def layer_params(self) -> int:
+        """Weights of this rank's decoder-layer matrices (norm weights and biases left out)."""
+        return sum(p.numel() for p in self.model.layers.parameters() if p.dim() == 2)
+
     def attention_layers(self) -> list[Attention]:
         """The paged-attention modules, in layer order (for binding the KV cache)."""
         return [layer.self_attn.attn for layer in self.model.layers]
