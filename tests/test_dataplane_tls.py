@@ -188,3 +188,28 @@ def test_unix_socket_data_planes_stay_plaintext_with_a_ca(tls_dataplane):
     tls = DataPlaneTls(ca=tls_dataplane["ca"])
     assert DataPlaneClient("unix:///run/twinplane/dp.sock", tls=tls).credentials is None
     assert DataPlaneClient(tls_dataplane["address"], tls=tls).credentials is not None
+
+
+def test_unusable_tls_files_stop_either_plane_at_start_with_one_line_naming_the_flag(tmp_path):
+    from twinplane.clients.cli import _controlplane, _dataplane_tls, build_parser
+
+    (tmp_path / "other").mkdir()
+    cert, key = self_signed_cert(tmp_path)
+    _, other_key = self_signed_cert(tmp_path / "other")
+    result = subprocess.run([sys.executable, "-m", "twinplane.clients.cli", "dataplane", "--model", "dummy:tiny-qwen3",
+                             "--device", "cpu", "--insecure", "--tls-cert", str(cert), "--tls-key", str(other_key)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert "--tls-key" in result.stderr and "do not make a key pair" in result.stderr
+
+    def controlplane_error(*argv: str) -> str:
+        args = build_parser().parse_args(["controlplane", *argv])
+        with pytest.raises(SystemExit) as info:
+            _controlplane(args, args.dataplane, None, _dataplane_tls(args))
+        return str(info.value)
+
+    assert controlplane_error("--dataplane-tls-ca", str(tmp_path / "none.pem")) == \
+        f"twinplane controlplane: --dataplane-tls-ca {tmp_path / 'none.pem'}: No such file or directory"
+    assert "--dataplane-tls-ca" in controlplane_error("--dataplane-tls-ca", str(key))  # a key, no certificate
+    assert controlplane_error("--dataplane-tls-server-name", "x").startswith(
+        "twinplane controlplane: --dataplane-tls-server-name needs --dataplane-tls-ca")
