@@ -11,6 +11,8 @@ import sys
 from twinplane.clients.launcher import TOKEN_ENV, DataPlaneProcess, gpu_groups, new_token
 from twinplane.controlplane.event_loop import run as run_event_loop
 
+log = logging.getLogger("twinplane")
+
 DEFAULT_DATAPLANE = "127.0.0.1:50061"
 DEFAULT_LISTEN = "127.0.0.1:50051"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -132,13 +134,20 @@ def _add_controlplane_args(p: argparse.ArgumentParser, listen_default: str = DEF
                    help="serve the OpenAI-compatible HTTP API here: host:port, or a port on 127.0.0.1 (default: off)")
 
 
-def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None):
+def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None, dataplane_tls=None):
+    """The control plane's config and security from args; a bad value or TLS file is a one-line error."""
     from twinplane.controlplane.config import ControlPlaneConfig
     from twinplane.controlplane.main import Security
+    from twinplane.controlplane.tls import DataPlaneTls
 
+    dataplane_tls = dataplane_tls or DataPlaneTls()
+    security = Security(args.tls_cert, args.tls_key, args.api_key or os.environ.get("TWINPLANE_API_KEY"))
     try:
+        security.credentials()
+        dataplane_tls.credentials()
         config = ControlPlaneConfig(
-            dataplane=dataplane, dataplane_token=token, listen=args.listen, tokenizer=args.tokenizer,
+            dataplane=dataplane, dataplane_token=token, dataplane_tls=dataplane_tls, listen=args.listen,
+            tokenizer=args.tokenizer,
             max_waiting_requests=args.max_waiting_requests, enable_prefix_caching=not args.no_prefix_caching,
             shutdown_grace=args.shutdown_grace, max_prefill_tokens_with_decode=args.max_prefill_tokens_with_decode,
             stream_interval=args.stream_interval, max_steps_in_flight=args.max_steps_in_flight,
@@ -148,9 +157,8 @@ def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None):
             max_unsent_tokens_per_stream=args.max_unsent_tokens_per_stream, max_unsent_tokens=args.max_unsent_tokens,
             stall_timeout=args.stall_timeout, dataplane_timeout=args.dataplane_timeout, core_timeout=args.core_timeout,
             metrics_api_key=not args.metrics_no_auth, http_listen=args.http_listen)
-    except ValueError as exc:  # a flag out of range: say which, without a traceback
+    except ValueError as exc:  # a flag out of range or an unusable file: say which, without a traceback
         raise SystemExit(f"twinplane {args.command}: {exc}") from None
-    security = Security(args.tls_cert, args.tls_key, args.api_key or os.environ.get("TWINPLANE_API_KEY"))
     return config, security
 
 
@@ -187,18 +195,55 @@ def _dataplane_token(args: argparse.Namespace) -> str | None:
     return token
 
 
+def _dataplane_credentials(args: argparse.Namespace):
+    """The data plane's TLS credentials (None: plaintext), its files checked before the model loads."""
+    from twinplane.controlplane.tls import is_loopback, server_credentials
+
+    try:
+        credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+    except ValueError as exc:
+        raise SystemExit(f"twinplane dataplane: error: {exc}") from None
+    if credentials is None and not is_loopback(args.listen):
+        log.warning("serving on %s without TLS: the token and every plan cross the network in plaintext; "
+                    "give --tls-cert and --tls-key unless the network is private", args.listen)
+    return credentials
+
+
 def cmd_dataplane(args: argparse.Namespace) -> int:
     token = _dataplane_token(args)  # before the model loads
+    credentials = _dataplane_credentials(args)
     from twinplane.dataplane.main import serve
 
-    serve(_dataplane_config(args), args.listen, token)
+    serve(_dataplane_config(args), args.listen, token, credentials, args.health_listen)
     return 0
+
+
+def _dataplane_tls(args: argparse.Namespace):
+    from twinplane.controlplane.tls import DataPlaneTls
+
+    return DataPlaneTls(ca=args.dataplane_tls_ca, default_roots=args.dataplane_tls,
+                        server_name=args.dataplane_tls_server_name, cert=args.dataplane_tls_cert,
+                        key=args.dataplane_tls_key)
+
+
+def _warn_plaintext_dataplanes(config) -> None:
+    """Data planes on other hosts reached without TLS: the token and the plans can be read on the way."""
+    from twinplane.controlplane.tls import is_loopback
+
+    if config.dataplane_tls.enabled:
+        return
+    for target in config.dataplanes:
+        if not is_loopback(target):
+            log.warning("data plane %s is reached over TCP without TLS: the token and every plan cross the "
+                        "network in plaintext; give --dataplane-tls-ca unless the network is private", target)
 
 
 def cmd_controlplane(args: argparse.Namespace) -> int:
     from twinplane.controlplane.main import serve
 
-    config, security = _controlplane(args, args.dataplane, args.dataplane_token or os.environ.get(TOKEN_ENV))
+    config, security = _controlplane(args, args.dataplane, args.dataplane_token or os.environ.get(TOKEN_ENV),
+                                     _dataplane_tls(args))
+    _warn_plaintext_dataplanes(config)
     run_event_loop(serve(config, security))
     return 0
 
@@ -376,6 +421,15 @@ def _add_dataplane_command(sub) -> None:
                    help=f"require this token from the control plane (default: ${TOKEN_ENV} if set, else none)")
     p.add_argument("--insecure", action="store_true",
                    help="serve on a TCP address without a token (only on a private network)")
+    g = p.add_argument_group("TLS (the control plane verifies the certificate with --dataplane-tls-ca)")
+    g.add_argument("--tls-cert", default=None,
+                   help="PEM certificate chain; with --tls-key, serve over TLS (default: plaintext)")
+    g.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert (default: none)")
+    g.add_argument("--tls-client-ca", default=None,
+                   help="PEM roots: require a client certificate they signed, i.e. mutual TLS (default: none)")
+    g.add_argument("--health-listen", default=None,
+                   help="also serve grpc.health.v1 alone, in plaintext, at this address, for probes that cannot "
+                        "speak TLS such as Kubernetes' gRPC probes (default: off)")
     _add_log_level(p, argparse.SUPPRESS)  # here, or before the command
 
 
@@ -385,6 +439,18 @@ def _add_controlplane_command(sub) -> None:
                    help="the data plane's address, or several separated by commas (data parallelism)")
     p.add_argument("--dataplane-token", default=None,
                    help=f"token sent to the data plane (default: ${TOKEN_ENV} if set, else none)")
+    g = p.add_argument_group("TLS to data planes on TCP (unix sockets stay plaintext)")
+    g.add_argument("--dataplane-tls-ca", default=None,
+                   help="PEM roots that verify the data planes' certificates; TLS on (default: plaintext)")
+    g.add_argument("--dataplane-tls", action="store_true",
+                   help="TLS on, verified by gRPC's bundled public roots when there is no --dataplane-tls-ca")
+    g.add_argument("--dataplane-tls-server-name", default=None,
+                   help="the name data-plane certificates carry, when not the host of the address "
+                        "(default: that host)")
+    g.add_argument("--dataplane-tls-cert", default=None,
+                   help="PEM certificate chain the control plane presents to data planes that require one "
+                        "(--tls-client-ca) (default: none)")
+    g.add_argument("--dataplane-tls-key", default=None, help="PEM private key of --dataplane-tls-cert (default: none)")
     _add_controlplane_args(p)
     _add_log_level(p, argparse.SUPPRESS)
 

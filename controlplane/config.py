@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from twinplane.controlplane.router import ROUTING_POLICIES
+from twinplane.controlplane.tls import DataPlaneTls
 
 BYTES_PER_TOKEN = 64  # default max_prompt_bytes per token of max_model_len (generous: room for truncation)
 
@@ -13,6 +14,7 @@ BYTES_PER_TOKEN = 64  # default max_prompt_bytes per token of max_model_len (gen
 class ControlPlaneConfig:
     dataplane: str  # gRPC target of the data plane, e.g. "127.0.0.1:50061" or "unix:///tmp/dp.sock"
     dataplane_token: str | None = None  # shared secret the data plane may require
+    dataplane_tls: DataPlaneTls = DataPlaneTls()  # TLS to data planes on TCP; default: plaintext
     listen: str = "127.0.0.1:50051"  # public API address (loopback unless told otherwise)
     tokenizer: str | None = None  # tokenizer folder; default: the one the data plane reports
     max_num_seqs: int | None = None  # default: the data plane's limit

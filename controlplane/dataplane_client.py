@@ -6,6 +6,7 @@ import asyncio
 
 import grpc
 
+from twinplane.controlplane.tls import DataPlaneTls, is_unix
 from twinplane.proto import dataplane_pb2 as dp
 from twinplane.proto import dataplane_pb2_grpc as dp_grpc
 
@@ -33,11 +34,30 @@ def channel_options(silence_timeout: float) -> list[tuple[str, int]]:
             ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
 
 
+def _why(target: str, exc: grpc.aio.AioRpcError, tls: bool) -> str:
+    """The failed call as one line, with a hint when the two ends seem to disagree about TLS."""
+    details = exc.details() or ""
+    line = f"{target}: {exc.code().name}: {details}"
+    if tls and "Hostname Verification" in details:
+        return (f"{line} (its certificate does not name this host: give the name it carries with "
+                "--dataplane-tls-server-name)")
+    if tls and ("handshake" in details.lower() or "ssl" in details.lower()):
+        return f"{line} (TLS failed: does the data plane serve TLS, with a certificate --dataplane-tls-ca verifies?)"
+    if not tls and not is_unix(target) and "Socket closed" in details:
+        return f"{line} (if the data plane serves TLS, give --dataplane-tls-ca)"
+    return line
+
+
 class DataPlaneClient:
-    def __init__(self, target: str, token: str | None = None, silence_timeout: float = 30.0):
+    def __init__(self, target: str, token: str | None = None, silence_timeout: float = 30.0,
+                 tls: DataPlaneTls = DataPlaneTls()):
         self.target = target
         self.options = channel_options(silence_timeout)
         self.metadata = (("x-twinplane-token", token),) if token else ()
+        # TLS for TCP data planes when configured; a unix socket is guarded by its folder's permissions
+        self.credentials = None if is_unix(target) else tls.credentials()
+        if self.credentials is not None:
+            self.options += tls.options()
         self.channel: grpc.aio.Channel | None = None
         self.stub: dp_grpc.DataPlaneStub | None = None
         self.stream = None
@@ -46,16 +66,19 @@ class DataPlaneClient:
         self.on_lost = lambda: None  # called once when that happens
 
     async def connect(self, timeout: float | None = None) -> dp.DescribeResponse:
-        """Opens a channel, waits for the data plane to be ready, and opens the Step stream."""
+        """Opens a channel and the Step stream. A data plane that cannot be reached fails at once, with
+        the reason (connection refused, a failed TLS handshake), rather than at the timeout."""
         await self.close()
-        self.channel = grpc.aio.insecure_channel(self.target, options=self.options)
+        if self.credentials is None:
+            self.channel = grpc.aio.insecure_channel(self.target, options=self.options)
+        else:
+            self.channel = grpc.aio.secure_channel(self.target, self.credentials, options=self.options)
         self.stub = dp_grpc.DataPlaneStub(self.channel)
         try:
-            desc = await self.stub.Describe(dp.DescribeRequest(), timeout=timeout, wait_for_ready=True,
-                                            metadata=self.metadata)
+            desc = await self.stub.Describe(dp.DescribeRequest(), timeout=timeout, metadata=self.metadata)
             await self.stub.Reset(dp.ResetRequest(), timeout=timeout, metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
-            raise DataPlaneLost(f"{self.target}: {exc.code().name}: {exc.details()}",
+            raise DataPlaneLost(_why(self.target, exc, self.credentials is not None),
                                 fatal=exc.code() in FATAL_CODES) from exc
         self.stream = self.stub.Step(metadata=self.metadata)
         self.stream.add_done_callback(self._stream_done)

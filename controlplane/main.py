@@ -14,6 +14,7 @@ from twinplane.controlplane.config import ControlPlaneConfig
 from twinplane.controlplane.engine import Engine, first_of
 from twinplane.controlplane.metrics import registry_for, serve_metrics
 from twinplane.controlplane.server import create_server
+from twinplane.controlplane.tls import server_credentials
 
 log = logging.getLogger("twinplane.controlplane")
 
@@ -25,12 +26,7 @@ class Security:
     api_key: str | None = None  # clients send "authorization: Bearer <key>"
 
     def credentials(self) -> grpc.ServerCredentials | None:
-        if not (self.tls_cert or self.tls_key):
-            return None
-        if not (self.tls_cert and self.tls_key):
-            raise ValueError("--tls-cert and --tls-key go together")
-        with open(self.tls_key, "rb") as key, open(self.tls_cert, "rb") as cert:
-            return grpc.ssl_server_credentials([(key.read(), cert.read())])
+        return server_credentials(self.tls_cert, self.tls_key)
 
 
 class ControlPlane:

@@ -60,7 +60,8 @@ class Replica:
         self.target = target
         self.core = core
         self.config = core.config
-        self.dataplane = DataPlaneClient(target, self.config.dataplane_token, self.config.dataplane_timeout)
+        self.dataplane = DataPlaneClient(target, self.config.dataplane_token, self.config.dataplane_timeout,
+                                         self.config.dataplane_tls)
         self.dataplane.on_lost = self._on_dataplane_lost
         self.describe: dp.DescribeResponse | None = None
         self.scheduler: Scheduler | None = None
@@ -264,14 +265,19 @@ class Replica:
         await self._connect()
 
     async def _connect(self) -> None:
-        """Connects to the data plane, retrying until it answers; then sizes a new BlockManager."""
+        """Connects to the data plane, retrying until it answers; then sizes a new BlockManager.
+        Each new reason it cannot is logged once (a data plane still loading, a TLS mismatch)."""
+        said = None
         while True:
             try:
                 desc = await self.dataplane.connect(timeout=RECONNECT_TIMEOUT)
                 break
             except DataPlaneLost as exc:
-                if exc.fatal:
+                if str(exc) != said and exc.fatal:
                     log.error("%s refused the control plane: %s", self, exc)
+                elif str(exc) != said:
+                    log.warning("%s cannot be reached, retrying every %.1f s: %s", self, RECONNECT_DELAY, exc)
+                said = str(exc)
                 await asyncio.sleep(RECONNECT_DELAY)
         self.describe = desc
         c = self.config

@@ -9,13 +9,15 @@ import threading
 
 from twinplane.dataplane.config import DataPlaneConfig
 from twinplane.dataplane.embedded import resolve_model
-from twinplane.dataplane.server import create_server
+from twinplane.dataplane.server import create_health_server, create_server
 
 log = logging.getLogger("twinplane.dataplane")
 
 
-def serve(config: DataPlaneConfig, listen: str, token: str | None = None) -> None:
-    """Serves until SIGTERM or SIGINT; then stops the server and releases the runner."""
+def serve(config: DataPlaneConfig, listen: str, token: str | None = None, credentials=None,
+          health_listen: str | None = None) -> None:
+    """Serves until SIGTERM or SIGINT (over TLS with grpc.ServerCredentials, and health alone in
+    plaintext on health_listen when given); then stops the servers and releases the runner."""
     from twinplane.dataplane.model_runner import ModelRunner  # imports torch
 
     config = dataclasses.replace(config, model=resolve_model(config.model))
@@ -25,15 +27,19 @@ def serve(config: DataPlaneConfig, listen: str, token: str | None = None) -> Non
 
         workers = TensorParallelWorkers(config)  # spawns ranks 1..N-1; this process becomes rank 0
     runner = ModelRunner(config)
-    server, _, servicer = create_server(runner, listen, token, workers)
-    server.start()
+    server, _, servicer = create_server(runner, listen, token, workers, credentials)
+    servers = [server] + ([create_health_server(health_listen)[0]] if health_listen else [])
+    for each in servers:
+        each.start()
     desc = runner.describe()
-    log.info("data plane ready on %s: %s, %s, %d KV blocks of %d tokens, attention %s",
-                listen, desc.model, desc.dtype, desc.num_kv_blocks, desc.block_size, desc.attention_backend)
+    log.info("data plane ready on %s%s: %s, %s, %d KV blocks of %d tokens, attention %s",
+             listen, " (TLS)" if credentials is not None else "", desc.model, desc.dtype, desc.num_kv_blocks,
+             desc.block_size, desc.attention_backend)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    server.stop(grace=2.0).wait()
+    for each in servers:
+        each.stop(grace=2.0).wait()
     servicer.close()  # waits for a Step stream's last launch, then stops the workers and the runner
     log.info("data plane stopped")

@@ -242,10 +242,24 @@ def _log_timeline(step, times: tuple[float, float, float], previous_finished: fl
                    (finished - max(previous_finished, launched)) * 1e6)
 
 
-def create_server(runner, listen: str, token: str | None = None,
-                  workers=None) -> tuple[grpc.Server, int, DataPlaneServicer]:
-    """Builds the data-plane server (not started); returns it, the bound port (0 for unix sockets)
-    and the servicer (whose ``close`` releases the runner after the server stopped)."""
+def _add_health(server: grpc.Server) -> None:
+    """grpc.health.v1, SERVING from the start: a data plane serves only once its model is loaded."""
+    health_servicer = health.HealthServicer()
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+
+
+def _bind(server: grpc.Server, listen: str, credentials: grpc.ServerCredentials | None) -> int:
+    if credentials is None:
+        return server.add_insecure_port(listen)
+    return server.add_secure_port(listen, credentials)
+
+
+def create_server(runner, listen: str, token: str | None = None, workers=None,
+                  credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, int, DataPlaneServicer]:
+    """Builds the data-plane server (not started), over TLS with credentials; returns it, the bound
+    port (0 for unix sockets) and the servicer (whose ``close`` releases the runner after the server
+    stopped)."""
     options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), *KEEPALIVE_OPTIONS]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_CONCURRENT_CALLS), options=options,
@@ -253,8 +267,13 @@ def create_server(runner, listen: str, token: str | None = None,
                          maximum_concurrent_rpcs=MAX_CONCURRENT_CALLS)
     servicer = DataPlaneServicer(runner, workers)
     dp_grpc.add_DataPlaneServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(listen)
-    return server, port, servicer
+    _add_health(server)
+    return server, _bind(server, listen, credentials), servicer
+
+
+def create_health_server(listen: str) -> tuple[grpc.Server, int]:
+    """A plaintext server of grpc.health.v1 alone (not started), for probes that cannot speak TLS
+    (Kubernetes' gRPC probes); returns it and its bound port."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), maximum_concurrent_rpcs=4)
+    _add_health(server)
+    return server, server.add_insecure_port(listen)

@@ -69,9 +69,9 @@ class Planes:
 
     def __init__(self, folder: Path, model: str, dataplane_args: tuple[str, ...] = (), *,
                  security: Security = Security(), dp_program: tuple[str, ...] = ("-m", "twinplane.clients.cli"),
-                 **config):
+                 dp_address: str | None = None, **config):
         self.folder = folder
-        self.dp_address = f"unix://{folder}/dp.sock"
+        self.dp_address = dp_address or f"unix://{folder}/dp.sock"
         self.address = config.pop("listen", f"unix://{folder}/cp.sock")
         # dp_program: what runs the data plane (a test script may stand in for the CLI)
         self.dp_command = [sys.executable, *dp_program, "dataplane", "--model", str(model),

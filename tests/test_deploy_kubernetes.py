@@ -82,12 +82,52 @@ def test_data_planes_are_a_gpu_statefulset_behind_a_headless_service(resources):
     assert service["spec"]["selector"] == sts["spec"]["template"]["metadata"]["labels"]
     container = _container(sts)
     assert container["resources"]["limits"]["nvidia.com/gpu"] >= 1
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"]["port"] == 50061  # grpc.health.v1, open without the token
     env = _env(container, _one(resources, "ConfigMap"))
     assert env["TWINPLANE_DATAPLANE_TOKEN"] == "<twinplane-secrets/dataplane-token>"
     args = build_parser().parse_args(_args(container, env))
     assert args.command == "dataplane" and args.listen == "0.0.0.0:50061"
+    # grpc.health.v1, open without the token, in plaintext on a port of its own (probes speak no TLS)
+    health_port = int(args.health_listen.rpartition(":")[2])
+    assert health_port != 50061
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"]["port"] == health_port
+    assert {"name": "health", "containerPort": health_port} in container["ports"]
+
+
+def _mounted_secret(workload: dict, path: str) -> tuple[str, str]:
+    """(Secret name, key) of the file at path in the workload's container."""
+    spec = workload["spec"]["template"]["spec"]
+    (mount,) = [m for m in _container(workload)["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+    assert mount.get("readOnly"), mount
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    file = path.removeprefix(mount["mountPath"] + "/")
+    (item,) = [i for i in volume["secret"]["items"] if i["path"] == file]
+    return volume["secret"]["secretName"], item["key"]
+
+
+def _secret_keys(workload: dict, secret: str) -> set[str]:
+    """Every key of the Secret that the workload mounts."""
+    volumes = workload["spec"]["template"]["spec"]["volumes"]
+    return {i["key"] for v in volumes if v.get("secret", {}).get("secretName") == secret for i in v["secret"]["items"]}
+
+
+def test_the_planes_speak_tls_verified_by_the_service_name(resources):
+    """The data planes serve TLS with a mounted certificate; the control plane verifies it with the CA
+    alone (never the key), for the name the certificate carries: the headless Service's."""
+    sts, deployment = _one(resources, "StatefulSet"), _one(resources, "Deployment")
+    config = _one(resources, "ConfigMap")
+    dp_container, cp_container = _container(sts), _container(deployment)
+    dp_args = build_parser().parse_args(_args(dp_container, _env(dp_container, config)))
+    cp_args = build_parser().parse_args(_args(cp_container, _env(cp_container, config)))
+    secret = "twinplane-dataplane-tls"
+    assert _mounted_secret(sts, dp_args.tls_cert) == (secret, "tls.crt")
+    assert _mounted_secret(sts, dp_args.tls_key) == (secret, "tls.key")
+    assert _mounted_secret(deployment, cp_args.dataplane_tls_ca) == (secret, "ca.crt")
+    assert _secret_keys(deployment, secret) == {"ca.crt"}
+    service = sts["spec"]["serviceName"]
+    assert cp_args.dataplane_tls_server_name == service
+    kustomization = (FOLDER / "kustomization.yaml").read_text()  # how to make the certificate
+    assert f"subjectAltName=DNS:{service}" in kustomization and f"secret generic {secret}" in kustomization
 
 
 def test_the_control_plane_addresses_every_data_plane_pod(resources):

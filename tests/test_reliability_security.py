@@ -27,8 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
-def self_signed_cert(folder: Path) -> tuple[Path, Path]:
-    """A certificate for localhost and 127.0.0.1, and its key, as PEM files."""
+def self_signed_cert(folder: Path, dns_names: tuple[str, ...] = ("localhost",),
+                     ip_addresses: tuple[str, ...] = ("127.0.0.1",)) -> tuple[Path, Path]:
+    """A certificate for these names (by default localhost and 127.0.0.1), and its key, as PEM files."""
     pytest.importorskip("cryptography")
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -36,9 +37,10 @@ def self_signed_cert(folder: Path) -> tuple[Path, Path]:
     from cryptography.x509.oid import NameOID
 
     key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, dns_names[0])])
     now = datetime.datetime.now(datetime.timezone.utc)
-    san = x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    san = x509.SubjectAlternativeName([*map(x509.DNSName, dns_names),
+                                       *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in ip_addresses)])
     cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
             .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=1)).add_extension(san, critical=False)

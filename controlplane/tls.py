@@ -1,0 +1,131 @@
+"""TLS files as gRPC credentials, read and checked at start-up: a missing, unreadable or mismatched
+file is a one-line error that names its flag, never a handshake that fails later.
+
+The control plane uses them for its public API (``--tls-cert``/``--tls-key``) and for its channels
+to data planes on TCP (``DataPlaneTls``); the command line builds the data plane's server
+credentials (``--tls-cert``/``--tls-key``/``--tls-client-ca`` of ``twinplane dataplane``) here too.
+"""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+
+import grpc
+
+
+def read_pem(path: str, flag: str) -> bytes:
+    """The PEM file at path, or ValueError naming the flag that gave it."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read()
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"{flag} {path}: not a PEM file")
+    return data
+
+
+def _check_key_pair(cert: str, key: str, flags: tuple[str, str]) -> None:
+    """That key is the private key of cert's first certificate (what a handshake would find)."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except ssl.SSLError as exc:
+        raise ValueError(f"{flags[0]} {cert} and {flags[1]} {key} do not make a key pair: "
+                         f"{exc.reason or exc}") from None
+
+
+def _check_roots(pem: bytes, flag: str, path: str) -> None:
+    try:
+        ssl.create_default_context(cadata=pem.decode("ascii", "replace"))
+    except ssl.SSLError as exc:
+        raise ValueError(f"{flag} {path}: no usable certificate: {exc.reason or exc}") from None
+
+
+def key_pair(cert: str | None, key: str | None, flags: tuple[str, str]) -> tuple[bytes, bytes] | None:
+    """(key, certificate chain) as PEM bytes, both checked; None when neither file is given."""
+    if not (cert or key):
+        return None
+    if not (cert and key):
+        raise ValueError(f"{flags[0]} and {flags[1]} go together")
+    pair = read_pem(key, flags[1]), read_pem(cert, flags[0])
+    _check_key_pair(cert, key, flags)
+    return pair
+
+
+def roots(path: str | None, flag: str) -> bytes | None:
+    """The CA certificates in path as PEM bytes, checked; None without a path."""
+    if path is None:
+        return None
+    pem = read_pem(path, flag)
+    _check_roots(pem, flag, path)
+    return pem
+
+
+def server_credentials(cert: str | None, key: str | None, client_ca: str | None = None,
+                       flags: tuple[str, str, str] = ("--tls-cert", "--tls-key", "--tls-client-ca"),
+                       ) -> grpc.ServerCredentials | None:
+    """TLS with this certificate and key (None without them); with client_ca, clients must present
+    a certificate it signed (mutual TLS)."""
+    pair = key_pair(cert, key, flags[:2])
+    if pair is None:
+        if client_ca:
+            raise ValueError(f"{flags[2]} needs {flags[0]} and {flags[1]}")
+        return None
+    client_roots = roots(client_ca, flags[2])
+    return grpc.ssl_server_credentials([pair], root_certificates=client_roots,
+                                       require_client_auth=client_roots is not None)
+
+
+def is_unix(target: str) -> bool:
+    return target.startswith("unix:")
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a gRPC host:port (or unix:) address stays on this machine."""
+    if is_unix(address):
+        return True
+    host = address.rpartition(":")[0].strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+# The control plane's flags for each field of DataPlaneTls, as its errors name them.
+DATAPLANE_TLS_FLAGS = {"ca": "--dataplane-tls-ca", "server_name": "--dataplane-tls-server-name",
+                       "cert": "--dataplane-tls-cert", "key": "--dataplane-tls-key"}
+
+
+@dataclass(frozen=True)
+class DataPlaneTls:
+    """How the control plane secures its channels to data planes on TCP (unix sockets stay plaintext).
+
+    TLS is on with ``ca`` (PEM roots that verify the data planes' certificates) or ``default_roots``
+    (gRPC's bundled public roots); ``server_name`` is the name certificates must carry when it is not
+    the host of the address (one certificate for a Service's name); ``cert``/``key`` are the control
+    plane's own certificate, for data planes that require one (mutual TLS).
+    """
+
+    ca: str | None = None
+    default_roots: bool = False
+    server_name: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.ca is not None or self.default_roots
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        """Channel credentials for TCP data planes (None: plaintext), from files read and checked now."""
+        flags = DATAPLANE_TLS_FLAGS
+        if not self.enabled:
+            extra = [flags[name] for name in ("server_name", "cert", "key") if getattr(self, name)]
+            if extra:
+                raise ValueError(f"{', '.join(extra)} {'needs' if len(extra) == 1 else 'need'} {flags['ca']} "
+                                 "(or --dataplane-tls for the default roots)")
+            return None
+        pair = key_pair(self.cert, self.key, (flags["cert"], flags["key"]))
+        private_key, chain = pair if pair is not None else (None, None)
+        return grpc.ssl_channel_credentials(roots(self.ca, flags["ca"]), private_key, chain)
+
+    def options(self) -> list[tuple[str, str]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.enabled and self.server_name else []
