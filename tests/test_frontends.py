@@ -19,7 +19,8 @@ import grpc
 import psutil
 import pytest
 
-from tests.reliability import GREEDY, all_blocks_free, greedy_references, tokens_async, wait_until
+from tests.reliability import (GREEDY, all_blocks_free, greedy_references, running_streams, tokens_async,
+                               wait_until)
 from tests.test_e2e_reference import random_prompts
 from twinplane.clients.client import AsyncClient, Client
 from twinplane.controlplane.config import ControlPlaneConfig
@@ -72,23 +73,8 @@ def test_a_unix_socket_cannot_be_shared_by_several_frontends(tmp_path):
 
 
 async def _streams(found: dict[int, list[AsyncClient]], prompts: list[list[int]], max_tokens: int):
-    """A greedy stream per prompt, spread over every connection; returns them (each resolving to its
-    tokens) once each has 3 tokens, and the live count of tokens each has."""
-    clients = [c for clients in found.values() for c in clients]
-    seen = [0] * len(prompts)
-
-    async def one(i: int) -> list[int]:
-        out = []
-        async for chunk in clients[i % len(clients)].generate(token_ids=prompts[i], max_tokens=max_tokens,
-                                                              timeout=240, **GREEDY):
-            out += chunk.token_ids
-            seen[i] = len(out)
-        return out
-
-    streams = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
-    while min(seen) < 3:
-        await asyncio.sleep(0.005)
-    return streams, seen
+    """running_streams, spread over every connection (so over every frontend)."""
+    return await running_streams([c for clients in found.values() for c in clients], prompts, max_tokens)
 
 
 def test_two_frontends_stream_what_one_does_and_carry_on_past_a_killed_core(tiny_qwen3_dir, planes_factory):
