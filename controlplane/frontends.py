@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import pickle
 import signal
 import socket
 import subprocess
@@ -33,59 +32,13 @@ from dataclasses import replace
 
 from twinplane.controlplane import event_loop
 from twinplane.controlplane.config import ControlPlaneConfig
-from twinplane.controlplane.ipc import child_argv, start_process
+from twinplane.controlplane.ipc import Control, child_argv, start_process
 from twinplane.controlplane.liveness import ticks
 from twinplane.controlplane.metrics import EngineMetrics
 from twinplane.controlplane.supervisor import wait_exit
 
 log = logging.getLogger("twinplane.controlplane")
-MAX_MESSAGE_BYTES = 1 << 18  # a control message: the configuration, or a frontend's metrics
 STOP_MARGIN = 10.0  # seconds a secondary gets past the shutdown grace to exit before it is killed
-
-
-class Control:
-    """One end of a control socket: pickled messages, each with file descriptors or none."""
-
-    def __init__(self, sock: socket.socket):
-        sock.setblocking(False)
-        self.sock = sock
-        self.inbox: asyncio.Queue = asyncio.Queue()  # (message, fds); None once the other end closed
-        self._listening = False
-
-    def listen(self) -> None:
-        """Starts queueing what arrives (call on the event loop)."""
-        asyncio.get_running_loop().add_reader(self.sock.fileno(), self._readable)
-        self._listening = True
-
-    def _readable(self) -> None:
-        try:
-            data, fds, _, _ = socket.recv_fds(self.sock, MAX_MESSAGE_BYTES, 4)
-        except BlockingIOError:
-            return
-        except OSError:
-            data, fds = b"", []
-        if not data:
-            self._stop_listening()
-            self.inbox.put_nowait(None)
-            return
-        self.inbox.put_nowait((pickle.loads(data), fds))
-
-    def send(self, message, fds: list[int] = ()) -> bool:
-        """Sends message (and fds); False when the other end is gone."""
-        try:
-            socket.send_fds(self.sock, [pickle.dumps(message, pickle.HIGHEST_PROTOCOL)], list(fds))
-            return True
-        except OSError:
-            return False
-
-    def _stop_listening(self) -> None:
-        if self._listening:
-            asyncio.get_running_loop().remove_reader(self.sock.fileno())
-            self._listening = False
-
-    def close(self) -> None:
-        self._stop_listening()
-        self.sock.close()
 
 
 class Secondaries:
@@ -107,7 +60,7 @@ class Secondaries:
         """Starts frontends 1..N-1 with config (the primary's, with the ports it bound)."""
         for index in range(1, self.config.api_server_count):
             process, control = _start_secondary()
-            control.listen()
+            control.start_reading()
             control.send(("start", config, self.security, index))
             self.processes.append(process)
             self.controls.append(control)
@@ -183,7 +136,7 @@ async def _serve_secondary(sock: socket.socket) -> None:
     from twinplane.controlplane.supervisor import CoreLink
 
     control = Control(sock)
-    control.listen()
+    control.start_reading()
     first = await control.inbox.get()
     if first is None:
         return

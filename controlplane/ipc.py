@@ -1,4 +1,5 @@
-"""Method calls between the control plane's two processes, over one socket.
+"""Method calls between the control plane's processes, over one socket; and control messages
+between its frontends (``Control``).
 
 A call is a method name and its arguments, pickled and length-prefixed. Calls are
 one-way (nothing is awaited), so neither side ever blocks on the other: writes go
@@ -19,6 +20,7 @@ import subprocess
 import sys
 
 _LENGTH = struct.Struct("<I")
+MAX_CONTROL_BYTES = 1 << 18  # a Control message: a configuration, or a frontend's metrics
 
 
 def start_process(module: str, args: list[str], fds: list[int]) -> subprocess.Popen:
@@ -111,3 +113,49 @@ class Remote:
             raise AttributeError(name)
         channel = self._channel
         return lambda *args: channel.call(name, *args)
+
+
+class Control:
+    """One end of a SOCK_SEQPACKET socketpair between two frontends of one control plane: pickled
+    messages, each with file descriptors (SCM_RIGHTS) or none."""
+
+    def __init__(self, sock: socket.socket):
+        sock.setblocking(False)
+        self.sock = sock
+        self.inbox: asyncio.Queue = asyncio.Queue()  # (message, fds); None once the other end closed
+        self._listening = False
+
+    def start_reading(self) -> None:
+        """Starts queueing what arrives (call on the event loop)."""
+        asyncio.get_running_loop().add_reader(self.sock.fileno(), self._readable)
+        self._listening = True
+
+    def _readable(self) -> None:
+        try:
+            data, fds, _, _ = socket.recv_fds(self.sock, MAX_CONTROL_BYTES, 4)
+        except BlockingIOError:
+            return
+        except OSError:
+            data, fds = b"", []
+        if not data:
+            self._stop_listening()
+            self.inbox.put_nowait(None)
+            return
+        self.inbox.put_nowait((pickle.loads(data), fds))
+
+    def send(self, message, fds: list[int] = ()) -> bool:
+        """Sends message (and fds); False when the other end is gone."""
+        try:
+            socket.send_fds(self.sock, [pickle.dumps(message, pickle.HIGHEST_PROTOCOL)], list(fds))
+            return True
+        except OSError:
+            return False
+
+    def _stop_listening(self) -> None:
+        if self._listening:
+            asyncio.get_running_loop().remove_reader(self.sock.fileno())
+            self._listening = False
+
+    def close(self) -> None:
+        self._stop_listening()
+        self.sock.close()
