@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import random
 import shutil
@@ -114,12 +115,20 @@ async def _one(client, req: Request, args, progress) -> None:
     progress.update(1)
 
 
-async def _drive(target: str, requests: list[Request], args, chaos=None) -> tuple[float, dict, dict, object]:
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
+# --channels: each channel its own connection (not one shared by every channel to the same target),
+# so the kernel can spread them over the server's frontend processes
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
+
+
+async def _drive(target: str, requests: list[Request], args, chaos=None) -> tuple[float, dict, dict, object, list]:
+    """Runs the workload; returns its time, the server's stats before and after, the model info and
+    the CPU seconds of each client process."""
     from tqdm import tqdm
 
     from twinplane.clients.client import AsyncClient
 
-    async with AsyncClient(target, options=[("grpc.max_receive_message_length", 64 << 20)]) as client:
+    async with AsyncClient(target, options=CHANNEL_OPTIONS) as client:
         await client.wait_ready(timeout=args.ready_timeout)
         await _every_dataplane_connected(client, args.ready_timeout)
         info = await client.model_info()
@@ -127,18 +136,84 @@ async def _drive(target: str, requests: list[Request], args, chaos=None) -> tupl
         with tqdm(disable=True) as none:
             await _one(client, warm, args, none)  # compiles kernels outside the timed run
         before = await client.stats()
-        rng = np.random.default_rng(args.seed)
-        started = time.perf_counter()
-        with tqdm(total=len(requests), desc="requests", unit="req", file=sys.stderr) as progress:
-            tasks = [asyncio.create_task(chaos())] if chaos else []
-            for req in requests:
-                if args.request_rate != float("inf"):
-                    await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
-                tasks.append(asyncio.create_task(_one(client, req, args, progress)))
-            await asyncio.gather(*tasks)
-        elapsed = time.perf_counter() - started
+        if args.client_processes > 1:
+            elapsed, cpu = await _in_client_processes(target, requests, args, chaos)
+        else:
+            cpu_before = time.process_time()
+            started = time.perf_counter()
+            with tqdm(total=len(requests), desc="requests", unit="req", file=sys.stderr) as progress:
+                await _send(target, client, requests, args, progress, chaos)
+            elapsed = time.perf_counter() - started
+            cpu = [time.process_time() - cpu_before]
         after = await client.stats()
-    return elapsed, before, after, info
+    return elapsed, before, after, info, cpu
+
+
+async def _send(target: str, client, requests: list[Request], args, progress, chaos=None) -> None:
+    """Sends requests (at args.request_rate) over client, or over args.channels channels of their own."""
+    from twinplane.clients.client import AsyncClient
+
+    own = [AsyncClient(target, options=CHANNEL_OPTIONS + OWN_CONNECTION) for _ in range(args.channels)
+           ] if args.channels > 1 else []
+    clients = own or [client]
+    try:
+        for each in own:
+            await each.wait_ready(timeout=args.ready_timeout)  # connected before the timed run
+        rng = np.random.default_rng(args.seed)
+        tasks = [asyncio.create_task(chaos())] if chaos else []
+        for i, req in enumerate(requests):
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
+            tasks.append(asyncio.create_task(_one(clients[i % len(clients)], req, args, progress)))
+        await asyncio.gather(*tasks)
+    finally:
+        await asyncio.gather(*(each.close() for each in own))
+
+
+async def _in_client_processes(target: str, requests: list[Request], args, chaos) -> tuple[float, list[float]]:
+    """Splits the requests over args.client_processes processes (request i to process i mod K), which
+    start together; returns the time until the last one is done and each one's CPU seconds."""
+    spawn = multiprocessing.get_context("spawn")
+    k = args.client_processes
+    barrier, results = spawn.Barrier(k + 1), spawn.Queue()
+    processes = [spawn.Process(target=_client_process, args=(target, requests[i::k], args, barrier, results, i))
+                 for i in range(k)]
+    for process in processes:
+        process.start()
+    chaos_task = asyncio.create_task(chaos()) if chaos else None
+    await asyncio.to_thread(barrier.wait, args.ready_timeout)
+    started = time.perf_counter()
+    cpu = [0.0] * k
+    for _ in range(k):
+        index, outcomes, seconds = await asyncio.to_thread(results.get)
+        cpu[index] = seconds
+        for req, (sent, token_times, error) in zip(requests[index::k], outcomes):
+            req.sent, req.token_times, req.error = sent, token_times, error
+    elapsed = time.perf_counter() - started
+    for process in processes:
+        process.join()
+    if chaos_task is not None:
+        await chaos_task
+    return elapsed, cpu
+
+
+def _client_process(target: str, requests: list[Request], args, barrier, results, index: int) -> None:
+    """One client process: its share of the requests, once every process is connected."""
+    from tqdm import tqdm
+
+    from twinplane.clients.client import AsyncClient
+
+    async def run() -> None:
+        async with AsyncClient(target, options=CHANNEL_OPTIONS + OWN_CONNECTION) as client:
+            await client.wait_ready(timeout=args.ready_timeout)
+            await asyncio.to_thread(barrier.wait, args.ready_timeout)
+            with tqdm(disable=True) as none:
+                await _send(target, client, requests, args, none)
+
+    cpu_before = time.process_time()
+    asyncio.run(run())
+    outcomes = [(r.sent, r.token_times, r.error) for r in requests]
+    results.put((index, outcomes, time.process_time() - cpu_before))
 
 
 async def _every_dataplane_connected(client, timeout: float) -> None:
@@ -157,7 +232,8 @@ def _percentiles(values: list[float]) -> str:
     return f"p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms"
 
 
-def report(requests: list[Request], elapsed: float, before: dict, after: dict, info, args) -> dict:
+def report(requests: list[Request], elapsed: float, before: dict, after: dict, info, args,
+           client_cpu: list[float] = ()) -> dict:
     output_tokens = sum(len(r.token_times) for r in requests)
     ttft = [r.token_times[0] - r.sent for r in requests if r.token_times]
     itl = [b - a for r in requests for a, b in zip(r.token_times, r.token_times[1:])]
@@ -202,6 +278,9 @@ def report(requests: list[Request], elapsed: float, before: dict, after: dict, i
           f"{100 * figures['full_decode_idle_fraction']:.1f}% of step time")
     print(f"steps by path: {_paths(before, after)}")
     print(f"TTFT {_percentiles(ttft)}; inter-token latency {_percentiles(itl)}")
+    if client_cpu:
+        print(f"benchmark client: {len(client_cpu)} process(es), {args.channels} channel(s) each, CPU time "
+              + " / ".join(f"{seconds:.2f}" for seconds in client_cpu) + " s")
     return figures
 
 
@@ -248,19 +327,21 @@ async def _kill_a_dataplane(server: subprocess.Popen, after: float) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.client_processes < 1 or args.channels < 1:
+        raise SystemExit("twinplane bench: --client-processes and --channels must be >= 1")
     requests = make_workload(args)
     server, target = (None, args.server) if args.server else _start_server(args)
     chaos = None
     if args.kill_dataplane_after is not None and server is not None:
         chaos = lambda: _kill_a_dataplane(server, args.kill_dataplane_after)  # noqa: E731
     try:
-        elapsed, before, after, info = asyncio.run(_drive(target, requests, args, chaos))
+        elapsed, before, after, info, cpu = asyncio.run(_drive(target, requests, args, chaos))
     finally:
         if server is not None:
             server.terminate()
             server.wait(60)
             shutil.rmtree(os.path.dirname(target.removeprefix("unix://")), ignore_errors=True)
-    report(requests, elapsed, before, after, info, args)
+    report(requests, elapsed, before, after, info, args, cpu)
     return 0
 
 
@@ -287,6 +368,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS,
                    help="dense matrix-multiply TFLOP/s per GPU in the model's dtype, for the step roofline")
     g.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the server to serve")
+    g.add_argument("--client-processes", type=int, default=1,
+                   help="processes sending the requests (request i from process i mod this), so that the "
+                        "client is not what limits a fast server")
+    g.add_argument("--channels", type=int, default=1,
+                   help="connections per client process, the requests spread over them (several let the kernel "
+                        "spread them over a server's --api-server-count frontends)")
     g.add_argument("--max-prefill-tokens-with-decode", type=int, default=None,
                    help="passed to the server it starts (default: no cap)")
     g.add_argument("--stream-interval", type=int, default=1, help="passed to the server it starts")

@@ -1,17 +1,21 @@
 """The control plane's own ceiling: the bench workload against a data plane that computes nothing.
 
-    python -m twinplane.controlplane.bench_stream [twinplane bench options]
+    python -m twinplane.controlplane.bench_stream [--api-server-count N] [twinplane bench options]
 
 A stand-in data plane (in this process) answers every StepPlan at once with one token
 per sampled sequence, so the figures measure only the control plane (scheduling,
 plans, streaming to 256 clients over gRPC) and the benchmark client: the output
-tokens per second that no GPU speed-up can push the service beyond.
+tokens per second that no GPU speed-up can push the service beyond. With
+``--api-server-count N`` the control plane runs N frontend processes on a loopback TCP port;
+give the benchmark client ``--client-processes`` and ``--channels`` to match, so that the
+client is not what limits the figure. It prints each process's CPU time.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -82,18 +86,45 @@ def serve_stand_in(servicer: dp_grpc.DataPlaneServicer) -> tuple[grpc.Server, st
     return server, dp_address, api
 
 
+def _free_loopback_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _option(args: list[str], name: str, default: str) -> str:
+    return args[args.index(name) + 1] if name in args else default
+
+
+def _control_plane_cpu(pid: int) -> str:
+    """The CPU time of the control plane's processes: frontends (the primary first), engine core."""
+    frontends, core = [f"frontend 0 {_cpu_seconds(pid):.2f} s"], []
+    for child in _children(pid):
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            is_core = b"engine_core" in f.read()
+        if is_core:
+            core.append(f"engine core {_cpu_seconds(child):.2f} s")
+        else:
+            frontends.append(f"frontend {len(frontends)} {_cpu_seconds(child):.2f} s")
+    return ", ".join(frontends + core)
+
+
 def main() -> int:
     server, dp_address, api = serve_stand_in(NullDataPlane())
     cli = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", "WARNING"]
     args = sys.argv[1:]
-    interval = args[args.index("--stream-interval") + 1] if "--stream-interval" in args else "1"
+    interval = _option(args, "--stream-interval", "1")
+    frontends = _option(args, "--api-server-count", "1")
+    if "--api-server-count" in args:  # the control plane's, not the client's
+        del args[args.index("--api-server-count"):args.index("--api-server-count") + 2]
+    if frontends != "1":  # frontends share a TCP port; a unix socket cannot be shared
+        api = f"127.0.0.1:{_free_loopback_port()}"
     control = subprocess.Popen([*cli, "controlplane", "--dataplane", dp_address, "--listen", api,
-                                "--max-waiting-requests", "100000", "--stream-interval", interval])
+                                "--max-waiting-requests", "100000", "--stream-interval", interval,
+                                "--api-server-count", frontends])
     try:
         code = subprocess.call([*cli, "bench", "--server", api, *args])
-        core = sum(_cpu_seconds(pid) for pid in _children(control.pid))
-        print(f"control plane CPU time: frontend {_cpu_seconds(control.pid):.2f} s, engine core {core:.2f} s "
-              f"(user + system, start-up included)")
+        print(f"control plane CPU time: {_control_plane_cpu(control.pid)} (user + system, start-up included)")
         return code
     finally:
         control.terminate()

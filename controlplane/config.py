@@ -48,6 +48,9 @@ class ControlPlaneConfig:
     core_timeout: float = 30.0
     http_listen: str | None = None  # OpenAI-compatible HTTP API: "host:port" or a port (loopback); None: off
     routing: str = "prefix"  # which data plane a new request goes to, with several (router.py)
+    # Frontend processes (gRPC and HTTP servers, tokenizing, streaming) sharing the listening ports and
+    # one engine core (frontends.py); the request limits above are split evenly between them.
+    api_server_count: int = 1
 
     @property
     def dataplanes(self) -> tuple[str, ...]:
@@ -80,6 +83,7 @@ class ControlPlaneConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_prompt_bytes is not None and self.max_prompt_bytes <= 0:
             raise ValueError(f"max_prompt_bytes must be > 0, got {self.max_prompt_bytes}")
+        self._check_api_server_count()
         if self.max_logprobs < 0:
             raise ValueError("max_logprobs must be >= 0")
         if not self.stall_timeout > 0:
@@ -87,3 +91,19 @@ class ControlPlaneConfig:
         for name in ("dataplane_timeout", "core_timeout"):
             if not getattr(self, name) > self.stall_timeout:
                 raise ValueError(f"{name} must be > stall_timeout ({self.stall_timeout}), got {getattr(self, name)}")
+
+    def _check_api_server_count(self) -> None:
+        n = self.api_server_count
+        if n < 1:
+            raise ValueError(f"api_server_count must be >= 1, got {n}")
+        if n > 1 and self.listen.startswith("unix:"):
+            raise ValueError(f"api_server_count {n} needs a TCP listen address (host:port): the frontends share "
+                             f"its port, and a unix socket ({self.listen}) cannot be shared")
+        for name in ("max_waiting_requests", "max_unsent_tokens"):
+            if getattr(self, name) < n:
+                raise ValueError(f"{name} ({getattr(self, name)}) is split between the {n} frontends: "
+                                 f"give at least {n}")
+
+    def share(self, limit: int) -> int:
+        """One frontend's share of a limit of the whole service (max_waiting_requests, max_unsent_tokens)."""
+        return limit // self.api_server_count

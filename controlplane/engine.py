@@ -14,7 +14,6 @@ go to the new core with their tokens so far and are recomputed, as after a preem
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +25,7 @@ from twinplane.controlplane.config import BYTES_PER_TOKEN, ControlPlaneConfig
 from twinplane.controlplane.engine_core import STAT_NAMES, CoreSnapshot, TokenOutput
 from twinplane.controlplane.errors import (InvalidRequest, NoLongerFits, NotReady, Overloaded, ServiceError,
                                           StepFailed, StreamNotRead)
+from twinplane.controlplane import fanout
 from twinplane.controlplane.ipc import Remote
 from twinplane.controlplane.metrics import EngineMetrics
 from twinplane.controlplane.request_state import RequestState, Unsent
@@ -40,10 +40,14 @@ MAX_CORES_PER_REQUEST = 2  # a request in flight when this many engine cores die
 
 
 class Engine:
-    """The frontend of one control plane; it starts, feeds and stops its engine core process."""
+    """One frontend of a control plane. Frontend 0 (the primary) starts, feeds and stops the engine
+    core process; the others (index 1..api_server_count-1, ``frontends.py``) feed the same core
+    through a CoreLink. The limits of the whole service are split evenly between the frontends."""
 
-    def __init__(self, config: ControlPlaneConfig):
+    def __init__(self, config: ControlPlaneConfig, index: int = 0, link=CoreSupervisor):
+        """link(config, engine): what runs this frontend's side of the engine core."""
         self.config = config
+        self.index = index
         self.describe: dp.DescribeResponse | None = None
         self.tokenizer: Tokenizer | None = None
         self.limits: Limits | None = None
@@ -60,10 +64,10 @@ class Engine:
         # tokenizing and chat templates: off the event loop, a few at a time (bounded memory)
         self._tokenizer_pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="twinplane-tokenizer")
         self._num_added = 0  # requests sent to the core (core_snapshot.num_added: those it had seen)
-        self._seq_ids = itertools.count(1)
+        self._seq_ids = fanout.seq_ids(index, config.api_server_count)
         self.metrics = EngineMetrics()
         self.on_readiness: list = []  # callbacks(bool), e.g. the health service
-        self.supervisor = CoreSupervisor(config, self)
+        self.supervisor = link(config, self)
         self._core_task: asyncio.Task | None = None
         self._connected = False  # the engine core has a data plane
         self._stalls: set[str] = set()  # what stalled ("data plane", "engine core")
@@ -171,7 +175,8 @@ class Engine:
         self._connected = False
         self._stalls.clear()
         self._update_ready()
-        self.core_snapshot = replace(self.core_snapshot, num_added=0, waiting=0, running=0)
+        self.core_snapshot = replace(self.core_snapshot, num_added=0, waiting=0, running=0, added_by_frontend=(),
+                                     waiting_by_frontend=())
         self._num_added = 0
         self._replay = True
         for state in list(self.requests.values()):
@@ -203,10 +208,12 @@ class Engine:
         self._bound_unsent()
 
     def _bound_unsent(self) -> None:
-        """Ends the streams furthest behind while all of them together hold too much unsent output."""
-        limit, unsent = self.config.max_unsent_tokens, self.unsent
+        """Ends the streams furthest behind while all of them together hold too much unsent output
+        (this frontend's share of max_unsent_tokens)."""
+        limit, unsent = self.config.share(self.config.max_unsent_tokens), self.unsent
         while unsent.total > limit and unsent.streams:
-            self._end_unread(unsent.furthest_behind(), f"all streams together over max_unsent_tokens {limit}")
+            self._end_unread(unsent.furthest_behind(), f"all streams together over max_unsent_tokens {limit}"
+                             + self._per_frontend)
 
     def step_failed(self, seq_ids: list[int], error: str) -> None:
         """A step the data plane could not run fails only the requests in it."""
@@ -292,17 +299,32 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests not yet admitted: waiting for a data plane, queued in the core, or on their way there."""
-        core = self.core_snapshot
-        return self.num_waiting_ready + self.num_tokenizing + core.waiting + self._num_added - core.num_added
+        """Requests not yet admitted: queued in the core (from every frontend), and this frontend's
+        waiting for a data plane, being tokenized, or on their way to the core."""
+        return self.core_snapshot.waiting + self._num_not_in_core
+
+    @property
+    def _num_not_in_core(self) -> int:
+        core, own = self.core_snapshot, self.index
+        added = core.added_by_frontend[own] if core.added_by_frontend else 0
+        return self.num_waiting_ready + self.num_tokenizing + self._num_added - added
+
+    @property
+    def _per_frontend(self) -> str:
+        n = self.config.api_server_count
+        return f" (this frontend's share: {n} frontends split the limit)" if n > 1 else ""
 
     def _check_room(self) -> None:
+        """Refuses a request while this frontend's own waiting requests fill its share of
+        max_waiting_requests (all of it, with one frontend)."""
         if not self.accepting:
             raise NotReady("the server is shutting down")
-        waiting = self.num_waiting
-        if waiting >= self.config.max_waiting_requests:
-            raise Overloaded(f"too many waiting requests ({waiting}, max_waiting_requests "
-                             f"{self.config.max_waiting_requests}); retry later")
+        core = self.core_snapshot
+        queued = core.waiting_by_frontend[self.index] if core.waiting_by_frontend else 0
+        waiting, limit = queued + self._num_not_in_core, self.config.share(self.config.max_waiting_requests)
+        if waiting >= limit:
+            raise Overloaded(f"too many waiting requests ({waiting}, max_waiting_requests {limit}"
+                             f"{self._per_frontend}); retry later")
 
     async def add(self, call: GenerateCall) -> RequestState:
         """Tokenizes and queues a validated request (call after wait_ready); returns its state."""

@@ -14,22 +14,24 @@ preemption: no request is lost. A data plane that stops answering counts as lost
 ``dataplane_timeout``; before that, once ``stall_timeout`` passes, it counts as stalled (the
 frontend reports NOT_SERVING while every connected data plane is). The core sends the frontend
 a heartbeat every ``HEARTBEAT_INTERVAL`` seconds, busy or idle.
+
+With several frontend processes (``frontends.py``) the core has a channel to each; it sends each
+sequence's tokens to the frontend that added it, and the rest to all (``fanout.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import socket
 import subprocess
-import sys
 from collections import deque
 from dataclasses import dataclass, field
 
 from twinplane.controlplane import event_loop
 from twinplane.controlplane.config import ControlPlaneConfig
-from twinplane.controlplane.ipc import Channel, Remote
+from twinplane.controlplane.fanout import Frontends, owner
+from twinplane.controlplane.ipc import Channel, child_argv, start_process
 from twinplane.controlplane.liveness import ticks
 from twinplane.controlplane.metrics import STEP_BUCKETS, Histogram
 from twinplane.controlplane.replica import STAT_NAMES, Replica, TokenOutput, token_finish_reason  # noqa: F401
@@ -69,6 +71,8 @@ class CoreSnapshot:
     stats: dict[str, int]  # STAT_NAMES
     num_added: int = 0  # add() calls so far
     waiting: int = 0
+    added_by_frontend: tuple[int, ...] = ()  # num_added, by frontend index
+    waiting_by_frontend: tuple[int, ...] = ()  # waiting, by frontend index
     running: int = 0
     num_preemptions: int = 0
     free_kv_blocks: int = 0
@@ -104,9 +108,10 @@ def common_describe(descs: list[dp.DescribeResponse]) -> dp.DescribeResponse:
 
 class EngineCore:
     def __init__(self, config: ControlPlaneConfig, frontend, counters: CoreSnapshot | None = None):
-        """counters: the last snapshot of the core this one replaces, whose counters it carries on."""
+        """frontend: FRONTEND_CALLS (one-way) on every frontend (fanout.Frontends); counters: the last
+        snapshot of the core this one replaces, whose counters it carries on."""
         self.config = config
-        self.frontend = frontend  # FRONTEND_CALLS, one-way
+        self.frontend = frontend
         self.replicas = [Replica(i, target, self) for i, target in enumerate(config.dataplanes)]
         self.router = Router(config.routing)
         self.seqs: dict[int, tuple[Sequence, frozenset[int]]] = {}  # unfinished sequences and their stop tokens
@@ -116,6 +121,7 @@ class EngineCore:
         self.eos_token_ids: frozenset[int] = frozenset()
         self.stopped = asyncio.Event()
         self.num_added = 0
+        self.added_by_frontend = [0] * config.api_server_count
         self.carried = counters or CoreSnapshot(dict.fromkeys(STAT_NAMES, 0))
         self.dataplane_step = self.carried.dataplane_step
         self._stalled = False  # the frontend was told every connected data plane stalled
@@ -126,6 +132,7 @@ class EngineCore:
             output_ids: list[int] = (), num_cached_tokens: int = 0) -> None:
         """A new request; or one a previous core had started (its tokens so far), to recompute."""
         self.num_added += 1
+        self.added_by_frontend[owner(seq_id, self.config.api_server_count)] += 1
         seq = Sequence(seq_id, request_id, prompt, params)
         seq.token_ids += output_ids
         seq.num_cached_tokens = num_cached_tokens
@@ -146,6 +153,12 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.stopped.set()
+
+    def frontend_gone(self, index: int) -> None:
+        """A frontend's channel closed: nobody reads its sequences' outputs any more."""
+        count = self.config.api_server_count
+        for seq_id in [seq_id for seq_id in self.seqs if owner(seq_id, count) == index]:
+            self.abort(seq_id)
 
     # ---- routing ------------------------------------------------------------------------
 
@@ -225,7 +238,20 @@ class EngineCore:
             snap.num_kv_blocks += part.num_kv_blocks
             snap.prefix_cache_queries += part.prefix_cache_queries
             snap.prefix_cache_hits += part.prefix_cache_hits
+        snap.added_by_frontend = tuple(self.added_by_frontend)
+        snap.waiting_by_frontend = self._waiting_by_frontend(snap.waiting)
         return snap
+
+    def _waiting_by_frontend(self, waiting: int) -> tuple[int, ...]:
+        count = self.config.api_server_count
+        if count == 1:
+            return (waiting,)
+        shares = [0] * count
+        queues = [self.unrouted, *(r.scheduler.waiting for r in self.replicas if r.scheduler is not None)]
+        for queue in queues:
+            for seq in queue:
+                shares[owner(seq.seq_id, count)] += 1
+        return tuple(shares)
 
     # ---- the step loops -----------------------------------------------------------------
 
@@ -270,58 +296,62 @@ def replica_snapshot(replica: Replica) -> DataPlaneSnapshot:
 # ---- the core's process ---------------------------------------------------------------------
 
 
-def start_core_process(config: ControlPlaneConfig) -> tuple[subprocess.Popen, Channel]:
-    """Starts the engine core in a child process; returns it and the frontend's end of their channel.
+def start_core_process(config: ControlPlaneConfig) -> tuple[subprocess.Popen, socket.socket, list[socket.socket]]:
+    """Starts the engine core in a child process; returns it, frontend 0's end of their channel, and
+    the other frontends' ends (for frontends.Secondaries to hand over).
 
-    The child gets its end of a socketpair as an inherited file descriptor; the frontend's first
-    call on the channel must be ``configure(config, counters)`` (so no secret shows on a command
-    line; counters: the CoreSnapshot of the core this one replaces, or None).
+    The child gets its end of one socketpair per frontend as inherited file descriptors; frontend
+    0's first call on its channel must be ``configure(config, counters)`` (so no secret shows on a
+    command line; counters: the CoreSnapshot of the core this one replaces, or None).
     """
-    frontend_end, core_end = socket.socketpair()
-    # The child starts with SIGINT blocked (a signal mask survives fork and exec): a Ctrl-C that
-    # reaches the process group while the child is still starting Python and importing stays
-    # pending, and main() discards it by ignoring SIGINT before it unblocks the signal.
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    pairs = [socket.socketpair() for _ in range(config.api_server_count)]
+    core_ends = [core_end for _, core_end in pairs]
+    fds = [end.fileno() for end in core_ends]
     try:
-        with core_end:
-            process = subprocess.Popen(
-                [sys.executable, "-c", "from twinplane.controlplane.engine_core import main; main()",
-                 str(core_end.fileno()), str(logging.getLogger().level)],
-                pass_fds=(core_end.fileno(),), stdin=subprocess.DEVNULL)
+        process = start_process(__name__, [str(fd) for fd in fds], fds)  # SIGINT blocked: see main()
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    return process, Channel(frontend_end)
+        for end in core_ends:
+            end.close()
+    return process, pairs[0][0], [frontend_end for frontend_end, _ in pairs[1:]]
 
 
 def main() -> None:
-    """The engine core's process: ``main()`` with argv [socket fd, log level]."""
+    """The engine core's process: ``main()`` with argv [one socket fd per frontend, log level]."""
     # Ctrl-C reaches the whole process group; the frontend shuts the core down in order (a
     # shutdown call, or the channel closing when the frontend is gone).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked since the fork: see start_core_process
-    fd, log_level = int(sys.argv[1]), int(sys.argv[2])
-    logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    sock = socket.socket(fileno=fd)
-    event_loop.run(_serve_core(sock))
+    fds, _ = child_argv()
+    event_loop.run(_serve_core([socket.socket(fileno=int(fd)) for fd in fds]))
 
 
-async def _serve_core(sock: socket.socket) -> None:
-    """Runs the core until the frontend says shutdown or goes away."""
-    channel = Channel(sock)
-    await channel.open()
-    first = await channel.receive()
+async def _serve_core(socks: list[socket.socket]) -> None:
+    """Runs the core until frontend 0 says shutdown or goes away."""
+    channels = [Channel(sock) for sock in socks]
+    for channel in channels:
+        await channel.open()
+    first = await channels[0].receive()
     if first is None:
+        for channel in channels:
+            channel.close()
         return  # the frontend went away before it said anything
     name, (config, counters) = first
     assert name == "configure", f"the engine core's first call must be configure, got {name!r}"
-    core = EngineCore(config, Remote(channel, FRONTEND_CALLS), counters)
-    calls = asyncio.create_task(channel.serve(core, CORE_CALLS))
-    calls.add_done_callback(lambda _: core.shutdown())  # the frontend is gone: nobody to serve
+    core = EngineCore(config, Frontends(channels), counters)
+    calls = [asyncio.create_task(_serve_frontend(core, index, channel)) for index, channel in enumerate(channels)]
+    calls[0].add_done_callback(lambda _: core.shutdown())  # frontend 0 is gone: nobody to serve
     try:
         await core.run()
     except Exception:
         log.critical("the control plane's engine core stopped on an unexpected error", exc_info=True)
         raise
     finally:
-        calls.cancel()
-        channel.close()
+        for task in calls:
+            task.cancel()
+        for channel in channels:
+            channel.close()
+
+
+async def _serve_frontend(core: EngineCore, index: int, channel: Channel) -> None:
+    """Applies a frontend's calls until its channel closes; then its sequences end."""
+    await channel.serve(core, CORE_CALLS)
+    channel.close()
+    core.frontend_gone(index)

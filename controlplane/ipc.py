@@ -1,4 +1,5 @@
-"""Method calls between the control plane's two processes, over one socket.
+"""Method calls between the control plane's processes, over one socket; and control messages
+between its frontends (``Control``).
 
 A call is a method name and its arguments, pickled and length-prefixed. Calls are
 one-way (nothing is awaited), so neither side ever blocks on the other: writes go
@@ -10,11 +11,49 @@ never reads bytes from anyone else.
 from __future__ import annotations
 
 import asyncio
+import logging
 import pickle
+import signal
 import socket
 import struct
+import subprocess
+import sys
 
 _LENGTH = struct.Struct("<I")
+MAX_CONTROL_BYTES = 1 << 18  # a Control message: a configuration, or a frontend's metrics
+
+
+def start_process(module: str, args: list[str], fds: list[int]) -> subprocess.Popen:
+    """Runs ``module.main()`` in a child process of this control plane, with argv args plus the log
+    level, inheriting fds.
+
+    The child starts with SIGINT blocked (a signal mask survives fork and exec): a Ctrl-C that
+    reaches the process group while the child is still starting Python and importing stays
+    pending, and its main() discards it by ignoring SIGINT before it unblocks the signal (see
+    ignore_sigint); the parent shuts its children down in order.
+    """
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return subprocess.Popen([sys.executable, "-c", f"from {module} import main; main()", *args,
+                                 str(logging.getLogger().level)], pass_fds=fds, stdin=subprocess.DEVNULL)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def child_argv() -> tuple[list[str], int]:
+    """In a child of start_process: SIGINT ignored from now on (see start_process), logging set up;
+    returns its args and log level."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    args, log_level = sys.argv[1:-1], int(sys.argv[-1])
+    logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return args, log_level
+
+
+def encode(name: str, *args) -> bytes:
+    """The call ``name(*args)`` as a channel sends it (encode once to send it on several channels)."""
+    payload = pickle.dumps((name, args), protocol=pickle.HIGHEST_PROTOCOL)
+    return _LENGTH.pack(len(payload)) + payload
 
 
 class Channel:
@@ -31,10 +70,12 @@ class Channel:
 
     def call(self, name: str, *args) -> None:
         """Sends ``name(*args)`` to the other end, without waiting; dropped unless the channel is open."""
-        if self.writer is None or self.writer.is_closing():
-            return
-        payload = pickle.dumps((name, args), protocol=pickle.HIGHEST_PROTOCOL)
-        self.writer.write(_LENGTH.pack(len(payload)) + payload)
+        self.send(encode(name, *args))
+
+    def send(self, message: bytes) -> None:
+        """Sends a call made by encode(); dropped unless the channel is open."""
+        if self.writer is not None and not self.writer.is_closing():
+            self.writer.write(message)
 
     async def receive(self) -> tuple[str, tuple] | None:
         """The next call that arrives, as (name, args); None once the other end has closed."""
@@ -72,3 +113,49 @@ class Remote:
             raise AttributeError(name)
         channel = self._channel
         return lambda *args: channel.call(name, *args)
+
+
+class Control:
+    """One end of a SOCK_SEQPACKET socketpair between two frontends of one control plane: pickled
+    messages, each with file descriptors (SCM_RIGHTS) or none."""
+
+    def __init__(self, sock: socket.socket):
+        sock.setblocking(False)
+        self.sock = sock
+        self.inbox: asyncio.Queue = asyncio.Queue()  # (message, fds); None once the other end closed
+        self._listening = False
+
+    def start_reading(self) -> None:
+        """Starts queueing what arrives (call on the event loop)."""
+        asyncio.get_running_loop().add_reader(self.sock.fileno(), self._readable)
+        self._listening = True
+
+    def _readable(self) -> None:
+        try:
+            data, fds, _, _ = socket.recv_fds(self.sock, MAX_CONTROL_BYTES, 4)
+        except BlockingIOError:
+            return
+        except OSError:
+            data, fds = b"", []
+        if not data:
+            self._stop_listening()
+            self.inbox.put_nowait(None)
+            return
+        self.inbox.put_nowait((pickle.loads(data), fds))
+
+    def send(self, message, fds: list[int] = ()) -> bool:
+        """Sends message (and fds); False when the other end is gone."""
+        try:
+            socket.send_fds(self.sock, [pickle.dumps(message, pickle.HIGHEST_PROTOCOL)], list(fds))
+            return True
+        except OSError:
+            return False
+
+    def _stop_listening(self) -> None:
+        if self._listening:
+            asyncio.get_running_loop().remove_reader(self.sock.fileno())
+            self._listening = False
+
+    def close(self) -> None:
+        self._stop_listening()
+        self.sock.close()

@@ -1,4 +1,5 @@
-"""Runs the control plane: public gRPC server + engine, with graceful shutdown."""
+"""Runs the control plane: public gRPC server + engine, with graceful shutdown; with
+``api_server_count`` > 1, the other frontend processes too (``frontends.py``)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import grpc
 from twinplane.controlplane.auth import ApiKeyInterceptor
 from twinplane.controlplane.config import ControlPlaneConfig
 from twinplane.controlplane.engine import Engine, first_of
+from twinplane.controlplane.frontends import Secondaries, shared_config
 from twinplane.controlplane.metrics import registry_for, serve_metrics
 from twinplane.controlplane.server import create_server
+from twinplane.controlplane.supervisor import CoreSupervisor
 from twinplane.controlplane.tls import server_credentials
 
 log = logging.getLogger("twinplane.controlplane")
@@ -30,15 +33,20 @@ class Security:
 
 
 class ControlPlane:
-    """An engine and its public server, started and stopped together."""
+    """A frontend's engine and its public servers, started and stopped together; the primary's
+    (index 0) also starts and stops the other frontends."""
 
-    def __init__(self, config: ControlPlaneConfig, security: Security = Security()):
+    def __init__(self, config: ControlPlaneConfig, security: Security = Security(), index: int = 0,
+                 link=CoreSupervisor):
         self.config = config
-        self.engine = Engine(config)
+        self.engine = Engine(config, index, link)
+        self.secondaries = None
+        if index == 0 and config.api_server_count > 1:
+            self.secondaries = Secondaries(config, security)
         interceptors = [ApiKeyInterceptor(security.api_key)] if security.api_key else []
         self.server, self.port = create_server(self.engine, config.listen, max_message_bytes=config.max_message_bytes,
                                                credentials=security.credentials(), interceptors=interceptors)
-        self.metrics_registry = registry_for(self.engine)
+        self.metrics_registry = registry_for(self.engine, self.secondaries)
         self.metrics_key = security.api_key if config.metrics_api_key else None
         self.metrics_server = None  # the HTTP server of /metrics, once started
         self.http_server = None  # the OpenAI-compatible HTTP API, when config.http_listen is set
@@ -46,11 +54,15 @@ class ControlPlane:
             from twinplane.controlplane.openai_http import HttpServer
 
             self.http_server = HttpServer(self.engine, config.http_listen, security.api_key, config.max_message_bytes,
-                                          security.tls_cert, security.tls_key)
+                                          security.tls_cert, security.tls_key,
+                                          reuse_port=config.api_server_count > 1)
         self._start_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.server.start()
+        if self.secondaries is not None:  # they bind the ports this one bound
+            self.secondaries.start(shared_config(self.config, self.port, self.http_port))
+            self.engine.supervisor.hand_over = self.secondaries.hand_over
         if self.config.metrics_port is not None:
             host = self.config.metrics_host
             self.metrics_server = serve_metrics(self.metrics_registry, host, self.config.metrics_port,
@@ -77,9 +89,14 @@ class ControlPlane:
         await asyncio.wait_for(self.engine.ready.wait(), timeout)
 
     async def shutdown(self, grace: float | None = None) -> None:
+        """Drains every frontend for up to grace seconds, then stops the servers and the engine core."""
         grace = self.config.shutdown_grace if grace is None else grace
+        if self.secondaries is not None:
+            self.secondaries.tell_stop(grace)  # they drain meanwhile
         if self.engine.describe is not None:
             await self.engine.drain(grace)
+        if self.secondaries is not None:
+            await self.secondaries.wait_stopped(grace)  # before the core stops
         if self.http_server is not None:
             await self.http_server.stop()
         await self.server.stop(1.0)
@@ -98,14 +115,19 @@ async def serve(config: ControlPlaneConfig, security: Security = Security(), on_
     if on_readiness is not None:
         plane.engine.on_readiness.append(on_readiness)
     await plane.start()
-    log.info("control plane listening on %s (port %d), data plane %s", config.listen, plane.port, config.dataplane)
+    log.info("control plane listening on %s (port %d), data plane %s%s", config.listen, plane.port, config.dataplane,
+             f", {config.api_server_count} frontend processes" if config.api_server_count > 1 else "")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await first_of(stop, plane.engine.crashed)
+    secondary_died = plane.secondaries.died if plane.secondaries is not None else asyncio.Event()
+    await first_of(stop, plane.engine.crashed, secondary_died)
     if plane.engine.crashed.is_set():  # e.g. an unreadable tokenizer folder: say so and exit, don't hang
         await plane.shutdown(grace=0.0)
         raise SystemExit("the control plane stopped: its engine failed (see the error above)")
+    if secondary_died.is_set():  # whatever runs the control plane restarts it whole
+        await plane.shutdown()
+        raise SystemExit(f"the control plane stopped: {plane.secondaries.why}")
     log.info("shutting down: in-flight requests get %.1f s", config.shutdown_grace)
     await plane.shutdown()

@@ -30,6 +30,7 @@ from twinplane.controlplane.sequence import FinishReason
 
 if TYPE_CHECKING:
     from twinplane.controlplane.engine import Engine
+    from twinplane.controlplane.frontends import Secondaries
 
 PREFIX = "twinplane:"
 # Bucket upper bounds, in seconds.
@@ -55,6 +56,11 @@ class Histogram:
         self.counts[bisect.bisect_left(self.bounds, value)] += count
         self.sum += value * count
 
+    def add(self, other: Histogram) -> None:
+        """Adds other's observations (same bounds)."""
+        self.counts = [a + b for a, b in zip(self.counts, list(other.counts))]
+        self.sum += other.sum
+
     def family(self, name: str, documentation: str) -> HistogramMetricFamily:
         counts, total = list(self.counts), self.sum
         cumulative, buckets = 0, []
@@ -79,17 +85,36 @@ class EngineMetrics:
         self.finished[reason] += 1
         self.e2e_request_latency.observe(seconds)
 
+    @classmethod
+    def total(cls, parts: list[EngineMetrics]) -> EngineMetrics:
+        """The sum of several frontends' metrics."""
+        total = cls()
+        for part in parts:
+            total.prompt_tokens += part.prompt_tokens
+            total.generation_tokens += part.generation_tokens
+            for reason, count in list(part.finished.items()):
+                total.finished[reason] += count
+            for name in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
+                getattr(total, name).add(getattr(part, name))
+        return total
+
 
 class EngineCollector:
-    """Reads an engine's numbers into Prometheus metric families at scrape time."""
+    """Reads an engine's numbers into Prometheus metric families at scrape time; with several
+    frontends, the request counters and histograms are summed over all of them (the others'
+    as they last reported them, at most HEARTBEAT_INTERVAL ago)."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, secondaries: Secondaries | None = None):
         self.engine = engine
+        self.secondaries = secondaries
 
     def collect(self) -> Iterator[Metric]:
+        m = self.engine.metrics
+        if self.secondaries is not None:
+            m = EngineMetrics.total([m, *list(self.secondaries.metrics.values())])
         yield from self._gauges()
-        yield from self._counters()
-        yield from self._histograms()
+        yield from self._counters(m)
+        yield from self._histograms(m)
         yield from self._per_dataplane()
 
     def _per_dataplane(self) -> Iterator[Metric]:
@@ -127,8 +152,8 @@ class EngineCollector:
         yield GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc", "Share of KV-cache blocks held by requests "
                                 "(0 to 1).", value=usage)
 
-    def _counters(self) -> Iterator[Metric]:
-        m, core = self.engine.metrics, self.engine.core_snapshot
+    def _counters(self, m: EngineMetrics) -> Iterator[Metric]:
+        core = self.engine.core_snapshot
 
         def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
             return CounterMetricFamily(f"{PREFIX}{name}", documentation, value=value)
@@ -147,8 +172,8 @@ class EngineCollector:
             success.add_metric([reason.value], count)
         yield success
 
-    def _histograms(self) -> Iterator[Metric]:
-        m, step = self.engine.metrics, self.engine.core_snapshot.dataplane_step
+    def _histograms(self, m: EngineMetrics) -> Iterator[Metric]:
+        step = self.engine.core_snapshot.dataplane_step
         yield m.time_to_first_token.family(f"{PREFIX}time_to_first_token_seconds",
                                            "Seconds from admission to the first streamed token.")
         yield m.inter_token_latency.family(f"{PREFIX}inter_token_latency_seconds",
@@ -159,10 +184,10 @@ class EngineCollector:
                           "Seconds the data plane spent on one step (plan decoding, forward, sampling).")
 
 
-def registry_for(engine: Engine) -> CollectorRegistry:
-    """A registry of this engine's metrics alone (not the process-wide default one)."""
+def registry_for(engine: Engine, secondaries: Secondaries | None = None) -> CollectorRegistry:
+    """A registry of this engine's metrics (and its secondary frontends'), not the process-wide default one."""
     registry = CollectorRegistry()
-    registry.register(EngineCollector(engine))
+    registry.register(EngineCollector(engine, secondaries))
     return registry
 
 

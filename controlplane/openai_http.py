@@ -233,10 +233,12 @@ class HttpServer:
     """The HTTP API on an event loop that already runs (the control plane's)."""
 
     def __init__(self, engine: Engine, listen: str, api_key: str | None = None, max_body_bytes: int = 16 << 20,
-                 tls_cert: str | None = None, tls_key: str | None = None):
+                 tls_cert: str | None = None, tls_key: str | None = None, reuse_port: bool = False):
+        """reuse_port: share the port with the other frontend processes (SO_REUSEPORT)."""
         self.host, port = parse_listen(listen)
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        self.socket = socket.create_server((self.host, port), family=family)  # bound now: errors come early
+        # bound now: errors come early
+        self.socket = socket.create_server((self.host, port), family=family, reuse_port=reuse_port)
         self.port = self.socket.getsockname()[1]
         app = OpenAIService(engine, api_key, max_body_bytes).app()
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", ws="none", http="h11",

@@ -172,7 +172,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return pb.ServerStats(**core.stats, preemptions=core.num_preemptions, waiting=self.engine.num_waiting,
                               running=core.running, free_kv_blocks=core.free_kv_blocks,
                               prefix_cache_queries=core.prefix_cache_queries,
-                              prefix_cache_hits=core.prefix_cache_hits, dataplanes=dataplanes)
+                              prefix_cache_hits=core.prefix_cache_hits, dataplanes=dataplanes,
+                              frontend=self.engine.index, api_server_count=self.engine.config.api_server_count)
 
 
 def create_server(engine: Engine, listen: str, *, max_message_bytes: int = 16 << 20,

@@ -127,7 +127,8 @@ class Planes:
         return self.call(read())
 
     def stop(self) -> None:
-        if self.plane is not None:
+        """Stops both planes (again: nothing more)."""
+        if self.plane is not None and self.thread.is_alive():
             self.call(self.plane.shutdown(grace=0))
         if self.thread.is_alive():
             self.loop.call_soon_threadsafe(self.loop.stop)

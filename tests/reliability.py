@@ -39,6 +39,26 @@ async def greedy_references(address: str, prompts: list[list[int]], max_tokens: 
                                            for p in prompts)))
 
 
+async def running_streams(clients: list[AsyncClient], prompts: list[list[int]], max_tokens: int,
+                          timeout: float = 240) -> tuple[list, list[int]]:
+    """Starts a greedy stream per prompt, spread over clients; returns once each has 3 tokens: the
+    streams (each resolving to its tokens) and the live count of tokens each has so far."""
+    seen = [0] * len(prompts)
+
+    async def one(i: int) -> list[int]:
+        out = []
+        async for chunk in clients[i % len(clients)].generate(token_ids=prompts[i], max_tokens=max_tokens,
+                                                              timeout=timeout, **GREEDY):
+            out += chunk.token_ids
+            seen[i] = len(out)
+        return out
+
+    streams = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
+    while min(seen) < 3:
+        await asyncio.sleep(0.005)
+    return streams, seen
+
+
 def status_code(error: BaseException) -> grpc.StatusCode | None:
     return error.code() if isinstance(error, grpc.RpcError) else None
 

@@ -197,7 +197,8 @@ def test_sigint_while_the_core_is_still_starting_is_ignored(tmp_path):
     from twinplane.controlplane.config import ControlPlaneConfig
     from twinplane.controlplane.engine_core import start_core_process
 
-    process, channel = start_core_process(ControlPlaneConfig(dataplane=f"unix://{tmp_path}/nobody.sock"))
+    process, sock, others = start_core_process(ControlPlaneConfig(dataplane=f"unix://{tmp_path}/nobody.sock"))
+    assert others == []  # one frontend
     try:
         deadline = time.monotonic() + 3.0  # start-up (interpreter, imports) takes well under a second
         while time.monotonic() < deadline and process.poll() is None:
@@ -205,7 +206,7 @@ def test_sigint_while_the_core_is_still_starting_is_ignored(tmp_path):
             time.sleep(0.005)
         assert process.poll() is None, f"SIGINT during start-up ended the engine core (exit {process.returncode})"
     finally:
-        channel.sock.close()  # the frontend is gone before it said anything: the core exits
+        sock.close()  # the frontend is gone before it said anything: the core exits
         if process.poll() is None and process.wait(timeout=30) is None:
             process.kill()
     assert process.returncode == 0

@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from tests.faulty_dataplane import SLOW_SECONDS, SLOW_TOKEN
-from tests.reliability import GREEDY, all_blocks_free, greedy_references, tokens_async, wait_until
+from tests.reliability import GREEDY, all_blocks_free, greedy_references, running_streams, tokens_async, wait_until
 from tests.test_e2e_reference import random_prompts
 from twinplane.clients.client import AsyncClient
 from twinplane.controlplane.liveness import Silence
@@ -42,30 +42,12 @@ async def _wait_health(client: AsyncClient, want: str, timeout: float) -> float:
     return time.monotonic() - started
 
 
-async def _running_streams(client: AsyncClient, prompts: list[list[int]]) -> tuple[list, list[int]]:
-    """Starts a greedy stream per prompt; returns once each has 3 tokens: the streams (each
-    resolving to its tokens) and the live count of tokens each has so far."""
-    seen = [0] * len(prompts)
-
-    async def one(i: int) -> list[int]:
-        out = []
-        async for chunk in client.generate(token_ids=prompts[i], max_tokens=MAX_TOKENS, timeout=240, **GREEDY):
-            out += chunk.token_ids
-            seen[i] = len(out)
-        return out
-
-    streams = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
-    while min(seen) < 3:
-        await asyncio.sleep(0.005)
-    return streams, seen
-
-
 async def _across_a_pause(planes, pid: int, prompts: list[list[int]], paused: float) -> dict:
     """Runs streams; SIGSTOPs pid once each has tokens; SIGCONTs it after paused seconds (at least
     until health says NOT_SERVING); returns the outputs and how long health took to change."""
     report = {}
     async with AsyncClient(planes.address) as client:
-        streams, seen = await _running_streams(client, prompts)
+        streams, seen = await running_streams([client], prompts, MAX_TOKENS)
         os.kill(pid, signal.SIGSTOP)
         stopped = time.monotonic()
         try:
@@ -177,7 +159,7 @@ def test_a_hung_engine_core_is_noticed_and_its_streams_finish(tiny_qwen3_dir, pl
 async def _across_a_core_kill(planes, prompts: list[list[int]]) -> dict:
     report = {}
     async with AsyncClient(planes.address) as client:
-        streams, seen = await _running_streams(client, prompts)
+        streams, seen = await running_streams([client], prompts, MAX_TOKENS)
         core = planes.engine.supervisor.process
         report["steps_before"] = planes.engine.core_snapshot.stats["steps"]
         core.send_signal(signal.SIGKILL)

@@ -163,8 +163,8 @@ def test_everything_listens_on_loopback_or_a_unix_socket_by_default():
 WIRE_CODE = ["controlplane", "clients", "proto", "dataplane/server.py", "dataplane/convert.py", "dataplane/main.py"]
 
 
-# Pickles the calls between the control plane's two processes, over an anonymous socketpair that
-# only the control plane and the child it spawns hold: no address anyone could connect to.
+# Pickles the calls between the control plane's processes, over anonymous socketpairs that only
+# the control plane and the children it spawns hold: no address anyone could connect to.
 PRIVATE_IPC = "controlplane/ipc.py"
 
 
@@ -178,16 +178,23 @@ def test_nothing_on_the_wire_is_pickled():
     assert offenders == [PRIVATE_IPC]
 
 
-def test_the_pickled_channel_is_a_private_socketpair():
-    """The one pickled channel never listens or connects to an address: its sockets come from
-    socket.socketpair() in the control plane, and the child gets its end at spawn."""
+def test_the_pickled_channels_are_private_socketpairs():
+    """The pickled channels never listen or connect to an address: their sockets come from
+    socket.socketpair() in the control plane; a child gets its end at spawn, or (a secondary
+    frontend) over its own control socketpair, as a passed file descriptor."""
     ipc = (REPO / PRIVATE_IPC).read_text()
     assert not re.search(r"\.(bind|listen|connect|accept)\(|start_server|open_unix_connection", ipc)
     sources = [p for folder in ("controlplane", "dataplane", "clients", "kernels") for p in (REPO / folder).rglob("*.py")]
-    users = [p for p in sources if "Channel(" in p.read_text() and p.name != "ipc.py"]
-    assert [p.name for p in users] == ["engine_core.py"]
-    assert re.findall(r"Channel\((\w+)\)", users[0].read_text()) == ["frontend_end", "sock"]
-    assert "frontend_end, core_end = socket.socketpair()" in users[0].read_text()
+    users = {p.name: p.read_text() for p in sources if re.search(r"\b(Channel|Control)\(", p.read_text())
+             and p.name != "ipc.py"}
+    assert sorted(users) == ["engine_core.py", "frontends.py", "supervisor.py"]
+    assert re.findall(r"\b(?:Channel|Control)\((\w+)\)", users["engine_core.py"]) == ["sock"]  # inherited fds
+    assert "pairs = [socket.socketpair() for _ in range(config.api_server_count)]" in users["engine_core.py"]
+    assert re.findall(r"\b(?:Channel|Control)\((\w+)\)", users["supervisor.py"]) == ["sock"]  # from those pairs
+    assert re.findall(r"\b(?:Channel|Control)\((\w+)\)", users["frontends.py"]) == ["primary_end", "sock"]  # its pair
+    pair = "primary_end, secondary_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)"
+    assert pair in users["frontends.py"]
+    assert not re.search(r"\.(bind|listen|connect|accept)\(", users["frontends.py"] + users["supervisor.py"])
 
 
 def test_jinja2_without_the_sandbox_breakout_is_required():

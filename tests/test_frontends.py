@@ -1,0 +1,194 @@
+"""Several frontend processes on one loopback port (--api-server-count), all driving one engine core.
+
+Which frontend a connection reaches is the kernel's choice (SO_REUSEPORT), so the tests open
+connections of their own until GetStats, which says which frontend answered, has shown each
+frontend at least twice: every check below then runs on streams of every frontend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import psutil
+import pytest
+
+from tests.reliability import (GREEDY, all_blocks_free, greedy_references, running_streams, tokens_async,
+                               wait_until)
+from tests.test_e2e_reference import random_prompts
+from twinplane.clients.client import AsyncClient, Client
+from twinplane.controlplane.config import ControlPlaneConfig
+from twinplane.controlplane.fanout import owner, seq_ids
+
+CLI = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", "WARNING"]
+DP_ARGS = ("--block-size", "16", "--max-model-len", "512")
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # not one connection shared by every channel
+MAX_CONNECTIONS = 200  # the chance that this many all reach the same one of 2 frontends is 2**-199
+pytestmark = pytest.mark.timeout(300)
+
+
+async def _clients_by_frontend(address: str, count: int, per_frontend: int = 2) -> dict[int, list[AsyncClient]]:
+    """Opens connections until each of count frontends answered per_frontend of them; the others are closed."""
+    found: dict[int, list[AsyncClient]] = {i: [] for i in range(count)}
+    for _ in range(MAX_CONNECTIONS):
+        client = AsyncClient(address, options=OWN_CONNECTION)
+        await client.wait_ready(timeout=60)
+        stats = await client.stats()
+        assert stats["api_server_count"] == count
+        if len(found[stats["frontend"]]) < per_frontend:
+            found[stats["frontend"]].append(client)
+        else:
+            await client.close()
+        if all(len(clients) == per_frontend for clients in found.values()):
+            return found
+    raise AssertionError(f"{MAX_CONNECTIONS} connections did not reach every frontend: {found}")
+
+
+async def _close(found: dict[int, list[AsyncClient]]) -> None:
+    await asyncio.gather(*(c.close() for clients in found.values() for c in clients))
+
+
+def test_sequence_ids_are_distinct_and_name_their_frontend():
+    ids = {index: [next(it) for _ in range(50)] for index, it in ((i, seq_ids(i, 3)) for i in range(3))}
+    assert len({s for values in ids.values() for s in values}) == 150 and min(ids[0]) > 0
+    assert all(owner(s, 3) == index for index, values in ids.items() for s in values)
+    assert list(itertools.islice(seq_ids(0, 1), 3)) == [1, 2, 3] and owner(7, 1) == 0  # one frontend: as before
+
+
+def test_a_unix_socket_cannot_be_shared_by_several_frontends(tmp_path):
+    with pytest.raises(ValueError, match="cannot be shared"):
+        ControlPlaneConfig(dataplane="unix:///dp.sock", listen=f"unix://{tmp_path}/cp.sock", api_server_count=2)
+    with pytest.raises(ValueError, match="split between the 4 frontends"):
+        ControlPlaneConfig(dataplane="unix:///dp.sock", api_server_count=4, max_waiting_requests=3)
+    result = subprocess.run([*CLI, "controlplane", "--listen", f"unix://{tmp_path}/cp.sock",
+                             "--api-server-count", "2"], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "cannot be shared" in result.stderr
+
+
+async def _streams(found: dict[int, list[AsyncClient]], prompts: list[list[int]], max_tokens: int):
+    """running_streams, spread over every connection (so over every frontend)."""
+    return await running_streams([c for clients in found.values() for c in clients], prompts, max_tokens)
+
+
+def test_two_frontends_stream_what_one_does_and_carry_on_past_a_killed_core(tiny_qwen3_dir, planes_factory):
+    prompts, max_tokens = random_prompts(16, seed=601, low=10, high=60), 100
+    one = planes_factory(tiny_qwen3_dir, *DP_ARGS)
+    expected = asyncio.run(greedy_references(one.address, prompts, max_tokens))
+    one.stop()
+    two = planes_factory(tiny_qwen3_dir, *DP_ARGS, listen="127.0.0.1:0", api_server_count=2)
+    assert two.address.startswith("127.0.0.1:")
+
+    async def run() -> tuple[list, list, list, dict]:
+        found = await _clients_by_frontend(two.address, 2)
+        try:
+            streams, _ = await _streams(found, prompts, max_tokens)
+            together = list(await asyncio.gather(*streams))
+            streams, seen = await _streams(found, prompts, max_tokens)
+            two.engine.supervisor.process.send_signal(signal.SIGKILL)  # streams in flight on both frontends
+            at_kill = list(seen)
+            past_kill = list(await asyncio.gather(*streams))
+            stats = {i: await clients[0].stats() for i, clients in found.items()}
+        finally:
+            await _close(found)
+        return together, past_kill, at_kill, stats
+
+    together, past_kill, at_kill, stats = asyncio.run(run())
+    assert together == expected  # greedy output identical to one frontend's
+    assert max(at_kill) < max_tokens and past_kill == expected  # replayed to the next core, nothing lost
+    assert stats[0]["frontend"] == 0 and stats[1]["frontend"] == 1
+    assert stats[0]["steps"] > 0 and abs(stats[0]["steps"] - stats[1]["steps"]) < 50  # one core's numbers
+    # the primary's /metrics counts both frontends' requests (the other's as reported every 0.5 s)
+    secondaries = two.plane.secondaries
+    wait_until(lambda: 1 in secondaries.metrics and sum(two.engine.metrics.finished.values())
+               + sum(secondaries.metrics[1].finished.values()) == 2 * len(prompts), 10, "both frontends' counts")
+    assert sum(secondaries.metrics[1].finished.values()) > 0 and sum(two.engine.metrics.finished.values()) > 0
+    wait_until(lambda: all_blocks_free(two), 10, "every KV block to be free")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def _sigterm_on_two_frontends(address: str, control: subprocess.Popen) -> dict:
+    report = {}
+    found = await _clients_by_frontend(address, 2, per_frontend=1)
+    try:
+        clients = [found[0][0], found[1][0]]
+        shorts = [c.generate(token_ids=[11 + i] * 20, max_tokens=150, **GREEDY).__aiter__()
+                  for i, c in enumerate(clients)]
+        longs = [c.generate(token_ids=[21 + i] * 20, max_tokens=4000, **GREEDY).__aiter__()
+                 for i, c in enumerate(clients)]
+        firsts = [await stream.__anext__() for stream in shorts + longs]
+        control.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.5)
+        report["new_requests"] = []
+        for client in clients:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await tokens_async(client, [13] * 5, max_tokens=3, timeout=10, **GREEDY)
+            report["new_requests"].append(refused.value.code())
+        report["shorts"] = [len(first.token_ids) + sum([len(c.token_ids) async for c in stream])
+                            for first, stream in zip(firsts, shorts)]
+        started, report["longs"] = time.monotonic(), []
+        for stream in longs:
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                async for _ in stream:
+                    pass
+            report["longs"].append((ended.value.code(), time.monotonic() - started))
+    finally:
+        await _close(found)
+    return report
+
+
+def test_sigterm_drains_every_frontend_and_a_dead_frontend_stops_the_control_plane(tmp_path):
+    grace = 3.0
+    dp_address = f"unix://{tmp_path}/dp.sock"
+    dataplane = subprocess.Popen([*CLI, "dataplane", "--model", "dummy:tiny-qwen3", "--device", "cpu",
+                                  "--block-size", "16", "--listen", dp_address], stdin=subprocess.DEVNULL)
+
+    def control_plane() -> tuple[subprocess.Popen, str, list[psutil.Process]]:
+        address = f"127.0.0.1:{_free_port()}"
+        control = subprocess.Popen([*CLI, "controlplane", "--dataplane", dp_address, "--listen", address,
+                                    "--shutdown-grace", str(grace), "--api-server-count", "2"],
+                                   stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        with Client(address) as client:
+            client.wait_ready(timeout=120)
+        return control, address, psutil.Process(control.pid).children()
+
+    started: list[subprocess.Popen] = []
+    try:
+        control, address, children = control_plane()
+        started.append(control)
+        assert len(children) == 2  # the other frontend and the engine core
+        report = asyncio.run(_sigterm_on_two_frontends(address, control))
+        assert report["new_requests"] == [grpc.StatusCode.UNAVAILABLE] * 2  # both stop accepting at once
+        assert report["shorts"] == [150, 150]  # in-flight streams finish within the grace period
+        assert [code for code, _ in report["longs"]] == [grpc.StatusCode.UNAVAILABLE] * 2
+        assert 1.0 < report["longs"][0][1] < grace + 5  # ended when the grace period ran out
+        assert control.wait(grace + 20) == 0
+        assert "Traceback" not in control.stderr.read()
+        psutil.wait_procs(children, timeout=10)
+        assert not any(child.is_running() for child in children)
+
+        control, address, children = control_plane()  # a frontend that dies stops the whole control plane
+        started.append(control)
+        secondary = next(c for c in children if b"frontends" in " ".join(c.cmdline()).encode())
+        secondary.kill()
+        assert control.wait(grace + 20) == 1
+        stderr = control.stderr.read()
+        assert f"frontend 1 (pid {secondary.pid}) exited" in stderr.splitlines()[-1], stderr[-2000:]
+        psutil.wait_procs(children, timeout=10)
+        assert not any(child.is_running() for child in children)
+    finally:
+        for process in (*started, dataplane):
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
