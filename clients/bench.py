@@ -311,7 +311,7 @@ def _start_server(args) -> tuple[subprocess.Popen, str]:
     if args.max_prefill_tokens_with_decode:
         command += ["--max-prefill-tokens-with-decode", str(args.max_prefill_tokens_with_decode)]
     command += ["--stream-interval", str(args.stream_interval), "--max-steps-in-flight", str(args.max_steps_in_flight),
-                "--decode-steps", str(args.decode_steps),
+                "--decode-steps", str(args.decode_steps), "--decode-steps-max-seqs", str(args.decode_steps_max_seqs),
                 "--data-parallel-size", str(args.data_parallel_size), "--routing", args.routing]
     return subprocess.Popen(command, stdin=subprocess.DEVNULL), address
 
@@ -379,6 +379,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stream-interval", type=int, default=1, help="passed to the server it starts")
     g.add_argument("--max-steps-in-flight", type=int, default=2, help="passed to the server it starts")
     g.add_argument("--decode-steps", type=int, default=8, help="passed to the server it starts")
+    g.add_argument("--decode-steps-max-seqs", type=int, default=4, help="passed to the server it starts")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="passed to the server it starts")
     g.add_argument("--routing", default="prefix", choices=["prefix", "least-loaded", "round-robin"],
                    help="passed to the server it starts")

@@ -107,7 +107,7 @@ def _add_controlplane_args(p: argparse.ArgumentParser, listen_default: str = DEF
     g.add_argument("--decode-steps", type=int, default=8,
                    help="decode steps in one plan while at most --decode-steps-max-seqs sequences decode and none "
                         "waits: fewer round trips for small batches (1: one step per plan)")
-    g.add_argument("--decode-steps-max-seqs", type=int, default=32,
+    g.add_argument("--decode-steps-max-seqs", type=int, default=4,
                    help="the most sequences a plan of several decode steps takes")
     g.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight streams get on SIGTERM")
     g.add_argument("--stall-timeout", type=float, default=5.0,

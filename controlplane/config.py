@@ -35,7 +35,7 @@ class ControlPlaneConfig:
     stream_interval: int = 1  # tokens per streamed message (fewer messages at high load)
     max_steps_in_flight: int = 2  # steps planned and sent before the oldest one's result is applied
     decode_steps: int = 8  # decode steps in one plan when few sequences decode and none waits (1: one per plan)
-    decode_steps_max_seqs: int = 32  # the most sequences such a plan takes
+    decode_steps_max_seqs: int = 4  # the most sequences such a plan takes
     metrics_port: int | None = None  # Prometheus /metrics over HTTP on this port (0: any free one); None: off
     metrics_host: str = "127.0.0.1"  # address /metrics binds to
     metrics_api_key: bool = True  # with an API key, /metrics requires it too

@@ -37,7 +37,7 @@ class SchedulerConfig:
     # Decode steps one plan may hold when only a few sequences decode and none waits (1: one
     # step per plan), and the most sequences such a plan takes.
     decode_steps: int = 1
-    decode_steps_max_seqs: int = 32
+    decode_steps_max_seqs: int = 4
 
 
 @dataclass(slots=True)
