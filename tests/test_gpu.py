@@ -167,6 +167,25 @@ def test_triton_sampler_on_a_full_vocabulary():
     assert (counts[hot] / n - expected_p[hot]).abs().max().item() < 0.02  # > 3 sigma at n = 8192
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_skinny_linear_matches_cublas_and_is_chosen_only_where_faster(rows):
+    import torch.nn.functional as F
+
+    from twinplane.dataplane.layers import linear as linear_module
+    from twinplane.kernels.skinny_gemm import skinny_linear
+
+    for n, k in ((1024, 2048), (4096, 1024), (1000, 3000)):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        expected = F.linear(x, w).float()
+        for config in linear_module.SKINNY_CONFIGS:
+            got = skinny_linear(x, w, *config).float()
+            assert (got - expected).abs().max().item() <= 2e-2 * expected.abs().max().item()
+        chosen = linear_module.linear(x, w)
+        assert (chosen.float() - expected).abs().max().item() <= 2e-2 * expected.abs().max().item()
+        assert (rows, (n, k), torch.bfloat16, w.device) in linear_module._skinny_choice
+
+
 @pytest.fixture(scope="module")
 def qwen3_folder(tmp_path_factory) -> Path:
     import transformers

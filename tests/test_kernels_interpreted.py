@@ -165,6 +165,18 @@ print("sampling ok")
 '''
 
 
+SKINNY_CHECKS = '''
+import torch
+from twinplane.kernels.skinny_gemm import skinny_linear
+torch.manual_seed(0)
+for m, n, k, config in ((1, 40, 96, (8, 64, 4)), (2, 33, 200, (4, 128, 2)), (3, 16, 64, (16, 32, 4)), (4, 9, 130, (8, 64, 2))):
+    x, w = torch.randn(m, k), torch.randn(n, k)
+    y = skinny_linear(x, w, *config)
+    assert y.shape == (m, n) and torch.allclose(y, x @ w.T, atol=1e-4, rtol=1e-4), (m, n, k)
+print("skinny ok")
+'''
+
+
 def _run_interpreted(checks: str, marker: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run([sys.executable, "-c", checks], env=env, capture_output=True, text=True, timeout=600)
@@ -177,3 +189,8 @@ def test_triton_kernels_match_torch_in_the_interpreter():
 
 def test_triton_sampler_in_the_interpreter():
     _run_interpreted(SAMPLING_CHECKS, "sampling ok")
+
+
+def test_skinny_linear_in_the_interpreter():
+    """Rows 1-4, output and input sizes that are not multiples of the blocks."""
+    _run_interpreted(SKINNY_CHECKS, "skinny ok")
