@@ -8,6 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.test_dp_helpers import PlanBuilder
 from tests.test_e2e_reference import random_prompts
@@ -212,3 +214,33 @@ def test_greedy_outputs_do_not_change_with_several_decode_steps(tiny_llama_dir, 
     for planes, multi in ((single, False), (several, True)):
         with planes.client() as client:
             assert (client.stats()["multi_decode_steps"] > 0) is multi
+
+
+@settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(num_steps=st.integers(0, 70), budgets=st.lists(st.integers(-2, 70), min_size=1, max_size=3),
+       start_shift=st.integers(-3, 3), drop_blocks=st.booleans())
+def test_random_plans_of_several_steps_run_or_fail_cleanly(runner, num_steps, budgets, start_shift, drop_blocks):
+    """Whatever the budgets, step counts, positions and blocks: the step runs and returns each
+    sequence's budget of tokens, or fails with ValueError and leaves the runner usable."""
+    runner.reset()
+    builder = PlanBuilder(BLOCK)
+    seqs = [builder.new_seq(i, prompt) for i, prompt in list(PROMPTS.items())[:len(budgets)]]
+    out = runner.step(StepPlan(0, [builder.schedule(s) for s in seqs]))
+    for s, token in zip(seqs, out.sampled_token_ids.tolist()):
+        s.tokens.append(token)
+    scheduled = []
+    for s, budget in zip(seqs, budgets):
+        one = builder.schedule(s, decode_budget=max(budget, 1))
+        changes = dict(decode_budget=budget, start_pos=max(one.start_pos + start_shift, 0))
+        if drop_blocks:
+            changes["new_block_ids"] = np.empty(0, np.int32)
+        scheduled.append(dataclasses.replace(one, **changes))
+    try:
+        result = runner.step(StepPlan(1, scheduled, num_steps=num_steps))
+    except ValueError:
+        pass
+    else:
+        expected = sum(budgets) if num_steps > 1 else len(budgets)
+        assert len(result.sampled_token_ids) == expected
+    good = builder.new_seq(9, [5, 6, 7])
+    assert runner.step(StepPlan(2, [builder.schedule(good)])).sampled_token_ids.shape == (1,)
