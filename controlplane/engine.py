@@ -22,12 +22,13 @@ from collections.abc import AsyncIterator
 
 from twinplane.controlplane.api import GenerateCall, Limits, Prompt, RequestOutput
 from twinplane.controlplane.config import BYTES_PER_TOKEN, ControlPlaneConfig
-from twinplane.controlplane.engine_core import STAT_NAMES, CoreSnapshot, TokenOutput
 from twinplane.controlplane.errors import (InvalidRequest, NoLongerFits, NotReady, Overloaded, ServiceError,
                                           StepFailed, StreamNotRead)
 from twinplane.controlplane import fanout
-from twinplane.controlplane.ipc import Remote
+from twinplane.controlplane import messages
+from twinplane.controlplane.messages import CoreSnapshot, TokenOutput
 from twinplane.controlplane.metrics import EngineMetrics
+from twinplane.controlplane.replica import STAT_NAMES
 from twinplane.controlplane.request_state import RequestState, Unsent
 from twinplane.controlplane.sequence import FinishReason
 from twinplane.controlplane.supervisor import CoreSupervisor
@@ -72,11 +73,6 @@ class Engine:
         self._connected = False  # the engine core has a data plane
         self._stalls: set[str] = set()  # what stalled ("data plane", "engine core")
         self._replay = False  # the core died: send the requests in flight to the next one when it connects
-
-    @property
-    def core(self) -> Remote | None:
-        """CORE_CALLS on the running engine core."""
-        return self.supervisor.core
 
     def _update_ready(self) -> None:
         ready = self._connected and not self._stalls
@@ -130,7 +126,29 @@ class Engine:
             self._core_task.cancel()
             await asyncio.gather(self._core_task, return_exceptions=True)
 
-    # ---- calls from the engine core -----------------------------------------------------
+    # ---- messages from the engine core --------------------------------------------------
+
+    def receive(self, message: messages.FrontendMessage) -> None:
+        """Applies a message from the engine core (the most frequent first)."""
+        match message:
+            case messages.StepOutputs(outputs, snapshot):
+                self.step(outputs, snapshot)
+            case messages.Snapshot(snapshot):
+                self.snapshot(snapshot)
+            case messages.Heartbeat():
+                self.heartbeat()
+            case messages.Connected(describe, snapshot):
+                self.connected(describe, snapshot)
+            case messages.Lost():
+                self.lost()
+            case messages.Stalled(stalled):
+                self.stalled(stalled)
+            case messages.StepFailed(seq_ids, error):
+                self.step_failed(seq_ids, error)
+            case messages.Refused(reasons):
+                self.refused(reasons)
+            case _:
+                raise AssertionError(f"unexpected message for a frontend: {message!r}")
 
     def connected(self, desc: dp.DescribeResponse, snapshot: CoreSnapshot) -> None:
         if self.describe is None:
@@ -162,7 +180,7 @@ class Engine:
         self._set_stalled("data plane", stalled)
 
     def heartbeat(self) -> None:
-        """The core is alive (the supervisor counts every call that arrives)."""
+        """The core is alive (the supervisor counts every message that arrives)."""
 
     # ---- from the supervisor --------------------------------------------------------------
 
@@ -351,8 +369,8 @@ class Engine:
     def _send_to_core(self, state: RequestState) -> None:
         state.num_cores += 1
         self._num_added += 1
-        self.core.add(state.seq_id, state.request_id, state.prompt, state.params, state.output_ids,
-                      state.num_cached_tokens)
+        self.supervisor.send(messages.AddRequest(state.seq_id, state.request_id, state.prompt, state.params,
+                                                 state.output_ids, state.num_cached_tokens))
 
     async def _prompt_tokens(self, call: GenerateCall) -> list[int]:
         prompt = await self.tokenize(call.prompt)
@@ -387,7 +405,7 @@ class Engine:
         self.requests.pop(state.request_id, None)
         self.by_seq.pop(state.seq_id, None)
         if tell_core:  # the core still schedules it: free its blocks
-            self.core.abort(state.seq_id)
+            self.supervisor.send(messages.Abort(state.seq_id))
 
     def _finish(self, state: RequestState, reason: FinishReason, tell_core: bool = True) -> None:
         self._forget(state, tell_core)
