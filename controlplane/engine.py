@@ -25,6 +25,7 @@ from twinplane.controlplane.config import BYTES_PER_TOKEN, ControlPlaneConfig
 from twinplane.controlplane.errors import (InvalidRequest, NoLongerFits, NotReady, Overloaded, ServiceError,
                                           StepFailed, StreamNotRead)
 from twinplane.controlplane import fanout
+from twinplane.controlplane.finish import Limit, misfit, output_room
 from twinplane.controlplane import messages
 from twinplane.controlplane.messages import CoreSnapshot, TokenOutput
 from twinplane.controlplane.metrics import EngineMetrics
@@ -379,7 +380,7 @@ class Engine:
         if not prompt:
             raise InvalidRequest("input: the prompt is empty after tokenization; send at least one token")
         limit = self.limits.max_model_len
-        if len(prompt) >= limit:
+        if output_room(len(prompt), limit) < 1:
             raise InvalidRequest(f"input: the prompt has {len(prompt)} tokens; at most {limit - 1} fit "
                                  f"(max_model_len {limit}); shorten it or set truncate_prompt_tokens")
         return prompt
@@ -387,18 +388,18 @@ class Engine:
     def _resolve_max_tokens(self, params, num_prompt_tokens: int):
         """Checks max_tokens/min_tokens against the room the prompt leaves; fills in the default."""
         limit = self.limits.max_model_len
-        room = limit - num_prompt_tokens
+        room = output_room(num_prompt_tokens, limit)
         max_tokens = params.max_tokens or room
-        if max_tokens > room:
+        too_many = misfit(num_prompt_tokens, max_tokens, limit, self.describe.num_kv_blocks * self.describe.block_size)
+        if too_many is not None and too_many.limit is Limit.MAX_MODEL_LEN:
             raise InvalidRequest(f"max_tokens: prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) "
                                  f"exceeds max_model_len ({limit}); set max_tokens <= {room}")
         if params.min_tokens > max_tokens:
             raise InvalidRequest(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens}, "
                                  f"what fits after the {num_prompt_tokens}-token prompt)")
-        capacity = self.describe.num_kv_blocks * self.describe.block_size
-        if num_prompt_tokens + max_tokens > capacity:
-            raise InvalidRequest(f"max_tokens: prompt + max_tokens ({num_prompt_tokens + max_tokens} tokens) can "
-                                 f"never fit in the KV cache ({capacity} tokens); lower it")
+        if too_many is not None:
+            raise InvalidRequest(f"max_tokens: prompt + max_tokens ({too_many.needed} tokens) can "
+                                 f"never fit in the KV cache ({too_many.available} tokens); lower it")
         return params if params.max_tokens else replace(params, max_tokens=max_tokens)
 
     def _forget(self, state: RequestState, tell_core: bool) -> None:

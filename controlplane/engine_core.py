@@ -31,11 +31,12 @@ from collections import deque
 from twinplane.controlplane import event_loop
 from twinplane.controlplane.config import ControlPlaneConfig
 from twinplane.controlplane.fanout import Frontends, owner
+from twinplane.controlplane.finish import Limit, misfit, stop_token_ids
 from twinplane.controlplane.ipc import Channel, child_argv, start_process
 from twinplane.controlplane.liveness import ticks
 from twinplane.controlplane.messages import (Abort, AddRequest, Configure, Connected, CoreMessage, CoreSnapshot,
                                              DataPlaneSnapshot, Heartbeat, Lost, Refused, Shutdown, Stalled)
-from twinplane.controlplane.replica import STAT_NAMES, Replica, token_finish_reason  # noqa: F401
+from twinplane.controlplane.replica import STAT_NAMES, Replica
 from twinplane.controlplane.router import Router
 from twinplane.controlplane.sequence import Sequence
 from twinplane.proto import dataplane_pb2 as dp
@@ -44,15 +45,16 @@ log = logging.getLogger("twinplane.controlplane")
 
 def never_fits(seq: Sequence, desc: dp.DescribeResponse) -> str | None:
     """Why a data plane described by desc can never run seq to its max_tokens (None: it can)."""
-    needed = seq.num_prompt_tokens + seq.params.max_tokens
-    capacity = desc.num_kv_blocks * desc.block_size
-    if needed > desc.max_model_len:
-        return (f"prompt + max_tokens ({needed} tokens) exceeds the data plane's max_model_len "
-                f"({desc.max_model_len}), which shrank while the request ran; send it again with fewer tokens")
-    if needed > capacity:
-        return (f"prompt + max_tokens ({needed} tokens) no longer fits in the data plane's KV cache "
-                f"({capacity} tokens), which shrank while the request ran; send it again with fewer tokens")
-    return None
+    too_many = misfit(seq.num_prompt_tokens, seq.params.max_tokens, desc.max_model_len,
+                      desc.num_kv_blocks * desc.block_size)
+    if too_many is None:
+        return None
+    if too_many.limit is Limit.MAX_MODEL_LEN:
+        where = f"exceeds the data plane's max_model_len ({too_many.available})"
+    else:
+        where = f"no longer fits in the data plane's KV cache ({too_many.available} tokens)"
+    return (f"prompt + max_tokens ({too_many.needed} tokens) {where}, which shrank while the request ran; "
+            "send it again with fewer tokens")
 
 
 def common_describe(descs: list[dp.DescribeResponse]) -> dp.DescribeResponse:
@@ -107,8 +109,7 @@ class EngineCore:
         seq = Sequence(seq_id, request.request_id, request.prompt, params)
         seq.token_ids += request.output_ids
         seq.num_cached_tokens = request.num_cached_tokens
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        self.seqs[seq_id] = seq, stop_ids
+        self.seqs[seq_id] = seq, stop_token_ids(params, self.eos_token_ids)
         self._route(seq)
 
     def abort(self, seq_id: int) -> None:

@@ -1,4 +1,5 @@
-"""The control plane's two processes: the message channel, the core's token rules, start and stop."""
+"""The control plane's two processes: the message channel, a step applied by the core, start and stop
+(the token rules themselves: test_finish_rules.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,10 @@ import grpc
 import pytest
 
 from tests.reliability import wait_until
-from twinplane.controlplane.engine_core import token_finish_reason
 from twinplane.controlplane.api import TokenLogprobs
 from twinplane.controlplane.ipc import Channel
 from twinplane.controlplane.messages import Abort, AddRequest, CoreSnapshot, StepOutputs, TokenOutput
-from twinplane.controlplane.sequence import FinishReason, RequestParams, Sequence
+from twinplane.controlplane.sequence import RequestParams
 
 
 def test_messages_arrive_in_order_with_what_they_carry():
@@ -56,17 +56,6 @@ def test_step_outputs_cross_as_token_outputs():
     back = pickle.loads(pickle.dumps(StepOutputs(outputs, snapshot), pickle.HIGHEST_PROTOCOL))
     assert back.outputs == outputs and back.snapshot.stats == {"steps": 3}
     assert all(type(output) is TokenOutput for output in back.outputs) and back.outputs[1].num_cached_tokens == 4
-
-
-def test_token_rules_of_the_core():
-    params = RequestParams(max_tokens=4, min_tokens=1)
-    seq = Sequence(1, "r", [10, 11, 12], params)  # outputs start at position 3
-    stop, rule = frozenset({2}), token_finish_reason
-    assert rule(seq, 2, 3, stop, 100) is None  # a stop token within min_tokens does not stop
-    assert rule(seq, 2, 4, stop, 100) is FinishReason.STOP_TOKEN
-    assert rule(seq, 5, 5, stop, 100) is None
-    assert rule(seq, 5, 6, stop, 100) is FinishReason.LENGTH  # the 4th output token
-    assert rule(seq, 5, 4, stop, 6) is None and rule(seq, 5, 5, stop, 6) is FinishReason.LENGTH  # max_model_len 6
 
 
 class Frontend:
