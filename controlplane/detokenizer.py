@@ -9,6 +9,7 @@ stop string never reaches the client, not even in part.
 
 from __future__ import annotations
 
+from twinplane.controlplane.finish import first_stop_string
 from twinplane.controlplane.tokenizer import Tokenizer
 
 CONTEXT_TOKENS = 5  # left context decoded with each delta
@@ -42,16 +43,12 @@ class IncrementalDetokenizer:
                 self.prefix_offset, self.read_offset = 0, self.read_offset - drop
 
     def find_stop(self) -> str | None:
-        """The first stop string in the pending text; the text after it is dropped."""
-        best: tuple[int, str] | None = None
-        for s in self.stop:
-            i = self.pending.find(s)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is None:
+        """The first stop string in the pending text (finish.first_stop_string); the text after it is dropped."""
+        match = first_stop_string(self.pending, self.stop)
+        if match is None:
             return None
-        self.pending = self.pending[:best[0]]
-        return best[1]
+        self.pending = self.pending[:match[0]]
+        return match[1]
 
     def take_text(self, final: bool = False) -> str:
         """Pending text that cannot be part of a stop string (all of it when final)."""

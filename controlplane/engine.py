@@ -22,12 +22,14 @@ from collections.abc import AsyncIterator
 
 from twinplane.controlplane.api import GenerateCall, Limits, Prompt, RequestOutput
 from twinplane.controlplane.config import BYTES_PER_TOKEN, ControlPlaneConfig
-from twinplane.controlplane.engine_core import STAT_NAMES, CoreSnapshot, TokenOutput
 from twinplane.controlplane.errors import (InvalidRequest, NoLongerFits, NotReady, Overloaded, ServiceError,
                                           StepFailed, StreamNotRead)
 from twinplane.controlplane import fanout
-from twinplane.controlplane.ipc import Remote
+from twinplane.controlplane.finish import Limit, misfit, output_room
+from twinplane.controlplane import messages
+from twinplane.controlplane.messages import CoreSnapshot, TokenOutput
 from twinplane.controlplane.metrics import EngineMetrics
+from twinplane.controlplane.replica import STAT_NAMES
 from twinplane.controlplane.request_state import RequestState, Unsent
 from twinplane.controlplane.sequence import FinishReason
 from twinplane.controlplane.supervisor import CoreSupervisor
@@ -72,11 +74,6 @@ class Engine:
         self._connected = False  # the engine core has a data plane
         self._stalls: set[str] = set()  # what stalled ("data plane", "engine core")
         self._replay = False  # the core died: send the requests in flight to the next one when it connects
-
-    @property
-    def core(self) -> Remote | None:
-        """CORE_CALLS on the running engine core."""
-        return self.supervisor.core
 
     def _update_ready(self) -> None:
         ready = self._connected and not self._stalls
@@ -130,7 +127,29 @@ class Engine:
             self._core_task.cancel()
             await asyncio.gather(self._core_task, return_exceptions=True)
 
-    # ---- calls from the engine core -----------------------------------------------------
+    # ---- messages from the engine core --------------------------------------------------
+
+    def receive(self, message: messages.FrontendMessage) -> None:
+        """Applies a message from the engine core (the most frequent first)."""
+        match message:
+            case messages.StepOutputs(outputs, snapshot):
+                self.step(outputs, snapshot)
+            case messages.Snapshot(snapshot):
+                self.snapshot(snapshot)
+            case messages.Heartbeat():
+                self.heartbeat()
+            case messages.Connected(describe, snapshot):
+                self.connected(describe, snapshot)
+            case messages.Lost():
+                self.lost()
+            case messages.Stalled(stalled):
+                self.stalled(stalled)
+            case messages.StepFailed(seq_ids, error):
+                self.step_failed(seq_ids, error)
+            case messages.Refused(reasons):
+                self.refused(reasons)
+            case _:
+                raise AssertionError(f"unexpected message for a frontend: {message!r}")
 
     def connected(self, desc: dp.DescribeResponse, snapshot: CoreSnapshot) -> None:
         if self.describe is None:
@@ -162,7 +181,7 @@ class Engine:
         self._set_stalled("data plane", stalled)
 
     def heartbeat(self) -> None:
-        """The core is alive (the supervisor counts every call that arrives)."""
+        """The core is alive (the supervisor counts every message that arrives)."""
 
     # ---- from the supervisor --------------------------------------------------------------
 
@@ -351,8 +370,8 @@ class Engine:
     def _send_to_core(self, state: RequestState) -> None:
         state.num_cores += 1
         self._num_added += 1
-        self.core.add(state.seq_id, state.request_id, state.prompt, state.params, state.output_ids,
-                      state.num_cached_tokens)
+        self.supervisor.send(messages.AddRequest(state.seq_id, state.request_id, state.prompt, state.params,
+                                                 state.output_ids, state.num_cached_tokens))
 
     async def _prompt_tokens(self, call: GenerateCall) -> list[int]:
         prompt = await self.tokenize(call.prompt)
@@ -361,7 +380,7 @@ class Engine:
         if not prompt:
             raise InvalidRequest("input: the prompt is empty after tokenization; send at least one token")
         limit = self.limits.max_model_len
-        if len(prompt) >= limit:
+        if output_room(len(prompt), limit) < 1:
             raise InvalidRequest(f"input: the prompt has {len(prompt)} tokens; at most {limit - 1} fit "
                                  f"(max_model_len {limit}); shorten it or set truncate_prompt_tokens")
         return prompt
@@ -369,25 +388,25 @@ class Engine:
     def _resolve_max_tokens(self, params, num_prompt_tokens: int):
         """Checks max_tokens/min_tokens against the room the prompt leaves; fills in the default."""
         limit = self.limits.max_model_len
-        room = limit - num_prompt_tokens
+        room = output_room(num_prompt_tokens, limit)
         max_tokens = params.max_tokens or room
-        if max_tokens > room:
+        too_many = misfit(num_prompt_tokens, max_tokens, limit, self.describe.num_kv_blocks * self.describe.block_size)
+        if too_many is not None and too_many.limit is Limit.MAX_MODEL_LEN:
             raise InvalidRequest(f"max_tokens: prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) "
                                  f"exceeds max_model_len ({limit}); set max_tokens <= {room}")
         if params.min_tokens > max_tokens:
             raise InvalidRequest(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens}, "
                                  f"what fits after the {num_prompt_tokens}-token prompt)")
-        capacity = self.describe.num_kv_blocks * self.describe.block_size
-        if num_prompt_tokens + max_tokens > capacity:
-            raise InvalidRequest(f"max_tokens: prompt + max_tokens ({num_prompt_tokens + max_tokens} tokens) can "
-                                 f"never fit in the KV cache ({capacity} tokens); lower it")
+        if too_many is not None:
+            raise InvalidRequest(f"max_tokens: prompt + max_tokens ({too_many.needed} tokens) can "
+                                 f"never fit in the KV cache ({too_many.available} tokens); lower it")
         return params if params.max_tokens else replace(params, max_tokens=max_tokens)
 
     def _forget(self, state: RequestState, tell_core: bool) -> None:
         self.requests.pop(state.request_id, None)
         self.by_seq.pop(state.seq_id, None)
         if tell_core:  # the core still schedules it: free its blocks
-            self.core.abort(state.seq_id)
+            self.supervisor.send(messages.Abort(state.seq_id))
 
     def _finish(self, state: RequestState, reason: FinishReason, tell_core: bool = True) -> None:
         self._forget(state, tell_core)

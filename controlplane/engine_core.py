@@ -16,7 +16,8 @@ frontend reports NOT_SERVING while every connected data plane is). The core send
 a heartbeat every ``HEARTBEAT_INTERVAL`` seconds, busy or idle.
 
 With several frontend processes (``frontends.py``) the core has a channel to each; it sends each
-sequence's tokens to the frontend that added it, and the rest to all (``fanout.py``).
+sequence's tokens to the frontend that added it, and the rest to all (``fanout.py``). What crosses
+a channel either way is in ``messages.py``.
 """
 
 from __future__ import annotations
@@ -26,74 +27,34 @@ import logging
 import socket
 import subprocess
 from collections import deque
-from dataclasses import dataclass, field
 
 from twinplane.controlplane import event_loop
 from twinplane.controlplane.config import ControlPlaneConfig
 from twinplane.controlplane.fanout import Frontends, owner
+from twinplane.controlplane.finish import Limit, misfit, stop_token_ids
 from twinplane.controlplane.ipc import Channel, child_argv, start_process
 from twinplane.controlplane.liveness import ticks
-from twinplane.controlplane.metrics import STEP_BUCKETS, Histogram
-from twinplane.controlplane.replica import STAT_NAMES, Replica, TokenOutput, token_finish_reason  # noqa: F401
+from twinplane.controlplane.messages import (Abort, AddRequest, Configure, Connected, CoreMessage, CoreSnapshot,
+                                             DataPlaneSnapshot, Heartbeat, Lost, Refused, Shutdown, Stalled)
+from twinplane.controlplane.replica import STAT_NAMES, Replica
 from twinplane.controlplane.router import Router
-from twinplane.controlplane.sequence import RequestParams, Sequence
+from twinplane.controlplane.sequence import Sequence
 from twinplane.proto import dataplane_pb2 as dp
 
 log = logging.getLogger("twinplane.controlplane")
 
-# What the frontend may call on the core, and what the core calls on the frontend.
-CORE_CALLS = frozenset({"add", "abort", "shutdown"})
-FRONTEND_CALLS = frozenset({"connected", "lost", "stalled", "step", "step_failed", "refused", "snapshot",
-                            "heartbeat"})
-
-
-@dataclass
-class DataPlaneSnapshot:
-    """One data plane's share of the core's numbers."""
-
-    target: str
-    connected: bool = False
-    waiting: int = 0
-    running: int = 0
-    free_kv_blocks: int = 0
-    num_kv_blocks: int = 0
-    steps: int = 0
-    computed_tokens: int = 0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-
-
-@dataclass
-class CoreSnapshot:
-    """The core's numbers, summed over its data planes; sent with every step and whenever it falls idle."""
-
-    stats: dict[str, int]  # STAT_NAMES
-    num_added: int = 0  # add() calls so far
-    waiting: int = 0
-    added_by_frontend: tuple[int, ...] = ()  # num_added, by frontend index
-    waiting_by_frontend: tuple[int, ...] = ()  # waiting, by frontend index
-    running: int = 0
-    num_preemptions: int = 0
-    free_kv_blocks: int = 0
-    num_kv_blocks: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    dataplane_step: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS))  # data-plane seconds per step
-    dataplanes: list[DataPlaneSnapshot] = field(default_factory=list)
-
-
 def never_fits(seq: Sequence, desc: dp.DescribeResponse) -> str | None:
     """Why a data plane described by desc can never run seq to its max_tokens (None: it can)."""
-    needed = seq.num_prompt_tokens + seq.params.max_tokens
-    capacity = desc.num_kv_blocks * desc.block_size
-    if needed > desc.max_model_len:
-        return (f"prompt + max_tokens ({needed} tokens) exceeds the data plane's max_model_len "
-                f"({desc.max_model_len}), which shrank while the request ran; send it again with fewer tokens")
-    if needed > capacity:
-        return (f"prompt + max_tokens ({needed} tokens) no longer fits in the data plane's KV cache "
-                f"({capacity} tokens), which shrank while the request ran; send it again with fewer tokens")
-    return None
+    too_many = misfit(seq.num_prompt_tokens, seq.params.max_tokens, desc.max_model_len,
+                      desc.num_kv_blocks * desc.block_size)
+    if too_many is None:
+        return None
+    if too_many.limit is Limit.MAX_MODEL_LEN:
+        where = f"exceeds the data plane's max_model_len ({too_many.available})"
+    else:
+        where = f"no longer fits in the data plane's KV cache ({too_many.available} tokens)"
+    return (f"prompt + max_tokens ({too_many.needed} tokens) {where}, which shrank while the request ran; "
+            "send it again with fewer tokens")
 
 
 def common_describe(descs: list[dp.DescribeResponse]) -> dp.DescribeResponse:
@@ -108,7 +69,7 @@ def common_describe(descs: list[dp.DescribeResponse]) -> dp.DescribeResponse:
 
 class EngineCore:
     def __init__(self, config: ControlPlaneConfig, frontend, counters: CoreSnapshot | None = None):
-        """frontend: FRONTEND_CALLS (one-way) on every frontend (fanout.Frontends); counters: the last
+        """frontend: where messages to the frontends go (fanout.Frontends.send); counters: the last
         snapshot of the core this one replaces, whose counters it carries on."""
         self.config = config
         self.frontend = frontend
@@ -126,18 +87,29 @@ class EngineCore:
         self.dataplane_step = self.carried.dataplane_step
         self._stalled = False  # the frontend was told every connected data plane stalled
 
-    # ---- calls from the frontend -------------------------------------------------------
+    # ---- messages from the frontends ----------------------------------------------------
 
-    def add(self, seq_id: int, request_id: str, prompt: list[int], params: RequestParams,
-            output_ids: list[int] = (), num_cached_tokens: int = 0) -> None:
+    def receive(self, message: CoreMessage) -> None:
+        """Applies a frontend's message (Configure comes before the core exists: see _serve_core)."""
+        match message:
+            case AddRequest():
+                self.add(message)
+            case Abort(seq_id):
+                self.abort(seq_id)
+            case Shutdown():
+                self.shutdown()
+            case _:
+                raise AssertionError(f"unexpected message for the engine core: {message!r}")
+
+    def add(self, request: AddRequest) -> None:
         """A new request; or one a previous core had started (its tokens so far), to recompute."""
+        seq_id, params = request.seq_id, request.params
         self.num_added += 1
         self.added_by_frontend[owner(seq_id, self.config.api_server_count)] += 1
-        seq = Sequence(seq_id, request_id, prompt, params)
-        seq.token_ids += output_ids
-        seq.num_cached_tokens = num_cached_tokens
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        self.seqs[seq_id] = seq, stop_ids
+        seq = Sequence(seq_id, request.request_id, request.prompt, params)
+        seq.token_ids += request.output_ids
+        seq.num_cached_tokens = request.num_cached_tokens
+        self.seqs[seq_id] = seq, stop_token_ids(params, self.eos_token_ids)
         self._route(seq)
 
     def abort(self, seq_id: int) -> None:
@@ -176,7 +148,8 @@ class EngineCore:
         able = [r for r in live if never_fits(seq, r.describe) is None]
         if not able:
             del self.seqs[seq.seq_id]
-            self.frontend.refused([(seq.seq_id, never_fits(seq, max(live, key=lambda r: r.capacity).describe))])
+            why = never_fits(seq, max(live, key=lambda r: r.capacity).describe)
+            self.frontend.send(Refused([(seq.seq_id, why)]))
             return
         replica = able[0] if len(self.replicas) == 1 else self.router.pick(seq, able)
         self.replica_of[seq.seq_id] = replica
@@ -206,11 +179,11 @@ class EngineCore:
         live = [r.describe for r in self.replicas if r.connected]
         self._stalled = False  # lost() and connected() both end a stall on the frontend
         if not live:
-            self.frontend.lost()
+            self.frontend.send(Lost())
             return
         self.describe = common_describe(live)
         self.eos_token_ids = frozenset(self.describe.eos_token_ids)
-        self.frontend.connected(self.describe, self.snapshot())
+        self.frontend.send(Connected(self.describe, self.snapshot()))
         self.stalls_changed()
 
     def stalls_changed(self) -> None:
@@ -219,7 +192,7 @@ class EngineCore:
         stalled = bool(live) and all(r.stalled for r in live)
         if stalled != self._stalled:
             self._stalled = stalled
-            self.frontend.stalled(stalled)
+            self.frontend.send(Stalled(stalled))
 
     def snapshot(self) -> CoreSnapshot:
         carried = self.carried  # counters of the cores before this one
@@ -276,7 +249,7 @@ class EngineCore:
     async def _watch(self) -> None:
         """Every tick: a heartbeat to the frontend, and each step loop's wait on its data plane checked."""
         async for elapsed in ticks():
-            self.frontend.heartbeat()
+            self.frontend.send(Heartbeat())
             for replica in self.replicas:
                 replica.check_wait(elapsed)
 
@@ -301,8 +274,7 @@ def start_core_process(config: ControlPlaneConfig) -> tuple[subprocess.Popen, so
     the other frontends' ends (for frontends.Secondaries to hand over).
 
     The child gets its end of one socketpair per frontend as inherited file descriptors; frontend
-    0's first call on its channel must be ``configure(config, counters)`` (so no secret shows on a
-    command line; counters: the CoreSnapshot of the core this one replaces, or None).
+    0's first message on its channel must be ``Configure`` (so no secret shows on a command line).
     """
     pairs = [socket.socketpair() for _ in range(config.api_server_count)]
     core_ends = [core_end for _, core_end in pairs]
@@ -318,7 +290,7 @@ def start_core_process(config: ControlPlaneConfig) -> tuple[subprocess.Popen, so
 def main() -> None:
     """The engine core's process: ``main()`` with argv [one socket fd per frontend, log level]."""
     # Ctrl-C reaches the whole process group; the frontend shuts the core down in order (a
-    # shutdown call, or the channel closing when the frontend is gone).
+    # Shutdown message, or the channel closing when the frontend is gone).
     fds, _ = child_argv()
     event_loop.run(_serve_core([socket.socket(fileno=int(fd)) for fd in fds]))
 
@@ -333,25 +305,24 @@ async def _serve_core(socks: list[socket.socket]) -> None:
         for channel in channels:
             channel.close()
         return  # the frontend went away before it said anything
-    name, (config, counters) = first
-    assert name == "configure", f"the engine core's first call must be configure, got {name!r}"
-    core = EngineCore(config, Frontends(channels), counters)
-    calls = [asyncio.create_task(_serve_frontend(core, index, channel)) for index, channel in enumerate(channels)]
-    calls[0].add_done_callback(lambda _: core.shutdown())  # frontend 0 is gone: nobody to serve
+    assert isinstance(first, Configure), f"the engine core's first message must be Configure, got {first!r}"
+    core = EngineCore(first.config, Frontends(channels), first.counters)
+    serving = [asyncio.create_task(_serve_frontend(core, index, channel)) for index, channel in enumerate(channels)]
+    serving[0].add_done_callback(lambda _: core.shutdown())  # frontend 0 is gone: nobody to serve
     try:
         await core.run()
     except Exception:
         log.critical("the control plane's engine core stopped on an unexpected error", exc_info=True)
         raise
     finally:
-        for task in calls:
+        for task in serving:
             task.cancel()
         for channel in channels:
             channel.close()
 
 
 async def _serve_frontend(core: EngineCore, index: int, channel: Channel) -> None:
-    """Applies a frontend's calls until its channel closes; then its sequences end."""
-    await channel.serve(core, CORE_CALLS)
+    """Applies a frontend's messages until its channel closes; then its sequences end."""
+    await channel.serve(core.receive)
     channel.close()
     core.frontend_gone(index)

@@ -2,8 +2,9 @@
 
 With ``api_server_count`` N, frontend i numbers its sequences i + N, i + 2N, ..., so a
 sequence's owner is its id modulo N (with one frontend, every id is frontend 0's). A step's
-tokens, a failed step and a refusal go to the owners of the sequences in them, each with the
-core's snapshot; every other call (connected, lost, stalled, snapshot, heartbeat) goes to all.
+tokens (StepOutputs, with the core's snapshot), a failed step and a refusal go to the owners of
+the sequences in them (a frontend with no tokens in a step gets the Snapshot alone); every other
+message (Connected, Lost, Stalled, Snapshot, Heartbeat) goes to all.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import itertools
 from collections.abc import Iterator
 
 from twinplane.controlplane.ipc import Channel, encode
+from twinplane.controlplane.messages import (CoreSnapshot, FrontendMessage, Refused, Snapshot, StepFailed,
+                                             StepOutputs, TokenOutput)
 
 
 def seq_ids(index: int, count: int) -> Iterator[int]:
@@ -25,10 +28,27 @@ def owner(seq_id: int, count: int) -> int:
 
 
 class Frontends:
-    """FRONTEND_CALLS on every frontend's channel, each call sent where it belongs."""
+    """The core's messages to the frontends, each sent where it belongs."""
 
     def __init__(self, channels: list[Channel]):
         self.channels = channels
+
+    def send(self, message: FrontendMessage) -> None:
+        match message:
+            case StepOutputs(outputs, snapshot):
+                self._step(outputs, snapshot)
+            case StepFailed(seq_ids, error):
+                for channel, part in zip(self.channels, self._split(seq_ids, lambda seq_id: seq_id)):
+                    if part:
+                        channel.send(StepFailed(part, error))
+            case Refused(reasons):
+                for channel, part in zip(self.channels, self._split(reasons, lambda reason: reason[0])):
+                    if part:
+                        channel.send(Refused(part))
+            case _:
+                data = encode(message)
+                for channel in self.channels:
+                    channel.send_encoded(data)
 
     def _split(self, items: list, seq_id_of) -> list[list]:
         count = len(self.channels)
@@ -37,43 +57,10 @@ class Frontends:
             parts[owner(seq_id_of(item), count)].append(item)
         return parts
 
-    def _broadcast(self, name: str, *args) -> None:
-        message = encode(name, *args)
-        for channel in self.channels:
-            channel.send(message)
-
-    def step(self, outputs: list[tuple], snapshot) -> None:
+    def _step(self, outputs: list[TokenOutput], snapshot: CoreSnapshot) -> None:
         """Each frontend gets its sequences' tokens with the snapshot, or the snapshot alone."""
         if len(self.channels) == 1:
-            self.channels[0].call("step", outputs, snapshot)
+            self.channels[0].send(StepOutputs(outputs, snapshot))
             return
-        for channel, part in zip(self.channels, self._split(outputs, lambda output: output[0])):
-            if part:
-                channel.call("step", part, snapshot)
-            else:
-                channel.call("snapshot", snapshot)
-
-    def step_failed(self, seq_ids: list[int], error: str) -> None:
-        for channel, part in zip(self.channels, self._split(seq_ids, lambda seq_id: seq_id)):
-            if part:
-                channel.call("step_failed", part, error)
-
-    def refused(self, reasons: list[tuple[int, str]]) -> None:
-        for channel, part in zip(self.channels, self._split(reasons, lambda reason: reason[0])):
-            if part:
-                channel.call("refused", part)
-
-    def connected(self, desc, snapshot) -> None:
-        self._broadcast("connected", desc, snapshot)
-
-    def lost(self) -> None:
-        self._broadcast("lost")
-
-    def stalled(self, stalled: bool) -> None:
-        self._broadcast("stalled", stalled)
-
-    def snapshot(self, snapshot) -> None:
-        self._broadcast("snapshot", snapshot)
-
-    def heartbeat(self) -> None:
-        self._broadcast("heartbeat")
+        for channel, part in zip(self.channels, self._split(outputs, lambda output: output.seq_id)):
+            channel.send(StepOutputs(part, snapshot) if part else Snapshot(snapshot))

@@ -34,6 +34,7 @@ from twinplane.controlplane import event_loop
 from twinplane.controlplane.config import ControlPlaneConfig
 from twinplane.controlplane.ipc import Control, child_argv, start_process
 from twinplane.controlplane.liveness import ticks
+from twinplane.controlplane.messages import FrontendMetrics, NewCore, StartFrontend, StopFrontend
 from twinplane.controlplane.metrics import EngineMetrics
 from twinplane.controlplane.supervisor import wait_exit
 
@@ -61,7 +62,7 @@ class Secondaries:
         for index in range(1, self.config.api_server_count):
             process, control = _start_secondary()
             control.start_reading()
-            control.send(("start", config, self.security, index))
+            control.send(StartFrontend(config, self.security, index))
             self.processes.append(process)
             self.controls.append(control)
             self._tasks.append(asyncio.create_task(self._listen(index, process, control)))
@@ -70,13 +71,13 @@ class Secondaries:
         """Gives each secondary its end of a new core's channel (SCM_RIGHTS), then closes it here."""
         for control, end in zip(self.controls, ends):
             with end:
-                control.send(("core",), [end.fileno()])
+                control.send(NewCore(), [end.fileno()])
 
     async def _listen(self, index: int, process: subprocess.Popen, control: Control) -> None:
         while (item := await control.inbox.get()) is not None:
-            (kind, *args), _ = item
-            if kind == "metrics":
-                self.metrics[index] = args[0]
+            message, _ = item
+            assert isinstance(message, FrontendMetrics), f"unexpected message from frontend {index}: {message!r}"
+            self.metrics[index] = message.metrics
         if not self.stopping:
             code = await asyncio.to_thread(wait_exit, process, 5.0)
             self.why = f"frontend {index} (pid {process.pid}) exited (code {code})"
@@ -87,7 +88,7 @@ class Secondaries:
         """Each secondary stops accepting requests and gives its streams grace seconds."""
         self.stopping = True
         for control in self.controls:
-            control.send(("stop", grace))
+            control.send(StopFrontend(grace))
 
     async def wait_stopped(self, grace: float) -> None:
         """Waits for every secondary to exit (after tell_stop); kills those that take too long."""
@@ -140,10 +141,11 @@ async def _serve_secondary(sock: socket.socket) -> None:
     first = await control.inbox.get()
     if first is None:
         return
-    (kind, config, security, index), _ = first
-    assert kind == "start", f"a secondary frontend's first message must be start, got {kind!r}"
+    start, _ = first
+    assert isinstance(start, StartFrontend), f"a secondary frontend's first message must be StartFrontend: {start!r}"
+    config, index = start.config, start.index
     cores: asyncio.Queue = asyncio.Queue()
-    plane = ControlPlane(config, security, index=index, link=lambda c, engine: CoreLink(c, engine, cores))
+    plane = ControlPlane(config, start.security, index=index, link=lambda c, engine: CoreLink(c, engine, cores))
     await plane.start()
     log.info("frontend %d serving on %s", index, config.listen)
     stop: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -162,11 +164,14 @@ async def _serve_secondary(sock: socket.socket) -> None:
 async def _follow(control: Control, cores: asyncio.Queue, stop: asyncio.Future) -> None:
     """Applies the primary's messages: a new core's channel, or stop (grace); its going away stops too."""
     while (item := await control.inbox.get()) is not None:
-        (kind, *args), fds = item
-        if kind == "core":
-            cores.put_nowait(socket.socket(fileno=fds[0]))
-        elif kind == "stop" and not stop.done():
-            stop.set_result(args[0])
+        match item:
+            case NewCore(), [fd]:
+                cores.put_nowait(socket.socket(fileno=fd))
+            case StopFrontend(grace), _:
+                if not stop.done():
+                    stop.set_result(grace)
+            case _:
+                raise AssertionError(f"unexpected message from the primary frontend: {item!r}")
     if not stop.done():
         log.error("the primary frontend is gone; stopping")
         stop.set_result(0.0)
@@ -174,4 +179,4 @@ async def _follow(control: Control, cores: asyncio.Queue, stop: asyncio.Future) 
 
 async def _report_metrics(control: Control, engine) -> None:
     async for _ in ticks():
-        control.send(("metrics", engine.metrics))
+        control.send(FrontendMetrics(engine.metrics))

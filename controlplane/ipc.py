@@ -1,11 +1,11 @@
-"""Method calls between the control plane's processes, over one socket; and control messages
-between its frontends (``Control``).
+"""Messages between the control plane's processes: the engine core and its frontends over one
+socket each (``Channel``), and the primary frontend and each secondary (``Control``).
 
-A call is a method name and its arguments, pickled and length-prefixed. Calls are
-one-way (nothing is awaited), so neither side ever blocks on the other: writes go
-into the event loop's buffer, and ``serve`` applies the calls that arrive, in order.
-Both ends are processes of one control plane connected by a socketpair, so pickle
-never reads bytes from anyone else.
+A message is one of the typed objects of ``messages.py``, pickled and length-prefixed. Messages
+are one-way (nothing is awaited), so neither side ever blocks on the other: writes go into the
+event loop's buffer, and ``serve`` hands the messages that arrive, in order, to the receiver's
+dispatch on their type. Both ends are processes of one control plane connected by a socketpair,
+so pickle never reads bytes from anyone else.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import socket
 import struct
 import subprocess
 import sys
+from collections.abc import Callable
 
 _LENGTH = struct.Struct("<I")
 MAX_CONTROL_BYTES = 1 << 18  # a Control message: a configuration, or a frontend's metrics
@@ -50,35 +51,35 @@ def child_argv() -> tuple[list[str], int]:
     return args, log_level
 
 
-def encode(name: str, *args) -> bytes:
-    """The call ``name(*args)`` as a channel sends it (encode once to send it on several channels)."""
-    payload = pickle.dumps((name, args), protocol=pickle.HIGHEST_PROTOCOL)
+def encode(message) -> bytes:
+    """message as a channel sends it (encode once to send it on several channels)."""
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     return _LENGTH.pack(len(payload)) + payload
 
 
 class Channel:
-    """One end of a socketpair as a stream of calls."""
+    """One end of a socketpair as a stream of messages."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
-        self.num_received = 0  # calls received so far: a count that moves while the other end is alive
+        self.num_received = 0  # messages received so far: a count that moves while the other end is alive
 
     async def open(self) -> None:
         self.reader, self.writer = await asyncio.open_connection(sock=self.sock)
 
-    def call(self, name: str, *args) -> None:
-        """Sends ``name(*args)`` to the other end, without waiting; dropped unless the channel is open."""
-        self.send(encode(name, *args))
+    def send(self, message) -> None:
+        """Sends message to the other end, without waiting; dropped unless the channel is open."""
+        self.send_encoded(encode(message))
 
-    def send(self, message: bytes) -> None:
-        """Sends a call made by encode(); dropped unless the channel is open."""
+    def send_encoded(self, data: bytes) -> None:
+        """Sends a message made by encode(); dropped unless the channel is open."""
         if self.writer is not None and not self.writer.is_closing():
-            self.writer.write(message)
+            self.writer.write(data)
 
-    async def receive(self) -> tuple[str, tuple] | None:
-        """The next call that arrives, as (name, args); None once the other end has closed."""
+    async def receive(self):
+        """The next message that arrives; None once the other end has closed."""
         try:
             header = await self.reader.readexactly(_LENGTH.size)
             payload = await self.reader.readexactly(_LENGTH.unpack(header)[0])
@@ -87,32 +88,16 @@ class Channel:
         self.num_received += 1
         return pickle.loads(payload)
 
-    async def serve(self, target, names: frozenset[str]) -> None:
-        """Applies each call that arrives to ``target``; returns when the other end closes."""
-        while (call := await self.receive()) is not None:
-            name, args = call
-            assert name in names, f"unexpected call {name!r}"
-            getattr(target, name)(*args)
+    async def serve(self, dispatch: Callable[[object], None]) -> None:
+        """Hands each message that arrives to dispatch; returns when the other end closes."""
+        while (message := await self.receive()) is not None:
+            dispatch(message)
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
         else:
             self.sock.close()
-
-
-class Remote:
-    """Calls the methods in ``names`` on the far end of a channel: ``remote.add(...)``."""
-
-    def __init__(self, channel: Channel, names: frozenset[str]):
-        self._channel = channel
-        self._names = names
-
-    def __getattr__(self, name: str):
-        if name not in self._names:
-            raise AttributeError(name)
-        channel = self._channel
-        return lambda *args: channel.call(name, *args)
 
 
 class Control:

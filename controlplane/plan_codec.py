@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from twinplane.controlplane.api import TokenLogprobs
+from twinplane.controlplane.finish import stop_token_ids
 from twinplane.controlplane.scheduler import SchedulerOutput
 from twinplane.controlplane.sequence import Sequence
 from twinplane.proto import dataplane_pb2 as dp
@@ -19,7 +20,7 @@ from twinplane.proto import dataplane_pb2 as dp
 
 def sequence_init(seq: Sequence, eos_token_ids: tuple[int, ...], start_pos: int) -> dp.SequenceInit:
     params, s = seq.params, seq.params.sampling
-    masked = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    masked = stop_token_ids(params, eos_token_ids)  # while min_tokens is not reached
     sampling = dp.SamplingParams(
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
         repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,

@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING
 
 from twinplane.controlplane.block_manager import BlockManager
 from twinplane.controlplane.dataplane_client import DataPlaneClient, DataPlaneLost
+from twinplane.controlplane.finish import token_finish_reason
 from twinplane.controlplane.liveness import Silence
+from twinplane.controlplane.messages import Snapshot, StepFailed, StepOutputs, TokenOutput
 from twinplane.controlplane.plan_codec import decode_result, encode_plan
 from twinplane.controlplane.scheduler import Scheduler, SchedulerConfig
-from twinplane.controlplane.sequence import FinishReason, Sequence
+from twinplane.controlplane.sequence import Sequence
 from twinplane.proto import dataplane_pb2 as dp
 
 if TYPE_CHECKING:
@@ -36,22 +38,6 @@ STAT_NAMES = ("steps", "idle_us", "execute_us", "computed_tokens",
               "full_decode_steps", "full_decode_execute_us", "full_decode_idle_us")
 RECONNECT_DELAY = 0.5  # seconds between attempts to reach a data plane
 RECONNECT_TIMEOUT = 2.0  # seconds one attempt waits for the data plane to answer
-
-# One sampled token as the frontend gets it: (seq_id, token_id, position in the sequence,
-# TokenLogprobs or None, FinishReason value or None, prompt tokens found in the prefix cache).
-TokenOutput = tuple
-
-
-def token_finish_reason(seq: Sequence, token_id: int, position: int, stop_ids: frozenset[int],
-                        max_model_len: int) -> FinishReason | None:
-    """Why a request ends at the token it sampled at position, if a token rule says so."""
-    params = seq.params
-    num_outputs = position + 1 - seq.num_prompt_tokens
-    if token_id in stop_ids and num_outputs > params.min_tokens:
-        return FinishReason.STOP_TOKEN
-    if num_outputs >= params.max_tokens or position + 1 >= max_model_len:
-        return FinishReason.LENGTH
-    return None
 
 
 class Replica:
@@ -164,12 +150,13 @@ class Replica:
             entry = seqs.get(seq_id)
             if entry is None:  # aborted meanwhile
                 continue
-            reason = token_finish_reason(seq, token, position, entry[1], max_model_len)
+            reason = token_finish_reason(token, position, seq.num_prompt_tokens, seq.params, entry[1],
+                                         max_model_len)
             if reason is not None:
                 self.scheduler.finish(seq)
                 self.core.forget(seq_id)
-            outputs.append((seq_id, token, position, logprobs[index] if logprobs else None,
-                            reason and reason.value, seq.num_cached_tokens))
+            outputs.append(TokenOutput(seq_id, token, position, logprobs[index] if logprobs else None,
+                                       reason and reason.value, seq.num_cached_tokens))
         return outputs
 
     def _count(self, out, tokens) -> None:
@@ -201,9 +188,9 @@ class Replica:
     def _send_deferred(self) -> None:
         outputs, self._deferred = self._deferred, []
         if outputs:
-            self.core.frontend.step(outputs, self.core.snapshot())
+            self.core.frontend.send(StepOutputs(outputs, self.core.snapshot()))
         elif self.scheduler is not None and not self.scheduler.has_work():
-            self.core.frontend.snapshot(self.core.snapshot())  # falling idle: the frontend sees every block free
+            self.core.frontend.send(Snapshot(self.core.snapshot()))  # falling idle: the frontend sees every block free
 
     def _fail_step(self, out, error: str) -> None:
         """A step the data plane could not run fails only the requests in it."""
@@ -211,7 +198,7 @@ class Replica:
         failed = [seq.seq_id for seq in out.seqs if seq.seq_id in self.core.seqs]
         for seq_id in failed:
             self.core.abort(seq_id)
-        self.core.frontend.step_failed(failed, error)
+        self.core.frontend.send(StepFailed(failed, error))
 
     # ---- liveness -----------------------------------------------------------------------
 

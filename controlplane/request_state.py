@@ -10,6 +10,7 @@ from collections.abc import Callable
 from twinplane.controlplane.api import RequestOutput, TokenLogprobs
 from twinplane.controlplane.detokenizer import IncrementalDetokenizer
 from twinplane.controlplane.errors import ServiceError
+from twinplane.controlplane.finish import stop_strings_apply
 from twinplane.controlplane.metrics import EngineMetrics
 from twinplane.controlplane.sequence import FinishReason, RequestParams
 from twinplane.controlplane.tokenizer import Tokenizer
@@ -72,7 +73,8 @@ class RequestState:
         self.num_cached_tokens = num_cached
 
     def add_text(self, token_id: int, reason: FinishReason | None) -> FinishReason | None:
-        """Detokenizes a recorded token and applies stop strings; returns the final reason.
+        """Detokenizes a recorded token and applies the stop-string rule (``finish.py``); returns the
+        final reason.
 
         Runs while the data plane computes the next step, which may then hold one token of
         a request that a stop string ended: that token is discarded.
@@ -80,8 +82,7 @@ class RequestState:
         if reason is FinishReason.STOP_TOKEN or self.detokenizer is None:
             return reason  # a stop token's text is never part of the output
         self.detokenizer.add_token(token_id)
-        params = self.params
-        if params.stop and self.num_outputs > params.min_tokens:
+        if stop_strings_apply(self.num_outputs, self.params):
             matched = self.detokenizer.find_stop()
             if matched is not None:
                 self.pending.matched_stop = matched

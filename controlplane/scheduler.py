@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from twinplane.controlplane.block_manager import BlockManager
+from twinplane.controlplane.finish import length_reached
 from twinplane.controlplane.sequence import PENDING, Sequence, SequenceStatus
 
 
@@ -145,9 +146,10 @@ class Scheduler:
         prefilling: list[Sequence] = []
         block_size, max_model_len = self.block_manager.block_size, self.config.max_model_len
         for seq in list(self.running):
-            if len(seq.token_ids) - seq.num_computed_tokens != 1:
+            num_tokens = len(seq.token_ids)
+            if num_tokens - seq.num_computed_tokens != 1:
                 prefilling.append(seq)
-            elif seq.num_output_tokens >= seq.params.max_tokens or len(seq.token_ids) >= max_model_len:
+            elif length_reached(num_tokens, seq.num_prompt_tokens, seq.params.max_tokens, max_model_len):
                 continue  # its last token is in flight; the result ends it
             elif budget > 0 and seq.status is SequenceStatus.RUNNING:
                 if seq.num_computed_tokens < len(seq.block_table) * block_size:

@@ -18,9 +18,10 @@ import time
 from collections.abc import Callable
 
 from twinplane.controlplane.config import ControlPlaneConfig
-from twinplane.controlplane.engine_core import CORE_CALLS, FRONTEND_CALLS, start_core_process
-from twinplane.controlplane.ipc import Channel, Remote
+from twinplane.controlplane.engine_core import start_core_process
+from twinplane.controlplane.ipc import Channel
 from twinplane.controlplane.liveness import Backoff, Silence, ticks
+from twinplane.controlplane.messages import Configure, CoreMessage, Shutdown
 
 log = logging.getLogger("twinplane.controlplane")
 CORE_STOP_TIMEOUT = 5.0  # seconds the engine core gets to exit before it is killed
@@ -29,36 +30,39 @@ CORE_STOP_TIMEOUT = 5.0  # seconds the engine core gets to exit before it is kil
 class _Link:
     """A frontend's link to the running engine core: its channel, and whether the core is hung.
 
-    The frontend serves FRONTEND_CALLS and has ``core_snapshot`` (carried on to a new core),
-    ``core_hung(bool)`` and ``core_died()``.
+    The frontend has ``receive(message)`` (messages.FrontendMessage), ``core_snapshot`` (carried on
+    to a new core), ``core_hung(bool)`` and ``core_died()``.
     """
 
     def __init__(self, config: ControlPlaneConfig, frontend):
         self.config = config
         self.frontend = frontend
-        self.core: Remote | None = None  # CORE_CALLS on the running core
-        self.channel: Channel | None = None
+        self.channel: Channel | None = None  # to the running core
         self.hung = False
         self.stopped = False
+
+    def send(self, message: CoreMessage) -> None:
+        """Sends message to the running core; dropped while there is none."""
+        if self.channel is not None:
+            self.channel.send(message)
 
     def _attach(self, sock: socket.socket) -> Channel:
         """The channel to a new core, on this frontend's end of their socketpair."""
         self.channel = Channel(sock)
-        self.core = Remote(self.channel, CORE_CALLS)
         return self.channel
 
     async def _serve(self, channel: Channel, kill: Callable[[], None] | None = None) -> None:
-        """Applies the core's calls until its end of the channel closes; kill: what ends a core
+        """Applies the core's messages until its end of the channel closes; kill: what ends a core
         silent for core_timeout (None: the primary frontend's supervisor does)."""
         watchdog = asyncio.create_task(self._watch(channel, kill))
         try:
-            await channel.serve(self.frontend, FRONTEND_CALLS)
+            await channel.serve(self.frontend.receive)
         finally:
             watchdog.cancel()
             channel.close()
 
     async def _watch(self, channel: Channel, kill: Callable[[], None] | None) -> None:
-        """Counts the core's silence (from its first call on: before that it is still starting)."""
+        """Counts the core's silence (from its first message on: before that it is still starting)."""
         silence, seen = Silence(), 0
         async for elapsed in ticks():
             heard = channel.num_received != seen or not seen
@@ -91,7 +95,7 @@ class CoreSupervisor(_Link):
         self.hand_over: Callable[[list[socket.socket]], None] | None = None
 
     async def run(self) -> None:
-        """Runs the core, and a new one each time it dies, until stop(); raises what a frontend call raised."""
+        """Runs the core, and a new one each time it dies, until stop(); raises what handling a message raised."""
         backoff = Backoff()
         while not self.stopped:
             started = time.monotonic()
@@ -106,13 +110,13 @@ class CoreSupervisor(_Link):
             await asyncio.sleep(delay)
 
     async def _run_once(self) -> None:
-        """Starts a core and serves its calls until its end of the channel closes."""
+        """Starts a core and serves its messages until its end of the channel closes."""
         self.process, sock, others = start_core_process(self.config)
         if others:
             self.hand_over(others)
         channel = self._attach(sock)
         await channel.open()
-        channel.call("configure", self.config, self.frontend.core_snapshot)
+        channel.send(Configure(self.config, self.frontend.core_snapshot))
         await self._serve(channel, self.process.kill)
 
     async def stop(self) -> None:
@@ -121,7 +125,7 @@ class CoreSupervisor(_Link):
         process = self.process
         if process is None:
             return
-        self.core.shutdown()
+        self.send(Shutdown())
         if await asyncio.to_thread(wait_exit, process, CORE_STOP_TIMEOUT) is None:
             log.warning("the engine core did not stop in %.0f s; killing it", CORE_STOP_TIMEOUT)
             process.kill()

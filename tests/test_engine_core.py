@@ -1,9 +1,11 @@
-"""The control plane's two processes: the call channel, the core's token rules, start and stop."""
+"""The control plane's two processes: the message channel, a step applied by the core, start and stop
+(the token rules themselves: test_finish_rules.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import signal
 import socket
 
@@ -11,72 +13,59 @@ import grpc
 import pytest
 
 from tests.reliability import wait_until
-from twinplane.controlplane.engine_core import token_finish_reason
-from twinplane.controlplane.ipc import Channel, Remote
-from twinplane.controlplane.sequence import FinishReason, RequestParams, Sequence
+from twinplane.controlplane.api import TokenLogprobs
+from twinplane.controlplane.ipc import Channel
+from twinplane.controlplane.messages import Abort, AddRequest, CoreSnapshot, StepOutputs, TokenOutput
+from twinplane.controlplane.sequence import RequestParams
 
 
-class Recorder:
-    def __init__(self):
-        self.calls = []
-        self.got_all = asyncio.Event()
-
-    def add(self, *args):
-        self.calls.append(("add", args))
-
-    def abort(self, seq_id):
-        self.calls.append(("abort", (seq_id,)))
-        if seq_id == 999:
-            self.got_all.set()
-
-
-def test_calls_arrive_in_order_with_their_arguments():
+def test_messages_arrive_in_order_with_what_they_carry():
     async def run():
         a, b = socket.socketpair()
         sender, receiver = Channel(a), Channel(b)
         await sender.open()
         await receiver.open()
-        target = Recorder()
-        serving = asyncio.create_task(receiver.serve(target, frozenset({"add", "abort"})))
-        remote = Remote(sender, frozenset({"add", "abort"}))
+        received, got_all = [], asyncio.Event()
+
+        def dispatch(message):
+            received.append(message)
+            if message == Abort(999):
+                got_all.set()
+
+        serving = asyncio.create_task(receiver.serve(dispatch))
         params = RequestParams(max_tokens=7, stop=("x",))
-        prompts = [list(range(n)) for n in (1, 5000, 3)]  # one call larger than a socket buffer
+        prompts = [list(range(n)) for n in (1, 5000, 3)]  # one message larger than a socket buffer
         for i, prompt in enumerate(prompts):
-            remote.add(i, f"r{i}", prompt, params)
-        remote.abort(999)
-        await asyncio.wait_for(target.got_all.wait(), 10)
-        with pytest.raises(AttributeError):
-            remote.shutdown  # not a call this channel carries
+            sender.send(AddRequest(i, f"r{i}", prompt, params))
+        sender.send(Abort(999))
+        await asyncio.wait_for(got_all.wait(), 10)
         sender.close()
         await asyncio.wait_for(serving, 10)  # the other end closed: serve returns
         receiver.close()
-        return target.calls
+        return received
 
-    calls = asyncio.run(run())
-    assert [name for name, _ in calls] == ["add", "add", "add", "abort"]
-    assert [args[2] for _, args in calls[:3]] == [list(range(n)) for n in (1, 5000, 3)]
-    assert calls[1][1][3] == RequestParams(max_tokens=7, stop=("x",)) and calls[3][1] == (999,)
+    received = asyncio.run(run())
+    assert [type(message) for message in received] == [AddRequest, AddRequest, AddRequest, Abort]
+    assert [message.prompt for message in received[:3]] == [list(range(n)) for n in (1, 5000, 3)]
+    assert received[1].params == RequestParams(max_tokens=7, stop=("x",)) and received[3].seq_id == 999
 
 
-def test_token_rules_of_the_core():
-    params = RequestParams(max_tokens=4, min_tokens=1)
-    seq = Sequence(1, "r", [10, 11, 12], params)  # outputs start at position 3
-    stop, rule = frozenset({2}), token_finish_reason
-    assert rule(seq, 2, 3, stop, 100) is None  # a stop token within min_tokens does not stop
-    assert rule(seq, 2, 4, stop, 100) is FinishReason.STOP_TOKEN
-    assert rule(seq, 5, 5, stop, 100) is None
-    assert rule(seq, 5, 6, stop, 100) is FinishReason.LENGTH  # the 4th output token
-    assert rule(seq, 5, 4, stop, 6) is None and rule(seq, 5, 5, stop, 6) is FinishReason.LENGTH  # max_model_len 6
+def test_step_outputs_cross_as_token_outputs():
+    snapshot = CoreSnapshot({"steps": 3})
+    outputs = [TokenOutput(7, 2, 3, None, "stop_token", 0), TokenOutput(8, 9, 2, TokenLogprobs(9, -0.5), None, 4)]
+    back = pickle.loads(pickle.dumps(StepOutputs(outputs, snapshot), pickle.HIGHEST_PROTOCOL))
+    assert back.outputs == outputs and back.snapshot.stats == {"steps": 3}
+    assert all(type(output) is TokenOutput for output in back.outputs) and back.outputs[1].num_cached_tokens == 4
 
 
 class Frontend:
-    """Stands in for the frontend: keeps what the core sends."""
+    """Stands in for the frontends: keeps what the core sends."""
 
     def __init__(self):
-        self.calls = []
+        self.messages = []
 
-    def __getattr__(self, name):
-        return lambda *args: self.calls.append((name, args))
+    def send(self, message):
+        self.messages.append(message)
 
 
 def test_the_core_applies_a_step_counts_it_and_logs_it_at_debug(caplog):
@@ -96,8 +85,8 @@ def test_the_core_applies_a_step_counts_it_and_logs_it_at_debug(caplog):
         replica.scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64),
                                       BlockManager(16, 4, True))
         replica._set_connected(True)
-        core.add(7, "a", [5, 6, 7], RequestParams(max_tokens=3))
-        core.add(8, "b", [5, 6], RequestParams(max_tokens=3))
+        core.add(AddRequest(7, "a", [5, 6, 7], RequestParams(max_tokens=3)))
+        core.add(AddRequest(8, "b", [5, 6], RequestParams(max_tokens=3)))
         out = replica.scheduler.schedule()
         result = dp.StepResult(step_id=out.step_id, sampled_token_ids=np.array([2, 9], "<i4").tobytes(),
                                timings=dp.StepTimings(idle_us=40, execute_us=900, prepare_us=60,

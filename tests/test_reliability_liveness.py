@@ -130,7 +130,8 @@ def test_a_step_result_that_does_not_come_is_given_up_on(tiny_qwen3_dir, planes_
 
 
 async def _count_calls(engine, name: str, calls: list) -> None:
-    """Records each call of engine.<name> that the core makes (the channel looks methods up by name)."""
+    """Records each call of engine.<name> that a message from the core makes (receive() looks the
+    method up at each message)."""
     method = getattr(engine, name)
 
     def counted(*args):
