@@ -31,11 +31,10 @@ BLOCK = 1024
 
 @triton.jit
 def _keep_best(x, cols, best_score, best_index):
-    """The running (best score, its index), updated with the tile x at cols (first index on ties)."""
-    tile_best = tl.max(x, axis=0)
-    tile_index = tl.min(tl.where(x == tile_best, cols, 2**31 - 1), axis=0)
-    better = tile_best > best_score
-    return tl.where(better, tile_best, best_score), tl.where(better, tile_index, best_index)
+    """Each lane's running (best score, its index), updated with its score x at cols. A lane sees
+    its columns in increasing order, so keeping the old best on ties keeps the first index."""
+    better = x > best_score
+    return tl.where(better, x, best_score), tl.where(better, cols, best_index)
 
 
 @triton.jit
@@ -58,10 +57,10 @@ def _partial_kernel(logits_ptr, stride_row, temperature_ptr, greedy_ptr, seeds_p
     logits_row = logits_ptr + row.to(tl.int64) * stride_row
     start = split * per_split
     end = tl.minimum(start + per_split, vocab)
-    best_score = -float("inf")
-    best_index = start
     QUARTER: tl.constexpr = BLOCK // 4
     lane = tl.arange(0, QUARTER)
+    best_score = tl.full([QUARTER], -float("inf"), tl.float32)
+    best_index = tl.full([QUARTER], 2**31 - 1, tl.int32)
     for tile in range(start, end, BLOCK):  # tiles start at multiples of BLOCK (per_split is one)
         # One Philox call gives four numbers: quarter i of the tile takes the i-th, and
         # column tile + i * QUARTER + lane always gets the same one.
@@ -78,6 +77,12 @@ def _partial_kernel(logits_ptr, stride_row, temperature_ptr, greedy_ptr, seeds_p
         for_cols += QUARTER
         best_score, best_index = _keep_best(_score(logits_row, for_cols, end, temperature, u3), for_cols,
                                             best_score, best_index)
+    # One reduction at the end: the best score, and the first column that has it (a split
+    # whose scores are all -inf reports its first column, as a lone argmax would).
+    top = tl.max(best_score, axis=0)
+    first = tl.min(tl.where(best_score == top, best_index, 2**31 - 1), axis=0)
+    best_index = tl.where(first == 2**31 - 1, start, first)
+    best_score = top
     tl.store(best_score_ptr + row * num_splits + split, best_score)
     tl.store(best_index_ptr + row * num_splits + split, best_index)
 
