@@ -23,7 +23,7 @@ from twinplane.dataplane.distributed import tp_rank, tp_world_size
 # skinny Triton kernel instead of cuBLAS: wherever it measured faster for that shape on this
 # device (at more rows cuBLAS never lost in measurements on an H200).
 SKINNY_MAX_ROWS = 2
-SKINNY_CONFIGS = ((4, 1024, 8), (4, 1024, 4), (8, 1024, 2), (8, 512, 2), (16, 512, 4))  # BLOCK_N, BLOCK_K, warps
+SKINNY_CONFIGS = ((2, 1024, 8), (2, 1024, 4), (4, 1024, 8), (8, 512, 8), (8, 256, 4))  # BLOCK_N, BLOCK_K, warps
 _skinny_choice: dict[tuple, tuple[int, int, int] | None] = {}  # (rows, weight shape, dtype, device) -> config
 
 
