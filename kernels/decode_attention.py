@@ -107,6 +107,13 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device, max_sp
     return min(max_splits, triton.next_power_of_2(-(-sms // programs))) if programs < sms else 1
 
 
+def tile_keys(num_splits: int) -> int:
+    """Keys per tile for this many splits, as measured fastest on an H200 (bf16, head dim 128,
+    GQA group 2): 64 for unsplit batches (64 x 512 context: 35 vs 40 us at 128), 32 where a
+    split holds few keys (1 x 512 split 16 ways: 5.2 vs 6.7 us), else 128."""
+    return 64 if num_splits == 1 else 32 if num_splits >= 16 else 128
+
+
 def supports(head_dim: int, block_size: int) -> bool:
     """Whether the kernel takes this shape (tl.dot needs power-of-two tiles of at least 16)."""
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and block_size % 16 == 0
@@ -114,7 +121,7 @@ def supports(head_dim: int, block_size: int) -> bool:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           order: torch.Tensor | None = None, num_splits: int | None = None, block_n: int = 128,
+                           order: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
                            num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """q [n, heads, d] (one query per sequence, at its last position) -> [n, heads, d].
 
@@ -128,9 +135,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert num_heads == group * num_kv_heads, f"{num_heads} heads not a multiple of {num_kv_heads} kv heads"
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
     assert supports(head_dim, page), f"head_dim {head_dim} / block size {page} not supported"
-    block_n = min(block_n, page & -page)  # the largest power of two that divides the page
     if num_splits is None:
         num_splits = decode_splits(num_seqs, num_kv_heads, q.device)
+    block_n = min(block_n or tile_keys(num_splits), page & -page)  # a power of two that divides the page
     out = torch.empty_like(q)
     if num_splits > 1:
         part = torch.empty((num_splits, num_seqs, num_heads, head_dim), dtype=torch.float32, device=q.device)
