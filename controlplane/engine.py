@@ -194,8 +194,9 @@ class Engine:
         self._connected = False
         self._stalls.clear()
         self._update_ready()
-        self.core_snapshot = replace(self.core_snapshot, num_added=0, waiting=0, running=0, added_by_frontend=(),
-                                     waiting_by_frontend=())
+        core = self.core_snapshot
+        self.core_snapshot = replace(core, num_added=0, unrouted=0, added_by_frontend=(), waiting_by_frontend=(),
+                                     dataplanes=[replace(d, waiting=0, running=0) for d in core.dataplanes])
         self._num_added = 0
         self._replay = True
         for state in list(self.requests.values()):

@@ -83,7 +83,10 @@ class EngineCore:
         self.stopped = asyncio.Event()
         self.num_added = 0
         self.added_by_frontend = [0] * config.api_server_count
-        self.carried = counters or CoreSnapshot(dict.fromkeys(STAT_NAMES, 0))
+        self.carried = counters or CoreSnapshot(dict.fromkeys(STAT_NAMES, 0))  # from the cores before this one
+        self.earlier = DataPlaneSnapshot("earlier cores", num_preemptions=self.carried.num_preemptions,
+                                         prefix_cache_queries=self.carried.prefix_cache_queries,
+                                         prefix_cache_hits=self.carried.prefix_cache_hits)
         self.dataplane_step = self.carried.dataplane_step
         self._stalled = False  # the frontend was told every connected data plane stalled
 
@@ -195,22 +198,11 @@ class EngineCore:
             self.frontend.send(Stalled(stalled))
 
     def snapshot(self) -> CoreSnapshot:
-        carried = self.carried  # counters of the cores before this one
-        snap = CoreSnapshot(dict(carried.stats), self.num_added, len(self.unrouted),
-                            num_preemptions=carried.num_preemptions, prefix_cache_queries=carried.prefix_cache_queries,
-                            prefix_cache_hits=carried.prefix_cache_hits, dataplane_step=self.dataplane_step)
+        snap = CoreSnapshot(dict(self.carried.stats), self.num_added, len(self.unrouted), earlier=self.earlier,
+                            dataplane_step=self.dataplane_step, dataplanes=[replica_snapshot(r) for r in self.replicas])
         for replica in self.replicas:
             for name, value in replica.stats.items():
                 snap.stats[name] += value
-            part = replica_snapshot(replica)
-            snap.dataplanes.append(part)
-            snap.waiting += part.waiting
-            snap.running += part.running
-            snap.num_preemptions += part.num_preemptions
-            snap.free_kv_blocks += part.free_kv_blocks
-            snap.num_kv_blocks += part.num_kv_blocks
-            snap.prefix_cache_queries += part.prefix_cache_queries
-            snap.prefix_cache_hits += part.prefix_cache_hits
         snap.added_by_frontend = tuple(self.added_by_frontend)
         snap.waiting_by_frontend = self._waiting_by_frontend(snap.waiting)
         return snap

@@ -61,21 +61,48 @@ class DataPlaneSnapshot:
 
 @dataclass
 class CoreSnapshot:
-    """The core's numbers, summed over its data planes; sent with every step and whenever it falls idle."""
+    """The core's numbers; sent with every step and whenever it falls idle. The totals are sums
+    over its data planes (the counters also over ``earlier``, the cores this one replaced)."""
 
-    stats: dict[str, int]  # replica.STAT_NAMES
+    stats: dict[str, int]  # replica.STAT_NAMES, summed over data planes and earlier cores
     num_added: int = 0  # AddRequests so far
-    waiting: int = 0
+    unrouted: int = 0  # requests waiting for a data plane to take them
     added_by_frontend: tuple[int, ...] = ()  # num_added, by frontend index
     waiting_by_frontend: tuple[int, ...] = ()  # waiting, by frontend index
-    running: int = 0
-    num_preemptions: int = 0
-    free_kv_blocks: int = 0
-    num_kv_blocks: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
+    earlier: DataPlaneSnapshot = field(default_factory=lambda: DataPlaneSnapshot("earlier cores"))
     dataplane_step: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS))  # data-plane seconds per step
     dataplanes: list[DataPlaneSnapshot] = field(default_factory=list)
+
+    def _total(self, name: str, earlier: bool = False) -> int:
+        return sum(getattr(part, name) for part in ([self.earlier] if earlier else []) + self.dataplanes)
+
+    @property
+    def waiting(self) -> int:
+        return self.unrouted + self._total("waiting")
+
+    @property
+    def running(self) -> int:
+        return self._total("running")
+
+    @property
+    def free_kv_blocks(self) -> int:
+        return self._total("free_kv_blocks")
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self._total("num_kv_blocks")
+
+    @property
+    def num_preemptions(self) -> int:
+        return self._total("num_preemptions", earlier=True)
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self._total("prefix_cache_queries", earlier=True)
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self._total("prefix_cache_hits", earlier=True)
 
 
 # ---- frontend -> engine core ------------------------------------------------------------------
