@@ -40,6 +40,7 @@ from functools import partial
 import numpy as np
 
 from twinplane.clients.roofline import ModelCost, StepLimits, StepRoofline, step_roofline
+from twinplane.proto import step_path_names
 
 H200_BANDWIDTH_GBS = 4800.0  # HBM3e, per GPU, datasheet
 H200_BF16_TFLOPS = 989.0  # dense BF16 tensor cores, per GPU, datasheet
@@ -294,7 +295,7 @@ def _dataplane_share(before: dict, after: dict) -> str:
 def _paths(before: dict, after: dict) -> str:
     """Steps and their mean step time for each way the data plane ran them."""
     delta = {name: after[name] - before.get(name, 0) for name in after if name != "dataplanes"}
-    named = [path for path in ("decode_graph", "mixed_graph", "multi_decode") if f"{path}_steps" in delta]
+    named = [path for path in step_path_names().values() if f"{path}_steps" in delta]
     paths = {path: (delta[f"{path}_steps"], delta[f"{path}_execute_us"]) for path in named}
     paths["eager"] = (delta["steps"] - sum(n for n, _ in paths.values()),
                       delta["execute_us"] - sum(us for _, us in paths.values()))

@@ -21,7 +21,7 @@ from twinplane.controlplane.messages import Snapshot, StepFailed, StepOutputs, T
 from twinplane.controlplane.plan_codec import decode_result, encode_plan
 from twinplane.controlplane.scheduler import Scheduler, SchedulerConfig
 from twinplane.controlplane.sequence import Sequence
-from twinplane.proto import dataplane_pb2 as dp
+from twinplane.proto import dataplane_pb2 as dp, step_path_names
 
 if TYPE_CHECKING:
     from twinplane.controlplane.engine_core import EngineCore
@@ -30,8 +30,7 @@ log = logging.getLogger("twinplane.controlplane")
 step_log = logging.getLogger("twinplane.controlplane.steps")  # DEBUG: one line per step
 # Steps by path: the graphed ones and plans of several decode steps (the rest ran eagerly),
 # keyed by the data plane's StepPath.
-STEP_PATHS = {dp.STEP_PATH_DECODE_GRAPH: "decode_graph", dp.STEP_PATH_MIXED_GRAPH: "mixed_graph",
-              dp.STEP_PATH_MULTI_DECODE: "multi_decode"}
+STEP_PATHS = step_path_names()
 # The step counters, named like ServerStats's fields.
 STAT_NAMES = ("steps", "idle_us", "execute_us", "computed_tokens",
               *(f"{path}_{counter}" for path in STEP_PATHS.values() for counter in ("steps", "execute_us")),
