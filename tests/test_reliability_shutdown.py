@@ -15,7 +15,9 @@ from tests.reliability import GREEDY, all_blocks_free, tokens_async, wait_until
 from twinplane.clients.client import AsyncClient, Client
 
 CLI = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", "WARNING"]
-GRACE = 3.0
+# The short stream needs ~1.3 s after SIGTERM on an idle 2-core machine: the grace period
+# leaves room for a busy one.
+GRACE = 6.0
 
 
 def _start(*args: str) -> subprocess.Popen:
@@ -42,7 +44,7 @@ async def _read_until_it_ends(stream) -> tuple:
 async def _sigterm_with_streams_in_flight(address: str, control_plane: subprocess.Popen) -> dict:
     report = {}
     async with AsyncClient(address) as client:
-        short = client.generate(token_ids=[11] * 20, max_tokens=150, **GREEDY).__aiter__()
+        short = client.generate(token_ids=[11] * 20, max_tokens=100, **GREEDY).__aiter__()
         long = client.generate(token_ids=[12] * 20, max_tokens=4000, **GREEDY).__aiter__()
         firsts = [await short.__anext__(), await long.__anext__()]
         long_ends = asyncio.create_task(_read_until_it_ends(long))
@@ -69,7 +71,7 @@ def test_sigterm_on_the_control_plane_drains_then_ends_the_rest(tmp_path):
             client.wait_ready(timeout=120)
         report = asyncio.run(_sigterm_with_streams_in_flight(cp_address, control))
         assert report["new_request"] == grpc.StatusCode.UNAVAILABLE  # stops accepting at once
-        assert len(report["short"]) == 150  # in-flight streams may finish within the grace period
+        assert len(report["short"]) == 100  # in-flight streams may finish within the grace period
         code, details, waited = report["long"]
         assert code == grpc.StatusCode.UNAVAILABLE and "shut down" in details
         assert GRACE - 0.5 < waited < GRACE + 5  # ended when the grace period ran out, not at once
