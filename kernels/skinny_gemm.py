@@ -7,8 +7,8 @@ row on an H200, 0.33 TB/s, against ~2 us for the bytes. Here each program owns B
 output features, streams their [BLOCK_N, K] slice of W once in BLOCK_K tiles, and
 multiplies every tile with each row of x (the rows are few, so all of them at once).
 Products accumulate elementwise in float32 and are summed once at the end: a sum per tile
-made the loop wait on a cross-warp reduction before its next loads (1.4x slower at one
-row on an H200). The output has x's dtype.
+made the loop wait on a cross-warp reduction before its next loads (5.4 against 4.7 us a
+call at one row in Qwen3-0.6B's decode step on an H200). The output has x's dtype.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from tests.reliability import GREEDY, all_blocks_free, tokens_async, wait_until
 from twinplane.clients.client import AsyncClient, Client
 
 CLI = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", "WARNING"]
-# The short stream needs ~1.3 s after SIGTERM on an idle 2-core machine: the grace period
-# leaves room for a busy one.
+# A 150-token short stream needed 1.3-1.4 s after SIGTERM on an idle 2-core machine; 100
+# tokens and 6 s leave room for a busy one.
 GRACE = 6.0
 
 
