@@ -16,6 +16,12 @@ with it, so it is bound by memory bandwidth. The kernel is shaped for that:
   partial outputs by their log-sum-exp. (Measured on an H200: splitting a batch that
   already fills the GPU is slower.) The split count depends only on the batch size, so it
   is fixed inside a CUDA graph, and every sequence divides its own context at run time.
+- From the q/k/v projection (``decode_attention_from_qkv``): the same kernel also does what
+  ``kernels/rope_store.py`` does for these tokens. Each program normalises and rotates its
+  group's queries itself; the program whose key range holds the new token stores its key and
+  value first and then reads them from the cache like every other key. That is one kernel
+  and one round trip of q through memory less per layer: 47-60 us less kernel time per decode
+  step of Qwen3-0.6B on an H200 at batch 1-128 (BENCHMARKS.md), the same at 160-256.
 
 The cache of one layer is [num_blocks, block_size, kv_heads, head_dim]; ``BLOCK_N`` divides
 ``block_size``, so each tile of keys lies in one page. Sequences with context 0 (the
@@ -29,16 +35,19 @@ import triton
 import triton.language as tl
 
 from twinplane.kernels.device import num_sms
+from twinplane.kernels.rope_store import QKVRope, check_qkv, decode_q_store_kv
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, block_table_ptr, context_lens_ptr, order_ptr, out_ptr, lse_ptr,
+                   positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, eps, slot_ptr,
                    scale_log2, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
                    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, ORDERED: tl.constexpr):
+                   BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, ORDERED: tl.constexpr,
+                   FROM_QKV: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HAS_NORM: tl.constexpr):
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     if ORDERED:
@@ -53,7 +62,14 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, block_table_ptr, context_lens_ptr, order
     heads = kv_head * GROUP + rows
     row_ok = rows < GROUP
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=row_ok[:, None], other=0.0)
+    if FROM_QKV:  # q_ptr is the q/k/v projection; the split holding the new token stores its K/V
+        q = decode_q_store_kv(q_ptr + seq.to(tl.int64) * stride_qt, heads, row_ok, kv_head, positions_ptr + seq,
+                              cos_sin_ptr, q_norm_ptr, k_norm_ptr, eps, slot_ptr + seq, k_ptr, v_ptr, stride_kt,
+                              stride_kh, (start < context) & (context <= end), HEADS, KV_HEADS, GROUP_PAD,
+                              HEAD_DIM // 2, HAS_NORM)
+    else:
+        q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=row_ok[:, None],
+                    other=0.0)
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
@@ -129,16 +145,43 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``block_tables[i]`` in the caches [num_blocks, block_size, kv_heads, d]. ``order`` (int32 [n],
     optional): a permutation of the sequences, the order in which their programs start.
     """
-    num_seqs, num_heads, head_dim = q.shape
-    _, page, num_kv_heads, _ = k_cache.shape
+    assert q.stride(-1) == 1
+    return _launch(q, q.shape[1], q.stride(0), q.stride(1), None, None, k_cache, v_cache, block_tables, context_lens,
+                   scale, order, num_splits, block_n, num_warps, num_stages)
+
+
+def decode_attention_from_qkv(qkv: torch.Tensor, rope: QKVRope, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                              scale: float, order: torch.Tensor | None = None,
+                              num_splits: int | None = None) -> torch.Tensor:
+    """``norm_rope_store`` and ``paged_decode_attention`` in one kernel, for decode steps.
+
+    qkv [n, (heads + 2 kv_heads) * d] holds each sequence's new token (row i: sequence i, at
+    position ``rope.positions[i]`` = context_lens[i] - 1). Every program normalises and rotates
+    the queries of its KV head itself; the program whose split holds the new token stores its
+    key and value at ``slot_mapping[i]`` (nothing for -1) and then reads them from the cache
+    like the rest. Saves a kernel launch and a round trip of q through memory per layer.
+    Returns the attention output [n, heads, d].
+    """
+    head_dim = check_qkv(qkv, rope, k_cache, v_cache)
+    assert slot_mapping.shape[0] == qkv.shape[0] == context_lens.shape[0], "one new token per sequence"
+    return _launch(qkv, rope.num_heads, qkv.stride(0), head_dim, rope, slot_mapping, k_cache, v_cache, block_tables,
+                   context_lens, scale, order, num_splits, None, 4, 2)
+
+
+def _launch(q, num_heads, stride_qt, stride_qh, rope, slot_mapping, k_cache, v_cache, block_tables, context_lens,
+            scale, order, num_splits, block_n, num_warps, num_stages) -> torch.Tensor:
+    """The decode (and merge) kernels; ``q`` is the queries [n, heads, d], or with ``rope`` the q/k/v rows."""
+    num_seqs = q.shape[0]
+    _, page, num_kv_heads, head_dim = k_cache.shape
     group = num_heads // num_kv_heads
     assert num_heads == group * num_kv_heads, f"{num_heads} heads not a multiple of {num_kv_heads} kv heads"
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     assert supports(head_dim, page), f"head_dim {head_dim} / block size {page} not supported"
     if num_splits is None:
         num_splits = decode_splits(num_seqs, num_kv_heads, q.device)
     block_n = min(block_n or tile_keys(num_splits), page & -page)  # a power of two that divides the page
-    out = torch.empty_like(q)
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_splits > 1:
         part = torch.empty((num_splits, num_seqs, num_heads, head_dim), dtype=torch.float32, device=q.device)
         lse = torch.empty((num_splits, num_seqs, num_heads), dtype=torch.float32, device=q.device)
@@ -147,14 +190,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_seqs == 0:
         return out
     assert order is None or order.shape == (num_seqs,), "order must hold one entry per sequence"
+    from_qkv = rope is not None
+    has_norm = from_qkv and rope.q_norm is not None
+    assert not from_qkv or (rope.q_norm is None) == (rope.k_norm is None)
+    unused = context_lens  # any tensor, for the pointers a variant does not read
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, context_lens if order is None else order,
-        part, lse, scale * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        q, k_cache, v_cache, block_tables, context_lens, unused if order is None else order, part, lse,
+        rope.positions if from_qkv else unused, rope.cos_sin_cache if from_qkv else unused,
+        rope.q_norm if has_norm else unused, rope.k_norm if has_norm else unused, rope.eps if has_norm else 0.0,
+        slot_mapping if from_qkv else unused, scale * LOG2E,
+        stride_qt, stride_qh, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits, ORDERED=order is not None, num_warps=num_warps,
-        num_stages=num_stages)
+        BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits, ORDERED=order is not None, FROM_QKV=from_qkv,
+        HEADS=num_heads, KV_HEADS=num_kv_heads, HAS_NORM=has_norm, num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](
             part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),

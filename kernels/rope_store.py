@@ -9,6 +9,9 @@ writes the rotated q for attention and stores the rotated k and the v at the tok
 cache slot (nothing for slot -1). Attention reads k and v from the cache only, so k is
 never written anywhere else.
 
+Decode steps on Hopper do the same inside the decode attention kernel instead
+(``decode_q_store_kv`` below, called from ``kernels/decode_attention.py``).
+
 Rounding follows the unfused layers: the norm's result is rounded to the model dtype and
 then scaled by the weight (rounded again), RoPE is computed in float32 and rounded once.
 RoPE is the rotate-half layout with cos and sin read from the cached table
@@ -17,9 +20,23 @@ RoPE is the rotate-half layout with cos and sin read from the cached table
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
+
+
+class QKVRope(NamedTuple):
+    """What turns a row of the fused q/k/v projection into attention's q and the cached K/V."""
+
+    num_heads: int
+    num_kv_heads: int
+    positions: torch.Tensor  # [T], each token's position
+    cos_sin_cache: torch.Tensor  # [max_position, head_dim]: cos in the first half, sin in the second
+    q_norm: torch.Tensor | None  # [head_dim] RMSNorm weights (Qwen3), or None for no q/k norm
+    k_norm: torch.Tensor | None
+    eps: float
 
 
 @triton.jit
@@ -33,6 +50,44 @@ def _norm_rope(x1, x2, weight_ptr, d, cos, sin, eps, HALF: tl.constexpr, HAS_NOR
         x1 = ((x1 * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
         x2 = ((x2 * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def decode_q_store_kv(row, heads, row_ok, kv_head, position_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, eps,
+                      slot_ptr, k_cache_ptr, v_cache_ptr, slot_stride, head_stride, store,
+                      HEADS: tl.constexpr, KV_HEADS: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr,
+                      HAS_NORM: tl.constexpr):
+    """For decode attention straight from one token's q/k/v projection row ``row``: returns the
+    normed, rotated queries of ``heads`` [ROWS] as [ROWS, 2 * HALF] (zeros where not ``row_ok``)
+    and, if ``store`` (and the token's slot is not -1), stores KV head ``kv_head``'s normed,
+    rotated key and its value at the token's cache slot. Ends with a barrier, so the calling
+    program's later loads of that slot see what it stored."""
+    head_dim: tl.constexpr = 2 * HALF
+    pos = tl.load(position_ptr).to(tl.int64)
+    slot = tl.load(slot_ptr).to(tl.int64)
+    d = tl.arange(0, HALF)
+    cos = tl.load(cos_sin_ptr + pos * head_dim + d)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * head_dim + HALF + d)[None, :]
+    at = heads[:, None] * head_dim + d[None, :]
+    q1, q2 = _norm_rope(tl.load(row + at, mask=row_ok[:, None], other=0.0).to(tl.float32),
+                        tl.load(row + at + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32),
+                        q_norm_ptr, d, cos, sin, eps, HALF, HAS_NORM)
+    dtype = row.dtype.element_ty
+    q = tl.reshape(tl.permute(tl.join(q1.to(dtype), q2.to(dtype)), (0, 2, 1)), (ROWS, head_dim))
+
+    k_row = row + (HEADS + kv_head) * head_dim + d[None, :]
+    k1, k2 = _norm_rope(tl.load(k_row).to(tl.float32), tl.load(k_row + HALF).to(tl.float32),
+                        k_norm_ptr, d, cos, sin, eps, HALF, HAS_NORM)
+    v_row = k_row + KV_HEADS * head_dim
+    cache_at = slot * slot_stride + kv_head * head_stride + d[None, :]
+    store = d[None, :] < tl.where(store & (slot >= 0), HALF, 0)  # the whole row or none of it
+    cache_dtype = k_cache_ptr.dtype.element_ty
+    tl.store(k_cache_ptr + cache_at, k1.to(cache_dtype), mask=store)
+    tl.store(k_cache_ptr + cache_at + HALF, k2.to(cache_dtype), mask=store)
+    tl.store(v_cache_ptr + cache_at, tl.load(v_row), mask=store)
+    tl.store(v_cache_ptr + cache_at + HALF, tl.load(v_row + HALF), mask=store)
+    tl.debug_barrier()
+    return q
 
 
 @triton.jit
@@ -75,25 +130,30 @@ def _rope_store_kernel(qkv_ptr, stride_t, positions_ptr, cos_sin_ptr, q_norm_ptr
         tl.store(v_cache_ptr + cache_at + HALF, tl.load(v_row + k_at + HALF, mask=k_mask), mask=k_mask)
 
 
-def norm_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positions: torch.Tensor,
-                    cos_sin_cache: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
-                    eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def check_qkv(qkv: torch.Tensor, rope: QKVRope, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """Asserts the shapes both kernels from the q/k/v projection rely on; returns head_dim."""
+    head_dim = rope.cos_sin_cache.shape[-1]
+    assert qkv.shape[1] == (rope.num_heads + 2 * rope.num_kv_heads) * head_dim and qkv.stride(1) == 1
+    assert head_dim % 2 == 0 and (head_dim // 2) & (head_dim // 2 - 1) == 0, f"head_dim {head_dim}: half must be 2^k"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "K/V are stored by flat slot index"
+    assert k_cache.shape[2:] == (rope.num_kv_heads, head_dim) and (rope.q_norm is None) == (rope.k_norm is None)
+    return head_dim
+
+
+def norm_rope_store(qkv: torch.Tensor, rope: QKVRope, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor) -> torch.Tensor:
     """qkv [T, (heads + 2 kv_heads) * d] -> q [T, heads, d] normed and rotated; k (normed,
     rotated) and v stored in the caches [num_blocks, block_size, kv_heads, d] at slot_mapping [T]."""
     num_tokens = qkv.shape[0]
-    head_dim = cos_sin_cache.shape[-1]
-    assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and qkv.stride(1) == 1
-    assert head_dim % 2 == 0 and (head_dim // 2) & (head_dim // 2 - 1) == 0, f"head_dim {head_dim}: half must be 2^k"
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[2:] == (num_kv_heads, head_dim)
-    assert (q_norm is None) == (k_norm is None) and slot_mapping.shape[0] == num_tokens
-    q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    head_dim = check_qkv(qkv, rope, k_cache, v_cache)
+    assert slot_mapping.shape[0] == num_tokens
+    q = torch.empty(num_tokens, rope.num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return q
-    has_norm = q_norm is not None
+    has_norm = rope.q_norm is not None
     _rope_store_kernel[(num_tokens,)](
-        qkv, qkv.stride(0), positions, cos_sin_cache, q_norm if has_norm else qkv, k_norm if has_norm else qkv,
-        eps, q, k_cache, v_cache, slot_mapping, HEADS=num_heads, KV_HEADS=num_kv_heads,
-        HEADS_PAD=triton.next_power_of_2(num_heads), KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HALF=head_dim // 2, HAS_NORM=has_norm, num_warps=4)
+        qkv, qkv.stride(0), rope.positions, rope.cos_sin_cache, rope.q_norm if has_norm else qkv,
+        rope.k_norm if has_norm else qkv, rope.eps, q, k_cache, v_cache, slot_mapping, HEADS=rope.num_heads,
+        KV_HEADS=rope.num_kv_heads, HEADS_PAD=triton.next_power_of_2(rope.num_heads),
+        KV_HEADS_PAD=triton.next_power_of_2(rope.num_kv_heads), HALF=head_dim // 2, HAS_NORM=has_norm, num_warps=4)
     return q

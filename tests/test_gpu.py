@@ -107,7 +107,7 @@ def test_fused_norm_rope_store_matches_the_unfused_layers(heads, kv_heads, head_
     from twinplane.dataplane.attention_backends.torch_backend import write_kv_by_slot
     from twinplane.dataplane.layers.layernorm import rms_norm
     from twinplane.dataplane.layers.rotary import RotaryEmbedding, apply_rotary
-    from twinplane.kernels.rope_store import norm_rope_store
+    from twinplane.kernels.rope_store import QKVRope, norm_rope_store
 
     torch.manual_seed(0)
     tokens, block_size, num_blocks = 300, 16, 64
@@ -133,13 +133,55 @@ def test_fused_norm_rope_store_matches_the_unfused_layers(heads, kv_heads, head_
     reference = unfused(qkv, weights)
     layers = unfused(qkv.to(torch.bfloat16), bf16(weights))
     caches = [torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
-    q = norm_rope_store(qkv.to(torch.bfloat16), heads, kv_heads, positions, rope.cos_sin_cache, *bf16(weights), 1e-6,
-                        caches[0], caches[1], slots)
+    q = norm_rope_store(qkv.to(torch.bfloat16), QKVRope(heads, kv_heads, positions, rope.cos_sin_cache,
+                                                         *bf16(weights), 1e-6), caches[0], caches[1], slots)
     for name, ours, theirs, ref in zip(("q", "k cache", "v cache"), (q, *caches), layers, reference):
         error, layers_error = ((t.float() - ref).abs().max().item() for t in (ours, theirs))
         assert error <= 2 * layers_error + 1e-3, f"{name}: max error {error} vs the unfused layers' {layers_error}"
     assert torch.equal(caches[1], layers[2])  # v is copied as it is
     assert caches[0].flatten(0, 1)[slots[1].long()].abs().sum() > 0
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,num_seqs,with_norm",
+                         [(16, 8, 128, 256, 1, True), (16, 8, 128, 256, 12, True), (32, 8, 128, 16, 160, False),
+                          (14, 2, 64, 32, 7, True)])
+def test_decode_attention_from_qkv_matches_the_store_kernel_then_decode_attention(heads, kv_heads, head_dim,
+                                                                                 block_size, num_seqs, with_norm):
+    """The fused decode kernel (q/k norm, RoPE and the K/V store inside) against the two kernels it
+    replaces: the same values, keys within a bf16 step (q/k norms may sum in another order), and
+    outputs within two bf16 steps, at split counts 1 to 16."""
+    from twinplane.dataplane.layers.rotary import RotaryEmbedding
+    from twinplane.kernels.decode_attention import decode_attention_from_qkv, decode_splits, paged_decode_attention
+    from twinplane.kernels.rope_store import QKVRope, norm_rope_store
+
+    torch.manual_seed(0)
+    max_blocks = -(-2048 // block_size)
+    with torch.device("cuda"):
+        rope = RotaryEmbedding(head_dim, 4096, 1e6)
+        history = torch.randn(num_seqs * max_blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+        tables = torch.randperm(num_seqs * max_blocks).view(num_seqs, max_blocks).to(torch.int32)
+        lens = torch.randint(1, 2048, (num_seqs,), dtype=torch.int32)
+        qkv = torch.randn(num_seqs, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16) * 2
+        norms = (torch.rand(head_dim, dtype=torch.bfloat16) + 0.5, torch.rand(head_dim, dtype=torch.bfloat16) + 0.5)
+    lens[0] = 1  # the new token alone
+    positions = lens - 1
+    slots = (tables.gather(1, (positions // block_size).long().unsqueeze(1)).squeeze(1) * block_size
+             + positions % block_size).to(torch.int32)
+    history.view(-1, kv_heads, head_dim)[slots.long()] = 30.0  # reading a slot before its store shows
+    order = torch.argsort(lens, descending=True).to(torch.int32)
+    qkv_rope = QKVRope(heads, kv_heads, positions, rope.cos_sin_cache, *(norms if with_norm else (None, None)), 1e-6)
+    scale = head_dim ** -0.5
+    for splits in sorted({1, 4, 16, decode_splits(num_seqs, kv_heads, qkv.device)}):
+        caches = [history.clone() for _ in range(4)]
+        q = norm_rope_store(qkv, qkv_rope, caches[0], caches[1], slots)
+        expected = paged_decode_attention(q, caches[0], caches[1], tables, lens, scale, order=order, num_splits=splits)
+        out = decode_attention_from_qkv(qkv, qkv_rope, caches[2], caches[3], slots, tables, lens, scale, order=order,
+                                        num_splits=splits)
+        assert torch.equal(caches[1], caches[3]) and not torch.equal(caches[3], history)
+        k_error = (caches[0].float() - caches[2].float()).abs().max().item()
+        assert k_error <= 2 ** -7 * caches[0].float().abs().max().item(), f"{splits} splits: keys differ by {k_error}"
+        error, largest = (out.float() - expected.float()).abs().max().item(), expected.float().abs().max().item()
+        assert error <= 2 ** -6 * largest, f"{splits} splits: max error {error} (largest output {largest})"
 
 
 def test_triton_sampler_on_a_full_vocabulary():

@@ -65,7 +65,8 @@ assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3]), 
 assert caches[0].abs().sum() > 0
 from twinplane.dataplane.layers.layernorm import rms_norm
 from twinplane.dataplane.layers.rotary import RotaryEmbedding, apply_rotary
-from twinplane.kernels.rope_store import norm_rope_store
+from twinplane.kernels.decode_attention import decode_attention_from_qkv
+from twinplane.kernels.rope_store import QKVRope, norm_rope_store
 
 tokens, heads, kv_heads, head_dim, block_size = 30, 6, 3, 32, 16
 rope = RotaryEmbedding(head_dim, 4096, 1e6)
@@ -76,7 +77,8 @@ for with_norm in (True, False):
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
     q_w, k_w = (torch.rand(head_dim) + 0.5, torch.rand(head_dim) + 0.5) if with_norm else (None, None)
     caches = [torch.zeros(8, block_size, kv_heads, head_dim) for _ in range(4)]
-    q = norm_rope_store(qkv, heads, kv_heads, positions, rope.cos_sin_cache, q_w, k_w, 1e-6, caches[0], caches[1], slots)
+    q = norm_rope_store(qkv, QKVRope(heads, kv_heads, positions, rope.cos_sin_cache, q_w, k_w, 1e-6),
+                        caches[0], caches[1], slots)
     q_ref, k_ref, v_ref = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q_ref, k_ref = q_ref.reshape(tokens, heads, head_dim), k_ref.reshape(tokens, kv_heads, head_dim)
     if with_norm:
@@ -107,10 +109,41 @@ for qk_norm in (True, False):
     layer.attn.bind_kv_cache(caches[0], caches[1])
     unfused = layer(positions, hidden, metadata)  # CPU tensors take the unfused path
     layer.attn.bind_kv_cache(caches[2], caches[3])
-    q = layer._norm_rope_store(layer.qkv_proj(hidden), positions, metadata)
-    fused = layer.o_proj(layer.attn.attend(q, metadata))
+    fused = layer.o_proj(layer.attn.attend_qkv(layer.qkv_proj(hidden), layer.qkv_rope(positions), metadata))
     assert (fused - unfused).abs().max().item() < 1e-4, f"decoder attention differs (qk_norm {qk_norm})"
     assert (caches[0] - caches[2]).abs().max().item() < 1e-4 and torch.equal(caches[1], caches[3])
+
+# Decode attention from the q/k/v rows (norm, RoPE and the K/V store inside) equals the store
+# kernel followed by decode attention: outputs and both caches, for every split count.
+heads, kv_heads, head_dim, block_size, num_seqs, max_blocks = 6, 2, 32, 16, 4, 3
+tables = torch.randperm(num_seqs * max_blocks).view(num_seqs, max_blocks).to(torch.int32)
+lens = torch.tensor([1, 17, 48, 30], dtype=torch.int32)
+positions = lens - 1
+slots = (tables.gather(1, (positions // block_size).long().unsqueeze(1)).squeeze(1) * block_size
+         + positions % block_size).to(torch.int32)
+order = torch.argsort(lens, descending=True).to(torch.int32)
+for with_norm in (True, False):
+    qkv = torch.randn(num_seqs, (heads + 2 * kv_heads) * head_dim)
+    weights = (torch.rand(head_dim) + 0.5, torch.rand(head_dim) + 0.5) if with_norm else (None, None)
+    qkv_rope = QKVRope(heads, kv_heads, positions, rope.cos_sin_cache, *weights, 1e-6)
+    history = torch.randn(num_seqs * max_blocks, block_size, kv_heads, head_dim)
+    for splits in (1, 2, 4):
+        caches = [history.clone() for _ in range(4)]
+        q = norm_rope_store(qkv, qkv_rope, caches[0], caches[1], slots)
+        expected = paged_decode_attention(q, caches[0], caches[1], tables, lens, head_dim ** -0.5, num_splits=splits)
+        out = decode_attention_from_qkv(qkv, qkv_rope, caches[2], caches[3], slots, tables, lens, head_dim ** -0.5,
+                                        order=order, num_splits=splits)
+        error = (out - expected).abs().max().item()
+        assert error < 1e-4, f"from q/k/v, {splits} splits, norm {with_norm}: max error {error}"
+        assert (caches[0] - caches[2]).abs().max().item() < 1e-4 and torch.equal(caches[1], caches[3])
+        assert not torch.equal(caches[3], history), "the new tokens' values are stored"
+    padded = lens.clone()
+    padded[1:] = 0
+    caches = [history.clone() for _ in range(2)]
+    out = decode_attention_from_qkv(qkv, qkv_rope, *caches, torch.where(padded > 0, slots, -1), tables, padded,
+                                    head_dim ** -0.5, num_splits=2)
+    assert out[1:].abs().max().item() == 0, "rows of context 0 must be zeros"
+    assert torch.equal(caches[0].flatten(0, 1)[slots[1:].long()], history.flatten(0, 1)[slots[1:].long()])
 print("kernels ok")
 '''
 

@@ -14,8 +14,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from twinplane.kernels.rope_store import QKVRope
 
 
 @dataclass
@@ -62,3 +66,10 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [T, heads, head_dim] -> attention output [T, heads, head_dim]."""
+
+    def decode_from_qkv(self, qkv: torch.Tensor, rope: QKVRope, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        metadata: AttentionMetadata, scale: float) -> torch.Tensor | None:
+        """Attention output [T, heads, head_dim] straight from the fused q/k/v projection (q/k
+        norm, RoPE and the K/V store done inside), where the backend has a kernel for this step;
+        None: the caller runs those steps itself and calls ``forward``."""
+        return None

@@ -7,7 +7,8 @@
   (``kernels/decode_attention.py``): FlashAttention-4 computes a 128-row query tile for
   the one or few query rows of a decode and has no split-KV on Hopper, and the Triton
   kernel reads the cache 1.4x faster on an H200 (batch 256 x 1,024 tokens: 260 vs 361 us
-  per layer; BENCHMARKS.md).
+  per layer; BENCHMARKS.md). For those steps ``decode_from_qkv`` runs q/k norm, RoPE and
+  the K/V store inside that kernel too.
 - ``flash_attn_2``: the flash-attn 2 package. ``flash_attn_with_kvcache`` for pure
   decode steps, ``flash_attn_varlen_func(block_table=...)`` otherwise (its paged path
   needs a block size that is a multiple of 256).
@@ -18,9 +19,14 @@ must hold finite values: the model runner allocates the cache zeroed.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from twinplane.dataplane.attention_backends.base import AttentionBackend, AttentionMetadata
+
+if TYPE_CHECKING:
+    from twinplane.kernels.rope_store import QKVRope
 
 
 class _TritonKVWriter:
@@ -46,10 +52,26 @@ class FlashAttention4Backend(_TritonKVWriter, AttentionBackend):
         self._decode = decode_attention if hopper else None
         self.num_splits = num_splits  # split-KV is not supported on SM 9.0 (Hopper)
 
+    def _decode_kernels(self, metadata: AttentionMetadata, k_cache: torch.Tensor):
+        """The Triton decode module if this step is decode-only and its shape is supported, else None."""
+        decode = self._decode
+        if decode is not None and metadata.max_seqlen_q == 1 and decode.supports(k_cache.shape[-1], k_cache.shape[1]):
+            return decode
+        return None
+
+    def decode_from_qkv(self, qkv: torch.Tensor, rope: QKVRope, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        metadata: AttentionMetadata, scale: float) -> torch.Tensor | None:
+        decode = self._decode_kernels(metadata, k_cache)
+        if decode is None:
+            return None
+        return decode.decode_attention_from_qkv(qkv, rope, k_cache, v_cache, metadata.slot_mapping,
+                                                metadata.block_tables, metadata.context_lens, scale,
+                                                order=metadata.decode_order)
+
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        decode = self._decode
-        if decode is not None and metadata.max_seqlen_q == 1 and decode.supports(q.shape[-1], k_cache.shape[1]):
+        decode = self._decode_kernels(metadata, k_cache)
+        if decode is not None:
             return decode.paged_decode_attention(q, k_cache, v_cache, metadata.block_tables,
                                                  metadata.context_lens, scale, order=metadata.decode_order)
         out = self._varlen(q, k_cache, v_cache, cu_seqlens_q=metadata.cu_seqlens_q,

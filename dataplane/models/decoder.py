@@ -9,7 +9,7 @@ Hugging Face checkpoints except for the packed ``qkv_proj`` and ``gate_up_proj``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -23,9 +23,13 @@ from twinplane.dataplane.layers.layernorm import RMSNorm
 from twinplane.dataplane.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from twinplane.dataplane.layers.rotary import RotaryEmbedding, rope_settings
 
+if TYPE_CHECKING:
+    from twinplane.kernels.rope_store import QKVRope
+
 
 # On CUDA, layers of these head sizes (half a power of two) run q/k norm, RoPE and the K/V
-# store as one Triton kernel; others, and every layer on CPU, run them one by one.
+# store as one Triton kernel, inside decode attention where the backend has that kernel;
+# others, and every layer on CPU, run them one by one.
 FUSED_HEAD_DIMS = (32, 64, 128, 256)
 
 
@@ -66,7 +70,7 @@ class DecoderAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         if qkv.is_cuda and self.head_dim in FUSED_HEAD_DIMS:
-            return self.o_proj(self.attn.attend(self._norm_rope_store(qkv, positions, metadata), metadata))
+            return self.o_proj(self.attn.attend_qkv(qkv, self.qkv_rope(positions), metadata))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         num_tokens = hidden.shape[0]
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
@@ -77,16 +81,13 @@ class DecoderAttention(nn.Module):
         out = self.attn(q.flatten(1), k.flatten(1), v, metadata)
         return self.o_proj(out)
 
-    def _norm_rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """One Triton kernel for q/k norm, RoPE and the K/V store (``kernels/rope_store.py``); returns q."""
-        from twinplane.kernels.rope_store import norm_rope_store
+    def qkv_rope(self, positions: torch.Tensor) -> QKVRope:
+        """What the fused kernels need to turn q/k/v projection rows into q and cached K/V."""
+        from twinplane.kernels.rope_store import QKVRope
 
-        q_weight = k_weight = None
-        eps = 0.0
-        if self.q_norm is not None and self.k_norm is not None:
-            q_weight, k_weight, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
-        return norm_rope_store(qkv, self.num_heads, self.num_kv_heads, positions, self.rotary_emb.cos_sin_cache,
-                               q_weight, k_weight, eps, self.attn.k_cache, self.attn.v_cache, metadata.slot_mapping)
+        q_norm, k_norm = self.q_norm, self.k_norm
+        norms = (None, None, 0.0) if q_norm is None or k_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
+        return QKVRope(self.num_heads, self.num_kv_heads, positions, self.rotary_emb.cos_sin_cache, *norms)
 
 
 class DecoderMLP(nn.Module):
