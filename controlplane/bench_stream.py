@@ -1,6 +1,8 @@
 """The control plane's own ceiling: the bench workload against a data plane that computes nothing.
 
-    python -m twinplane.controlplane.bench_stream [--api-server-count N] [twinplane bench options]
+    python -m twinplane.controlplane.bench_stream [--api-server-count N] [--device-step-ms MS]
+                                                  [--max-steps-in-flight N] [--decode-steps K]
+                                                  [--decode-steps-max-seqs N] [twinplane bench options]
 
 A stand-in data plane (in this process) answers every StepPlan at once with one token
 per sampled sequence, so the figures measure only the control plane (scheduling,
@@ -8,7 +10,14 @@ plans, streaming to 256 clients over gRPC) and the benchmark client: the output
 tokens per second that no GPU speed-up can push the service beyond. With
 ``--api-server-count N`` the control plane runs N frontend processes on a loopback TCP port;
 give the benchmark client ``--client-processes`` and ``--channels`` to match, so that the
-client is not what limits the figure. It prints each process's CPU time.
+client is not what limits the figure. It prints each process's CPU time. The step-pipeline
+options (``CONTROL_PLANE_OPTIONS``) go to the control plane it starts.
+
+With ``--device-step-ms MS`` the stand-in is the real data-plane server (its Step pipeline,
+threads and gRPC stream) over an emulated device instead: each step takes MS of device time
+(each step of a plan of several, MS each), queued behind the step before it as on a GPU.
+The idle time the benchmark then reports is what a device that fast would wait for the
+hosts, so pacing by the host shows up without a GPU.
 """
 
 from __future__ import annotations
@@ -19,11 +28,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent import futures
 
 import grpc
 import numpy as np
 
+from twinplane.dataplane.plan import MAX_DECODE_STEPS, StepOutput, StepPath, StepPlan
+from twinplane.dataplane.server import DataPlaneServicer
 from twinplane.proto import dataplane_pb2 as dp
 from twinplane.proto import dataplane_pb2_grpc as dp_grpc
 
@@ -49,6 +61,64 @@ class NullDataPlane(dp_grpc.DataPlaneServicer):
             sampled = int(np.frombuffer(plan.sample, dtype=np.uint8).sum())
             yield dp.StepResult(step_id=plan.step_id,
                                 sampled_token_ids=np.ones(sampled, dtype="<i4").tobytes())
+
+
+class _EmulatedStep:
+    """A launched step of the emulated device: its tokens are ready at ``end`` (perf_counter)."""
+
+    prepare_us = forward_us = sample_us = 0  # host work of a real launch; none here
+
+    def __init__(self, output: StepOutput, end: float) -> None:
+        self.step_id, self.output, self.end = output.step_id, output, end
+
+    def wait(self) -> None:
+        time.sleep(max(0.0, self.end - time.perf_counter()))
+
+    def result(self) -> StepOutput:
+        self.wait()
+        return self.output
+
+
+class EmulatedDevice:
+    """A runner for the data-plane server that computes nothing but keeps a device queue: a plan
+    of K steps takes K * ``step_ms`` of device time from when it is launched or when the step
+    before it ends, whichever is later; the time in between is its idle time. Token 1 for every
+    sampled token."""
+
+    def __init__(self, step_ms: float) -> None:
+        self.step_s = step_ms / 1e3
+        self.free_at: float | None = None  # when the last launched step ends
+
+    def launch(self, plan: StepPlan) -> _EmulatedStep:
+        cols = plan.cols()
+        now = time.perf_counter()
+        begin = now if self.free_at is None else max(now, self.free_at)
+        idle = 0.0 if self.free_at is None else begin - self.free_at
+        busy = self.step_s * plan.num_steps
+        self.free_at = end = begin + busy
+        tokens = int(cols.decode_budget.sum()) if plan.num_steps > 1 else int(cols.sample.sum())
+        path = StepPath.MULTI_DECODE if plan.num_steps > 1 else StepPath.EAGER
+        return _EmulatedStep(StepOutput(step_id=plan.step_id, sampled_token_ids=np.ones(tokens, np.int32),
+                                        idle_us=round(idle * 1e6), execute_us=round(busy * 1e6), path=path), end)
+
+    def reset(self) -> None:
+        self.free_at = None
+
+    def close(self) -> None:
+        pass
+
+
+class EmulatedDataPlane(DataPlaneServicer):
+    """The data-plane server over an ``EmulatedDevice``, describing itself as Qwen3-0.6B."""
+
+    def __init__(self, step_ms: float) -> None:
+        super().__init__(EmulatedDevice(step_ms))
+
+    def Describe(self, request, context):
+        described = dp.DescribeResponse()
+        described.CopyFrom(QWEN3_0_6B)
+        described.max_decode_steps = MAX_DECODE_STEPS  # it takes plans of several decode steps, as a GPU does
+        return described
 
 
 def _stat(pid: int) -> list[str]:
@@ -79,7 +149,7 @@ def serve_stand_in(servicer: dp_grpc.DataPlaneServicer) -> tuple[grpc.Server, st
     address beside it for the control plane to listen on."""
     folder = tempfile.mkdtemp(prefix="twinplane-null-")
     dp_address, api = f"unix://{folder}/dp.sock", f"unix://{folder}/api.sock"
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     dp_grpc.add_DataPlaneServicer_to_server(servicer, server)
     server.add_insecure_port(dp_address)
     server.start()
@@ -96,6 +166,14 @@ def _option(args: list[str], name: str, default: str) -> str:
     return args[args.index(name) + 1] if name in args else default
 
 
+def _take(args: list[str], name: str, default: str) -> str:
+    """The value of option ``name`` (or ``default``), removed from args: it is not the client's."""
+    value = _option(args, name, default)
+    if name in args:
+        del args[args.index(name):args.index(name) + 2]
+    return value
+
+
 def _control_plane_cpu(pid: int) -> str:
     """The CPU time of the control plane's processes: frontends (the primary first), engine core."""
     frontends, core = [f"frontend 0 {_cpu_seconds(pid):.2f} s"], []
@@ -109,22 +187,28 @@ def _control_plane_cpu(pid: int) -> str:
     return ", ".join(frontends + core)
 
 
+# Control-plane options this tool passes on to the control plane it starts (not to the client).
+CONTROL_PLANE_OPTIONS = ("--max-steps-in-flight", "--decode-steps", "--decode-steps-max-seqs")
+
+
 def main() -> int:
-    server, dp_address, api = serve_stand_in(NullDataPlane())
-    cli = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", "WARNING"]
     args = sys.argv[1:]
+    step_ms = float(_take(args, "--device-step-ms", "0"))
+    server, dp_address, api = serve_stand_in(EmulatedDataPlane(step_ms) if step_ms > 0 else NullDataPlane())
+    cli = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", "WARNING"]
     interval = _option(args, "--stream-interval", "1")
-    frontends = _option(args, "--api-server-count", "1")
-    if "--api-server-count" in args:  # the control plane's, not the client's
-        del args[args.index("--api-server-count"):args.index("--api-server-count") + 2]
+    frontends = _take(args, "--api-server-count", "1")
+    passed = [item for name in CONTROL_PLANE_OPTIONS if name in args for item in (name, _take(args, name, ""))]
     if frontends != "1":  # frontends share a TCP port; a unix socket cannot be shared
         api = f"127.0.0.1:{_free_loopback_port()}"
     control = subprocess.Popen([*cli, "controlplane", "--dataplane", dp_address, "--listen", api,
                                 "--max-waiting-requests", "100000", "--stream-interval", interval,
-                                "--api-server-count", frontends])
+                                "--api-server-count", frontends, *passed])
     try:
+        stand_in_cpu = time.process_time()
         code = subprocess.call([*cli, "bench", "--server", api, *args])
-        print(f"control plane CPU time: {_control_plane_cpu(control.pid)} (user + system, start-up included)")
+        print(f"control plane CPU time: {_control_plane_cpu(control.pid)} (user + system, start-up included); "
+              f"stand-in data plane {time.process_time() - stand_in_cpu:.2f} s")
         return code
     finally:
         control.terminate()

@@ -27,11 +27,10 @@ import numpy as np
 import torch
 
 from twinplane.dataplane.attention_backends.base import AttentionMetadata
-from twinplane.dataplane.plan import PlanColumns, SamplingParams, SequenceInit, StepPlan
+from twinplane.dataplane.plan import MAX_DECODE_STEPS, PlanColumns, SamplingParams, SequenceInit, StepPlan
 from twinplane.dataplane.sampling_batch import SamplingBatch, SamplingRow, build_sampling_batch
 
 PENDING = -1  # a decode token the data plane sampled in the previous plan
-MAX_DECODE_STEPS = 64  # most decode steps one plan may ask for
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,10 @@ from twinplane.dataplane.distributed import tp_rank, tp_world_size
 from twinplane.dataplane.kv_cache import allocate_kv_cache, bytes_per_block, cpu_num_blocks, cuda_num_blocks
 from twinplane.dataplane.loader import load_model
 from twinplane.dataplane.models.decoder import head_dim_of
-from twinplane.dataplane.plan import StepOutput, StepPath, StepPlan
+from twinplane.dataplane.plan import MAX_DECODE_STEPS, StepOutput, StepPath, StepPlan
 from twinplane.dataplane.sampler import Sampler, SamplerOutput
 from twinplane.dataplane.sampling_batch import SamplingBatch
-from twinplane.dataplane.input_batch import MAX_DECODE_STEPS, InputBatch, PlanLimits, SampledRows, StepInputs
+from twinplane.dataplane.input_batch import InputBatch, PlanLimits, SampledRows, StepInputs
 
 MAX_LOGPROBS = 20
 

@@ -12,6 +12,8 @@ from enum import IntEnum
 
 import numpy as np
 
+MAX_DECODE_STEPS = 64  # most decode steps one plan may ask for
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -14,10 +14,10 @@ import pytest
 
 from twinplane.clients.bench import Request, _paths, report
 from twinplane.clients.client import Client
-from twinplane.controlplane.bench_stream import QWEN3_0_6B, NullDataPlane, serve_stand_in
+from twinplane.controlplane.bench_stream import QWEN3_0_6B, EmulatedDataPlane, EmulatedDevice, NullDataPlane, serve_stand_in
 from twinplane.controlplane.plan_codec import decode_result
 from twinplane.dataplane.convert import output_to_pb
-from twinplane.dataplane.plan import StepOutput, StepPath
+from twinplane.dataplane.plan import ScheduledSeq, StepOutput, StepPath, StepPlan
 from twinplane.proto import dataplane_pb2 as dp
 
 DECODE_US, MIXED_US, IDLE_US = 100, 300, 7
@@ -155,3 +155,52 @@ def test_data_plane_logs_each_steps_host_timeline_at_debug(caplog):
     matches = [re.fullmatch(pattern, line) for line in lines]
     assert all(matches) and [int(m.group(1)) for m in matches] == [0, 1, 2], lines
     assert all(int(m.group(2)) >= 9000 for m in matches[1:]), lines  # each step waits 10 ms after the one before
+
+
+def _decode_plan(step_id: int, num_steps: int = 1, budgets: tuple[int, ...] = (1, 1)) -> StepPlan:
+    seqs = [ScheduledSeq(seq_id, np.array([5], np.int32), 10, np.array([seq_id * 16 + 10], np.int32),
+                         np.empty(0, np.int32), sample=seq_id == 0 or num_steps > 1, decode_budget=budget)
+            for seq_id, budget in enumerate(budgets)]
+    return StepPlan(step_id, seqs, num_steps=num_steps)
+
+
+def test_emulated_device_queues_steps_behind_each_other_and_counts_its_idle_time():
+    import time
+
+    device = EmulatedDevice(step_ms=500)
+    first, second = device.launch(_decode_plan(1)), device.launch(_decode_plan(2))
+    assert abs(second.end - first.end - 0.5) < 1e-6 and second.output.idle_us == 0  # queued: no wait
+    assert second.output.execute_us == 500_000 and list(second.output.sampled_token_ids) == [1]  # one row samples
+    several = device.launch(_decode_plan(3, num_steps=4, budgets=(4, 2)))
+    assert several.output.execute_us == 2_000_000 and len(several.output.sampled_token_ids) == 6
+    assert (several.output.path, second.output.path) == (StepPath.MULTI_DECODE, StepPath.EAGER)
+    device.reset()
+    quick = EmulatedDevice(step_ms=1)
+    done = quick.launch(_decode_plan(1))
+    assert done.result().step_id == 1 and time.perf_counter() >= done.end
+    time.sleep(0.05)
+    assert quick.launch(_decode_plan(2)).output.idle_us >= 45_000  # launched long after the device went idle
+
+
+def test_emulated_device_behind_the_real_data_plane_server_serves_a_control_plane():
+    """The stand-in of ``bench_stream --device-step-ms``: the data plane's own Step pipeline over
+    the emulated device; every token arrives and the engine counts the device time."""
+    server, dp_address, api = serve_stand_in(EmulatedDataPlane(step_ms=2.0))
+    control = subprocess.Popen([sys.executable, "-m", "twinplane.clients.cli", "--log-level", "WARNING",
+                                "controlplane", "--dataplane", dp_address, "--listen", api])
+    client = Client(api)
+    try:
+        client.wait_ready(60)
+        before = client.stats()
+        with ThreadPoolExecutor(3) as pool:
+            counts = pool.map(lambda n: sum(len(c.token_ids) for c in client.generate(
+                token_ids=[7] * n, max_tokens=20, ignore_eos=True, temperature=0)), (10, 30, 50))
+            assert list(counts) == [20, 20, 20]
+        after = client.stats()
+        execute_us = after["execute_us"] - before["execute_us"]
+        assert after["multi_decode_steps"] > before["multi_decode_steps"]  # it takes plans of several steps
+        assert execute_us % 2_000 == 0 and execute_us >= 2_000 * 20  # 2 ms a device step, 20 steps at least
+    finally:
+        control.terminate()
+        control.wait(30)
+        server.stop(0)
