@@ -307,7 +307,8 @@ def _start_server(args) -> tuple[subprocess.Popen, str]:
     from twinplane.clients.cli import _dataplane_argv
 
     address = f"unix://{tempfile.mkdtemp(prefix='twinplane-bench-')}/api.sock"
-    command = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", "WARNING", "serve",
+    log_level = getattr(args, "log_level", None) or "WARNING"  # the service logs at the benchmark's level
+    command = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", log_level, "serve",
                *_dataplane_argv(args), "--listen", address, "--max-waiting-requests", str(args.num_requests + 16)]
     if args.max_prefill_tokens_with_decode:
         command += ["--max-prefill-tokens-with-decode", str(args.max_prefill_tokens_with_decode)]
