@@ -28,7 +28,7 @@ import torch
 
 from twinplane.dataplane.attention_backends.base import AttentionMetadata
 from twinplane.dataplane.plan import MAX_DECODE_STEPS, PlanColumns, SamplingParams, SequenceInit, StepPlan
-from twinplane.dataplane.sampling_batch import SamplingBatch, SamplingRow, build_sampling_batch
+from twinplane.dataplane.sampling_batch import SamplingBatch, SamplingRow, build_sampling_batch, plain_columns
 
 PENDING = -1  # a decode token the data plane sampled in the previous plan
 
@@ -86,6 +86,13 @@ def _fail(message: str) -> None:
     raise ValueError(message)
 
 
+def _cumsum0(values: np.ndarray) -> np.ndarray:
+    """[0, v0, v0 + v1, ...]: the offsets of consecutive runs of the given lengths (int32)."""
+    out = np.zeros(len(values) + 1, dtype=np.int32)
+    np.cumsum(values, out=out[1:])
+    return out
+
+
 def check_sampling(seq_id: int, init: SequenceInit, limits: PlanLimits) -> None:
     """Rejects sampling parameters the sampler cannot honour."""
     p = init.sampling
@@ -121,11 +128,15 @@ class InputBatch:
         self._allocate(max(limits.max_num_seqs, 8))
         staging = 4 * limits.max_num_batched_tokens + (self.max_blocks + 6) * limits.max_num_seqs + 8
         staging += 4 * MAX_DECODE_STEPS * (limits.max_num_seqs + 1)  # the inputs of several decode steps
-        staging += 4 * 17  # each of the step's (at most 17) arrays starts 16-byte aligned
+        staging += 4 * limits.max_num_seqs + limits.max_num_seqs // 4 + 1  # plain sampling values and flags
+        staging += 4 * 19  # each of the step's (at most 19) arrays starts 16-byte aligned
         pinned = device.type == "cuda"
         # two staging buffers, alternating: one may still be copying while the next plan is prepared
         self._staging = [torch.empty(staging, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
         self._staging_copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
+        # the stream steps run on, found once: looking it up costs more host time than recording an event
+        self.stream = torch.cuda.current_stream(device) if pinned else None
+        self._staging_host = [buffer.numpy() for buffer in self._staging]
 
     def _allocate(self, rows: int) -> None:
         self.free_rows = list(range(rows - 1, -1, -1))
@@ -265,7 +276,7 @@ class InputBatch:
             _fail(f"plan has {num_tokens} tokens, max_num_batched_tokens is {lim.max_num_batched_tokens}")
         if n == 0:
             return budget
-        if len(np.unique(cols.seq_ids)) != n:
+        if len(set(cols.seq_ids.tolist())) != n:
             _fail("plan schedules a seq_id more than once")
         if cols.num_tokens.min() < 1 or cols.start_pos.min() < 0:
             _fail("every scheduled sequence needs at least one token and a start position >= 0")
@@ -314,7 +325,7 @@ class InputBatch:
         bs = self.limits.block_size
         saved = self.num_blocks[rows].copy()
         try:
-            offsets = np.concatenate([[0], np.cumsum(cols.num_new_blocks)])
+            offsets = _cumsum0(cols.num_new_blocks)
             for i in np.flatnonzero(cols.num_new_blocks).tolist():
                 row, have, k = rows[i], int(self.num_blocks[rows[i]]), int(cols.num_new_blocks[i])
                 if have + k > self.max_blocks:
@@ -323,9 +334,12 @@ class InputBatch:
                 self.num_blocks[row] = have + k
             if np.any(-(-final // bs) > self.num_blocks[rows]):
                 _fail("a sequence's block table does not cover its tokens")
-            starts = np.concatenate([[0], np.cumsum(cols.num_tokens)[:-1]])
-            positions = np.arange(len(cols.token_ids)) + np.repeat(cols.start_pos - starts, cols.num_tokens)
-            token_rows = np.repeat(rows, cols.num_tokens)
+            if len(cols.token_ids) == len(rows):  # one token each (decode): nothing to expand per token
+                positions, token_rows = cols.start_pos.astype(np.int64), rows
+            else:
+                starts = _cumsum0(cols.num_tokens)[:-1]
+                positions = np.arange(len(cols.token_ids)) + np.repeat(cols.start_pos - starts, cols.num_tokens)
+                token_rows = np.repeat(rows, cols.num_tokens)
             expected = self.block_table[token_rows, positions // bs] * bs + positions % bs
             slots = cols.slot_mapping
             if not np.all((slots == -1) | (slots == expected)):
@@ -342,10 +356,10 @@ class InputBatch:
         n, t = len(rows), len(cols.token_ids)
         final = context if budget is None else context + budget - 1
         width = max(int((-(-final // self.limits.block_size)).max()), 1)
-        cu_q = np.concatenate([[0], np.cumsum(cols.num_tokens)])
+        cu_q = _cumsum0(cols.num_tokens)
         sample_idx = cu_q[1:][cols.sample] - 1
         sample_rows = rows[cols.sample]
-        parts = [cols.token_ids, positions, cols.slot_mapping, cu_q, np.concatenate([[0], np.cumsum(context)]),
+        parts = [cols.token_ids, positions, cols.slot_mapping, cu_q, _cumsum0(context),
                  context, self.block_table[rows, :width].ravel(), sample_idx, sample_rows, cu_q[1:][pending] - 1,
                  rows[pending]]
         decode = n == t
@@ -354,16 +368,25 @@ class InputBatch:
         if budget is not None:
             steps = self._decode_steps(rows, cols.start_pos, budget)
             parts += [a.ravel() for a in steps]
+        plain = len(sample_idx) > 0 and bool(self.plain[sample_rows].all())
+        if plain:  # the sampling values travel with the rest: no copy of their own
+            values = self.sampling_values[sample_rows]
+            parts += plain_columns(values, self.limits.vocab_size)
         views = self._to_device(parts)
         input_ids = views[0]
-        if pending.any():  # the previous plan's samples, still on the device
-            input_ids = input_ids.index_put((views[9].long(),), self.last_token[views[10].long()])
+        if pending.all():  # the previous plan's samples, still on the device
+            input_ids = self.last_token.index_select(0, views[10])
+        elif pending.any():
+            input_ids = input_ids.index_put((views[9],), self.last_token.index_select(0, views[10]))
         metadata = AttentionMetadata(
             cu_seqlens_q=views[3], cu_seqlens_k=views[4], context_lens=views[5],
             max_seqlen_q=int(cols.num_tokens.max()), max_seqlen_k=int(context.max()), slot_mapping=views[2],
             block_tables=views[6].view(n, width), query_lens_host=cols.num_tokens.tolist(),
             context_lens_host=context.tolist(), decode_order=views[11] if decode else None)
-        sampling = self._sampling(cols, sample_rows, context[cols.sample]) if len(sample_idx) else None
+        if plain:
+            sampling = SamplingBatch.from_plain_columns(values, views[-2], views[-1], self.limits.vocab_size)
+        else:
+            sampling = self._sampling(cols, sample_rows, context[cols.sample]) if len(sample_idx) else None
         sampled = SampledRows(sample_rows, cols.seq_ids[cols.sample], context[cols.sample])
         assert input_ids.shape[0] == t
         inputs = StepInputs(input_ids, views[1], metadata, views[7], sampling, views[8], sampled)
@@ -388,7 +411,7 @@ class InputBatch:
 
     def set_last_tokens(self, sample_rows: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Keeps a step's sampled tokens on the device, as inputs for PENDING tokens of the next plan."""
-        self.last_token.index_copy_(0, sample_rows.long(), token_ids.to(torch.int32))
+        self.last_token.index_put_((sample_rows,), token_ids.to(torch.int32))
 
     def _to_device(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
         """One host-to-device copy for every int32 array of the step.
@@ -397,28 +420,27 @@ class InputBatch:
         alignment, so an odd token count must not shift the next array off it (that would
         compile new kernel variants in the middle of serving).
         """
-        sizes = [len(p) for p in parts]
-        starts = np.cumsum([0] + [-(-size // 4) * 4 for size in sizes])
         k = self.plan_index % 2
         staging, copied = self._staging[k], self._staging_copied[k]
-        assert starts[-1] <= len(staging), "step inputs exceed the staging buffer"
         if copied is not None:
             copied.synchronize()  # the plan before last may still be reading this buffer
-        host = staging.numpy()
-        for part, start, size in zip(parts, starts, sizes):
-            host[start:start + size] = part
-        device = staging[:starts[-1]].to(self.device, non_blocking=True)
+        host, spans, end = self._staging_host[k], [], 0
+        for part in parts:
+            size = len(part)
+            host[end:end + size] = part
+            spans.append((end, size))
+            end += -(-size // 4) * 4
+        assert end <= len(host), "step inputs exceed the staging buffer"
+        device = staging[:end].to(self.device, non_blocking=True)
         if copied is not None:
-            copied.record()
-        return [device[start:start + size] for start, size in zip(starts.tolist(), sizes)]
+            copied.record(self.stream)
+        return [device[start:start + size] for start, size in spans]
 
     def _sampling(self, cols: PlanColumns, rows: np.ndarray, context: np.ndarray) -> SamplingBatch:
-        if not self.plain[rows].all():
-            sampling_rows = []
-            for row, ctx in zip(rows.tolist(), context.tolist()):
-                prompt_end = min(int(self.num_prompt[row]), ctx)
-                sampling_rows.append(SamplingRow(self.params[row], ctx - int(self.num_prompt[row]),
-                                                 self.tokens[row, :prompt_end], self.tokens[row, prompt_end:ctx]))
-            return build_sampling_batch(sampling_rows, self.limits.vocab_size, self.device)
-        values = self.sampling_values[rows]
-        return SamplingBatch.from_plain_values(values, self.limits.vocab_size, self.device)
+        """Rows with penalties, seeds, log-probabilities or min_tokens (one row at a time)."""
+        sampling_rows = []
+        for row, ctx in zip(rows.tolist(), context.tolist()):
+            prompt_end = min(int(self.num_prompt[row]), ctx)
+            sampling_rows.append(SamplingRow(self.params[row], ctx - int(self.num_prompt[row]),
+                                             self.tokens[row, :prompt_end], self.tokens[row, prompt_end:ctx]))
+        return build_sampling_batch(sampling_rows, self.limits.vocab_size, self.device)

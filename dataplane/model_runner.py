@@ -311,7 +311,7 @@ class ModelRunner:
         step = LaunchedStep(plan.step_id, int((prepared - started) * 1e6))
         if cuda:
             step.begin, step.done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            step.begin.record()
+            step.begin.record(self.sequences.stream)
             step.previous_done = self._last.done if self._last is not None else None
         if inputs is not None and inputs.decode_steps is not None:
             self._decode_steps(step, inputs)
@@ -323,7 +323,7 @@ class ModelRunner:
                 self._sample(step, inputs, hidden, keep_logits)
                 step.sample_us = int((time.perf_counter() - forwarded) * 1e6)
         if cuda:
-            step.done.record()
+            step.done.record(self.sequences.stream)
         else:
             now = time.perf_counter()
             step.idle_us = 0 if self._last_end is None else int((started - self._last_end) * 1e6)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from twinplane.dataplane.sampling_batch import PenaltyTensors, SamplingBatch
+from twinplane.dataplane.sampling_batch import PenaltyTensors, SamplingBatch, to_device
 
 
 @dataclass
@@ -100,7 +100,8 @@ class Sampler:
         seeds = torch.arange(step_key, step_key + n, dtype=torch.int64, device=logits.device)
         if batch.seeded:
             rows, keys = zip(*((row, seed_for_position(seed, pos)) for row, seed, pos in batch.seeded))
-            seeds[list(rows)] = torch.tensor(keys, dtype=torch.int64).to(logits.device, non_blocking=True)
+            seeds[to_device(torch.tensor(rows), logits.device)] = to_device(torch.tensor(keys, dtype=torch.int64),
+                                                                            logits.device)
         return sample_temperature(logits, batch.temperature.view(-1), batch.greedy, seeds)
 
     def _race_noise(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -143,7 +144,8 @@ class Sampler:
         if batch.penalties is not None:
             logits = apply_penalties(logits, batch.penalties)
         if batch.banned is not None:
-            logits = logits.index_put((batch.banned[0], batch.banned[1]), torch.tensor(float("-inf"), device=logits.device))
+            minus_inf = torch.full((), float("-inf"), device=logits.device)  # made there: no copy from the host
+            logits = logits.index_put((batch.banned[0], batch.banned[1]), minus_inf)
         token_ids = logits.argmax(dim=-1)
         if not batch.all_greedy:
             token_ids = torch.where(batch.greedy, token_ids, self._random_sample(logits, batch))

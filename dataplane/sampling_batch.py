@@ -15,6 +15,20 @@ import torch
 from twinplane.dataplane.plan import SamplingParams
 
 
+def to_device(values, device: torch.device) -> torch.Tensor:
+    """Host values (array, tensor or list) on device, without waiting for the device.
+
+    On CUDA a copy from pageable memory may first wait for all work queued on the stream, so a
+    step's launch would wait for the previous step to finish and the GPU would idle while the
+    rest of the step is launched. The values go through pinned memory instead (the caching host
+    allocator reuses it once the copy is done), and the copy is only queued.
+    """
+    tensor = torch.as_tensor(values)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class SamplingRow:
     """One sampled sequence: its parameters, output position and history (-1 = unknown token)."""
@@ -64,21 +78,24 @@ class SamplingBatch:
 
         One host-to-device copy; no Python loop over rows.
         """
+        columns, flags = plain_columns(values, vocab_size)
+        return cls.from_plain_columns(values, to_device(columns, device), to_device(flags, device), vocab_size)
+
+    @classmethod
+    def from_plain_columns(cls, values: np.ndarray, columns: torch.Tensor, flags: torch.Tensor,
+                           vocab_size: int) -> SamplingBatch:
+        """The same from ``plain_columns(values)`` already on the device (views, no device work)."""
         n = len(values)
         temperature, top_p, top_k, min_p = values.T
-        greedy_host = temperature == 0.0
-        on_device = torch.from_numpy(np.ascontiguousarray(values)).to(device, non_blocking=True)
-        greedy = on_device[:, 0] == 0.0
-        use_top_k = (top_k > 0) & (top_k < vocab_size)
+        on_device = columns.view(torch.float32).view(4, n)
         return cls(
             num_rows=n,
-            all_greedy=bool(greedy_host.all()),
-            greedy=greedy,
-            temperature=torch.where(greedy, 1.0, on_device[:, 0]).unsqueeze(1),
-            top_k=torch.where(on_device[:, 2] > 0, on_device[:, 2], vocab_size).clamp_(max=vocab_size)
-            .long().unsqueeze(1) if use_top_k.any() else None,
-            top_p=on_device[:, 1:2] if (top_p < 1.0).any() else None,
-            min_p=on_device[:, 3:4] if (min_p > 0.0).any() else None,
+            all_greedy=bool((temperature == 0.0).all()),
+            greedy=flags.view(torch.uint8)[:n].view(torch.bool),
+            temperature=on_device[0].unsqueeze(1),
+            top_k=on_device[2].long().unsqueeze(1) if ((top_k > 0) & (top_k < vocab_size)).any() else None,
+            top_p=on_device[1].unsqueeze(1) if (top_p < 1.0).any() else None,
+            min_p=on_device[3].unsqueeze(1) if (min_p > 0.0).any() else None,
             penalties=None,
             banned=None,
             seeded=[],
@@ -86,8 +103,23 @@ class SamplingBatch:
         )
 
 
+def plain_columns(values: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """What the device needs of plain sampling values [n, 4] (temperature, top_p, top_k, min_p), as two
+    int32 arrays to copy with a step's other inputs: the four columns one after another (float32 bits;
+    greedy rows' temperature 1, top_k off as vocab_size), and each row's greedy flag as one byte."""
+    n = len(values)
+    columns = np.array(values.T, dtype=np.float32)  # a copy, column after column
+    greedy = columns[0] == 0.0
+    columns[0, greedy] = 1.0
+    top_k = columns[2]
+    columns[2] = np.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size)
+    flags = np.zeros(-(-n // 4) * 4, dtype=np.uint8)
+    flags[:n] = greedy
+    return columns.view(np.int32).ravel(), flags.view(np.int32)
+
+
 def _column(values: list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).unsqueeze(1).to(device, non_blocking=True)
+    return to_device(torch.tensor(values, dtype=dtype).unsqueeze(1), device)
 
 
 def _token_counts(histories: list[np.ndarray], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -97,7 +129,7 @@ def _token_counts(histories: list[np.ndarray], vocab_size: int, device: torch.de
     for row, history in enumerate(histories):
         padded[row, : len(history)] = history
     padded[(padded < 0) | (padded > vocab_size)] = vocab_size
-    ids = torch.from_numpy(padded).to(device, non_blocking=True)
+    ids = to_device(padded, device)
     counts = torch.zeros(len(histories), vocab_size + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
     return counts[:, :vocab_size]
@@ -123,8 +155,8 @@ def _banned(rows: list[SamplingRow], device: torch.device) -> tuple[torch.Tensor
     if not pairs:
         return None
     row_ids, token_ids = zip(*pairs)
-    return (torch.tensor(row_ids, dtype=torch.int64).to(device, non_blocking=True),
-            torch.tensor(token_ids, dtype=torch.int64).to(device, non_blocking=True))
+    return (to_device(torch.tensor(row_ids, dtype=torch.int64), device),
+            to_device(torch.tensor(token_ids, dtype=torch.int64), device))
 
 
 def build_sampling_batch(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> SamplingBatch:
@@ -135,7 +167,7 @@ def build_sampling_batch(rows: list[SamplingRow], vocab_size: int, device: torch
     return SamplingBatch(
         num_rows=len(rows),
         all_greedy=all(greedy),
-        greedy=torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True),
+        greedy=to_device(torch.tensor(greedy, dtype=torch.bool), device),
         temperature=_column([1.0 if p.greedy else p.temperature for p in params], torch.float32, device),
         top_k=_column(top_k, torch.int64, device) if any(k < vocab_size for k in top_k) else None,
         top_p=_column([p.top_p for p in params], torch.float32, device) if any(p.top_p < 1.0 for p in params) else None,

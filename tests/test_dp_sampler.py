@@ -10,7 +10,7 @@ import torch
 
 from twinplane.dataplane.plan import SamplingParams
 from twinplane.dataplane.sampler import Sampler, apply_min_p, apply_penalties
-from twinplane.dataplane.sampling_batch import SamplingRow, build_sampling_batch
+from twinplane.dataplane.sampling_batch import SamplingBatch, SamplingRow, build_sampling_batch
 
 CPU = torch.device("cpu")
 EMPTY = np.empty(0, dtype=np.int32)
@@ -131,3 +131,27 @@ def test_logprobs_are_log_softmax_of_raw_logits() -> None:
     assert bool((out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:]).all())
     assert batch.num_logprobs == [5, 0, -1]
     assert math.isclose(float(out.top_logprobs[0, 0]), float(reference[0].max()), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("params", [
+    [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5),
+     SamplingParams(temperature=1.3, top_p=0.8, min_p=0.1), SamplingParams(temperature=0.5, top_k=1003),
+     SamplingParams(temperature=0.0, top_k=3)],
+    [SamplingParams(temperature=0.9), SamplingParams(temperature=0.2)],
+    [SamplingParams(temperature=0.0)],
+], ids=["every-filter", "temperature-only", "greedy"])
+def test_plain_values_build_the_batch_the_general_path_builds(params: list[SamplingParams]) -> None:
+    """The fast path (the four values of each row as one array, on the device as views of a step's
+    copied inputs) must give the sampler exactly what the row-by-row path gives it."""
+    vocab = 1000
+    values = np.array([[p.temperature, p.top_p, p.top_k, p.min_p] for p in params], dtype=np.float32)
+    plain = SamplingBatch.from_plain_values(values, vocab, CPU)
+    general = build_sampling_batch(_rows(params), vocab, CPU)
+    assert plain.all_greedy == general.all_greedy and plain.num_rows == general.num_rows == len(params)
+    for name in ("greedy", "temperature", "top_k", "top_p", "min_p"):
+        mine, theirs = getattr(plain, name), getattr(general, name)
+        assert (mine is None) == (theirs is None), name
+        if mine is not None:
+            assert mine.dtype == theirs.dtype and torch.equal(mine, theirs), name
+    logits = _random_logits(len(params), vocab)
+    assert torch.equal(Sampler(3, CPU)(logits, plain).token_ids, Sampler(3, CPU)(logits, general).token_ids)
