@@ -191,8 +191,7 @@ def _launch(q, num_heads, stride_qt, stride_qh, rope, slot_mapping, k_cache, v_c
         return out
     assert order is None or order.shape == (num_seqs,), "order must hold one entry per sequence"
     from_qkv = rope is not None
-    has_norm = from_qkv and rope.q_norm is not None
-    assert not from_qkv or (rope.q_norm is None) == (rope.k_norm is None)
+    has_norm = from_qkv and rope.q_norm is not None  # check_qkv made sure k_norm comes with q_norm
     unused = context_lens  # any tensor, for the pointers a variant does not read
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, unused if order is None else order, part, lse,
