@@ -1,6 +1,6 @@
 """The control plane's own ceiling: the bench workload against a data plane that computes nothing.
 
-    python -m twinplane.controlplane.bench_stream [--api-server-count N] [--device-step-ms MS]
+    python -m twinplane.controlplane.bench_stream [--api-server-count N] [--device-step-ms MS [--launch-ms MS]]
                                                   [--max-steps-in-flight N] [--decode-steps K]
                                                   [--decode-steps-max-seqs N] [twinplane bench options]
 
@@ -17,7 +17,9 @@ With ``--device-step-ms MS`` the stand-in is the real data-plane server (its Ste
 threads and gRPC stream) over an emulated device instead: each step takes MS of device time
 (each step of a plan of several, MS each), queued behind the step before it as on a GPU.
 The idle time the benchmark then reports is what a device that fast would wait for the
-hosts, so pacing by the host shows up without a GPU.
+hosts, so pacing by the host shows up without a GPU. ``--launch-ms MS`` makes each launch take
+MS of host time first, holding the GIL as a real launch's Python and torch calls do (a GPU
+host's data plane spent ~1.7 ms launching a small decode step).
 """
 
 from __future__ import annotations
@@ -66,10 +68,10 @@ class NullDataPlane(dp_grpc.DataPlaneServicer):
 class _EmulatedStep:
     """A launched step of the emulated device: its tokens are ready at ``end`` (perf_counter)."""
 
-    prepare_us = forward_us = sample_us = 0  # host work of a real launch; none here
+    forward_us = sample_us = 0  # a real launch's parts; the emulated host work counts as prepare
 
-    def __init__(self, output: StepOutput, end: float) -> None:
-        self.step_id, self.output, self.end = output.step_id, output, end
+    def __init__(self, output: StepOutput, end: float, prepare_us: int) -> None:
+        self.step_id, self.output, self.end, self.prepare_us = output.step_id, output, end, prepare_us
 
     def wait(self) -> None:
         time.sleep(max(0.0, self.end - time.perf_counter()))
@@ -82,14 +84,17 @@ class _EmulatedStep:
 class EmulatedDevice:
     """A runner for the data-plane server that computes nothing but keeps a device queue: a plan
     of K steps takes K * ``step_ms`` of device time from when it is launched or when the step
-    before it ends, whichever is later; the time in between is its idle time. Token 1 for every
-    sampled token."""
+    before it ends, whichever is later; the time in between is its idle time. Each launch first
+    spends ``launch_ms`` of host time in Python (the GIL held). Token 1 for every sampled token."""
 
-    def __init__(self, step_ms: float) -> None:
-        self.step_s = step_ms / 1e3
+    def __init__(self, step_ms: float, launch_ms: float = 0.0) -> None:
+        self.step_s, self.launch_s = step_ms / 1e3, launch_ms / 1e3
         self.free_at: float | None = None  # when the last launched step ends
 
     def launch(self, plan: StepPlan) -> _EmulatedStep:
+        started = time.perf_counter()
+        while time.perf_counter() - started < self.launch_s:
+            pass  # the host's share of a launch: its device work is queued at the end
         cols = plan.cols()
         now = time.perf_counter()
         begin = now if self.free_at is None else max(now, self.free_at)
@@ -99,7 +104,8 @@ class EmulatedDevice:
         tokens = int(cols.decode_budget.sum()) if plan.num_steps > 1 else int(cols.sample.sum())
         path = StepPath.MULTI_DECODE if plan.num_steps > 1 else StepPath.EAGER
         return _EmulatedStep(StepOutput(step_id=plan.step_id, sampled_token_ids=np.ones(tokens, np.int32),
-                                        idle_us=round(idle * 1e6), execute_us=round(busy * 1e6), path=path), end)
+                                        idle_us=round(idle * 1e6), execute_us=round(busy * 1e6), path=path), end,
+                             round((now - started) * 1e6))
 
     def reset(self) -> None:
         self.free_at = None
@@ -111,8 +117,8 @@ class EmulatedDevice:
 class EmulatedDataPlane(DataPlaneServicer):
     """The data-plane server over an ``EmulatedDevice``, describing itself as Qwen3-0.6B."""
 
-    def __init__(self, step_ms: float) -> None:
-        super().__init__(EmulatedDevice(step_ms))
+    def __init__(self, step_ms: float, launch_ms: float = 0.0) -> None:
+        super().__init__(EmulatedDevice(step_ms, launch_ms))
 
     def Describe(self, request, context):
         described = dp.DescribeResponse()
@@ -193,8 +199,11 @@ CONTROL_PLANE_OPTIONS = ("--max-steps-in-flight", "--decode-steps", "--decode-st
 
 def main() -> int:
     args = sys.argv[1:]
-    step_ms = float(_take(args, "--device-step-ms", "0"))
-    server, dp_address, api = serve_stand_in(EmulatedDataPlane(step_ms) if step_ms > 0 else NullDataPlane())
+    step_ms, launch_ms = float(_take(args, "--device-step-ms", "0")), float(_take(args, "--launch-ms", "0"))
+    if launch_ms and not step_ms:
+        sys.exit("--launch-ms needs --device-step-ms")
+    stand_in = EmulatedDataPlane(step_ms, launch_ms) if step_ms > 0 else NullDataPlane()
+    server, dp_address, api = serve_stand_in(stand_in)
     cli = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", "WARNING"]
     interval = _option(args, "--stream-interval", "1")
     frontends = _take(args, "--api-server-count", "1")

@@ -182,6 +182,17 @@ def test_emulated_device_queues_steps_behind_each_other_and_counts_its_idle_time
     assert quick.launch(_decode_plan(2)).output.idle_us >= 45_000  # launched long after the device went idle
 
 
+def test_emulated_launch_takes_host_time_before_the_device_work_is_queued():
+    import time
+
+    device = EmulatedDevice(step_ms=1, launch_ms=20)
+    started = time.perf_counter()
+    first, second = device.launch(_decode_plan(1)), device.launch(_decode_plan(2))
+    assert time.perf_counter() - started >= 0.04 and first.prepare_us >= 20_000
+    # the first step ended 1 ms after its launch; the device then waited for the second launch
+    assert second.output.idle_us >= 19_000 and second.end - first.end >= 0.02
+
+
 def test_emulated_device_behind_the_real_data_plane_server_serves_a_control_plane():
     """The stand-in of ``bench_stream --device-step-ms``: the data plane's own Step pipeline over
     the emulated device; every token arrives and the engine counts the device time."""
