@@ -244,11 +244,13 @@ def report(requests: list[Request], elapsed: float, before: dict, after: dict, i
                                 bandwidth)
     steps = after["steps"] - before["steps"]
     idle_us, execute_us = after["idle_us"] - before["idle_us"], after["execute_us"] - before["execute_us"]
+    launch_us = after["launch_us"] - before["launch_us"]
     full = {name: after[f"full_decode_{name}"] - before[f"full_decode_{name}"] for name in ("steps", "idle_us", "execute_us")}
     figures = {
         "output_tokens": output_tokens, "seconds": elapsed, "tokens_per_s": output_tokens / elapsed,
         "roofline_s": roofline, "roofline_fraction": roofline / elapsed, "steps": steps,
         "idle_fraction": idle_us / max(execute_us, 1), "preemptions": after["preemptions"] - before["preemptions"],
+        "launch_ms_per_step": launch_us / max(steps, 1) / 1e3,
         "full_decode_steps": full["steps"], "full_decode_idle_fraction": full["idle_us"] / max(full["execute_us"], 1),
     }
     by_step = workload_step_roofline(requests, info, args)
@@ -273,7 +275,8 @@ def report(requests: list[Request], elapsed: float, before: dict, after: dict, i
           f"bytes at {args.peak_bandwidth_gbs:.0f} GB/s and its FLOPs at {args.peak_tflops:.0f} TFLOPS per GPU "
           f"({by_step.compute_bound_steps} compute-bound): {100 * figures['step_roofline_fraction']:.1f}% of it")
     print(f"data plane: {steps} steps, {execute_us / max(steps, 1) / 1e3:.2f} ms per step, idle between steps "
-          f"{100 * figures['idle_fraction']:.1f}% of step time; preemptions {figures['preemptions']}")
+          f"{100 * figures['idle_fraction']:.1f}% of step time, host launch {figures['launch_ms_per_step']:.2f} ms "
+          f"per step; preemptions {figures['preemptions']}")
     print(f"full-batch decode ({args.max_num_seqs} sequences): {full['steps']} steps, "
           f"{full['execute_us'] / max(full['steps'], 1) / 1e3:.2f} ms per step, idle before them "
           f"{100 * figures['full_decode_idle_fraction']:.1f}% of step time")

@@ -104,8 +104,8 @@ class EmulatedDevice:
         tokens = int(cols.decode_budget.sum()) if plan.num_steps > 1 else int(cols.sample.sum())
         path = StepPath.MULTI_DECODE if plan.num_steps > 1 else StepPath.EAGER
         return _EmulatedStep(StepOutput(step_id=plan.step_id, sampled_token_ids=np.ones(tokens, np.int32),
-                                        idle_us=round(idle * 1e6), execute_us=round(busy * 1e6), path=path), end,
-                             round((now - started) * 1e6))
+                                        idle_us=round(idle * 1e6), execute_us=round(busy * 1e6), path=path,
+                                        launch_us=round((now - started) * 1e6)), end, round((now - started) * 1e6))
 
     def reset(self) -> None:
         self.free_at = None

@@ -87,6 +87,7 @@ class StepTokens:
     idle_us: int = 0
     execute_us: int = 0
     prepare_us: int = 0
+    launch_us: int = 0
     path: int = dp.STEP_PATH_EAGER  # how the data plane ran the forward pass (dataplane.proto StepPath)
 
 
@@ -101,4 +102,4 @@ def decode_result(res: dp.StepResult) -> StepTokens:
             ids, lps = top.get(i, ([], []))
             logprobs.append(TokenLogprobs(token_id, value, list(zip(ids, lps))))
     t = res.timings
-    return StepTokens(token_ids, logprobs, t.idle_us, t.execute_us, t.prepare_us, t.path)
+    return StepTokens(token_ids, logprobs, t.idle_us, t.execute_us, t.prepare_us, t.launch_us, t.path)

@@ -32,7 +32,7 @@ step_log = logging.getLogger("twinplane.controlplane.steps")  # DEBUG: one line 
 # keyed by the data plane's StepPath.
 STEP_PATHS = step_path_names()
 # The step counters, named like ServerStats's fields.
-STAT_NAMES = ("steps", "idle_us", "execute_us", "computed_tokens",
+STAT_NAMES = ("steps", "idle_us", "execute_us", "launch_us", "computed_tokens",
               *(f"{path}_{counter}" for path in STEP_PATHS.values() for counter in ("steps", "execute_us")),
               "full_decode_steps", "full_decode_execute_us", "full_decode_idle_us")
 RECONNECT_DELAY = 0.5  # seconds between attempts to reach a data plane
@@ -163,6 +163,7 @@ class Replica:
         stats["steps"] += 1
         stats["idle_us"] += tokens.idle_us
         stats["execute_us"] += tokens.execute_us
+        stats["launch_us"] += tokens.launch_us
         num_tokens = out.num_batched_tokens
         stats["computed_tokens"] += num_tokens
         path = STEP_PATHS.get(tokens.path)

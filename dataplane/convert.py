@@ -57,7 +57,7 @@ def output_to_pb(out: StepOutput) -> dp.StepResult:
         step_id=out.step_id,
         sampled_token_ids=np.ascontiguousarray(out.sampled_token_ids, dtype="<i4").tobytes(),
         timings=dp.StepTimings(prepare_us=out.prepare_us, execute_us=out.execute_us, idle_us=out.idle_us,
-                               path=int(out.path)),
+                               path=int(out.path), launch_us=out.launch_us),
     )
     if out.sampled_logprobs is not None:
         result.sampled_logprobs = np.ascontiguousarray(out.sampled_logprobs, dtype="<f4").tobytes()

@@ -92,6 +92,7 @@ class LaunchedStep:
     prepare_us: int
     forward_us: int = 0  # CPU: queueing the forward pass (graph replay or eager launches)
     sample_us: int = 0  # CPU: queueing logits and sampling
+    launch_us: int = 0  # CPU: the whole launch
     idle_us: int = 0  # CPU: time between the previous step's end and this one's start
     execute_us: int = 0  # CPU: forward pass and sampling
     path: StepPath = StepPath.EAGER  # how the forward pass ran
@@ -138,6 +139,7 @@ class LaunchedStep:
                         lps = top_lps[row, :n] if top_lps is not None else np.empty(0, np.float32)
                         output.top_logprobs[row] = (ids, lps)
         output.prepare_us, output.idle_us, output.execute_us = self.prepare_us, self.idle_us, self.execute_us
+        output.launch_us = self.launch_us
         output.path = self.path
         if self.begin is not None:  # device time, measured by events: CPU work that overlaps costs nothing
             output.execute_us = int(self.begin.elapsed_time(self.done) * 1000)
@@ -322,6 +324,7 @@ class ModelRunner:
             if inputs.sampling is not None:
                 self._sample(step, inputs, hidden, keep_logits)
                 step.sample_us = int((time.perf_counter() - forwarded) * 1e6)
+        step.launch_us = int((time.perf_counter() - started) * 1e6)
         if cuda:
             step.done.record(self.sequences.stream)
         else:

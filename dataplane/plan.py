@@ -147,6 +147,7 @@ class StepOutput:
     # index among sampled seqs -> (token ids int32 [n], logprobs float32 [n]), most likely first
     top_logprobs: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     prepare_us: int = 0
+    launch_us: int = 0  # host time of the whole launch (prepare_us is its first part)
     execute_us: int = 0
     idle_us: int = 0
     path: StepPath = StepPath.EAGER

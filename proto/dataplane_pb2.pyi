@@ -153,16 +153,18 @@ class TopLogprobs(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ...) -> None: ...
 
 class StepTimings(_message.Message):
-    __slots__ = ("prepare_us", "execute_us", "idle_us", "path")
+    __slots__ = ("prepare_us", "execute_us", "idle_us", "path", "launch_us")
     PREPARE_US_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_US_FIELD_NUMBER: _ClassVar[int]
     IDLE_US_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_US_FIELD_NUMBER: _ClassVar[int]
     prepare_us: int
     execute_us: int
     idle_us: int
     path: StepPath
-    def __init__(self, prepare_us: _Optional[int] = ..., execute_us: _Optional[int] = ..., idle_us: _Optional[int] = ..., path: _Optional[_Union[StepPath, str]] = ...) -> None: ...
+    launch_us: int
+    def __init__(self, prepare_us: _Optional[int] = ..., execute_us: _Optional[int] = ..., idle_us: _Optional[int] = ..., path: _Optional[_Union[StepPath, str]] = ..., launch_us: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "sampled_token_ids", "sampled_logprobs", "top_logprobs", "error", "timings")

@@ -209,7 +209,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("steps", "execute_us", "idle_us", "preemptions", "waiting", "running", "free_kv_blocks", "computed_tokens", "decode_graph_steps", "decode_graph_execute_us", "mixed_graph_steps", "mixed_graph_execute_us", "full_decode_steps", "full_decode_execute_us", "full_decode_idle_us", "prefix_cache_queries", "prefix_cache_hits", "dataplanes", "frontend", "api_server_count", "multi_decode_steps", "multi_decode_execute_us")
+    __slots__ = ("steps", "execute_us", "idle_us", "preemptions", "waiting", "running", "free_kv_blocks", "computed_tokens", "decode_graph_steps", "decode_graph_execute_us", "mixed_graph_steps", "mixed_graph_execute_us", "full_decode_steps", "full_decode_execute_us", "full_decode_idle_us", "prefix_cache_queries", "prefix_cache_hits", "dataplanes", "frontend", "api_server_count", "multi_decode_steps", "multi_decode_execute_us", "launch_us")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_US_FIELD_NUMBER: _ClassVar[int]
     IDLE_US_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,7 @@ class ServerStats(_message.Message):
     API_SERVER_COUNT_FIELD_NUMBER: _ClassVar[int]
     MULTI_DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     MULTI_DECODE_EXECUTE_US_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_US_FIELD_NUMBER: _ClassVar[int]
     steps: int
     execute_us: int
     idle_us: int
@@ -254,7 +255,8 @@ class ServerStats(_message.Message):
     api_server_count: int
     multi_decode_steps: int
     multi_decode_execute_us: int
-    def __init__(self, steps: _Optional[int] = ..., execute_us: _Optional[int] = ..., idle_us: _Optional[int] = ..., preemptions: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., decode_graph_steps: _Optional[int] = ..., decode_graph_execute_us: _Optional[int] = ..., mixed_graph_steps: _Optional[int] = ..., mixed_graph_execute_us: _Optional[int] = ..., full_decode_steps: _Optional[int] = ..., full_decode_execute_us: _Optional[int] = ..., full_decode_idle_us: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., dataplanes: _Optional[_Iterable[_Union[DataPlaneStats, _Mapping]]] = ..., frontend: _Optional[int] = ..., api_server_count: _Optional[int] = ..., multi_decode_steps: _Optional[int] = ..., multi_decode_execute_us: _Optional[int] = ...) -> None: ...
+    launch_us: int
+    def __init__(self, steps: _Optional[int] = ..., execute_us: _Optional[int] = ..., idle_us: _Optional[int] = ..., preemptions: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., decode_graph_steps: _Optional[int] = ..., decode_graph_execute_us: _Optional[int] = ..., mixed_graph_steps: _Optional[int] = ..., mixed_graph_execute_us: _Optional[int] = ..., full_decode_steps: _Optional[int] = ..., full_decode_execute_us: _Optional[int] = ..., full_decode_idle_us: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., dataplanes: _Optional[_Iterable[_Union[DataPlaneStats, _Mapping]]] = ..., frontend: _Optional[int] = ..., api_server_count: _Optional[int] = ..., multi_decode_steps: _Optional[int] = ..., multi_decode_execute_us: _Optional[int] = ..., launch_us: _Optional[int] = ...) -> None: ...
 
 class DataPlaneStats(_message.Message):
     __slots__ = ("target", "connected", "waiting", "running", "free_kv_blocks", "num_kv_blocks", "steps", "computed_tokens", "preemptions", "prefix_cache_queries", "prefix_cache_hits")

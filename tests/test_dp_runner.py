@@ -236,3 +236,18 @@ def test_decode_steps_list_the_longest_context_first(runner: ModelRunner) -> Non
     assert graphs._metadata(8, 8, [1] * 8).decode_order.data_ptr() == graphs.decode_order.data_ptr()
     assert graphs._metadata(8, 16, [2] * 8).decode_order is None
     runner.reset()
+
+
+def test_step_output_reports_the_launch_host_time(runner: ModelRunner) -> None:
+    """launch_us covers the whole launch (prepare_us is its first part) and crosses the wire."""
+    from twinplane.controlplane.plan_codec import decode_result
+    from twinplane.dataplane.convert import output_to_pb
+    from twinplane.proto import dataplane_pb2 as dp
+
+    runner.reset()
+    builder = PlanBuilder(BLOCK)
+    seq = builder.new_seq(1, [1, 2, 3, 4, 5], SamplingParams(temperature=0.0))
+    out = runner.step(StepPlan(1, [builder.schedule(seq)]))
+    assert out.launch_us > 0 and out.launch_us >= out.prepare_us
+    wire = decode_result(dp.StepResult.FromString(output_to_pb(out).SerializeToString()))
+    assert (wire.launch_us, wire.prepare_us) == (out.launch_us, out.prepare_us)

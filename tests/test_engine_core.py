@@ -89,7 +89,7 @@ def test_the_core_applies_a_step_counts_it_and_logs_it_at_debug(caplog):
         core.add(AddRequest(8, "b", [5, 6], RequestParams(max_tokens=3)))
         out = replica.scheduler.schedule()
         result = dp.StepResult(step_id=out.step_id, sampled_token_ids=np.array([2, 9], "<i4").tobytes(),
-                               timings=dp.StepTimings(idle_us=40, execute_us=900, prepare_us=60,
+                               timings=dp.StepTimings(idle_us=40, execute_us=900, prepare_us=60, launch_us=350,
                                                       path=dp.STEP_PATH_MIXED_GRAPH))
         with caplog.at_level("DEBUG", logger="twinplane.controlplane.steps"):
             outputs = replica._apply(out, result)
@@ -101,7 +101,7 @@ def test_the_core_applies_a_step_counts_it_and_logs_it_at_debug(caplog):
     assert list(core.seqs) == [8] and core.snapshot().running == 1
     stats = core.snapshot().stats
     assert (stats["steps"], stats["idle_us"], stats["execute_us"], stats["computed_tokens"]) == (1, 40, 900, 5)
-    assert stats["mixed_graph_steps"] == 1 and stats["full_decode_steps"] == 0
+    assert stats["mixed_graph_steps"] == 1 and stats["full_decode_steps"] == 0 and stats["launch_us"] == 350
     assert [r.getMessage() for r in caplog.records] == [
         f"step {step_id}: 2 sequences, 5 tokens, path mixed_graph, idle 40 us, prepare 60 us, "
         "execute 900 us"]
