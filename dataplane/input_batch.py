@@ -31,6 +31,8 @@ from twinplane.dataplane.plan import MAX_DECODE_STEPS, PlanColumns, SamplingPara
 from twinplane.dataplane.sampling_batch import SamplingBatch, SamplingRow, build_sampling_batch, plain_columns
 
 PENDING = -1  # a decode token the data plane sampled in the previous plan
+# the arrays of a plan of several decode steps, in the order _decode_steps returns them
+DECODE_STEP_PARTS = ("step_positions", "step_slots", "step_context_lens", "step_cu_seqlens_k", "step_last")
 
 
 @dataclass(frozen=True)
@@ -359,41 +361,43 @@ class InputBatch:
         cu_q = _cumsum0(cols.num_tokens)
         sample_idx = cu_q[1:][cols.sample] - 1
         sample_rows = rows[cols.sample]
-        parts = [cols.token_ids, positions, cols.slot_mapping, cu_q, _cumsum0(context),
-                 context, self.block_table[rows, :width].ravel(), sample_idx, sample_rows, cu_q[1:][pending] - 1,
-                 rows[pending]]
+        parts = {"token_ids": cols.token_ids, "positions": positions, "slot_mapping": cols.slot_mapping,
+                 "cu_seqlens_q": cu_q, "cu_seqlens_k": _cumsum0(context), "context_lens": context,
+                 "block_tables": self.block_table[rows, :width].ravel(), "sample_idx": sample_idx,
+                 "sample_rows": sample_rows, "pending_at": cu_q[1:][pending] - 1, "pending_rows": rows[pending]}
         decode = n == t
         if decode:  # longest context first: the decode kernel starts them in this order
-            parts.append(np.argsort(-context, kind="stable"))
+            parts["decode_order"] = np.argsort(-context, kind="stable")
         if budget is not None:
             steps = self._decode_steps(rows, cols.start_pos, budget)
-            parts += [a.ravel() for a in steps]
+            parts.update(zip(DECODE_STEP_PARTS, (a.ravel() for a in steps)))
         plain = len(sample_idx) > 0 and bool(self.plain[sample_rows].all())
         if plain:  # the sampling values travel with the rest: no copy of their own
             values = self.sampling_values[sample_rows]
-            parts += plain_columns(values, self.limits.vocab_size)
-        views = self._to_device(parts)
-        input_ids = views[0]
+            parts["sampling_columns"], parts["greedy_flags"] = plain_columns(values, self.limits.vocab_size)
+        v = self._to_device(parts)
+        input_ids = v["token_ids"]
         if pending.all():  # the previous plan's samples, still on the device
-            input_ids = self.last_token.index_select(0, views[10])
+            input_ids = self.last_token.index_select(0, v["pending_rows"])
         elif pending.any():
-            input_ids = input_ids.index_put((views[9],), self.last_token.index_select(0, views[10]))
+            input_ids = input_ids.index_put((v["pending_at"],), self.last_token.index_select(0, v["pending_rows"]))
         metadata = AttentionMetadata(
-            cu_seqlens_q=views[3], cu_seqlens_k=views[4], context_lens=views[5],
-            max_seqlen_q=int(cols.num_tokens.max()), max_seqlen_k=int(context.max()), slot_mapping=views[2],
-            block_tables=views[6].view(n, width), query_lens_host=cols.num_tokens.tolist(),
-            context_lens_host=context.tolist(), decode_order=views[11] if decode else None)
+            cu_seqlens_q=v["cu_seqlens_q"], cu_seqlens_k=v["cu_seqlens_k"], context_lens=v["context_lens"],
+            max_seqlen_q=int(cols.num_tokens.max()), max_seqlen_k=int(context.max()), slot_mapping=v["slot_mapping"],
+            block_tables=v["block_tables"].view(n, width), query_lens_host=cols.num_tokens.tolist(),
+            context_lens_host=context.tolist(), decode_order=v.get("decode_order"))
         if plain:
-            sampling = SamplingBatch.from_plain_columns(values, views[-2], views[-1], self.limits.vocab_size)
+            sampling = SamplingBatch.from_plain_columns(values, v["sampling_columns"], v["greedy_flags"],
+                                                        self.limits.vocab_size)
         else:
             sampling = self._sampling(cols, sample_rows, context[cols.sample]) if len(sample_idx) else None
         sampled = SampledRows(sample_rows, cols.seq_ids[cols.sample], context[cols.sample])
         assert input_ids.shape[0] == t
-        inputs = StepInputs(input_ids, views[1], metadata, views[7], sampling, views[8], sampled)
+        inputs = StepInputs(input_ids, v["positions"], metadata, v["sample_idx"], sampling, v["sample_rows"], sampled)
         if budget is not None:
             k = len(steps[0])
-            pos, slots, ctx, cu_k = (v.view(k, -1) for v in views[12:16])
-            inputs.decode_steps = DecodeSteps(pos, slots, ctx, cu_k, steps[2].tolist(), budget, views[16])
+            pos, slots, ctx, cu_k = (v[name].view(k, -1) for name in DECODE_STEP_PARTS[:4])
+            inputs.decode_steps = DecodeSteps(pos, slots, ctx, cu_k, steps[2].tolist(), budget, v["step_last"])
         return inputs
 
     def _decode_steps(self, rows: np.ndarray, start: np.ndarray, budget: np.ndarray) -> list[np.ndarray]:
@@ -413,8 +417,8 @@ class InputBatch:
         """Keeps a step's sampled tokens on the device, as inputs for PENDING tokens of the next plan."""
         self.last_token.index_put_((sample_rows,), token_ids.to(torch.int32))
 
-    def _to_device(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
-        """One host-to-device copy for every int32 array of the step.
+    def _to_device(self, parts: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """One host-to-device copy for every int32 array of the step; returns a view of each by name.
 
         Each array starts on a 16-byte boundary: Triton specializes kernels on pointer
         alignment, so an odd token count must not shift the next array off it (that would
@@ -424,17 +428,17 @@ class InputBatch:
         staging, copied = self._staging[k], self._staging_copied[k]
         if copied is not None:
             copied.synchronize()  # the plan before last may still be reading this buffer
-        host, spans, end = self._staging_host[k], [], 0
-        for part in parts:
+        host, spans, end = self._staging_host[k], {}, 0
+        for name, part in parts.items():
             size = len(part)
             host[end:end + size] = part
-            spans.append((end, size))
+            spans[name] = (end, size)
             end += -(-size // 4) * 4
         assert end <= len(host), "step inputs exceed the staging buffer"
         device = staging[:end].to(self.device, non_blocking=True)
         if copied is not None:
             copied.record(self.stream)
-        return [device[start:start + size] for start, size in spans]
+        return {name: device[start:start + size] for name, (start, size) in spans.items()}
 
     def _sampling(self, cols: PlanColumns, rows: np.ndarray, context: np.ndarray) -> SamplingBatch:
         """Rows with penalties, seeds, log-probabilities or min_tokens (one row at a time)."""
