@@ -336,12 +336,9 @@ class InputBatch:
                 self.num_blocks[row] = have + k
             if np.any(-(-final // bs) > self.num_blocks[rows]):
                 _fail("a sequence's block table does not cover its tokens")
-            if len(cols.token_ids) == len(rows):  # one token each (decode): nothing to expand per token
-                positions, token_rows = cols.start_pos.astype(np.int64), rows
-            else:
-                starts = _cumsum0(cols.num_tokens)[:-1]
-                positions = np.arange(len(cols.token_ids)) + np.repeat(cols.start_pos - starts, cols.num_tokens)
-                token_rows = np.repeat(rows, cols.num_tokens)
+            starts = _cumsum0(cols.num_tokens)[:-1]
+            positions = np.arange(len(cols.token_ids)) + np.repeat(cols.start_pos - starts, cols.num_tokens)
+            token_rows = np.repeat(rows, cols.num_tokens)
             expected = self.block_table[token_rows, positions // bs] * bs + positions % bs
             slots = cols.slot_mapping
             if not np.all((slots == -1) | (slots == expected)):
