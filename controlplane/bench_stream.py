@@ -97,6 +97,7 @@ class EmulatedDevice:
             pass  # the host's share of a launch: its device work is queued at the end
         cols = plan.cols()
         now = time.perf_counter()
+        launch_us = round((now - started) * 1e6)
         begin = now if self.free_at is None else max(now, self.free_at)
         idle = 0.0 if self.free_at is None else begin - self.free_at
         busy = self.step_s * plan.num_steps
@@ -105,7 +106,7 @@ class EmulatedDevice:
         path = StepPath.MULTI_DECODE if plan.num_steps > 1 else StepPath.EAGER
         return _EmulatedStep(StepOutput(step_id=plan.step_id, sampled_token_ids=np.ones(tokens, np.int32),
                                         idle_us=round(idle * 1e6), execute_us=round(busy * 1e6), path=path,
-                                        launch_us=round((now - started) * 1e6)), end, round((now - started) * 1e6))
+                                        launch_us=launch_us), end, launch_us)
 
     def reset(self) -> None:
         self.free_at = None
