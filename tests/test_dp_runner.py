@@ -56,14 +56,19 @@ def _bad_plans(builder: PlanBuilder) -> dict[str, StepPlan]:
         "max_model_len": fresh(54, [1, 2], start_pos=63),
         "block id": fresh(55, [1, 2], new_block_ids=np.array([64], np.int32)),
         "batch": fresh(56, [1] * 65),
+        "repeated": StepPlan(0, [builder.schedule(builder.new_seq(57, [1, 2]))] * 2),
     }
 
 
-@pytest.mark.parametrize("case", ["unknown", "vocab", "slot", "table", "max_model_len", "block id", "batch"])
+BAD_PLAN_MESSAGES = {"repeated": "schedules a seq_id more than once"}
+
+
+@pytest.mark.parametrize("case", ["unknown", "vocab", "slot", "table", "max_model_len", "block id", "batch",
+                                  "repeated"])
 def test_bad_plans_fail_the_step_not_the_runner(runner: ModelRunner, case: str) -> None:
     runner.reset()
     builder = PlanBuilder(BLOCK, first_block=20)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=BAD_PLAN_MESSAGES.get(case)):
         runner.step(_bad_plans(builder)[case])
     assert len(runner.sequences) == 0, "a rejected plan must not change the mirrors"
     good = builder.new_seq(1, [5, 6, 7])
