@@ -68,11 +68,14 @@ def common_describe(descs: list[dp.DescribeResponse]) -> dp.DescribeResponse:
 
 
 class EngineCore:
-    def __init__(self, config: ControlPlaneConfig, frontend, counters: CoreSnapshot | None = None):
+    def __init__(self, config: ControlPlaneConfig, frontend, counters: CoreSnapshot | None = None,
+                 on_connected=lambda: None):
         """frontend: where messages to the frontends go (fanout.Frontends.send); counters: the last
-        snapshot of the core this one replaces, whose counters it carries on."""
+        snapshot of the core this one replaces, whose counters it carries on; on_connected(): called
+        once a data plane has connected and its KV blocks are allocated."""
         self.config = config
         self.frontend = frontend
+        self.on_connected = on_connected
         self.replicas = [Replica(i, target, self) for i, target in enumerate(config.dataplanes)]
         self.router = Router(config.routing)
         self.seqs: dict[int, tuple[Sequence, frozenset[int]]] = {}  # unfinished sequences and their stop tokens
@@ -158,9 +161,11 @@ class EngineCore:
         self.replica_of[seq.seq_id] = replica
         replica.add(seq)
 
-    def connections_changed(self) -> None:
-        """A data plane connected or was lost: the frontend hears the new limits (or NOT_SERVING),
-        and sequences that waited for any data plane are routed."""
+    def connections_changed(self, connected: bool) -> None:
+        """A data plane connected (connected) or was lost: the frontend hears the new limits (or
+        NOT_SERVING), and sequences that waited for any data plane are routed."""
+        if connected:
+            self.on_connected()
         self._tell_frontend()
         if any(r.connected for r in self.replicas):
             waiting, self.unrouted = self.unrouted, deque()
@@ -298,7 +303,9 @@ async def _serve_core(socks: list[socket.socket]) -> None:
             channel.close()
         return  # the frontend went away before it said anything
     assert isinstance(first, Configure), f"the engine core's first message must be Configure, got {first!r}"
-    core = EngineCore(first.config, Frontends(channels), first.counters)
+    # the KV blocks of each data plane that connects are kept until it is lost: out of the collector's way
+    core = EngineCore(first.config, Frontends(channels), first.counters,
+                      on_connected=lambda: event_loop.freeze_heap("engine core"))
     serving = [asyncio.create_task(_serve_frontend(core, index, channel)) for index, channel in enumerate(channels)]
     serving[0].add_done_callback(lambda _: core.shutdown())  # frontend 0 is gone: nobody to serve
     try:

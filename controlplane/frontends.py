@@ -133,7 +133,7 @@ def main() -> None:
 
 async def _serve_secondary(sock: socket.socket) -> None:
     """Serves until the primary says stop (or goes away), or SIGTERM."""
-    from twinplane.controlplane.main import ControlPlane
+    from twinplane.controlplane.main import ControlPlane, freeze_heap_once_ready
     from twinplane.controlplane.supervisor import CoreLink
 
     control = Control(sock)
@@ -147,6 +147,7 @@ async def _serve_secondary(sock: socket.socket) -> None:
     cores: asyncio.Queue = asyncio.Queue()
     plane = ControlPlane(config, start.security, index=index, link=lambda c, engine: CoreLink(c, engine, cores))
     await plane.start()
+    frozen = asyncio.create_task(freeze_heap_once_ready(plane.engine, f"frontend {index}"))
     log.info("frontend %d serving on %s", index, config.listen)
     stop: asyncio.Future = asyncio.get_running_loop().create_future()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: stop.done() or stop.set_result(None))
@@ -154,6 +155,7 @@ async def _serve_secondary(sock: socket.socket) -> None:
     commands = asyncio.create_task(_follow(control, cores, stop))
     await asyncio.wait((stop, asyncio.ensure_future(plane.engine.crashed.wait())),
                        return_when=asyncio.FIRST_COMPLETED)
+    frozen.cancel()
     grace = stop.result() if stop.done() else 0.0
     await plane.shutdown(grace)
     report.cancel()

@@ -13,6 +13,7 @@ import grpc
 from twinplane.controlplane.auth import ApiKeyInterceptor
 from twinplane.controlplane.config import ControlPlaneConfig
 from twinplane.controlplane.engine import Engine, first_of
+from twinplane.controlplane.event_loop import freeze_heap
 from twinplane.controlplane.frontends import Secondaries, shared_config
 from twinplane.controlplane.metrics import registry_for, serve_metrics
 from twinplane.controlplane.server import create_server
@@ -108,6 +109,12 @@ class ControlPlane:
             self.metrics_server.server_close()
 
 
+async def freeze_heap_once_ready(engine: Engine, process: str) -> None:
+    """Once the frontend first serves (its tokenizer loaded), what it holds then is kept for good."""
+    await engine.ready.wait()
+    freeze_heap(process)
+
+
 async def serve(config: ControlPlaneConfig, security: Security = Security(), on_readiness=None) -> None:
     """Serves until SIGTERM or SIGINT, then shuts down gracefully; on_readiness(ready) is called
     whenever the service becomes ready or stops being ready."""
@@ -115,6 +122,7 @@ async def serve(config: ControlPlaneConfig, security: Security = Security(), on_
     if on_readiness is not None:
         plane.engine.on_readiness.append(on_readiness)
     await plane.start()
+    frozen = asyncio.create_task(freeze_heap_once_ready(plane.engine, "frontend 0"))
     log.info("control plane listening on %s (port %d), data plane %s%s", config.listen, plane.port, config.dataplane,
              f", {config.api_server_count} frontend processes" if config.api_server_count > 1 else "")
     stop = asyncio.Event()
@@ -123,6 +131,7 @@ async def serve(config: ControlPlaneConfig, security: Security = Security(), on_
         loop.add_signal_handler(sig, stop.set)
     secondary_died = plane.secondaries.died if plane.secondaries is not None else asyncio.Event()
     await first_of(stop, plane.engine.crashed, secondary_died)
+    frozen.cancel()
     if plane.engine.crashed.is_set():  # e.g. an unreadable tokenizer folder: say so and exit, don't hang
         await plane.shutdown(grace=0.0)
         raise SystemExit("the control plane stopped: its engine failed (see the error above)")

@@ -241,7 +241,7 @@ class Replica:
     def _set_connected(self, connected: bool) -> None:
         if connected != self.connected:
             self.connected = connected
-            self.core.connections_changed()
+            self.core.connections_changed(connected)
 
     async def _reconnect(self, why: str) -> None:
         log.warning("%s lost (%s); waiting for it to come back", self, why)

@@ -49,11 +49,13 @@ def _free_port() -> int:
 def worker_main(config: DataPlaneConfig, rank: int, port: int, shm_name: str, wake, ack) -> None:
     """A tensor-parallel rank > 0: runs every step rank 0 sends, until EXIT."""
     from twinplane.dataplane.convert import plan_from_pb
+    from twinplane.dataplane.main import freeze_heap
     from twinplane.dataplane.model_runner import ModelRunner
     from twinplane.proto import dataplane_pb2 as dp
 
     init_process_group(rank, config.tensor_parallel_size, port)
     runner = ModelRunner(config)
+    freeze_heap(f"data plane rank {rank}")
     shm = SharedMemory(name=shm_name)
     resource_tracker.unregister(shm._name, "shared_memory")  # rank 0 owns and unlinks it
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -46,8 +47,8 @@ def _generate(address: str, *args: str) -> subprocess.CompletedProcess:
 def test_serve_then_generate_streams_text(smollm2_dir, tmp_path):
     address = f"unix://{tmp_path}/cp.sock"
     log = (tmp_path / "serve.log").open("w")
-    server = subprocess.Popen([*CLI, "serve", "--model", str(smollm2_dir), "--device", "cpu", "--listen", address,
-                               "--shutdown-grace", "1"], stdin=subprocess.DEVNULL, stderr=log,
+    server = subprocess.Popen([*CLI, "--log-level", "DEBUG", "serve", "--model", str(smollm2_dir), "--device", "cpu",
+                               "--listen", address, "--shutdown-grace", "1"], stdin=subprocess.DEVNULL, stderr=log,
                               env=_fresh_tmpdir(tmp_path))
     try:
         with Client(address) as client:
@@ -71,6 +72,9 @@ def test_serve_then_generate_streams_text(smollm2_dir, tmp_path):
     stderr = (tmp_path / "serve.log").read_text()
     assert f"twinplane: starting the data plane ({smollm2_dir})" in stderr
     assert f"twinplane: data plane ready; serving on {address}" in stderr
+    # each process keeps what it holds for good out of the garbage collector's full collections
+    for process in ("data plane", "engine core", "frontend 0"):
+        assert re.search(rf"{process}: \d+ objects kept since start-up are out of the garbage", stderr), process
     assert _left_in_tmpdir(tmp_path) == []
 
 

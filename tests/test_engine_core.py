@@ -8,6 +8,8 @@ import os
 import pickle
 import signal
 import socket
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -17,6 +19,27 @@ from twinplane.controlplane.api import TokenLogprobs
 from twinplane.controlplane.ipc import Channel
 from twinplane.controlplane.messages import Abort, AddRequest, CoreSnapshot, StepOutputs, TokenOutput
 from twinplane.controlplane.sequence import RequestParams
+
+
+def test_freezing_the_heap_again_first_frees_what_died_since():
+    """What a process holds for good is kept out of full collections; an object frozen by one call
+    and dropped later (the KV blocks of a data plane that reconnected) is freed by the next call."""
+    script = """
+import gc, weakref
+from twinplane.controlplane.event_loop import freeze_heap
+class Node: pass
+node = Node(); node.loop = node
+dead = weakref.ref(node)
+freeze_heap("test")
+assert gc.get_freeze_count() > 0
+del node
+gc.collect()
+assert dead() is not None, "a full collection reached a frozen object"
+freeze_heap("test")
+assert dead() is None, "the next freeze kept an object that died meanwhile"
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
 
 
 def test_messages_arrive_in_order_with_what_they_carry():
