@@ -33,6 +33,10 @@ from twinplane.dataplane.sampling_batch import SamplingBatch, SamplingRow, build
 PENDING = -1  # a decode token the data plane sampled in the previous plan
 # the arrays of a plan of several decode steps, in the order _decode_steps returns them
 DECODE_STEP_PARTS = ("step_positions", "step_slots", "step_context_lens", "step_cu_seqlens_k", "step_last")
+# every array a step may stage for its one host-to-device copy (see _build)
+STAGED_PARTS = ("token_ids", "positions", "slot_mapping", "cu_seqlens_q", "cu_seqlens_k", "context_lens",
+                "block_tables", "sample_idx", "sample_rows", "pending_at", "pending_rows", "decode_order",
+                *DECODE_STEP_PARTS, "sampling_columns", "greedy_flags")
 
 
 @dataclass(frozen=True)
@@ -131,7 +135,7 @@ class InputBatch:
         staging = 4 * limits.max_num_batched_tokens + (self.max_blocks + 6) * limits.max_num_seqs + 8
         staging += 4 * MAX_DECODE_STEPS * (limits.max_num_seqs + 1)  # the inputs of several decode steps
         staging += 4 * limits.max_num_seqs + limits.max_num_seqs // 4 + 1  # plain sampling values and flags
-        staging += 4 * 19  # each of the step's (at most 19) arrays starts 16-byte aligned
+        staging += 4 * len(STAGED_PARTS)  # each staged array starts 16-byte aligned
         pinned = device.type == "cuda"
         # two staging buffers, alternating: one may still be copying while the next plan is prepared
         self._staging = [torch.empty(staging, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
@@ -426,6 +430,7 @@ class InputBatch:
         if copied is not None:
             copied.synchronize()  # the plan before last may still be reading this buffer
         host, spans, end = self._staging_host[k], {}, 0
+        assert len(parts) <= len(STAGED_PARTS), "more staged arrays than the staging buffer allows for"
         for name, part in parts.items():
             size = len(part)
             host[end:end + size] = part
