@@ -238,6 +238,10 @@ def report(requests: list[Request], elapsed: float, before: dict, after: dict, i
     output_tokens = sum(len(r.token_times) for r in requests)
     ttft = [r.token_times[0] - r.sent for r in requests if r.token_times]
     itl = [b - a for r in requests for a, b in zip(r.token_times, r.token_times[1:])]
+    # a request's mean time per output token after its first: tokens that arrive several in one
+    # message (plans of several decode steps) count at their mean pace, not as gaps of 0
+    tpot = [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) for r in requests
+            if len(r.token_times) > 1]
     dp = max(info.data_parallel_size, 1)  # data planes, each with its own GPUs, weights and batch
     bandwidth = args.peak_bandwidth_gbs * 1e9 * info.tensor_parallel_size * dp
     roofline = roofline_seconds(requests, info.weight_bytes * dp, info.kv_bytes_per_token, args.max_num_seqs * dp,
@@ -253,6 +257,9 @@ def report(requests: list[Request], elapsed: float, before: dict, after: dict, i
         "launch_ms_per_step": launch_us / max(steps, 1) / 1e3,
         "full_decode_steps": full["steps"], "full_decode_idle_fraction": full["idle_us"] / max(full["execute_us"], 1),
     }
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
+        figures[f"{name}_p50_s"], figures[f"{name}_p99_s"] = np.percentile(values, [50, 99]) if values else (0.0, 0.0)
+    figures["itl_max_s"] = max(itl, default=0.0)
     by_step = workload_step_roofline(requests, info, args)
     figures.update(step_roofline_s=by_step.seconds, step_roofline_fraction=by_step.seconds / elapsed,
                    step_roofline_steps=by_step.num_steps, compute_bound_steps=by_step.compute_bound_steps)
@@ -281,7 +288,8 @@ def report(requests: list[Request], elapsed: float, before: dict, after: dict, i
           f"{full['execute_us'] / max(full['steps'], 1) / 1e3:.2f} ms per step, idle before them "
           f"{100 * figures['full_decode_idle_fraction']:.1f}% of step time")
     print(f"steps by path: {_paths(before, after)}")
-    print(f"TTFT {_percentiles(ttft)}; inter-token latency {_percentiles(itl)}")
+    print(f"TTFT {_percentiles(ttft)}; inter-token latency {_percentiles(itl)}, max {figures['itl_max_s'] * 1e3:.1f} ms; "
+          f"time per output token {_percentiles(tpot)}")
     if client_cpu:
         print(f"benchmark client: {len(client_cpu)} process(es), {args.channels} channel(s) each, CPU time "
               + " / ".join(f"{seconds:.2f}" for seconds in client_cpu) + " s")

@@ -110,12 +110,8 @@ def test_full_batch_decode_steps_are_counted_with_their_idle_time(control_plane,
     assert delta["full_decode_execute_us"] == DECODE_US * full and delta["full_decode_idle_us"] == IDLE_US * full
 
     requests = [Request([1] * 40, 300, 0.0, [0.1] * 300), Request([1] * 70, 300, 0.0, [0.2] * 300)]
-    info = SimpleNamespace(model="m", dtype="bfloat16", tensor_parallel_size=1, device="d", attention_backend="a",
-                           num_kv_blocks=1, block_size=16, weight_bytes=1, kv_bytes_per_token=1, data_parallel_size=1,
-                           max_num_seqs=FULL_BATCH, max_num_batched_tokens=128, layer_params=1, hidden_size=1,
-                           vocab_size=1, num_hidden_layers=1, num_attention_heads=1, head_dim=1)
-    args = SimpleNamespace(peak_bandwidth_gbs=4800.0, peak_tflops=989.0, max_num_seqs=FULL_BATCH,
-                           max_prefill_tokens_with_decode=None)
+    info = _model_info()
+    args = _bench_args()
     figures = report(requests, 1.0, before, after, info, args)
     assert figures["full_decode_steps"] == full and abs(figures["full_decode_idle_fraction"] - 0.07) < 1e-9
     assert figures["step_roofline_steps"] == 1 + 299 and figures["compute_bound_steps"] == 0  # prompts, decodes
@@ -123,6 +119,32 @@ def test_full_batch_decode_steps_are_counted_with_their_idle_time(control_plane,
     out = capsys.readouterr().out
     assert f"full-batch decode (2 sequences): {full} steps, 0.10 ms per step, idle before them 7.0% of step time" in out
     assert "roofline 0.00 s at 4800 GB/s per GPU" in out and "roofline by step 0.00 s: 300 planned steps" in out
+
+
+def _model_info() -> SimpleNamespace:
+    return SimpleNamespace(model="m", dtype="bfloat16", tensor_parallel_size=1, device="d", attention_backend="a",
+                           num_kv_blocks=1, block_size=16, weight_bytes=1, kv_bytes_per_token=1, data_parallel_size=1,
+                           max_num_seqs=FULL_BATCH, max_num_batched_tokens=128, layer_params=1, hidden_size=1,
+                           vocab_size=1, num_hidden_layers=1, num_attention_heads=1, head_dim=1)
+
+
+def _bench_args() -> SimpleNamespace:
+    return SimpleNamespace(peak_bandwidth_gbs=4800.0, peak_tflops=989.0, max_num_seqs=FULL_BATCH,
+                           max_prefill_tokens_with_decode=None)
+
+
+def test_bench_reports_each_requests_pace_beside_the_gaps_between_tokens(control_plane, capsys):
+    """Tokens that arrive two in a message (plans of several decode steps) leave gaps of 0 between
+    them; time per output token still shows each request's pace, and the longest gap shows a stall."""
+    stats = control_plane.stats()
+    steady = Request([1] * 40, 4, 0.0, [0.010, 0.012, 0.014, 0.016])  # a token every 2 ms
+    paired = Request([1] * 70, 5, 0.0, [0.020, 0.020, 0.026, 0.026, 0.032])  # two every 6 ms
+    figures = report([steady, paired], 1.0, stats, stats, _model_info(), _bench_args())
+    assert figures["ttft_p50_s"] == pytest.approx(0.015)
+    assert figures["tpot_p50_s"] == pytest.approx((0.002 + 0.003) / 2)  # (0.032 - 0.020) / 4 = 3 ms
+    assert figures["itl_p50_s"] == pytest.approx(0.002) and figures["itl_max_s"] == pytest.approx(0.006)
+    out = capsys.readouterr().out
+    assert "inter-token latency p50 2.0 ms, p99 6.0 ms, max 6.0 ms; time per output token p50 2.5 ms" in out
 
 
 def test_data_plane_logs_each_steps_host_timeline_at_debug(caplog):
