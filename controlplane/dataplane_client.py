@@ -17,11 +17,20 @@ FATAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIE
 
 
 class DataPlaneLost(Exception):
-    """The data plane went away (crash, restart, network), or refused us (fatal: wrong token)."""
+    """The data plane went away (crash, restart, network), or refused us (fatal: wrong token);
+    not_up: nothing listens at its address yet (a data plane still loading its model)."""
 
-    def __init__(self, message: str, fatal: bool = False):
+    def __init__(self, message: str, fatal: bool = False, not_up: bool = False):
         super().__init__(message)
         self.fatal = fatal
+        self.not_up = not_up
+
+
+def _nothing_listens(exc: grpc.aio.AioRpcError) -> bool:
+    """The call failed because no server listens at the address (no socket file, or refused)."""
+    details = exc.details() or ""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and (
+        "No such file or directory" in details or "Connection refused" in details)
 
 
 def channel_options(silence_timeout: float) -> list[tuple[str, int]]:
@@ -79,7 +88,7 @@ class DataPlaneClient:
             await self.stub.Reset(dp.ResetRequest(), timeout=timeout, metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
             raise DataPlaneLost(_why(self.target, exc, self.credentials is not None),
-                                fatal=exc.code() in FATAL_CODES) from exc
+                                fatal=exc.code() in FATAL_CODES, not_up=_nothing_listens(exc)) from exc
         self.stream = self.stub.Step(metadata=self.metadata)
         self.stream.add_done_callback(self._stream_done)
         self.lost, self.abandoned = False, None

@@ -253,7 +253,8 @@ class Replica:
 
     async def _connect(self) -> None:
         """Connects to the data plane, retrying until it answers; then sizes a new BlockManager.
-        Each new reason it cannot is logged once (a data plane still loading, a TLS mismatch)."""
+        Each new reason it cannot is logged once: at INFO while nothing listens at its address
+        (a data plane still loading), else as a warning (a TLS mismatch) or an error (refused)."""
         said = None
         while True:
             try:
@@ -262,6 +263,8 @@ class Replica:
             except DataPlaneLost as exc:
                 if str(exc) != said and exc.fatal:
                     log.error("%s refused the control plane: %s", self, exc)
+                elif str(exc) != said and exc.not_up:  # expected while it loads its model
+                    log.info("%s is not up yet, retrying every %.1f s: %s", self, RECONNECT_DELAY, exc)
                 elif str(exc) != said:
                     log.warning("%s cannot be reached, retrying every %.1f s: %s", self, RECONNECT_DELAY, exc)
                 said = str(exc)

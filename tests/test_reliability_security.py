@@ -6,6 +6,7 @@ import asyncio
 import datetime
 import ipaddress
 import re
+import socket
 from pathlib import Path
 
 import grpc
@@ -132,7 +133,27 @@ def test_data_plane_refuses_a_missing_or_wrong_token(secure):
 
     with pytest.raises(DataPlaneLost) as info:
         asyncio.run(connect_with_wrong_token())
-    assert info.value.fatal and "UNAUTHENTICATED" in str(info.value)
+    assert info.value.fatal and not info.value.not_up and "UNAUTHENTICATED" in str(info.value)
+
+
+def test_a_data_plane_not_up_yet_is_told_apart_from_one_that_fails(tmp_path):
+    """Nothing listening at the address (a data plane still loading its model) is what the control
+    plane expects at start-up: it says so at INFO, not as a warning."""
+    with socket.socket() as sock:  # a loopback port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+
+    async def connect(target: str) -> None:
+        client = DataPlaneClient(target)
+        try:
+            await client.connect(timeout=10)
+        finally:
+            await client.close()
+
+    for target in (f"unix://{tmp_path}/nobody.sock", f"127.0.0.1:{port}"):
+        with pytest.raises(DataPlaneLost) as info:
+            asyncio.run(connect(target))
+        assert info.value.not_up and not info.value.fatal, str(info.value)
 
 
 def test_reflection_lists_the_public_api(shared_planes):
