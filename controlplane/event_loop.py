@@ -4,6 +4,7 @@ and keeps what a process holds for good out of its garbage collector's way."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import gc
 import logging
 
@@ -30,5 +31,7 @@ def freeze_heap(process: str) -> None:
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+    atexit.unregister(gc.unfreeze)
+    atexit.register(gc.unfreeze)  # so the last collection at exit frees them (extensions check for leaks)
     log.debug("%s: %d objects kept since start-up are out of the garbage collector's reach",
               process, gc.get_freeze_count())

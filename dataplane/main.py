@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import gc
 import logging
@@ -21,6 +22,7 @@ def freeze_heap(process: str) -> None:
     to hundreds of milliseconds. Later collections walk only what serving allocated."""
     gc.collect()
     gc.freeze()
+    atexit.register(gc.unfreeze)  # so the last collection at exit frees them (Triton's bindings check for leaks)
     log.debug("%s: %d objects kept since start-up are out of the garbage collector's reach",
               process, gc.get_freeze_count())
 
