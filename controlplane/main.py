@@ -18,7 +18,7 @@ from twinplane.controlplane.frontends import Secondaries, shared_config
 from twinplane.controlplane.metrics import registry_for, serve_metrics
 from twinplane.controlplane.server import create_server
 from twinplane.controlplane.supervisor import CoreSupervisor
-from twinplane.controlplane.tls import server_credentials
+from twinplane.controlplane.tls import is_unix, server_credentials
 
 log = logging.getLogger("twinplane.controlplane")
 
@@ -123,7 +123,8 @@ async def serve(config: ControlPlaneConfig, security: Security = Security(), on_
         plane.engine.on_readiness.append(on_readiness)
     await plane.start()
     frozen = asyncio.create_task(freeze_heap_once_ready(plane.engine, "frontend 0"))
-    log.info("control plane listening on %s (port %d), data plane %s%s", config.listen, plane.port, config.dataplane,
+    where = config.listen if is_unix(config.listen) else f"{config.listen} (port {plane.port})"
+    log.info("control plane listening on %s, data plane %s%s", where, config.dataplane,
              f", {config.api_server_count} frontend processes" if config.api_server_count > 1 else "")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

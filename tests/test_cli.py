@@ -74,6 +74,7 @@ def test_serve_then_generate_streams_text(smollm2_dir, tmp_path):
     stderr = (tmp_path / "serve.log").read_text()
     assert f"twinplane: starting the data plane ({smollm2_dir})" in stderr
     assert f"twinplane: data plane ready; serving on {address}" in stderr
+    assert f"control plane listening on {address}, data plane unix://" in stderr  # a socket has no port
     # each process keeps what it holds for good out of the garbage collector's full collections
     for process in ("data plane", "engine core", "frontend 0"):
         assert re.search(rf"{process}: \d+ objects kept since start-up are out of the garbage", stderr), process
