@@ -24,9 +24,9 @@ def freeze_heap(process: str) -> None:
     """Moves every object alive now out of the cyclic garbage collector's reach (``gc.freeze``).
 
     Called once a process holds what it keeps for good (imported modules, the tokenizer, a data
-    plane's KV blocks): a full collection that walks hundreds of thousands of those objects
-    stalls every stream for tens to hundreds of milliseconds, and later collections then walk
-    only what serving allocated. A later call first lets the collector free what died meanwhile.
+    plane's KV blocks). Otherwise a full collection walks hundreds of thousands of those objects
+    and stalls every stream for tens to hundreds of milliseconds; after it, collections walk only
+    what serving allocated. A later call first lets the collector free what died meanwhile.
     """
     gc.unfreeze()
     gc.collect()
