@@ -261,12 +261,13 @@ class Replica:
                 desc = await self.dataplane.connect(timeout=RECONNECT_TIMEOUT)
                 break
             except DataPlaneLost as exc:
-                if str(exc) != said and exc.fatal:
-                    log.error("%s refused the control plane: %s", self, exc)
-                elif str(exc) != said and exc.not_up:  # expected while it loads its model
-                    log.info("%s is not up yet, retrying every %.1f s: %s", self, RECONNECT_DELAY, exc)
-                elif str(exc) != said:
-                    log.warning("%s cannot be reached, retrying every %.1f s: %s", self, RECONNECT_DELAY, exc)
+                if str(exc) != said:
+                    if exc.fatal:
+                        log.error("%s refused the control plane: %s", self, exc)
+                    elif exc.not_up:  # expected while it loads its model
+                        log.info("%s is not up yet, retrying every %.1f s: %s", self, RECONNECT_DELAY, exc)
+                    else:
+                        log.warning("%s cannot be reached, retrying every %.1f s: %s", self, RECONNECT_DELAY, exc)
                 said = str(exc)
                 await asyncio.sleep(RECONNECT_DELAY)
         self.describe = desc
