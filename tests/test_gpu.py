@@ -228,6 +228,22 @@ def test_skinny_linear_matches_cublas_and_is_chosen_only_where_faster(rows):
         assert (rows, (n, k), torch.bfloat16, w.device) in linear_module._skinny_choice
 
 
+def test_silu_mul_rounds_once_for_every_token_count():
+    """The SiLU-and-mul kernel against float32: no further off than torch's bf16 ops (which round
+    twice), at token counts from one to a full prompt step, features ending in a partial tile."""
+    import torch.nn.functional as F
+
+    from twinplane.dataplane.layers.activation import silu_and_mul
+
+    for tokens, d in ((1, 3072), (7, 3072), (300, 2816), (8192, 3072)):
+        x = torch.randn(tokens, 2 * d, device="cuda", dtype=torch.bfloat16) * 3
+        gate, up = x.float().chunk(2, dim=-1)
+        expected = F.silu(gate) * up
+        torch_error = ((F.silu(x[:, :d]) * x[:, d:]).float() - expected).abs().max().item()
+        error = (silu_and_mul(x).float() - expected).abs().max().item()
+        assert error <= torch_error, f"{tokens} x {d}: error {error} > torch's bf16 error {torch_error}"
+
+
 @pytest.fixture(scope="module")
 def qwen3_folder(tmp_path_factory) -> Path:
     import transformers

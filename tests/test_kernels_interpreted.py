@@ -3,7 +3,8 @@ without a GPU: the split-KV decode attention against the torch backend (float32;
 splits; grouped and plain heads; rows of context 0; a given start order), the KV writer against index_copy, the
 fused q/k norm + RoPE + K/V store against the unfused layers (with and without the norm), and
 the temperature sampler (greedy = torch.argmax with ties, draws follow softmax(logits / T),
-a row's draw depends on its seed only) alone and inside the Sampler.
+a row's draw depends on its seed only) alone and inside the Sampler, the skinny projection
+and the gated MLP's SiLU-and-mul.
 
 The interpreter is chosen when a kernel is decorated, so the checks run in a child process.
 The GPU tests (test_gpu.py) check the same kernels compiled, in bf16.
@@ -210,6 +211,23 @@ print("skinny ok")
 '''
 
 
+SILU_CHECKS = '''
+import torch
+import torch.nn.functional as F
+from twinplane.kernels import silu_mul
+torch.manual_seed(0)
+silu_mul.BLOCK = 64  # so that features span several tiles and end in a partial one
+for tokens, d in ((1, 64), (3, 100), (5, 300), (0, 40)):
+    x = torch.randn(tokens, 2 * d) * 4
+    gate, up = x.chunk(2, dim=-1)
+    y = silu_mul.silu_mul(x)
+    assert y.shape == (tokens, d) and torch.allclose(y, F.silu(gate) * up, atol=1e-5, rtol=1e-5), (tokens, d)
+rows = torch.randn(4, 3 * 128)[:, :256]  # rows of a wider tensor: strided, each contiguous
+assert torch.allclose(silu_mul.silu_mul(rows), F.silu(rows[:, :128]) * rows[:, 128:], atol=1e-5, rtol=1e-5)
+print("silu ok")
+'''
+
+
 def _run_interpreted(checks: str, marker: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run([sys.executable, "-c", checks], env=env, capture_output=True, text=True, timeout=600)
@@ -227,3 +245,8 @@ def test_triton_sampler_in_the_interpreter():
 def test_skinny_linear_in_the_interpreter():
     """Rows 1-4, output and input sizes that are not multiples of the blocks."""
     _run_interpreted(SKINNY_CHECKS, "skinny ok")
+
+
+def test_silu_mul_in_the_interpreter():
+    """Token counts 0-5, feature counts that end in a partial tile, strided rows."""
+    _run_interpreted(SILU_CHECKS, "silu ok")

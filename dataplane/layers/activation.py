@@ -6,17 +6,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from twinplane.dataplane.layers.fusion import on_cuda
 
-
-@on_cuda
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2 * d] -> [T, d]: silu(gate) * up. One Triton kernel on CUDA (float32 inside, one
+    rounding), plain torch elsewhere."""
+    if x.is_cuda:
+        from twinplane.kernels.silu_mul import silu_mul  # imports triton
+
+        return silu_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
 class SiluAndMul(nn.Module):
-    """[..., 2 * d] -> [..., d]: silu(gate) * up, with gate and up packed on the last dim."""
+    """[T, 2 * d] -> [T, d]: silu(gate) * up, with gate and up packed on the last dim."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x)
