@@ -244,6 +244,22 @@ def test_silu_mul_rounds_once_for_every_token_count():
         assert error <= torch_error, f"{tokens} x {d}: error {error} > torch's bf16 error {torch_error}"
 
 
+def test_compiled_norms_hold_for_every_token_count():
+    """The norms compile for their first shape, then once with the token count dynamic (and once
+    for one token); each of these equals the eager function, and the sum passed on is exact."""
+    from twinplane.dataplane.layers.layernorm import add_rms_norm, rms_norm
+
+    weight = torch.rand(1024, device="cuda", dtype=torch.bfloat16) + 0.5
+    for tokens in (300, 5, 1, 8192, 2, 300):
+        x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
+        residual = torch.randn_like(x)
+        normed, summed = add_rms_norm(x, residual, weight, 1e-6)
+        expected, expected_sum = add_rms_norm(x.cpu(), residual.cpu(), weight.cpu(), 1e-6)  # eager on CPU
+        assert torch.equal(summed.cpu(), expected_sum), tokens
+        torch.testing.assert_close(normed.cpu(), expected, msg=lambda m: f"{tokens} tokens: {m}")
+        torch.testing.assert_close(rms_norm(x, weight, 1e-6).cpu(), rms_norm(x.cpu(), weight.cpu(), 1e-6))
+
+
 @pytest.fixture(scope="module")
 def qwen3_folder(tmp_path_factory) -> Path:
     import transformers

@@ -1,9 +1,14 @@
 """Fused elementwise kernels on CUDA through torch.compile, plain torch elsewhere.
 
-A decode step of a small model is launch-bound: every RMSNorm, rotary embedding and
-SiLU-and-mul is several tiny kernels per layer. Compiling these pure functions (shape-
-dynamic, compiled once per process on first use) turns each into one Triton kernel,
-and the CUDA graphs replay those. On CPU the eager functions run as they are.
+A decode step of a small model is launch-bound: every RMSNorm and rotary embedding is
+several tiny kernels per layer. Compiling these pure functions turns each into one Triton
+kernel, and the CUDA graphs replay those. On CPU the eager functions run as they are.
+
+Shapes follow torch.compile's default: the first call compiles for its exact shape, the
+first call with another token count recompiles with that dimension dynamic (and one token,
+which torch always specializes, gets its own), and feature sizes stay constants. Constant
+feature sizes let the kernels use full-width vector loads: compiled with every dimension
+dynamic, the same norms ran 1.3-1.5x slower.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch
 
 def on_cuda(eager: Callable) -> Callable:
     """``eager`` for CPU tensors, its torch.compile'd twin for CUDA tensors (first argument decides)."""
-    compiled = torch.compile(eager, dynamic=True)
+    compiled = torch.compile(eager)
 
     def dispatch(x: torch.Tensor, *args):
         return compiled(x, *args) if x.is_cuda else eager(x, *args)
