@@ -226,11 +226,10 @@ async def _every_dataplane_connected(client, timeout: float) -> None:
         await asyncio.sleep(0.5)
 
 
-def _percentiles(values: list[float]) -> str:
-    if not values:
+def _percentiles(figures: dict, name: str) -> str:
+    if figures[f"{name}_p50_s"] is None:
         return "n/a"
-    p50, p99 = np.percentile(values, [50, 99])
-    return f"p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms"
+    return f"p50 {figures[f'{name}_p50_s'] * 1e3:.1f} ms, p99 {figures[f'{name}_p99_s'] * 1e3:.1f} ms"
 
 
 def report(requests: list[Request], elapsed: float, before: dict, after: dict, info, args,
@@ -258,7 +257,7 @@ def report(requests: list[Request], elapsed: float, before: dict, after: dict, i
         "full_decode_steps": full["steps"], "full_decode_idle_fraction": full["idle_us"] / max(full["execute_us"], 1),
     }
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
-        figures[f"{name}_p50_s"], figures[f"{name}_p99_s"] = np.percentile(values, [50, 99]) if values else (0.0, 0.0)
+        figures[f"{name}_p50_s"], figures[f"{name}_p99_s"] = np.percentile(values, [50, 99]) if values else (None, None)
     figures["itl_max_s"] = max(itl, default=0.0)
     by_step = workload_step_roofline(requests, info, args)
     figures.update(step_roofline_s=by_step.seconds, step_roofline_fraction=by_step.seconds / elapsed,
@@ -288,8 +287,8 @@ def report(requests: list[Request], elapsed: float, before: dict, after: dict, i
           f"{full['execute_us'] / max(full['steps'], 1) / 1e3:.2f} ms per step, idle before them "
           f"{100 * figures['full_decode_idle_fraction']:.1f}% of step time")
     print(f"steps by path: {_paths(before, after)}")
-    print(f"TTFT {_percentiles(ttft)}; inter-token latency {_percentiles(itl)}, max {figures['itl_max_s'] * 1e3:.1f} ms; "
-          f"time per output token {_percentiles(tpot)}")
+    print(f"TTFT {_percentiles(figures, 'ttft')}; inter-token latency {_percentiles(figures, 'itl')}, max "
+          f"{figures['itl_max_s'] * 1e3:.1f} ms; time per output token {_percentiles(figures, 'tpot')}")
     if client_cpu:
         print(f"benchmark client: {len(client_cpu)} process(es), {args.channels} channel(s) each, CPU time "
               + " / ".join(f"{seconds:.2f}" for seconds in client_cpu) + " s")
