@@ -8,7 +8,7 @@ Shapes follow torch.compile's default: the first call compiles for its exact sha
 first call with another token count recompiles with that dimension dynamic (and one token,
 which torch always specializes, gets its own), and feature sizes stay constants. Constant
 feature sizes let the kernels use full-width vector loads: compiled with every dimension
-dynamic, the same norms ran 1.3-1.5x slower.
+dynamic, the same norms ran 1.3-1.6x slower on an H200.
 """
 
 from __future__ import annotations
