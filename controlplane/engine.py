@@ -107,15 +107,18 @@ class Engine:
         self.stopping.set()
         self._update_ready()
 
-    async def drain(self, grace: float) -> None:
-        """Lets in-flight requests finish for up to grace seconds, then ends the rest (UNAVAILABLE)."""
+    async def drain(self, grace: float) -> int:
+        """Lets in-flight requests finish for up to grace seconds, then ends the rest (UNAVAILABLE);
+        returns how many it ended."""
         self.stop_accepting()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
         while self.requests and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        for state in list(self.requests.values()):
+        ended = list(self.requests.values())
+        for state in ended:
             self._fail(state, NotReady("the server shut down before this request finished"))
+        return len(ended)
 
     async def stop(self) -> None:
         self.stop_accepting()

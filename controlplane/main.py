@@ -22,6 +22,13 @@ from twinplane.controlplane.tls import is_unix, server_credentials
 
 log = logging.getLogger("twinplane.controlplane")
 
+# Once the drain has ended the calls still running, their handlers send each status (the
+# server's stop waits up to STATUS_GRACE for that), and the process stays up LINGER seconds
+# more: a client reading its last tokens when the process exits loses the status with the
+# connection ("Stream removed") instead of reading why its call ended.
+STATUS_GRACE = 5.0
+LINGER = 0.5
+
 
 @dataclass(frozen=True)
 class Security:
@@ -94,13 +101,14 @@ class ControlPlane:
         grace = self.config.shutdown_grace if grace is None else grace
         if self.secondaries is not None:
             self.secondaries.tell_stop(grace)  # they drain meanwhile
-        if self.engine.describe is not None:
-            await self.engine.drain(grace)
+        ended = await self.engine.drain(grace) if self.engine.describe is not None else 0
         if self.secondaries is not None:
             await self.secondaries.wait_stopped(grace)  # before the core stops
         if self.http_server is not None:
             await self.http_server.stop()
-        await self.server.stop(1.0)
+        await self.server.stop(STATUS_GRACE)
+        if ended:
+            await asyncio.sleep(LINGER)
         if self._start_task is not None and not self._start_task.done():
             self._start_task.cancel()
         await self.engine.stop()
