@@ -53,6 +53,22 @@ def _norm_rope(x1, x2, weight_ptr, d, cos, sin, eps, HALF: tl.constexpr, HAS_NOR
 
 
 @triton.jit
+def _store_kv(k_row, at, v_offset, cos, sin, k_norm_ptr, d, eps, k_cache_ptr, v_cache_ptr, cache_at, mask,
+              HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Normalises (if HAS_NORM) and rotates the keys at ``k_row + at`` (first halves [rows, HALF])
+    and stores them, and the values ``v_offset`` further along the row, at ``cache_at`` where ``mask``."""
+    k1, k2 = _norm_rope(tl.load(k_row + at, mask=mask).to(tl.float32),
+                        tl.load(k_row + at + HALF, mask=mask).to(tl.float32),
+                        k_norm_ptr, d, cos, sin, eps, HALF, HAS_NORM)
+    dtype = k_cache_ptr.dtype.element_ty
+    tl.store(k_cache_ptr + cache_at, k1.to(dtype), mask=mask)
+    tl.store(k_cache_ptr + cache_at + HALF, k2.to(dtype), mask=mask)
+    v_row = k_row + v_offset
+    tl.store(v_cache_ptr + cache_at, tl.load(v_row + at, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + cache_at + HALF, tl.load(v_row + at + HALF, mask=mask), mask=mask)
+
+
+@triton.jit
 def decode_q_store_kv(row, heads, row_ok, kv_head, position_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, eps,
                       slot_ptr, k_cache_ptr, v_cache_ptr, slot_stride, head_stride, store,
                       HEADS: tl.constexpr, KV_HEADS: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr,
@@ -75,17 +91,10 @@ def decode_q_store_kv(row, heads, row_ok, kv_head, position_ptr, cos_sin_ptr, q_
     dtype = row.dtype.element_ty
     q = tl.reshape(tl.permute(tl.join(q1.to(dtype), q2.to(dtype)), (0, 2, 1)), (ROWS, head_dim))
 
-    k_row = row + (HEADS + kv_head) * head_dim + d[None, :]
-    k1, k2 = _norm_rope(tl.load(k_row).to(tl.float32), tl.load(k_row + HALF).to(tl.float32),
-                        k_norm_ptr, d, cos, sin, eps, HALF, HAS_NORM)
-    v_row = k_row + KV_HEADS * head_dim
     cache_at = slot * slot_stride + kv_head * head_stride + d[None, :]
     store = d[None, :] < tl.where(store & (slot >= 0), HALF, 0)  # the whole row or none of it
-    cache_dtype = k_cache_ptr.dtype.element_ty
-    tl.store(k_cache_ptr + cache_at, k1.to(cache_dtype), mask=store)
-    tl.store(k_cache_ptr + cache_at + HALF, k2.to(cache_dtype), mask=store)
-    tl.store(v_cache_ptr + cache_at, tl.load(v_row), mask=store)
-    tl.store(v_cache_ptr + cache_at + HALF, tl.load(v_row + HALF), mask=store)
+    _store_kv(row + (HEADS + kv_head) * head_dim, d[None, :], KV_HEADS * head_dim, cos, sin, k_norm_ptr, d, eps,
+              k_cache_ptr, v_cache_ptr, cache_at, store, HALF, HAS_NORM)
     tl.debug_barrier()
     return q
 
@@ -116,18 +125,8 @@ def _rope_store_kernel(qkv_ptr, stride_t, positions_ptr, cos_sin_ptr, q_norm_ptr
     if slot >= 0:
         kh = tl.arange(0, KV_HEADS_PAD)[:, None]
         k_at = kh * head_dim + d[None, :]
-        k_mask = kh < KV_HEADS
-        k_row = row + HEADS * head_dim
-        k1, k2 = _norm_rope(tl.load(k_row + k_at, mask=k_mask).to(tl.float32),
-                            tl.load(k_row + k_at + HALF, mask=k_mask).to(tl.float32),
-                            k_norm_ptr, d, cos, sin, eps, HALF, HAS_NORM)
-        cache_at = slot * (KV_HEADS * head_dim) + k_at
-        dtype = k_cache_ptr.dtype.element_ty
-        tl.store(k_cache_ptr + cache_at, k1.to(dtype), mask=k_mask)
-        tl.store(k_cache_ptr + cache_at + HALF, k2.to(dtype), mask=k_mask)
-        v_row = k_row + KV_HEADS * head_dim
-        tl.store(v_cache_ptr + cache_at, tl.load(v_row + k_at, mask=k_mask), mask=k_mask)
-        tl.store(v_cache_ptr + cache_at + HALF, tl.load(v_row + k_at + HALF, mask=k_mask), mask=k_mask)
+        _store_kv(row + HEADS * head_dim, k_at, KV_HEADS * head_dim, cos, sin, k_norm_ptr, d, eps, k_cache_ptr,
+                  v_cache_ptr, slot * (KV_HEADS * head_dim) + k_at, kh < KV_HEADS, HALF, HAS_NORM)
 
 
 def check_qkv(qkv: torch.Tensor, rope: QKVRope, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
