@@ -250,3 +250,22 @@ def test_skinny_linear_in_the_interpreter():
 def test_silu_mul_in_the_interpreter():
     """Token counts 0-5, feature counts that end in a partial tile, strided rows."""
     _run_interpreted(SILU_CHECKS, "silu ok")
+
+
+def test_decode_splits_cover_the_sms_and_split_sparse_batches(monkeypatch):
+    """Programs (sequences x KV heads x splits) reach every SM; under three programs per SM a
+    sequence is split at least in two; from there on it is not split at all."""
+    import torch
+
+    from twinplane.kernels import decode_attention
+
+    monkeypatch.setattr(decode_attention, "num_sms", lambda index: 132)
+    device = torch.device("cuda", 0)
+    for seqs in range(1, 300):
+        splits = decode_attention.decode_splits(seqs, 8, device)
+        assert splits & (splits - 1) == 0 and 1 <= splits <= 16
+        if seqs * 8 >= 3 * 132:
+            assert splits == 1, seqs
+        else:
+            assert splits >= 2 and (seqs * 8 * splits >= 132 or splits == 16), (seqs, splits)
+    assert [decode_attention.decode_splits(n, 8, device) for n in (1, 8, 16, 32, 48, 64)] == [16, 4, 2, 2, 2, 1]
