@@ -1,12 +1,18 @@
 """Decode attention alone: our Triton split-KV kernel against FlashAttention-4, same paged cache.
 
     python -m twinplane.kernels.bench_attention [--block-size 256]
+    python -m twinplane.kernels.bench_attention --splits
 
 For each (batch, context, q heads, kv heads) case it prints the time per call
 (``triton.testing.do_bench``: wall clock, so under ~50 us it is the launch cost) and the
 bandwidth it implies (K and V bytes read / time), for FlashAttention-4's
 ``flash_attn_varlen_func`` and for ``paged_decode_attention`` with each of a few tile configs.
 Needs a CUDA GPU and ``flash_attn.cute``.
+
+``--splits``: the kernel as decode steps call it (``decode_attention_from_qkv``, Qwen3-0.6B
+heads) in a CUDA graph (``do_bench_cudagraph``), at 1-16 splits per sequence, for batches of
+1-96 sequences with mixed context lengths, beside the split count ``decode_splits`` picks.
+Needs a CUDA GPU only.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ import argparse
 import torch
 import triton
 
-from twinplane.kernels.decode_attention import decode_splits, paged_decode_attention
+from twinplane.kernels.decode_attention import decode_attention_from_qkv, decode_splits, paged_decode_attention
+from twinplane.kernels.rope_store import QKVRope
 
 CASES = [(1, 1024, 16, 8), (8, 1024, 16, 8), (64, 1024, 16, 8), (256, 1024, 16, 8), (256, 0, 16, 8),
          (128, 0, 16, 8), (256, 1024, 16, 4), (64, 1024, 16, 4)]  # context 0: uniform in [100, 2048)
@@ -34,13 +41,40 @@ def make_case(batch: int, context: int, heads: int, kv_heads: int, page: int, he
     return q, k_cache, v_cache, tables, lens
 
 
-def main() -> None:
-    from flash_attn.cute import flash_attn_varlen_func
+def sweep_splits(page: int, heads: int = 16, kv_heads: int = 8, head_dim: int = 128) -> None:
+    """Time per call of decode attention from the q/k/v projection at each split count."""
+    splits = [1, 2, 4, 8, 16]
+    print("sequences  contexts        " + " ".join(f"{f'{s} split' + 's' * (s > 1):>9}" for s in splits)
+          + "  chosen  fastest")
+    for low, high in [(1000, 2048), (100, 1024)]:
+        for batch in [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96]:
+            q, k_cache, v_cache, tables, _ = make_case(batch, 1, heads, kv_heads, page, head_dim)
+            lens = torch.randint(low, high, (batch,)).to(q.device, torch.int32)
+            order = torch.argsort(lens, descending=True).to(torch.int32)
+            positions = lens - 1
+            slots = (tables.gather(1, (positions // page)[:, None].long())[:, 0] * page + positions % page).int()
+            ones = torch.ones(head_dim, device=q.device, dtype=q.dtype)
+            cos_sin = torch.randn(4096, head_dim, device=q.device, dtype=q.dtype)
+            rope = QKVRope(heads, kv_heads, positions, cos_sin, ones, ones, 1e-6)
+            qkv = torch.randn(batch, (heads + 2 * kv_heads) * head_dim, device=q.device, dtype=q.dtype)
+            times = {n: triton.testing.do_bench_cudagraph(lambda: decode_attention_from_qkv(
+                qkv, rope, k_cache, v_cache, slots, tables, lens, head_dim ** -0.5, order, num_splits=n), rep=30) * 1e3
+                for n in splits}
+            print(f"{batch:>9}  U[{low}, {high})  " + " ".join(f"{times[n]:>6.1f} us" for n in splits)
+                  + f"  {decode_splits(batch, kv_heads, q.device):>6}  {min(splits, key=times.get):>7}", flush=True)
 
+
+def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--splits", action="store_true", help="time each split count of the decode steps' kernel")
     args = p.parse_args()
     torch.manual_seed(0)
+    if args.splits:
+        sweep_splits(args.block_size)
+        return
+    from flash_attn.cute import flash_attn_varlen_func
+
     print(f"{'case':>24} {'FA4 us':>8} {'TB/s':>5} | {'Triton us':>9} {'TB/s':>5} (block_n, warps, stages, splits)")
     for batch, context, heads, kv_heads in CASES:
         q, k_cache, v_cache, tables, lens = make_case(batch, context, heads, kv_heads, args.block_size)

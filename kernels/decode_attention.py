@@ -121,8 +121,8 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device, max_sp
     fewer than three programs per SM: with contexts of mixed length, one program per sequence
     leaves the longest ones running alone at the end. On an H200 (Qwen3-0.6B shapes, contexts
     uniform in [1000, 2048)), two splits instead of one take 24 sequences from 64 to 45 us,
-    32 from 67 to 57 us and 48 from 83 to 79 us; from 64 sequences on, one is as fast or
-    faster (BENCHMARKS.md)."""
+    32 from 67 to 58 us and 48 from 84 to 80 us; from 64 sequences on, one split is within 3%
+    of the fastest (``python -m twinplane.kernels.bench_attention --splits``)."""
     programs = max(1, num_seqs * num_kv_heads)
     sms = num_sms(device.index or 0)
     if programs >= 3 * sms:
