@@ -1,11 +1,16 @@
 """Decode step time of the data plane alone, with and without CUDA graphs.
 
     python -m twinplane.dataplane.bench_decode --model dummy:qwen3-0.6b --batch-sizes 1 64 256
+    python -m twinplane.dataplane.bench_decode --profile --batch-sizes 128 256 --context 1024
 
 For each batch size, that many sequences are prefilled to --context tokens, then
 --steps greedy decode steps are timed one by one (wall clock of ModelRunner.step,
 which ends with the sampled ids on the host); the median is printed next to the
 time the step's weight and KV bytes need at --peak-bandwidth-gbs.
+
+``--profile``: instead, the decode steps run under ``torch.profiler`` (CUDA graphs where the
+runner has them), and for each batch size the kernels of a step are listed by their time
+per step (on a CPU device: the operators, by their own CPU time).
 """
 
 from __future__ import annotations
@@ -29,31 +34,66 @@ def _chunk(seq_id: int, tokens: np.ndarray, start: int, blocks: list[int], block
                         np.asarray(blocks if first else [], dtype=np.int32), True, GREEDY if first else None)
 
 
+class DecodeBatch:
+    """`batch` sequences prefilled to `context` tokens (with blocks for `steps` more), decoded greedily."""
+
+    def __init__(self, runner, batch: int, context: int, steps: int) -> None:
+        self.runner, self.step_id, self.seqs = runner, 0, []
+        bs = runner.config.block_size
+        blocks_per_seq = -(-(context + steps + 1) // bs)
+        rng = np.random.default_rng(0)
+        for i in range(batch):  # prefill one at a time to stay under max_num_batched_tokens
+            blocks = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+            out = self._step([_chunk(i, rng.integers(0, 10000, context), 0, blocks, bs, True)])
+            self.seqs.append([blocks, context, int(out.sampled_token_ids[0])])
+
+    def _step(self, chunks):
+        out = self.runner.step(StepPlan(self.step_id, chunks))
+        self.step_id += 1
+        return out
+
+    def decode(self, steps: int) -> list[float]:
+        """Runs `steps` decode steps of every sequence; returns the seconds of each."""
+        bs, times = self.runner.config.block_size, []
+        for _ in range(steps):
+            chunks = [_chunk(i, np.array([last]), pos, blocks, bs, False)
+                      for i, (blocks, pos, last) in enumerate(self.seqs)]
+            started = time.perf_counter()
+            out = self._step(chunks)
+            times.append(time.perf_counter() - started)
+            for seq, token in zip(self.seqs, out.sampled_token_ids.tolist()):
+                seq[1] += 1
+                seq[2] = token
+        return times
+
+
 def time_decode(runner, batch: int, context: int, steps: int) -> float:
     """Median seconds per decode step for `batch` sequences of `context` tokens."""
-    bs = runner.config.block_size
-    blocks_per_seq = -(-(context + steps + 1) // bs)
-    rng = np.random.default_rng(0)
-    seqs, step_id = [], 0
-    for i in range(batch):  # prefill one at a time to stay under max_num_batched_tokens
-        blocks = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-        prompt = rng.integers(0, 10000, context)
-        out = runner.step(StepPlan(step_id, [_chunk(i, prompt, 0, blocks, bs, True)]))
-        seqs.append([blocks, context, int(out.sampled_token_ids[0])])
-        step_id += 1
-    times = []
-    for _ in range(steps):
-        plan = StepPlan(step_id, [_chunk(i, np.array([last]), pos, blocks, bs, False)
-                                  for i, (blocks, pos, last) in enumerate(seqs)])
-        started = time.perf_counter()
-        out = runner.step(plan)
-        times.append(time.perf_counter() - started)
-        for s, token in zip(seqs, out.sampled_token_ids.tolist()):
-            s[1] += 1
-            s[2] = token
-        step_id += 1
+    times = DecodeBatch(runner, batch, context, steps).decode(steps)
     runner.reset()
     return statistics.median(times)
+
+
+def profile_decode(runner, batch: int, context: int, steps: int, top: int = 16) -> str:
+    """A table of the kernels (CPU: operators) of one decode step, by time per step, over `steps` steps."""
+    import torch
+
+    cuda = runner.device.type == "cuda"
+    decoding = DecodeBatch(runner, batch, context, steps + 3)
+    decoding.decode(3)  # warm-up
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[activity]) as prof:
+        wall = decoding.decode(steps)
+    runner.reset()
+    rows = [(e.self_device_time_total if cuda else e.self_cpu_time_total, e.count, e.key) for e in prof.key_averages()]
+    rows = [row for row in rows if row[0] > 0]
+    total, count = sum(r[0] for r in rows) / steps, sum(r[1] for r in rows) / steps
+    what = "kernels" if cuda else "operators (own CPU time)"
+    lines = [f"batch {batch}, context {context}: step {statistics.median(wall) * 1e3:.3f} ms (median wall), "
+             f"{what} {total / 1e3:.3f} ms in {count:.0f} calls per step"]
+    for us, n, name in sorted(rows, reverse=True)[:top]:
+        lines.append(f"{us / steps:10.1f} us/step {n / steps:6.1f} x {us / n:8.2f} us  {name[:90]}")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -66,11 +106,21 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--peak-bandwidth-gbs", type=float, default=4800.0)
+    p.add_argument("--profile", action="store_true", help="list each step's kernels under torch.profiler instead")
+    p.add_argument("--device", default="auto")
     args = p.parse_args()
+    if args.profile:
+        runner = ModelRunner(DataPlaneConfig(model=args.model, block_size=args.block_size, device=args.device,
+                                             max_num_seqs=max(args.batch_sizes), gpu_memory_utilization=0.85))
+        for batch in args.batch_sizes:
+            print(profile_decode(runner, batch, args.context, args.steps), flush=True)
+        runner.close()
+        return
     rows = []
     for eager in (False, True):
         runner = ModelRunner(DataPlaneConfig(model=args.model, block_size=args.block_size, enforce_eager=eager,
-                                             max_num_seqs=max(args.batch_sizes), gpu_memory_utilization=0.85))
+                                             device=args.device, max_num_seqs=max(args.batch_sizes),
+                                             gpu_memory_utilization=0.85))
         d = runner.describe()
         for batch in args.batch_sizes:
             seconds = time_decode(runner, batch, args.context, args.steps)

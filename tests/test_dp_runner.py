@@ -256,3 +256,18 @@ def test_step_output_reports_the_launch_host_time(runner: ModelRunner) -> None:
     assert out.launch_us > 0 and out.launch_us >= out.prepare_us
     wire = decode_result(dp.StepResult.FromString(output_to_pb(out).SerializeToString()))
     assert (wire.launch_us, wire.prepare_us) == (out.launch_us, out.prepare_us)
+
+
+def test_decode_profile_lists_the_step_operators(runner: ModelRunner) -> None:
+    """`bench_decode --profile` on a CPU device: a step's operators by their time, the matmuls among
+    them nine times a step (q/k/v, o, gate/up and down of two layers, and the LM head), and the
+    runner left empty."""
+    from twinplane.dataplane.bench_decode import profile_decode
+
+    runner.reset()
+    table = profile_decode(runner, batch=2, context=8, steps=4, top=40).splitlines()
+    assert table[0].startswith("batch 2, context 8: step ") and "operators (own CPU time)" in table[0]
+    rows = {line.split()[-1]: float(line.split()[2]) for line in table[1:]}
+    assert "aten::mm" in rows, table
+    assert rows["aten::mm"] == runner.loaded.hf_config.num_hidden_layers * 4 + 1
+    assert len(runner.sequences) == 0
