@@ -88,10 +88,19 @@ class Channel:
         self.num_received += 1
         return pickle.loads(payload)
 
-    async def serve(self, dispatch: Callable[[object], None]) -> None:
-        """Hands each message that arrives to dispatch; returns when the other end closes."""
+    async def serve(self, dispatch: Callable[[object], None], turn_each: bool = False) -> None:
+        """Hands each message that arrives to dispatch; returns when the other end closes.
+
+        turn_each: the event loop gets a turn after each message. Messages already buffered (a
+        backlog from a time the loop was busy) are otherwise applied in one go, which suits the
+        engine core (it plans with all of them), but not a frontend: the work they wake (a stream
+        sending its queued tokens) would wait for the whole backlog, and the frontend would take
+        its own delay for a client that does not read.
+        """
         while (message := await self.receive()) is not None:
             dispatch(message)
+            if turn_each:
+                await asyncio.sleep(0)
 
     def close(self) -> None:
         if self.writer is not None:

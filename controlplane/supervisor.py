@@ -56,7 +56,7 @@ class _Link:
         silent for core_timeout (None: the primary frontend's supervisor does)."""
         watchdog = asyncio.create_task(self._watch(channel, kill))
         try:
-            await channel.serve(self.frontend.receive)
+            await channel.serve(self.frontend.receive, turn_each=True)  # streams keep up with a backlog
         finally:
             watchdog.cancel()
             channel.close()

@@ -64,11 +64,17 @@ def test_health_and_streams_carry_on_while_a_big_prompt_is_tokenized(planes, stu
     text = ("The quick brown fox jumps over the lazy dog, again and again. " * (BIG_PROMPT_BYTES // 60))
     stream_times: list[float] = []
     stream = stub.Generate(greedy_request([5, 6, 7, 8], 500), timeout=300)
-    next(stream)  # running
+    streamed = len(next(stream).token_ids)  # running
+    stream_errors: list[grpc.RpcError] = []
 
     def read_stream():
-        for _ in stream:
-            stream_times.append(time.monotonic())
+        nonlocal streamed
+        try:
+            for response in stream:
+                stream_times.append(time.monotonic())
+                streamed += len(response.token_ids)
+        except grpc.RpcError as exc:  # e.g. taken for a client that does not read: the test fails below
+            stream_errors.append(exc)
 
     reader = threading.Thread(target=read_stream)
     reader.start()
@@ -90,6 +96,7 @@ def test_health_and_streams_carry_on_while_a_big_prompt_is_tokenized(planes, stu
             assert health.Check(health_pb2.HealthCheckRequest(), timeout=60).status == 1
             health_latencies.append(time.monotonic() - started)
     reader.join(300)
+    assert not stream_errors and streamed == 500, (stream_errors, streamed)  # the reading stream got all of it
     sent, num_messages, finished = span
     assert num_messages >= 1
     assert len(health_latencies) >= 3 and max(health_latencies) < 2.0, health_latencies

@@ -88,3 +88,48 @@ def test_over_the_total_the_streams_furthest_behind_are_ended():
     assert "4 tokens" in str(ended[0]) and "max_unsent_tokens 5" in str(ended[0])
     assert sorted(s.request_id for s in engine.unsent.streams) == ["r0", "r2"]
     engine._tokenizer_pool.shutdown()
+
+
+def test_a_backlog_of_engine_core_messages_lets_a_reading_stream_keep_up():
+    """The engine core's messages can pile up while the frontend's event loop is busy elsewhere
+    (another thread holding the GIL, a loaded machine). Applying that backlog gives every stream
+    its turn between messages, so a client that reads is never taken for one that does not,
+    however far the frontend itself fell behind."""
+    import socket
+
+    from twinplane.controlplane.config import ControlPlaneConfig
+    from twinplane.controlplane.ipc import Channel
+    from twinplane.controlplane.messages import StepOutputs, TokenOutput
+
+    limit, backlog = 16, 200
+
+    async def run():
+        engine = Engine(ControlPlaneConfig(dataplane="unix:///nowhere", max_unsent_tokens_per_stream=limit))
+        state = RequestState(7, "r7", [1, 2], RequestParams(max_tokens=backlog), None, 1, EngineMetrics(), 0.0,
+                             engine.unsent)
+        ended = []
+        state.end_call = ended.append
+        engine.requests[state.request_id], engine.by_seq[state.seq_id] = state, state
+        a, b = socket.socketpair()
+        core, frontend = Channel(a), Channel(b)
+        await core.open()
+        await frontend.open()
+        for i in range(backlog):  # all of it waiting before the frontend reads any
+            reason = FinishReason.LENGTH.value if i == backlog - 1 else None
+            core.send(StepOutputs([TokenOutput(state.seq_id, 100 + i, 2 + i, None, reason, 0)], engine.core_snapshot))
+        await core.writer.drain()
+
+        async def read():
+            return [t for out in [o async for o in engine.outputs(state)] for t in out.token_ids]
+
+        reader = asyncio.create_task(read())
+        await asyncio.sleep(0)  # the client is waiting for its next message
+        serving = asyncio.create_task(engine.supervisor._serve(frontend))  # the frontend's side of the core
+        tokens = await asyncio.wait_for(reader, 30)
+        core.close()
+        await asyncio.wait_for(serving, 10)
+        engine._tokenizer_pool.shutdown()
+        return tokens, ended
+
+    tokens, ended = asyncio.run(run())
+    assert ended == [] and tokens == [100 + i for i in range(backlog)]
