@@ -109,18 +109,21 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="list each step's kernels under torch.profiler instead")
     p.add_argument("--device", default="auto")
     args = p.parse_args()
+
+    def runner_for(enforce_eager: bool = False) -> ModelRunner:
+        return ModelRunner(DataPlaneConfig(model=args.model, block_size=args.block_size, enforce_eager=enforce_eager,
+                                           device=args.device, max_num_seqs=max(args.batch_sizes),
+                                           gpu_memory_utilization=0.85))
+
     if args.profile:
-        runner = ModelRunner(DataPlaneConfig(model=args.model, block_size=args.block_size, device=args.device,
-                                             max_num_seqs=max(args.batch_sizes), gpu_memory_utilization=0.85))
+        runner = runner_for()
         for batch in args.batch_sizes:
             print(profile_decode(runner, batch, args.context, args.steps), flush=True)
         runner.close()
         return
     rows = []
     for eager in (False, True):
-        runner = ModelRunner(DataPlaneConfig(model=args.model, block_size=args.block_size, enforce_eager=eager,
-                                             device=args.device, max_num_seqs=max(args.batch_sizes),
-                                             gpu_memory_utilization=0.85))
+        runner = runner_for(eager)
         d = runner.describe()
         for batch in args.batch_sizes:
             seconds = time_decode(runner, batch, args.context, args.steps)
