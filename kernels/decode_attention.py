@@ -22,6 +22,9 @@ with it, so it is bound by memory bandwidth. The kernel is shaped for that:
   value first and then reads them from the cache like every other key. That is one kernel
   and one round trip of q through memory less per layer: 47-60 us less kernel time per decode
   step of Qwen3-0.6B on an H200 at batch 1-128 (BENCHMARKS.md), the same at 160-256.
+- On sm_90 and newer both kernels are launched with programmatic dependent launch: each lets
+  the next kernel start at once (the output projection loads its weights meanwhile) and waits
+  for the kernel ahead before it reads anything (``kernels/skinny_gemm.py`` says why).
 
 The cache of one layer is [num_blocks, block_size, kv_heads, head_dim]; ``BLOCK_N`` divides
 ``block_size``, so each tile of keys lies in one page. Sequences with context 0 (the
@@ -33,8 +36,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from twinplane.kernels.device import num_sms
+from twinplane.kernels.device import launch_pdl, num_sms
 from twinplane.kernels.rope_store import QKVRope, check_qkv, decode_q_store_kv
 
 LOG2E = 1.4426950408889634
@@ -47,7 +51,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, block_table_ptr, context_lens_ptr, order
                    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, ORDERED: tl.constexpr,
-                   FROM_QKV: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HAS_NORM: tl.constexpr):
+                   FROM_QKV: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HAS_NORM: tl.constexpr,
+                   PDL: tl.constexpr):
+    if PDL:  # let the next kernel start loading its weights; wait for the q/k/v projection
+        gdc_launch_dependents()
+        gdc_wait()
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     if ORDERED:
@@ -102,7 +110,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, block_table_ptr, context_lens_ptr, order
 
 @triton.jit
 def _merge_kernel(part_ptr, lse_ptr, out_ptr, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-                  stride_ot, stride_oh, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                  stride_ot, stride_oh, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, NUM_SPLITS)
@@ -200,6 +211,7 @@ def _launch(q, num_heads, stride_qt, stride_qh, rope, slot_mapping, k_cache, v_c
     from_qkv = rope is not None
     has_norm = from_qkv and rope.q_norm is not None  # check_qkv made sure k_norm comes with q_norm
     unused = context_lens  # any tensor, for the pointers a variant does not read
+    pdl = launch_pdl(q.device)
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, unused if order is None else order, part, lse,
         rope.positions if from_qkv else unused, rope.cos_sin_cache if from_qkv else unused,
@@ -209,9 +221,10 @@ def _launch(q, num_heads, stride_qt, stride_qh, rope, slot_mapping, k_cache, v_c
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits, ORDERED=order is not None, FROM_QKV=from_qkv,
-        HEADS=num_heads, KV_HEADS=num_kv_heads, HAS_NORM=has_norm, num_warps=num_warps, num_stages=num_stages)
+        HEADS=num_heads, KV_HEADS=num_kv_heads, HAS_NORM=has_norm, PDL=pdl, num_warps=num_warps,
+        num_stages=num_stages, launch_pdl=pdl)
     if num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](
             part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1), HEAD_DIM=head_dim, NUM_SPLITS=num_splits)
+            out.stride(0), out.stride(1), HEAD_DIM=head_dim, NUM_SPLITS=num_splits, PDL=pdl, launch_pdl=pdl)
     return out

@@ -1,4 +1,4 @@
-"""What the kernels' launch heuristics ask of the CUDA device."""
+"""What the kernels' launches ask of the CUDA device."""
 
 from __future__ import annotations
 
@@ -11,3 +11,14 @@ import torch
 def num_sms(device_index: int) -> int:
     """Streaming multiprocessors of CUDA device ``device_index`` (asked once per device)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _has_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def launch_pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` are launched with programmatic dependent launch: CUDA devices
+    of sm_90 and newer (never Triton's interpreter, whose tensors are on the CPU)."""
+    return device.type == "cuda" and _has_pdl(device.index or 0)

@@ -209,23 +209,98 @@ def test_triton_sampler_on_a_full_vocabulary():
     assert (counts[hot] / n - expected_p[hot]).abs().max().item() < 0.02  # > 3 sigma at n = 8192
 
 
-@pytest.mark.parametrize("rows", [1, 2])
-def test_skinny_linear_matches_cublas_and_is_chosen_only_where_faster(rows):
+def _layer_by_layer(x, residual, norm_weight, weight, bias, glu):
+    """What the skinny kernel folds together, one torch op at a time (bf16, as the unfused layers)."""
     import torch.nn.functional as F
 
-    from twinplane.dataplane.layers import linear as linear_module
-    from twinplane.kernels.skinny_gemm import skinny_linear
+    from twinplane.dataplane.layers.layernorm import add_rms_norm, rms_norm
 
-    for n, k in ((1024, 2048), (4096, 1024), (1000, 3000)):
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-        expected = F.linear(x, w).float()
-        for config in linear_module.SKINNY_CONFIGS:
-            got = skinny_linear(x, w, *config).float()
-            assert (got - expected).abs().max().item() <= 2e-2 * expected.abs().max().item()
-        chosen = linear_module.linear(x, w)
-        assert (chosen.float() - expected).abs().max().item() <= 2e-2 * expected.abs().max().item()
-        assert (rows, (n, k), torch.bfloat16, w.device) in linear_module._skinny_choice
+    if residual is None:
+        normed, summed = rms_norm(x, norm_weight, 1e-6), x
+    else:
+        normed, summed = add_rms_norm(x, residual, norm_weight, 1e-6)
+    y = F.linear(normed, weight, bias)
+    if glu:
+        gate, up = y.chunk(2, dim=-1)
+        y = (F.silu(gate.float()) * up.float()).to(y.dtype)
+    return y, summed
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_skinny_projections_match_the_layers_they_fold(rows):
+    """Plain, with bias, with the norm (with and without the residual add) and with SiLU-and-mul
+    after gate/up; Qwen3-0.6B's shapes and ones that fill no block evenly. Errors are measured
+    against float32 and must stay within 2x of the unfused bf16 layers' own."""
+    import torch.nn.functional as F
+
+    from twinplane.kernels.skinny_gemm import skinny_linear, skinny_norm_linear
+
+    torch.manual_seed(rows)
+    for n, k, glu in ((4096, 1024, False), (1024, 2048, False), (3072, 1024, True), (1024, 3072, False),
+                      (1000, 3000, False), (700, 100, True)):
+        weight = torch.randn(2 * n if glu else n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        bias = torch.randn(weight.shape[0], device="cuda", dtype=torch.bfloat16) * 0.1
+        x, residual = (torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        norm_weight = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+        if not glu:
+            for b in (None, bias):
+                expected = F.linear(x.float(), weight.float(), None if b is None else b.float())
+                unfused = (F.linear(x, weight, b).float() - expected).abs().max().item()
+                error = (skinny_linear(x, weight, b).float() - expected).abs().max().item()
+                assert error <= 2 * unfused + 1e-3, (n, k, b is None, error, unfused)
+        for res, b in ((None, None), (residual, None), (residual, bias)):
+            y, summed = skinny_norm_linear(x, res, norm_weight, 1e-6, weight, b, glu=glu)
+            expected_y, expected_sum = _layer_by_layer(x.float(), None if res is None else res.float(),
+                                                       norm_weight.float(), weight.float(),
+                                                       None if b is None else b.float(), glu)
+            unfused_y, unfused_sum = _layer_by_layer(x, res, norm_weight, weight, b, glu)
+            assert torch.equal(summed, unfused_sum), (n, k)
+            unfused = (unfused_y.float() - expected_y).abs().max().item()
+            error = (y.float() - expected_y).abs().max().item()
+            assert error <= 2 * unfused + 1e-3, (n, k, glu, res is None, b is None, error, unfused)
+
+
+def test_skinny_kernels_chained_in_a_cuda_graph_wait_for_each_other():
+    """A chain of 24 dependent projections launched with programmatic dependent launch, each
+    loading its weights before it waits for the one ahead: replays of its CUDA graph agree with
+    each other bit for bit and with the same chain run eagerly one kernel at a time."""
+    from twinplane.kernels.skinny_gemm import skinny_linear, skinny_norm_linear
+
+    torch.manual_seed(0)
+    layers = [(torch.randn(3072, 1024, device="cuda", dtype=torch.bfloat16) * 0.03,
+               torch.randn(1024, 3072, device="cuda", dtype=torch.bfloat16) * 0.03) for _ in range(12)]
+    norm_weight = torch.rand(1024, device="cuda", dtype=torch.bfloat16) + 0.5
+    x0 = torch.randn(2, 1024, device="cuda", dtype=torch.bfloat16)
+
+    def chain():
+        hidden, residual = x0, None
+        for up, down in layers:
+            act, residual = skinny_norm_linear(hidden, residual, norm_weight, 1e-6, up)
+            hidden = skinny_linear(act, down)
+        return hidden + residual
+
+    hidden, residual = x0, None
+    for up, down in layers:  # one kernel at a time: each launch finds the GPU idle
+        act, residual = skinny_norm_linear(hidden, residual, norm_weight, 1e-6, up)
+        torch.cuda.synchronize()
+        hidden = skinny_linear(act, down)
+        torch.cuda.synchronize()
+    expected = hidden + residual
+    assert torch.equal(chain(), expected)  # launched back to back
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    results = []
+    for _ in range(5):
+        graph.replay()
+        results.append(out.clone())
+    torch.cuda.synchronize()
+    for result in results:
+        assert torch.equal(result, expected)
 
 
 def test_silu_mul_rounds_once_for_every_token_count():

@@ -3,8 +3,9 @@ without a GPU: the split-KV decode attention against the torch backend (float32;
 splits; grouped and plain heads; rows of context 0; a given start order), the KV writer against index_copy, the
 fused q/k norm + RoPE + K/V store against the unfused layers (with and without the norm), and
 the temperature sampler (greedy = torch.argmax with ties, draws follow softmax(logits / T),
-a row's draw depends on its seed only) alone and inside the Sampler, the skinny projection
-and the gated MLP's SiLU-and-mul.
+a row's draw depends on its seed only) alone and inside the Sampler, the skinny projections
+(plain, and with the norm, residual add and SiLU-and-mul they fold in) and the gated MLP's
+SiLU-and-mul.
 
 The interpreter is chosen when a kernel is decorated, so the checks run in a child process.
 The GPU tests (test_gpu.py) check the same kernels compiled, in bf16.
@@ -201,12 +202,23 @@ print("sampling ok")
 
 SKINNY_CHECKS = '''
 import torch
-from twinplane.kernels.skinny_gemm import skinny_linear
+import torch.nn.functional as F
+from twinplane.kernels import skinny_gemm
 torch.manual_seed(0)
-for m, n, k, config in ((1, 40, 96, (8, 64, 4)), (2, 33, 200, (4, 128, 2)), (3, 16, 64, (16, 32, 4)), (4, 9, 130, (8, 64, 2))):
-    x, w = torch.randn(m, k), torch.randn(n, k)
-    y = skinny_linear(x, w, *config)
-    assert y.shape == (m, n) and torch.allclose(y, x @ w.T, atol=1e-4, rtol=1e-4), (m, n, k)
+skinny_gemm.WEIGHT_BYTES_PER_PROGRAM = 4096  # several programs even for these small weights
+for m, n, k in ((1, 40, 96), (2, 33, 200), (3, 16, 64), (4, 9, 130)):
+    x, res, w, b = torch.randn(m, k), torch.randn(m, k), torch.randn(2 * n, k), torch.randn(2 * n)
+    norm = torch.rand(k) + 0.5
+    assert torch.allclose(skinny_gemm.skinny_linear(x, w), x @ w.T, atol=1e-4, rtol=1e-4), (m, n, k)
+    assert torch.allclose(skinny_gemm.skinny_linear(x, w, b), x @ w.T + b, atol=1e-4, rtol=1e-4), (m, n, k)
+    for r in (None, res):
+        summed = x if r is None else x + r
+        normed = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6) * norm
+        y, s = skinny_gemm.skinny_norm_linear(x, r, norm, 1e-6, w, b)
+        assert torch.equal(s, summed) and torch.allclose(y, normed @ w.T + b, atol=1e-4, rtol=1e-4), (m, n, k)
+        y, s = skinny_gemm.skinny_norm_linear(x, r, norm, 1e-6, w, glu=True)
+        gate, up = (normed @ w.T).chunk(2, dim=-1)
+        assert y.shape == (m, n) and torch.allclose(y, F.silu(gate) * up, atol=1e-4, rtol=1e-4), (m, n, k)
 print("skinny ok")
 '''
 
@@ -242,8 +254,9 @@ def test_triton_sampler_in_the_interpreter():
     _run_interpreted(SAMPLING_CHECKS, "sampling ok")
 
 
-def test_skinny_linear_in_the_interpreter():
-    """Rows 1-4, output and input sizes that are not multiples of the blocks."""
+def test_skinny_projections_in_the_interpreter():
+    """Rows 1-4, sizes that are not multiples of the blocks; bias, the norm with and without the
+    residual add, and SiLU-and-mul after gate/up, against torch."""
     _run_interpreted(SKINNY_CHECKS, "skinny ok")
 
 

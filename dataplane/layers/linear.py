@@ -10,8 +10,6 @@ of the packed output a checkpoint tensor fills.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -19,66 +17,15 @@ from torch import nn
 
 from twinplane.dataplane.distributed import tp_rank, tp_world_size
 
-# Up to this many rows (a decode step of one or two sequences), a projection may run on the
-# skinny Triton kernel instead of cuBLAS: wherever it measured faster for that shape on this
-# device (at more rows cuBLAS never lost in measurements on an H200).
-SKINNY_MAX_ROWS = 2
-SKINNY_CONFIGS = ((2, 1024, 8), (2, 1024, 4), (4, 1024, 8), (8, 512, 8), (8, 256, 4))  # BLOCK_N, BLOCK_K, warps
-_skinny_choice: dict[tuple, tuple[int, int, int] | None] = {}  # (rows, weight shape, dtype, device) -> config
-
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias); a few rows on CUDA take the skinny kernel where it is faster."""
-    if bias is None and x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and x.is_contiguous():
-        config = _skinny_config(x, weight)
-        if config is not None:
-            from twinplane.kernels.skinny_gemm import skinny_linear
+    """x @ weight.T (+ bias); 1-4 rows on CUDA take the skinny Triton kernel (``kernels/skinny_gemm.py``)."""
+    if x.is_cuda:
+        from twinplane.kernels import skinny_gemm  # imports triton
 
-            return skinny_linear(x, weight, *config)
+        if skinny_gemm.supports(x, weight):
+            return skinny_gemm.skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-def _skinny_config(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int] | None:
-    """The fastest skinny-kernel config for this shape if it beats cuBLAS, else None; measured once,
-    outside CUDA-graph capture (the warm-up before each capture gets here first)."""
-    key = (x.shape[0], tuple(weight.shape), weight.dtype, weight.device)
-    if key not in _skinny_choice:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        _skinny_choice[key] = _measure_skinny(x, weight)
-    return _skinny_choice[key]
-
-
-def _measure_skinny(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int] | None:
-    """Times cuBLAS and each config in a CUDA graph over enough copies of the weight to leave
-    the L2 cache (as a decode step reads a layer's weights once)."""
-    from twinplane.kernels.skinny_gemm import skinny_linear
-
-    copies = min(32, max(2, math.ceil((96 << 20) / (weight.numel() * weight.element_size()))))
-    weights = [weight.clone() for _ in range(copies)]
-    timings = {None: _graph_time(lambda w: F.linear(x, w), weights)}
-    for config in SKINNY_CONFIGS:
-        timings[config] = _graph_time(lambda w, c=config: skinny_linear(x, w, *c), weights)
-    return min(timings, key=timings.get)
-
-
-def _graph_time(fn, weights: list[torch.Tensor]) -> float:
-    """Milliseconds of one replay of a CUDA graph calling fn once per weight."""
-    for w in weights[:2]:
-        fn(w)  # compiles, and settles the allocator
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in weights:
-            fn(w)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
 
 
 def _divide(numerator: int, denominator: int) -> int:

@@ -68,18 +68,20 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps) if spec.qk_norm else None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
+        return self.o_proj(self.attend(positions, self.qkv_proj(hidden), metadata))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """q/k/v projection rows [T, (heads + 2 kv_heads) * d] -> attention output [T, heads * d]."""
         if qkv.is_cuda and self.head_dim in FUSED_HEAD_DIMS:
-            return self.o_proj(self.attn.attend_qkv(qkv, self.qkv_rope(positions), metadata))
+            return self.attn.attend_qkv(qkv, self.qkv_rope(positions), metadata)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        num_tokens = hidden.shape[0]
+        num_tokens = qkv.shape[0]
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q.flatten(1), k.flatten(1), v, metadata)
-        return self.o_proj(out)
+        return self.attn(q.flatten(1), k.flatten(1), v, metadata)
 
     def qkv_rope(self, positions: torch.Tensor) -> QKVRope:
         """What the fused kernels need to turn q/k/v projection rows into q and cached K/V."""
@@ -116,6 +118,20 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        attn, mlp = self.self_attn, self.mlp
+        if _skinny(hidden, attn.qkv_proj.weight, mlp.gate_up_proj.weight):
+            from twinplane.kernels.skinny_gemm import skinny_norm_linear
+
+            # 1-4 rows on CUDA: each norm (and residual add) runs inside the projection after it,
+            # SiLU-and-mul inside gate/up; kernels/skinny_gemm.py says why.
+            norm = self.input_layernorm
+            qkv, residual = skinny_norm_linear(hidden, residual, norm.weight, norm.eps, attn.qkv_proj.weight,
+                                               attn.qkv_proj.bias)
+            hidden = attn.o_proj(attn.attend(positions, qkv, metadata))
+            norm = self.post_attention_layernorm
+            act, residual = skinny_norm_linear(hidden, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight,
+                                               mlp.gate_up_proj.bias, glu=True)
+            return mlp.down_proj(act), residual
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
@@ -123,6 +139,15 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+
+def _skinny(hidden: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether the skinny projection kernel takes these rows with each of these weights (CUDA only)."""
+    if not hidden.is_cuda:
+        return False
+    from twinplane.kernels.skinny_gemm import supports
+
+    return all(supports(hidden, w) for w in weights)
 
 
 class DecoderModel(nn.Module):
