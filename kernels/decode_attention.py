@@ -117,9 +117,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, block_table_ptr, context_lens_ptr, order
             splits = tl.arange(0, NUM_SPLITS)
             for g in tl.static_range(GROUP):
                 head = kv_head * GROUP + g
-                split_lse = tl.load(lse_ptr + splits * stride_ls + seq * stride_lt + head, cache_modifier=".cg")
-                top = tl.max(split_lse, 0)
-                weights = tl.where(split_lse > float("-inf"), tl.exp2(split_lse - top), 0.0)
+                lse = tl.load(lse_ptr + splits * stride_ls + seq * stride_lt + head, cache_modifier=".cg")
+                top = tl.max(lse, 0)
+                weights = tl.where(lse > float("-inf"), tl.exp2(lse - top), 0.0)
                 total = tl.sum(weights, 0)
                 parts = tl.load(out_ptr + splits[:, None] * stride_os + seq * stride_ot + head * stride_oh
                                 + dims[None, :], cache_modifier=".cg")
