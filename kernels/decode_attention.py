@@ -12,21 +12,19 @@ with it, so it is bound by memory bandwidth. The kernel is shaped for that:
   ones fill the end of the step instead of a lone long one. On an H200 both together read the
   cache 6-9% faster at 64-256 sequences of mixed length (BENCHMARKS.md).
 - Split-KV: while batch x KV heads is under three programs per SM, each sequence's context is
-  cut into ``num_splits`` ranges that run in parallel, and the last of a sequence's splits to
-  finish (an atomic counter per sequence and KV head tells) merges their partial outputs by
-  their log-sum-exp: no second kernel, which at batch 1 is a dependent step of its own.
-  (Measured on an H200: splitting a batch that already fills the GPU is slower.) The split
-  count depends only on the batch size, so it is fixed inside a CUDA graph, and every
-  sequence divides its own context at run time.
+  cut into ``num_splits`` ranges that run in parallel, and a second kernel merges their
+  partial outputs by their log-sum-exp. (Measured on an H200: splitting a batch that
+  already fills the GPU is slower.) The split count depends only on the batch size, so it
+  is fixed inside a CUDA graph, and every sequence divides its own context at run time.
 - From the q/k/v projection (``decode_attention_from_qkv``): the same kernel also does what
   ``kernels/rope_store.py`` does for these tokens. Each program normalises and rotates its
   group's queries itself; the program whose key range holds the new token stores its key and
   value first and then reads them from the cache like every other key. That is one kernel
   and one round trip of q through memory less per layer: 47-60 us less kernel time per decode
   step of Qwen3-0.6B on an H200 at batch 1-128 (BENCHMARKS.md), the same at 160-256.
-- On sm_90 and newer the kernel is launched with programmatic dependent launch: it lets the
-  next kernel start at once (the output projection loads its weights meanwhile) and waits for
-  the kernel ahead before it reads anything (``kernels/skinny_gemm.py`` says why).
+- On sm_90 and newer both kernels are launched with programmatic dependent launch: each lets
+  the next kernel start at once (the output projection loads its weights meanwhile) and waits
+  for the kernel ahead before it reads anything (``kernels/skinny_gemm.py`` says why).
 
 The cache of one layer is [num_blocks, block_size, kv_heads, head_dim]; ``BLOCK_N`` divides
 ``block_size``, so each tile of keys lies in one page. Sequences with context 0 (the
@@ -48,9 +46,9 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, block_table_ptr, context_lens_ptr, order_ptr, out_ptr, lse_ptr,
-                   merged_ptr, counter_ptr, positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, eps, slot_ptr,
+                   positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, eps, slot_ptr,
                    scale_log2, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
-                   stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_mt, stride_mh,
+                   stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, ORDERED: tl.constexpr,
                    FROM_QKV: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HAS_NORM: tl.constexpr,
@@ -108,24 +106,25 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, block_table_ptr, context_lens_ptr, order
     if NUM_SPLITS > 1:
         lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
         tl.store(lse_ptr + split * stride_ls + seq * stride_lt + heads, lse, mask=row_ok)
-        # The last split of this (sequence, KV head) to finish merges them all: the barrier orders
-        # every thread's stores before the counter's (release, GPU scope) increment.
-        tl.debug_barrier()
-        counter = counter_ptr + seq * KV_HEADS + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            tl.store(counter, 0)  # ready for the next layer's kernel
-            splits = tl.arange(0, NUM_SPLITS)
-            for g in tl.static_range(GROUP):
-                head = kv_head * GROUP + g
-                lse = tl.load(lse_ptr + splits * stride_ls + seq * stride_lt + head, cache_modifier=".cg")
-                top = tl.max(lse, 0)
-                weights = tl.where(lse > float("-inf"), tl.exp2(lse - top), 0.0)
-                total = tl.sum(weights, 0)
-                parts = tl.load(out_ptr + splits[:, None] * stride_os + seq * stride_ot + head * stride_oh
-                                + dims[None, :], cache_modifier=".cg")
-                merged = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
-                tl.store(merged_ptr + seq * stride_mt + head * stride_mh + dims,
-                         merged.to(merged_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _merge_kernel(part_ptr, lse_ptr, out_ptr, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                  stride_ot, stride_oh, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, HEAD_DIM)
+    lse = tl.load(lse_ptr + splits * stride_ls + seq * stride_lt + head)
+    top = tl.max(lse, 0)
+    weights = tl.where(lse > float("-inf"), tl.exp2(lse - top), 0.0)
+    total = tl.sum(weights, 0)
+    parts = tl.load(part_ptr + splits[:, None] * stride_ps + seq * stride_pt + head * stride_ph + dims[None, :])
+    out = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device, max_splits: int = 16) -> int:
@@ -190,7 +189,7 @@ def decode_attention_from_qkv(qkv: torch.Tensor, rope: QKVRope, k_cache: torch.T
 
 def _launch(q, num_heads, stride_qt, stride_qh, rope, slot_mapping, k_cache, v_cache, block_tables, context_lens,
             scale, order, num_splits, block_n, num_warps, num_stages) -> torch.Tensor:
-    """The decode kernel; ``q`` is the queries [n, heads, d], or with ``rope`` the q/k/v rows."""
+    """The decode (and merge) kernels; ``q`` is the queries [n, heads, d], or with ``rope`` the q/k/v rows."""
     num_seqs = q.shape[0]
     _, page, num_kv_heads, head_dim = k_cache.shape
     group = num_heads // num_kv_heads
@@ -201,43 +200,31 @@ def _launch(q, num_heads, stride_qt, stride_qh, rope, slot_mapping, k_cache, v_c
         num_splits = decode_splits(num_seqs, num_kv_heads, q.device)
     block_n = min(block_n or tile_keys(num_splits), page & -page)  # a power of two that divides the page
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    if num_seqs == 0:
-        return out
     if num_splits > 1:
         part = torch.empty((num_splits, num_seqs, num_heads, head_dim), dtype=torch.float32, device=q.device)
         lse = torch.empty((num_splits, num_seqs, num_heads), dtype=torch.float32, device=q.device)
-        counters = _split_counters(q.device, num_seqs * num_kv_heads)
     else:
-        part, lse, counters = out.unsqueeze(0), out, out  # written straight to out; lse, counters unused
+        part, lse = out.unsqueeze(0), out  # written straight to out; lse unused
+    if num_seqs == 0:
+        return out
     assert order is None or order.shape == (num_seqs,), "order must hold one entry per sequence"
     from_qkv = rope is not None
     has_norm = from_qkv and rope.q_norm is not None  # check_qkv made sure k_norm comes with q_norm
     unused = context_lens  # any tensor, for the pointers a variant does not read
     pdl = launch_pdl(q.device)
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, unused if order is None else order, part, lse, out, counters,
+        q, k_cache, v_cache, block_tables, context_lens, unused if order is None else order, part, lse,
         rope.positions if from_qkv else unused, rope.cos_sin_cache if from_qkv else unused,
         rope.q_norm if has_norm else unused, rope.k_norm if has_norm else unused, rope.eps if has_norm else 0.0,
         slot_mapping if from_qkv else unused, scale * LOG2E,
         stride_qt, stride_qh, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits, ORDERED=order is not None, FROM_QKV=from_qkv,
         HEADS=num_heads, KV_HEADS=num_kv_heads, HAS_NORM=has_norm, PDL=pdl, num_warps=num_warps,
         num_stages=num_stages, launch_pdl=pdl)
+    if num_splits > 1:
+        _merge_kernel[(num_seqs, num_heads)](
+            part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1), HEAD_DIM=head_dim, NUM_SPLITS=num_splits, PDL=pdl, launch_pdl=pdl)
     return out
-
-
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, count: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (sequence, KV head), for the splits to count themselves
-    done; the last split leaves its counter at zero again, so one buffer serves every layer and
-    step. Grown outside CUDA-graph capture only (each batch size runs once before its capture)."""
-    counters = _counters.get(device)
-    if counters is None or counters.numel() < count:
-        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), (
-            "split counters must be allocated before capture")
-        counters = _counters[device] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
-    return counters
