@@ -1,0 +1,76 @@
+"""Our Triton kernels compiled for sm_90 (an H100 / H200) without a GPU, for each variant their
+launch wrappers pick.
+
+Triton's interpreter (test_kernels_interpreted.py) runs the kernels as Python, so it checks
+what they compute but not that they compile: Triton's compiler rejects, for example, a value
+that a branch redefines with another shape, and the interpreter does not notice. Compiling
+needs only Triton's frontend and the ptxas it ships with, no CUDA device.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+triton = pytest.importorskip("triton")
+pytest.importorskip("triton.backends.nvidia")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def _compile(kernel, constexprs: dict, pointers: dict[str, str], floats: tuple[str, ...] = ()) -> str:
+    """Compiles ``kernel`` for sm_90 with these constexprs; pointer arguments get the element type
+    that ``pointers`` names (default bf16), ``floats`` are fp32 scalars, the rest int32. Returns the PTX."""
+    names = list(inspect.signature(kernel.fn).parameters)
+    signature = {}
+    for name in names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = "*" + pointers.get(name, "bf16")
+        else:
+            signature[name] = "fp32" if name in floats else "i32"
+    source = ASTSource(fn=kernel, signature=signature,
+                       constexprs={(names.index(name),): value for name, value in constexprs.items()})
+    return triton.compile(source, target=HOPPER).asm["ptx"]
+
+
+@pytest.mark.parametrize("num_splits,from_qkv,has_norm,group",
+                         [(1, False, False, 2), (2, True, True, 2), (4, True, False, 4), (16, True, True, 2),
+                          (8, False, False, 7)])
+def test_decode_attention_compiles(num_splits, from_qkv, has_norm, group):
+    from twinplane.kernels.decode_attention import _decode_kernel, _merge_kernel
+
+    ints = {name: "i32" for name in ("block_table_ptr", "context_lens_ptr", "order_ptr", "positions_ptr", "slot_ptr")}
+    floats32 = {name: "fp32" for name in ("lse_ptr", "cos_sin_ptr", "q_norm_ptr", "k_norm_ptr")}
+    out = "fp32" if num_splits > 1 else "bf16"
+    ptx = _compile(_decode_kernel, dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=128,
+                                        BLOCK_N=64, PAGE=256, NUM_SPLITS=num_splits, ORDERED=True, FROM_QKV=from_qkv,
+                                        HEADS=8 * group, KV_HEADS=8, HAS_NORM=has_norm, PDL=True),
+                   {**ints, **floats32, "out_ptr": out, "q_norm_ptr": "bf16", "k_norm_ptr": "bf16"},
+                   floats=("eps", "scale_log2"))
+    assert "griddepcontrol.wait" in ptx
+    if num_splits > 1:
+        ptx = _compile(_merge_kernel, dict(HEAD_DIM=128, NUM_SPLITS=num_splits, PDL=True),
+                       {"part_ptr": "fp32", "lse_ptr": "fp32"})
+        assert "griddepcontrol.wait" in ptx
+
+
+@pytest.mark.parametrize("rows,add,norm,glu,bias", [
+    (1, False, False, False, False), (2, False, False, False, True), (3, False, True, False, False),
+    (4, True, True, False, True), (1, True, True, True, False), (4, True, True, True, True)])
+def test_skinny_projection_compiles_and_loads_weights_before_it_waits(rows, add, norm, glu, bias):
+    """Every variant compiles, and the weight loads come before ``griddepcontrol.wait`` in the PTX:
+    the loads the kernel is there to overlap with the kernel ahead."""
+    from twinplane.kernels.skinny_gemm import _skinny_kernel
+
+    ptx = _compile(_skinny_kernel, dict(ROWS=rows, K=1000, K_PAD=1024, BLOCK_N=16, ADD=add, NORM=norm, GLU=glu,
+                                        BIAS=bias, PDL=True), {}, floats=("eps",))
+    wait = ptx.index("griddepcontrol.wait")
+    assert ptx.index("griddepcontrol.launch_dependents") < wait
+    assert "ld.global" in ptx[:wait]
+
