@@ -15,10 +15,10 @@ def num_sms(device_index: int) -> int:
 
 @functools.cache
 def _has_pdl(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def launch_pdl(device: torch.device) -> bool:
-    """Whether kernels on ``device`` are launched with programmatic dependent launch: CUDA devices
-    of sm_90 and newer (never Triton's interpreter, whose tensors are on the CPU)."""
+    """Whether kernels on ``device`` are launched with programmatic dependent launch: NVIDIA GPUs
+    of sm_90 and newer (not ROCm, and never Triton's interpreter, whose tensors are on the CPU)."""
     return device.type == "cuda" and _has_pdl(device.index or 0)
