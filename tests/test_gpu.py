@@ -1,5 +1,6 @@
-"""GPU data plane (skipped without CUDA): KV writer, decode attention, fused norm/RoPE/store and
-sampling kernels, FlashAttention logits vs transformers, CUDA graphs vs eager, prefix-cache hit
+"""GPU data plane (skipped without CUDA): KV writer, decode attention, fused norm/RoPE/store,
+sampling and skinny projection kernels (alone and chained with programmatic dependent launch),
+FlashAttention logits vs transformers, CUDA graphs vs eager, prefix-cache hit
 vs miss, the real SmolLM2, and TP=2 vs TP=1.
 
 Tolerance for bf16 logits: our forward and transformers' own bf16 forward are both compared
