@@ -1,5 +1,6 @@
-"""Our Triton kernels compiled for sm_90 (an H100 / H200) without a GPU, for each variant their
-launch wrappers pick.
+"""Our Triton kernels compiled for sm_90 (an H100 / H200) without a GPU: decode attention and its
+merge, the skinny projections, RoPE/K/V store, the KV writer, SiLU-and-mul and the sampler, in
+the variants their launch wrappers pick.
 
 Triton's interpreter (test_kernels_interpreted.py) runs the kernels as Python, so it checks
 what they compute but not that they compile: Triton's compiler rejects, for example, a value
@@ -74,3 +75,22 @@ def test_skinny_projection_compiles_and_loads_weights_before_it_waits(rows, add,
     assert ptx.index("griddepcontrol.launch_dependents") < wait
     assert "ld.global" in ptx[:wait]
 
+
+
+@pytest.mark.parametrize("has_norm", [True, False])
+def test_rope_store_compiles(has_norm):
+    from twinplane.kernels.rope_store import _rope_store_kernel
+
+    _compile(_rope_store_kernel, dict(HEADS=16, KV_HEADS=8, HEADS_PAD=16, KV_HEADS_PAD=8, HALF=64, HAS_NORM=has_norm),
+             {"positions_ptr": "i32", "slot_ptr": "i32", "cos_sin_ptr": "fp32"}, floats=("eps",))
+
+
+def test_kv_writer_silu_mul_and_sampler_compile():
+    from twinplane.kernels.kv_writer import _store_kv_kernel
+    from twinplane.kernels.sampling import _partial_kernel
+    from twinplane.kernels.silu_mul import _silu_mul_kernel
+
+    _compile(_store_kv_kernel, dict(ROW=1024, BLOCK=1024), {"slot_ptr": "i32"})
+    _compile(_silu_mul_kernel, dict(D=3072, BLOCK=1024), {})
+    _compile(_partial_kernel, dict(BLOCK=1024), {"temperature_ptr": "fp32", "greedy_ptr": "i1", "seeds_ptr": "i64",
+                                                 "best_score_ptr": "fp32", "best_index_ptr": "i64"})
