@@ -79,8 +79,6 @@ def profile_decode(runner, batch: int, context: int, steps: int, top: int = 16) 
     import torch
 
     cuda = runner.device.type == "cuda"
-    if cuda:
-        from twinplane.kernels.device import launch_pdl
     decoding = DecodeBatch(runner, batch, context, steps + 3)
     decoding.decode(3)  # warm-up
     activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
@@ -95,9 +93,12 @@ def profile_decode(runner, batch: int, context: int, steps: int, top: int = 16) 
              f"{what} {total / 1e3:.3f} ms in {count:.0f} calls per step"]
     for us, n, name in sorted(rows, reverse=True)[:top]:
         lines.append(f"{us / steps:10.1f} us/step {n / steps:6.1f} x {us / n:8.2f} us  {name[:90]}")
-    if cuda and launch_pdl(runner.device):
-        lines.append("(kernels launched with programmatic dependent launch count their wait for the kernel "
-                     "ahead as their own time: their times overlap, and can add up to more than the step)")
+    if cuda:
+        from twinplane.kernels.device import launch_pdl
+
+        if launch_pdl(runner.device):
+            lines.append("(kernels launched with programmatic dependent launch count their wait for the kernel "
+                         "ahead as their own time: their times overlap, and can add up to more than the step)")
     return "\n".join(lines)
 
 

@@ -124,13 +124,13 @@ def _launch(x, residual, summed, norm_weight, eps, weight, bias, y, glu: bool) -
     n, k = y.shape[1], x.shape[1]
     k_pad = triton.next_power_of_2(k)
     block_n, num_warps = _program_shape(n, k_pad, weight.element_size() * (2 if glu else 1), x.device)
+    pdl = launch_pdl(x.device)
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x, x if residual is None else residual, y if summed is None else summed,
         x if norm_weight is None else norm_weight, weight, x if bias is None else bias, y, n, eps,
         x.stride(0), 0 if residual is None else residual.stride(0), 0 if summed is None else summed.stride(0),
         y.stride(0), ROWS=x.shape[0], K=k, K_PAD=k_pad, BLOCK_N=block_n, ADD=residual is not None,
-        NORM=norm_weight is not None, GLU=glu, BIAS=bias is not None, PDL=launch_pdl(x.device),
-        num_warps=num_warps, launch_pdl=launch_pdl(x.device))
+        NORM=norm_weight is not None, GLU=glu, BIAS=bias is not None, PDL=pdl, num_warps=num_warps, launch_pdl=pdl)
 
 
 def _program_shape(n: int, k_pad: int, bytes_per_weight: int, device: torch.device) -> tuple[int, int]:
