@@ -24,7 +24,9 @@ with it, so it is bound by memory bandwidth. The kernel is shaped for that:
   step of Qwen3-0.6B on an H200 at batch 1-128 (BENCHMARKS.md), the same at 160-256.
 - On sm_90 and newer both kernels are launched with programmatic dependent launch: each lets
   the next kernel start at once (the output projection loads its weights meanwhile) and waits
-  for the kernel ahead before it reads anything (``kernels/skinny_gemm.py`` says why).
+  for the kernel ahead (``kernels/skinny_gemm.py`` says why). Where ``tile_keys`` says so, a
+  program loads its first tile of keys and values before it waits: those keys were stored
+  by earlier steps (all but the new token's, which it reads after).
 
 The cache of one layer is [num_blocks, block_size, kv_heads, head_dim]; ``BLOCK_N`` divides
 ``block_size``, so each tile of keys lies in one page. Sequences with context 0 (the
@@ -45,6 +47,19 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _attend_tile(q, k, v, token_ok, m, l, acc, scale_log2):
+    """Online softmax over one tile of keys: the running max m, sum l and output acc of each query."""
+    s = tl.dot(q, tl.trans(k)) * scale_log2
+    s = tl.where(token_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, block_table_ptr, context_lens_ptr, order_ptr, out_ptr, lse_ptr,
                    positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, eps, slot_ptr,
                    scale_log2, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
@@ -52,10 +67,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, block_table_ptr, context_lens_ptr, order
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, ORDERED: tl.constexpr,
                    FROM_QKV: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HAS_NORM: tl.constexpr,
-                   PDL: tl.constexpr):
-    if PDL:  # let the next kernel start loading its weights; wait for the q/k/v projection
-        gdc_launch_dependents()
-        gdc_wait()
+                   PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    # Before the wait the kernel reads only what no kernel of this step writes: the step's inputs
+    # (copied before its first kernel, which is not launched with PDL) and, with PREFETCH, keys
+    # that earlier steps stored.
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     if ORDERED:
@@ -66,10 +81,24 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, block_table_ptr, context_lens_ptr, order
     start = split * per_split
     end = tl.minimum(start + per_split, context)
 
+    cols = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
+    table = block_table_ptr + seq.to(tl.int64) * stride_bt
+    if PREFETCH:  # the split's first tile, all but the new token (at context - 1)
+        first_ok = start + cols < end
+        earlier = first_ok & (start + cols < context - 1)
+        first_page = tl.load(table + start // PAGE, mask=start < end, other=0).to(tl.int64)
+        first = (first_page * stride_kb + (start % PAGE + cols)[:, None] * stride_kt + kv_head * stride_kh
+                 + dims[None, :])
+        k_first = tl.load(k_ptr + first, mask=earlier[:, None], other=0.0)
+        v_first = tl.load(v_ptr + first, mask=earlier[:, None], other=0.0)
+    if PDL:  # let the next kernel start loading its weights; wait for the q/k/v projection
+        gdc_launch_dependents()
+        gdc_wait()
+
     rows = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + rows
     row_ok = rows < GROUP
-    dims = tl.arange(0, HEAD_DIM)
     if FROM_QKV:  # q_ptr is the q/k/v projection; the split holding the new token stores its K/V
         q = decode_q_store_kv(q_ptr + seq.to(tl.int64) * stride_qt, heads, row_ok, kv_head, positions_ptr + seq,
                               cos_sin_ptr, q_norm_ptr, k_norm_ptr, eps, slot_ptr + seq, k_ptr, v_ptr, stride_kt,
@@ -82,22 +111,21 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, block_table_ptr, context_lens_ptr, order
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    cols = tl.arange(0, BLOCK_N)
-    table = block_table_ptr + seq.to(tl.int64) * stride_bt
-    for n in range(start, end, BLOCK_N):
+    rest = start
+    if PREFETCH:
+        new = (first_ok & ~earlier)[:, None]  # the new token, if it is in the first tile: read now
+        k_first = tl.where(new, tl.load(k_ptr + first, mask=new, other=0.0), k_first)
+        v_first = tl.where(new, tl.load(v_ptr + first, mask=new, other=0.0), v_first)
+        if start < end:  # an empty split keeps l = 0 (a tile of no keys would divide -inf by -inf)
+            m, l, acc = _attend_tile(q, k_first, v_first, first_ok, m, l, acc, scale_log2)
+        rest += BLOCK_N
+    for n in range(rest, end, BLOCK_N):
         page = tl.load(table + n // PAGE).to(tl.int64)
         token_ok = n + cols < end
         offsets = page * stride_kb + (n % PAGE + cols)[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
         k = tl.load(k_ptr + offsets, mask=token_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
-        s = tl.where(token_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + offsets, mask=token_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, l, acc = _attend_tile(q, k, v, token_ok, m, l, acc, scale_log2)
 
     has_keys = l > 0
     out = acc / tl.where(has_keys, l, 1.0)[:, None]
@@ -141,11 +169,22 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device, max_sp
     return min(max_splits, max(2, triton.next_power_of_2(-(-sms // programs))))
 
 
-def tile_keys(num_splits: int) -> int:
-    """Keys per tile for this many splits, as measured fastest on an H200 (bf16, head dim 128,
-    GQA group 2): 64 for unsplit batches (64 x 512 context: 35 vs 40 us at 128), 32 where a
-    split holds few keys (1 x 512 split 16 ways: 5.2 vs 6.7 us), else 128."""
-    return 64 if num_splits == 1 else 32 if num_splits >= 16 else 128
+def tile_keys(num_splits: int) -> tuple[int, bool]:
+    """(keys per tile, whether a program loads its first tile before it waits) for this many
+    splits, as measured fastest on an H200 (bf16, head dim 128, GQA group 2, Qwen3-0.6B shapes):
+
+    - 16 splits (one or two sequences): 64 keys, loaded early. Decoding one sequence at context
+      500 / 1,500 took 693 / 749 us a token instead of 760 / 877 (32-key tiles, not loaded
+      early): the kernel starts while the q/k/v projection ahead of it still runs.
+    - One split: 64 keys (64 x 512 context: 35 vs 40 us at 128). Loaded early, the kernel alone
+      was faster up to ~6 programs an SM (64 sequences of contexts U[100, 2048): 81 vs 113 us)
+      and slower past it (256: 308 vs 268 us), but the all-at-once benchmark's decode steps
+      took the same time either way (4.73 vs 4.72-4.75 ms), so it does not.
+    - 2-8 splits: 128 keys. 64 loaded early was slower at 4 sequences (1,472 vs 1,354 us a token).
+    """
+    if num_splits >= 16:
+        return 64, True
+    return (64 if num_splits == 1 else 128), False
 
 
 def supports(head_dim: int, block_size: int) -> bool:
@@ -198,7 +237,8 @@ def _launch(q, num_heads, stride_qt, stride_qh, rope, slot_mapping, k_cache, v_c
     assert supports(head_dim, page), f"head_dim {head_dim} / block size {page} not supported"
     if num_splits is None:
         num_splits = decode_splits(num_seqs, num_kv_heads, q.device)
-    block_n = min(block_n or tile_keys(num_splits), page & -page)  # a power of two that divides the page
+    keys, prefetch = tile_keys(num_splits)
+    block_n = min(block_n or keys, page & -page)  # a power of two that divides the page
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_splits > 1:
         part = torch.empty((num_splits, num_seqs, num_heads, head_dim), dtype=torch.float32, device=q.device)
@@ -221,7 +261,7 @@ def _launch(q, num_heads, stride_qt, stride_qh, rope, slot_mapping, k_cache, v_c
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits, ORDERED=order is not None, FROM_QKV=from_qkv,
-        HEADS=num_heads, KV_HEADS=num_kv_heads, HAS_NORM=has_norm, PDL=pdl, num_warps=num_warps,
+        HEADS=num_heads, KV_HEADS=num_kv_heads, HAS_NORM=has_norm, PREFETCH=prefetch, PDL=pdl, num_warps=num_warps,
         num_stages=num_stages, launch_pdl=pdl)
     if num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](

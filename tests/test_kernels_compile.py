@@ -40,10 +40,10 @@ def _compile(kernel, constexprs: dict, pointers: dict[str, str], floats: tuple[s
     return triton.compile(source, target=HOPPER).asm["ptx"]
 
 
-@pytest.mark.parametrize("num_splits,from_qkv,has_norm,group",
-                         [(1, False, False, 2), (2, True, True, 2), (4, True, False, 4), (16, True, True, 2),
-                          (8, False, False, 7)])
-def test_decode_attention_compiles(num_splits, from_qkv, has_norm, group):
+@pytest.mark.parametrize("num_splits,from_qkv,has_norm,group,prefetch",
+                         [(1, False, False, 2, False), (2, True, True, 2, False), (4, True, False, 4, True),
+                          (16, True, True, 2, True), (8, False, False, 7, True), (1, True, True, 2, True)])
+def test_decode_attention_compiles(num_splits, from_qkv, has_norm, group, prefetch):
     from twinplane.kernels.decode_attention import _decode_kernel, _merge_kernel
 
     ints = {name: "i32" for name in ("block_table_ptr", "context_lens_ptr", "order_ptr", "positions_ptr", "slot_ptr")}
@@ -51,7 +51,7 @@ def test_decode_attention_compiles(num_splits, from_qkv, has_norm, group):
     out = "fp32" if num_splits > 1 else "bf16"
     ptx = _compile(_decode_kernel, dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=128,
                                         BLOCK_N=64, PAGE=256, NUM_SPLITS=num_splits, ORDERED=True, FROM_QKV=from_qkv,
-                                        HEADS=8 * group, KV_HEADS=8, HAS_NORM=has_norm, PDL=True),
+                                        HEADS=8 * group, KV_HEADS=8, HAS_NORM=has_norm, PREFETCH=prefetch, PDL=True),
                    {**ints, **floats32, "out_ptr": out, "q_norm_ptr": "bf16", "k_norm_ptr": "bf16"},
                    floats=("eps", "scale_log2"))
     assert "griddepcontrol.wait" in ptx

@@ -1,6 +1,7 @@
 """Our Triton kernels through Triton's CPU interpreter (TRITON_INTERPRET=1), so they are checked
-without a GPU: the split-KV decode attention against the torch backend (float32; 1, 2 and 4
-splits; grouped and plain heads; rows of context 0; a given start order), the KV writer against index_copy, the
+without a GPU: the split-KV decode attention against the torch backend (float32; 1, 2, 4 and 16
+splits, where 16 loads its first tile before the wait; grouped and plain heads; rows of context
+0; a given start order), the KV writer against index_copy, the
 fused q/k norm + RoPE + K/V store against the unfused layers (with and without the norm), and
 the temperature sampler (greedy = torch.argmax with ties, draws follow softmax(logits / T),
 a row's draw depends on its seed only) alone and inside the Sampler, the skinny projections
@@ -44,7 +45,7 @@ for heads, kv_heads, head_dim, block_size, num_seqs in [(4, 2, 16, 16, 3), (6, 2
         query_lens_host=[1] * num_seqs, context_lens_host=lens.tolist())
     expected = TorchAttentionBackend().forward(q, k_cache, v_cache, metadata, scale)
     shuffled = torch.randperm(num_seqs).to(torch.int32)  # the order programs start in changes nothing
-    for splits, order in [(1, None), (2, None), (4, None), (1, shuffled), (2, shuffled)]:
+    for splits, order in [(1, None), (2, None), (4, None), (16, None), (1, shuffled), (2, shuffled)]:
         out = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, order=order, num_splits=splits)
         error = (out - expected).abs().max().item()
         assert error < 1e-4, f"heads {heads}/{kv_heads}, {splits} splits, order {order}: max error {error}"
@@ -129,7 +130,7 @@ for with_norm in (True, False):
     weights = (torch.rand(head_dim) + 0.5, torch.rand(head_dim) + 0.5) if with_norm else (None, None)
     qkv_rope = QKVRope(heads, kv_heads, positions, rope.cos_sin_cache, *weights, 1e-6)
     history = torch.randn(num_seqs * max_blocks, block_size, kv_heads, head_dim)
-    for splits in (1, 2, 4):
+    for splits in (1, 2, 4, 16):
         caches = [history.clone() for _ in range(4)]
         q = norm_rope_store(qkv, qkv_rope, caches[0], caches[1], slots)
         expected = paged_decode_attention(q, caches[0], caches[1], tables, lens, head_dim ** -0.5, num_splits=splits)
