@@ -2,11 +2,18 @@
 
     python -m twinplane.dataplane.bench_decode --model dummy:qwen3-0.6b --batch-sizes 1 64 256
     python -m twinplane.dataplane.bench_decode --profile --batch-sizes 128 256 --context 1024
+    python -m twinplane.dataplane.bench_decode --plan-steps 8 --batch-sizes 1 2 4
 
 For each batch size, that many sequences are prefilled to --context tokens, then
 --steps greedy decode steps are timed one by one (wall clock of ModelRunner.step,
 which ends with the sampled ids on the host); the median is printed next to the
 time the step's weight and KV bytes need at --peak-bandwidth-gbs.
+
+``--plan-steps K``: instead, plans of K decode steps each (as the control plane sends a few
+sequences that only decode), one at a time; per token, the medians of the device time of a
+plan (on a GPU, between its CUDA events), of the host time that queueing it took (its
+``launch_us``) and of its wall clock. A plan whose host time nears its device time keeps the
+GPU waiting when plans are sent back to back.
 
 ``--profile``: instead, the decode steps run under ``torch.profiler`` (CUDA graphs where the
 runner has them), and for each batch size the kernels of a step are listed by their time
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -67,6 +75,35 @@ class DecodeBatch:
         return times
 
 
+    def decode_plans(self, plans: int, num_steps: int) -> list[tuple[int, int, float]]:
+        """Runs `plans` plans of `num_steps` decode steps of every sequence; returns each plan's
+        device time and host launch time (us) and its wall clock (seconds)."""
+        bs, results = self.runner.config.block_size, []
+        for _ in range(plans):
+            chunks = [replace(_chunk(i, np.array([last]), pos, blocks, bs, False), decode_budget=num_steps)
+                      for i, (blocks, pos, last) in enumerate(self.seqs)]
+            started = time.perf_counter()
+            out = self.runner.step(StepPlan(self.step_id, chunks, num_steps=num_steps))
+            results.append((out.execute_us, out.launch_us, time.perf_counter() - started))
+            self.step_id += 1
+            for seq, tokens in zip(self.seqs, out.sampled_token_ids.reshape(len(self.seqs), num_steps).tolist()):
+                seq[1] += num_steps
+                seq[2] = tokens[-1]
+        return results
+
+
+def time_plans(runner, batch: int, context: int, num_steps: int, plans: int) -> str:
+    """One line: the medians per token of plans of `num_steps` decode steps of `batch` sequences."""
+    warm = 2
+    decoding = DecodeBatch(runner, batch, context, (plans + warm) * num_steps)
+    decoding.decode_plans(warm, num_steps)
+    results = decoding.decode_plans(plans, num_steps)
+    runner.reset()
+    device, host, wall = (statistics.median(column) for column in zip(*results))
+    return (f"batch {batch}, context {context}, plans of {num_steps} steps: per token {device / num_steps:.1f} us "
+            f"on the device, {host / num_steps:.1f} us of host launch, {wall * 1e6 / num_steps:.1f} us wall")
+
+
 def time_decode(runner, batch: int, context: int, steps: int) -> float:
     """Median seconds per decode step for `batch` sequences of `context` tokens."""
     times = DecodeBatch(runner, batch, context, steps).decode(steps)
@@ -113,6 +150,9 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--peak-bandwidth-gbs", type=float, default=4800.0)
     p.add_argument("--profile", action="store_true", help="list each step's kernels under torch.profiler instead")
+    p.add_argument("--plan-steps", type=int, default=0, metavar="K",
+                   help="time plans of K decode steps instead (device, host launch and wall time per token)")
+    p.add_argument("--plans", type=int, default=20, help="plans to time with --plan-steps")
     p.add_argument("--device", default="auto")
     args = p.parse_args()
 
@@ -121,10 +161,13 @@ def main() -> None:
                                            device=args.device, max_num_seqs=max(args.batch_sizes),
                                            gpu_memory_utilization=0.85))
 
-    if args.profile:
+    if args.profile or args.plan_steps:
         runner = runner_for()
         for batch in args.batch_sizes:
-            print(profile_decode(runner, batch, args.context, args.steps), flush=True)
+            if args.profile:
+                print(profile_decode(runner, batch, args.context, args.steps), flush=True)
+            else:
+                print(time_plans(runner, batch, args.context, args.plan_steps, args.plans), flush=True)
         runner.close()
         return
     rows = []

@@ -271,3 +271,19 @@ def test_decode_profile_lists_the_step_operators(runner: ModelRunner) -> None:
     assert "aten::mm" in rows, table
     assert rows["aten::mm"] == runner.loaded.hf_config.num_hidden_layers * 4 + 1
     assert len(runner.sequences) == 0
+
+
+def test_decode_plans_time_the_device_and_the_host_of_plans_of_several_steps(runner: ModelRunner) -> None:
+    """`bench_decode --plan-steps` on a CPU device: each plan advances every sequence by its steps,
+    and a plan's host launch is part of its wall clock."""
+    from twinplane.dataplane.bench_decode import DecodeBatch, time_plans
+
+    runner.reset()
+    decoding = DecodeBatch(runner, batch=2, context=8, steps=12)
+    results = decoding.decode_plans(3, num_steps=4)
+    assert [seq[1] for seq in decoding.seqs] == [8 + 12, 8 + 12]
+    assert all(0 < launch_us <= wall * 1e6 and device_us > 0 for device_us, launch_us, wall in results)
+    runner.reset()
+    line = time_plans(runner, batch=1, context=8, num_steps=4, plans=3)
+    assert line.startswith("batch 1, context 8, plans of 4 steps: per token ") and line.endswith(" us wall")
+    assert len(runner.sequences) == 0
