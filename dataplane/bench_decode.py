@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from dataclasses import replace
 
 import numpy as np
 
@@ -35,11 +34,13 @@ from twinplane.dataplane.plan import SamplingParams, ScheduledSeq, SequenceInit,
 GREEDY = SequenceInit(SamplingParams(temperature=0.0), num_prompt_tokens=0)
 
 
-def _chunk(seq_id: int, tokens: np.ndarray, start: int, blocks: list[int], block_size: int, first: bool):
+def _chunk(seq_id: int, tokens: np.ndarray, start: int, blocks: list[int], block_size: int, first: bool,
+           decode_budget: int = 1):
     positions = np.arange(start, start + len(tokens))
     slots = (np.asarray(blocks)[positions // block_size] * block_size + positions % block_size).astype(np.int32)
     return ScheduledSeq(seq_id, tokens.astype(np.int32), start, slots,
-                        np.asarray(blocks if first else [], dtype=np.int32), True, GREEDY if first else None)
+                        np.asarray(blocks if first else [], dtype=np.int32), True, GREEDY if first else None,
+                        decode_budget)
 
 
 class DecodeBatch:
@@ -55,40 +56,35 @@ class DecodeBatch:
             out = self._step([_chunk(i, rng.integers(0, 10000, context), 0, blocks, bs, True)])
             self.seqs.append([blocks, context, int(out.sampled_token_ids[0])])
 
-    def _step(self, chunks):
-        out = self.runner.step(StepPlan(self.step_id, chunks))
+    def _step(self, chunks, num_steps: int = 1):
+        out = self.runner.step(StepPlan(self.step_id, chunks, num_steps=num_steps))
         self.step_id += 1
         return out
 
+    def _decode_step(self, num_steps: int = 1):
+        """One plan of `num_steps` decode steps of every sequence; returns its StepOutput and wall seconds."""
+        bs = self.runner.config.block_size
+        chunks = [_chunk(i, np.array([last]), pos, blocks, bs, False, num_steps)
+                  for i, (blocks, pos, last) in enumerate(self.seqs)]
+        started = time.perf_counter()
+        out = self._step(chunks, num_steps)
+        wall = time.perf_counter() - started
+        for seq, tokens in zip(self.seqs, out.sampled_token_ids.reshape(len(self.seqs), num_steps).tolist()):
+            seq[1] += num_steps
+            seq[2] = tokens[-1]
+        return out, wall
+
     def decode(self, steps: int) -> list[float]:
         """Runs `steps` decode steps of every sequence; returns the seconds of each."""
-        bs, times = self.runner.config.block_size, []
-        for _ in range(steps):
-            chunks = [_chunk(i, np.array([last]), pos, blocks, bs, False)
-                      for i, (blocks, pos, last) in enumerate(self.seqs)]
-            started = time.perf_counter()
-            out = self._step(chunks)
-            times.append(time.perf_counter() - started)
-            for seq, token in zip(self.seqs, out.sampled_token_ids.tolist()):
-                seq[1] += 1
-                seq[2] = token
-        return times
-
+        return [self._decode_step()[1] for _ in range(steps)]
 
     def decode_plans(self, plans: int, num_steps: int) -> list[tuple[int, int, float]]:
         """Runs `plans` plans of `num_steps` decode steps of every sequence; returns each plan's
         device time and host launch time (us) and its wall clock (seconds)."""
-        bs, results = self.runner.config.block_size, []
+        results = []
         for _ in range(plans):
-            chunks = [replace(_chunk(i, np.array([last]), pos, blocks, bs, False), decode_budget=num_steps)
-                      for i, (blocks, pos, last) in enumerate(self.seqs)]
-            started = time.perf_counter()
-            out = self.runner.step(StepPlan(self.step_id, chunks, num_steps=num_steps))
-            results.append((out.execute_us, out.launch_us, time.perf_counter() - started))
-            self.step_id += 1
-            for seq, tokens in zip(self.seqs, out.sampled_token_ids.reshape(len(self.seqs), num_steps).tolist()):
-                seq[1] += num_steps
-                seq[2] = tokens[-1]
+            out, wall = self._decode_step(num_steps)
+            results.append((out.execute_us, out.launch_us, wall))
         return results
 
 

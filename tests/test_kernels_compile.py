@@ -76,7 +76,6 @@ def test_skinny_projection_compiles_and_loads_weights_before_it_waits(rows, add,
     assert "ld.global" in ptx[:wait]
 
 
-
 @pytest.mark.parametrize("has_norm", [True, False])
 def test_rope_store_compiles(has_norm):
     from twinplane.kernels.rope_store import _rope_store_kernel
