@@ -13,7 +13,8 @@ time the step's weight and KV bytes need at --peak-bandwidth-gbs.
 sequences that only decode), one at a time; per token, the medians of the device time of a
 plan (on a GPU, between its CUDA events), of the host time that queueing it took (its
 ``launch_us``) and of its wall clock. A plan whose host time nears its device time keeps the
-GPU waiting when plans are sent back to back.
+GPU waiting when plans are sent back to back. Where the runner replays graphs that sample
+(``decode_graphs.py``), the same plans queued step by step follow on a second line.
 
 ``--profile``: instead, the decode steps run under ``torch.profiler`` (CUDA graphs where the
 runner has them), and for each batch size the kernels of a step are listed by their time
@@ -164,6 +165,11 @@ def main() -> None:
                 print(profile_decode(runner, batch, args.context, args.steps), flush=True)
             else:
                 print(time_plans(runner, batch, args.context, args.plan_steps, args.plans), flush=True)
+                if runner.decode_graphs is not None:  # the same plans, queued step by step
+                    graphs, runner.decode_graphs = runner.decode_graphs, None
+                    print("  step by step: " + time_plans(runner, batch, args.context, args.plan_steps, args.plans),
+                          flush=True)
+                    runner.decode_graphs = graphs
         runner.close()
         return
     rows = []

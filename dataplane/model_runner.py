@@ -12,7 +12,9 @@ copy to the host), so the server can launch the next plan before this one's toke
 
 A plan of K decode steps queues K forward passes and samplings at once, each step's tokens
 the next one's inputs on the device, with no round trip to the control plane or the host in
-between: what a small batch's step costs beyond its GPU time is paid once per K tokens.
+between: what a small batch's step costs beyond its GPU time is paid once per K tokens. On
+one CUDA device, plans that sample with temperature only replay one graph per step that
+samples too (``decode_graphs.py``), so queueing a step costs the host a graph replay.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from twinplane.dataplane.attention_backends import get_attention_backend
 from twinplane.dataplane.config import DataPlaneConfig
 from twinplane.dataplane.cuda_graphs import StepGraphs, bucket, graph_batch_sizes
+from twinplane.dataplane.decode_graphs import SampledDecodeGraphs
 from twinplane.dataplane.distributed import tp_rank, tp_world_size
 from twinplane.dataplane.kv_cache import allocate_kv_cache, bytes_per_block, cpu_num_blocks, cuda_num_blocks
 from twinplane.dataplane.loader import load_model
@@ -174,6 +177,7 @@ class ModelRunner:
         self.init_kv_cache()
         self.init_cuda_graphs()
         self.init_sampler()
+        self.init_decode_graphs()
         self.sequences = InputBatch(PlanLimits(
             vocab_size=self.vocab_size, num_kv_blocks=self.num_kv_blocks, block_size=config.block_size,
             max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
@@ -240,6 +244,16 @@ class ModelRunner:
         if logits is not None:
             self.sampler.warm_up(logits)
         torch.cuda.synchronize(self.device)
+
+    def init_decode_graphs(self) -> None:
+        """Graphs of plans of several decode steps that sample too (one rank, the fused sampler)."""
+        self.decode_graphs = None
+        if self.graphs is None or tp_world_size() > 1 or not self.sampler.fused:
+            return
+        self.decode_graphs = SampledDecodeGraphs(self.model, self.graphs.batch_sizes, MAX_DECODE_STEPS,
+                                                 self.max_model_len, self.config.block_size, self.device,
+                                                 self.graphs.pool)
+        self.decode_graphs.capture()
 
     def _logits_input(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """hidden[indices], padded on CUDA to the next row count in ``logit_rows`` (extra rows: stale)."""
@@ -374,18 +388,23 @@ class ModelRunner:
         The token history is not recorded: these sequences use no penalties.
         """
         steps, n = inputs.decode_steps, len(inputs.input_ids)
-        tokens = torch.empty(steps.num_steps, n, dtype=torch.int32, device=self.device)
-        input_ids, metadata = inputs.input_ids, inputs.metadata
-        for k in range(steps.num_steps):
-            context_host = steps.context_lens_host[k]
-            metadata = replace(metadata, slot_mapping=steps.slot_mapping[k], context_lens=steps.context_lens[k],
-                               cu_seqlens_k=steps.cu_seqlens_k[k], max_seqlen_k=max(context_host),
-                               context_lens_host=context_host)
-            hidden, _ = self._forward(input_ids, steps.positions[k], metadata)
-            input_ids, sampled, _ = self._draw(inputs, hidden)
-            tokens[k] = input_ids
-        self.sequences.set_last_tokens(inputs.sample_rows, tokens.view(-1)[steps.last.long()])
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.fits(inputs):
+            tokens, rank0 = graphs.run(inputs, self.sampler).reshape(-1), True
+        else:
+            tokens = torch.empty(steps.num_steps, n, dtype=torch.int32, device=self.device)
+            input_ids, metadata = inputs.input_ids, inputs.metadata
+            for k in range(steps.num_steps):
+                context_host = steps.context_lens_host[k]
+                metadata = replace(metadata, slot_mapping=steps.slot_mapping[k], context_lens=steps.context_lens[k],
+                                   cu_seqlens_k=steps.cu_seqlens_k[k], max_seqlen_k=max(context_host),
+                                   context_lens_host=context_host)
+                hidden, _ = self._forward(input_ids, steps.positions[k], metadata)
+                input_ids, sampled, _ = self._draw(inputs, hidden)
+                tokens[k] = input_ids
+            tokens, rank0 = tokens.view(-1), sampled is not None
+        self.sequences.set_last_tokens(inputs.sample_rows, tokens[steps.last.long()])
         step.path = StepPath.MULTI_DECODE
-        if sampled is not None:  # rank 0
-            step.sampler_output = SamplerOutput(tokens.view(-1).to("cpu", non_blocking=True))
+        if rank0:
+            step.sampler_output = SamplerOutput(tokens.to("cpu", non_blocking=True))
             step.decode_budget = steps.budget

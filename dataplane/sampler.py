@@ -91,12 +91,23 @@ class Sampler:
             plain[:, 1], plain[::2, 0] = 1.0, 0.7  # top_p off; temperature 0.7 or greedy
             self(logits, SamplingBatch.from_plain_values(plain, logits.shape[1], self.device))
 
+    def _next_key(self) -> int:
+        """The Philox key of row 0 of the next kernel draw (row i: key + i)."""
+        key = seed_for_position(self.seed, self.fused_draws) >> 2  # leaves room for + row below 2**63
+        self.fused_draws += 1
+        return key
+
+    def draw_keys(self, num_draws: int, rows: int) -> np.ndarray:
+        """int64 [num_draws, rows]: the keys of the next ``num_draws`` kernel draws of unseeded rows, as
+        that many calls would use them (for draws queued without a call each, as CUDA graphs)."""
+        keys = np.array([self._next_key() for _ in range(num_draws)], dtype=np.int64)
+        return keys[:, None] + np.arange(rows, dtype=np.int64)
+
     def _fused_sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         from twinplane.kernels.sampling import sample_temperature
 
         n = batch.num_rows
-        step_key = seed_for_position(self.seed, self.fused_draws) >> 2  # leaves room for + row below 2**63
-        self.fused_draws += 1
+        step_key = self._next_key()
         seeds = torch.arange(step_key, step_key + n, dtype=torch.int64, device=logits.device)
         if batch.seeded:
             rows, keys = zip(*((row, seed_for_position(seed, pos)) for row, seed, pos in batch.seeded))

@@ -62,3 +62,19 @@ class PlanBuilder:
         return ScheduledSeq(seq_id=seq.seq_id, token_ids=np.array(seq.tokens[start:end], dtype=np.int32),
                             start_pos=start, slot_mapping=slots.astype(np.int32), new_block_ids=new_blocks,
                             sample=sample, init=init, decode_budget=decode_budget)
+
+    def generate(self, runner, seqs: list[DrivenSeq], plans: list[tuple[int, ...]]) -> list[list[int]]:
+        """Prefills ``seqs`` in one plan, then runs plans of several decode steps (each sequence's
+        budget per plan); returns each sequence's generated tokens."""
+        from twinplane.dataplane.plan import StepPath, StepPlan
+
+        out = runner.step(StepPlan(0, [self.schedule(s) for s in seqs]))
+        for s, token in zip(seqs, out.sampled_token_ids.tolist()):
+            s.tokens.append(token)
+        for step, budgets in enumerate(plans, start=1):
+            out = runner.step(StepPlan(step, [self.schedule(s, decode_budget=b) for s, b in zip(seqs, budgets)],
+                                       num_steps=max(budgets)))
+            assert out.path is StepPath.MULTI_DECODE
+            for s, part in zip(seqs, np.split(out.sampled_token_ids, np.cumsum(budgets)[:-1])):
+                s.tokens += part.tolist()
+        return [s.tokens[s.num_prompt_tokens:] for s in seqs]

@@ -432,6 +432,32 @@ def test_several_decode_steps_in_one_plan_give_the_tokens_of_single_steps(qwen3_
     assert [s.tokens[len(p):] for s, p in zip(seqs, prompts)] == single
 
 
+def test_plans_of_decode_steps_replay_graphs_that_sample_what_the_loop_samples(qwen3_folder):
+    """Rows that draw with temperature too: graphs that sample (three sequences padded to four)
+    draw the tokens of the step-by-step loop, which takes the same keys in the same order."""
+    from twinplane.dataplane.plan import SamplingParams
+    from twinplane.dataplane.sampler import Sampler
+
+    runner = _runner(qwen3_folder)
+    graphs, replayed = runner.decode_graphs, []
+    assert graphs is not None
+    run = graphs.run
+    graphs.run = lambda inputs, sampler: replayed.append(inputs.decode_steps.num_steps) or run(inputs, sampler)
+    plans = ((8, 3, 5), (8, 8, 8), (2, 2, 1))
+    results = []
+    for decode_graphs in (graphs, None):
+        runner.reset()
+        runner.sampler, runner.decode_graphs = Sampler(7, runner.device), decode_graphs
+        builder = PlanBuilder(16)
+        seqs = [builder.new_seq(i, p, SamplingParams(temperature=t))
+                for i, (p, t) in enumerate(zip(_prompts(3, seed=4), (0.0, 0.7, 1.2)))]
+        results.append(builder.generate(runner, seqs, plans))
+    runner.close()
+    assert replayed == [max(budgets) for budgets in plans]
+    assert results[0] == results[1]
+    assert all(len(set(tokens)) > len(tokens) // 2 for tokens in results[0][1:]), "draws should vary"
+
+
 def _drive_with_arrival(runner) -> tuple[list[list[int]], list[StepPath]]:
     """Two sequences decode while a third prompt arrives beside them in chunks of 100 tokens;
     returns the generated tokens and how each step ran."""

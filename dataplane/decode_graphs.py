@@ -1,0 +1,123 @@
+"""Plans of several decode steps as CUDA graphs that sample too, one graph per (batch size, step).
+
+A plan of K decode steps feeds each step's sampled tokens to the next one on the device. At a
+few sequences a step needs about 0.7 ms of GPU time (Qwen3-0.6B on an H200), and queueing it
+step by step from the host (the forward graph's replay, the logits GEMM, the sampler's
+kernels, the token store) cost nearly as much: the GPU waited on the host. Here step k of a
+plan at padded batch size b is one graph: the forward pass, the logits, the temperature
+sampler (``kernels/sampling.py``) and the store of the tokens where step k + 1 reads them.
+A plan copies its inputs into the graphs' buffers in one call and replays K graphs.
+
+The graphs draw what the step-by-step loop of ``ModelRunner`` draws: the same forward shape
+and logits rows, and the Philox keys ``Sampler.draw_keys`` hands out in the loop's order.
+They serve tensor-parallel size 1 (the loop broadcasts each step's tokens from rank 0) and
+batches that sample with temperature only; other plans take the loop.
+
+Padding sequences (a batch below its bucket) have context 0 and slot -1 in every step: they
+store nothing and attend to nothing, and the tokens they sample are never read back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from twinplane.dataplane.attention_backends.base import AttentionMetadata
+from twinplane.dataplane.cuda_graphs import bucket
+from twinplane.dataplane.input_batch import StepInputs
+from twinplane.dataplane.models.decoder import DecoderForCausalLM
+from twinplane.dataplane.sampler import Sampler
+from twinplane.dataplane.sampling_batch import to_device
+
+MAX_BATCH = 8  # plans of several steps are for a few sequences; larger ones take the loop
+
+
+class SampledDecodeGraphs:
+    """Step k of a plan of decode steps at padded batch b: forward, logits, sampling, token store."""
+
+    def __init__(self, model: DecoderForCausalLM, batch_sizes: list[int], num_steps: int, max_model_len: int,
+                 block_size: int, device: torch.device, pool=None) -> None:
+        self.model, self.num_steps, self.max_model_len, self.pool = model, num_steps, max_model_len, pool
+        self.batch_sizes = [b for b in batch_sizes if b <= MAX_BATCH]
+        width, k = self.batch_sizes[-1], num_steps
+        i32 = dict(dtype=torch.int32, device=device)
+        self.first_ids = torch.zeros(width, **i32)  # step 0's inputs; step k > 0 reads tokens[k - 1]
+        self.positions = torch.zeros(k, width, **i32)
+        self.slots = torch.full((k, width), -1, **i32)
+        self.context_lens = torch.zeros(k, width, **i32)
+        self.block_tables = torch.zeros(width, -(-max_model_len // block_size), **i32)
+        self.cu_seqlens_q = torch.arange(width + 1, **i32)
+        self.rows = torch.arange(width, **i32)
+        self.order = torch.arange(width, **i32)
+        self.temperature = torch.ones(width, dtype=torch.float32, device=device)
+        self.greedy = torch.ones(width, dtype=torch.bool, device=device)
+        self.keys = torch.zeros(k, width, dtype=torch.int64, device=device)
+        self.tokens = torch.zeros(k, width, **i32)
+        self.replays: dict[tuple[int, int], Callable[[], None]] = {}
+
+    def fits(self, inputs: StepInputs) -> bool:
+        """Whether this plan of decode steps can replay the graphs."""
+        sampling = inputs.sampling
+        return (inputs.input_ids.shape[0] <= self.batch_sizes[-1] and sampling is not None
+                and sampling.temperature_only and not sampling.seeded and sampling.max_num_logprobs < 0
+                and inputs.decode_steps.num_steps <= self.num_steps)
+
+    def _metadata(self, k: int, bs: int) -> AttentionMetadata:
+        cu = self.cu_seqlens_q[:bs + 1]
+        return AttentionMetadata(
+            cu_seqlens_q=cu, cu_seqlens_k=cu, context_lens=self.context_lens[k, :bs], max_seqlen_q=1,
+            max_seqlen_k=self.max_model_len, slot_mapping=self.slots[k, :bs], block_tables=self.block_tables[:bs],
+            query_lens_host=[1] * bs, context_lens_host=[1] * bs, decode_order=self.order[:bs])
+
+    def _step(self, k: int, bs: int) -> None:
+        """Step k at batch bs, on the buffers (what each graph holds)."""
+        from twinplane.kernels.sampling import sample_temperature
+
+        ids = self.first_ids[:bs] if k == 0 else self.tokens[k - 1, :bs]
+        hidden = self.model(ids, self.positions[k, :bs], self._metadata(k, bs))
+        logits = self.model.compute_logits(hidden)
+        self.tokens[k, :bs] = sample_temperature(logits, self.temperature[:bs], self.greedy[:bs], self.keys[k, :bs])
+
+    def _record(self, step: Callable[[], None]) -> Callable[[], None]:
+        """Runs ``step`` once (kernels compile, allocations settle), captures it; returns its replay."""
+        step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, self.pool):
+            step()
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph.replay
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Records every (batch size, step); the warm-up lengths are 1 and slots -1 (nothing stored)."""
+        self.context_lens.fill_(1)
+        for bs in reversed(self.batch_sizes):
+            for k in range(self.num_steps):
+                self.replays[(bs, k)] = self._record(lambda k=k, bs=bs: self._step(k, bs))
+        if self.keys.is_cuda:
+            torch.cuda.synchronize(self.keys.device)
+
+    def run(self, inputs: StepInputs, sampler: Sampler) -> torch.Tensor:
+        """Replays the plan's steps (``fits`` holds), with the sampler's next keys. Returns the sampled
+        tokens, int32 [K, n] (a view of the graphs' buffer)."""
+        steps, metadata, sampling = inputs.decode_steps, inputs.metadata, inputs.sampling
+        n, k = inputs.input_ids.shape[0], steps.num_steps
+        bs, width = bucket(self.batch_sizes, n), metadata.block_tables.shape[1]
+        targets = [self.first_ids[:n], self.positions[:k, :n], self.slots[:k, :n], self.context_lens[:k, :n],
+                   self.block_tables[:n, :width], self.order[:n], self.temperature[:n], self.greedy[:n],
+                   self.keys[:k, :bs]]
+        sources = [inputs.input_ids, steps.positions, steps.slot_mapping, steps.context_lens, metadata.block_tables,
+                   metadata.decode_order, sampling.temperature.view(-1), sampling.greedy,
+                   to_device(sampler.draw_keys(k, bs), self.keys.device)]
+        if n < bs:  # padding sequences start last
+            targets.append(self.order[n:bs])
+            sources.append(self.rows[n:bs])
+        torch._foreach_copy_(targets, sources)
+        if n < bs:
+            self.slots[:k, n:bs] = -1
+            self.context_lens[:k, n:bs] = 0
+        for step in range(k):
+            self.replays[(bs, step)]()
+        return self.tokens[:k, :n]

@@ -1,0 +1,105 @@
+"""Plans of several decode steps replayed by graphs that sample (``dataplane/decode_graphs.py``)
+draw the tokens the step-by-step loop draws.
+
+Without a GPU there are no CUDA graphs, so a "replay" runs the recorded step again, on the
+graphs' buffers, with the temperature sampler in Triton's interpreter (chosen when a kernel is
+decorated: the check runs in a child process). That checks what the graphs hold: the buffers
+a plan fills (three sequences in a bucket of four: one padding row), each step reading the
+tokens of the step before, and the sampler's keys. The GPU test in test_gpu.py replays real
+graphs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+CHECK = r'''
+import sys
+from dataclasses import replace
+
+import torch
+
+from tests.test_dp_helpers import PlanBuilder
+from twinplane.dataplane.attention_backends.torch_backend import TorchAttentionBackend
+from twinplane.dataplane.config import DataPlaneConfig
+from twinplane.dataplane.decode_graphs import SampledDecodeGraphs
+from twinplane.dataplane.model_runner import ModelRunner
+from twinplane.dataplane.plan import SamplingParams
+from twinplane.dataplane.sampler import Sampler
+
+
+class LengthsFromTensors(TorchAttentionBackend):
+    """Reads a step's lengths from its tensors (a replay changes those, not the host lists);
+    rows of context 0 (padding) attend to nothing, as the decode kernel's."""
+
+    def forward(self, q, k_cache, v_cache, metadata, scale):
+        lens, queries = metadata.context_lens.tolist(), metadata.cu_seqlens_q.diff().tolist()
+        live = [i for i, n in enumerate(lens) if n > 0]
+        if len(live) == len(lens):
+            metadata = replace(metadata, query_lens_host=queries, context_lens_host=lens)
+            return super().forward(q, k_cache, v_cache, metadata, scale)
+        assert set(queries) == {1}, "padding rows come in decode steps only"
+        out = torch.zeros_like(q)
+        metadata = replace(metadata, block_tables=metadata.block_tables[live], query_lens_host=[1] * len(live),
+                           context_lens_host=[lens[i] for i in live])
+        out[live] = super().forward(q[live], k_cache, v_cache, metadata, scale)
+        return out
+
+
+class Rerun(SampledDecodeGraphs):
+    """A replay runs the step again."""
+
+    replays = 0
+
+    def _record(self, step):
+        def replay():
+            Rerun.replays += 1
+            step()
+        return replay
+
+
+BLOCK = 4
+PROMPTS = {1: [10, 11, 12, 13, 14], 2: [3, 4, 5], 3: [7, 8, 9, 10, 11, 12, 13]}
+TEMPERATURES = (0.0, 0.8, 1.3)
+PLANS = ((4, 1, 3), (2, 4, 4))  # each sequence's budget; blocks are crossed inside plans
+
+runner = ModelRunner(DataPlaneConfig(model=sys.argv[1], block_size=BLOCK, num_kv_blocks=64, max_model_len=64,
+                                     max_num_seqs=8, max_num_batched_tokens=64))
+for layer in runner.model.attention_layers():
+    layer.backend = LengthsFromTensors()
+graphs = Rerun(runner.model, [1, 2, 4, 8], 4, runner.max_model_len, BLOCK, runner.device)
+graphs.capture()
+
+
+def generate(decode_graphs):
+    runner.reset()
+    runner.sampler, runner.decode_graphs = Sampler(3, runner.device, fused=True), decode_graphs
+    builder = PlanBuilder(BLOCK)
+    seqs = [builder.new_seq(i, prompt, SamplingParams(temperature=t))
+            for (i, prompt), t in zip(PROMPTS.items(), TEMPERATURES)]
+    return builder.generate(runner, seqs, PLANS), runner.sampler.fused_draws
+
+
+looped, looped_draws = generate(None)
+assert Rerun.replays == 0
+replayed, replayed_draws = generate(graphs)
+assert Rerun.replays == sum(max(budgets) for budgets in PLANS), Rerun.replays
+assert replayed == looped, (replayed, looped)
+assert replayed_draws == looped_draws
+assert [len(t) for t in replayed] == [1 + sum(b[i] for b in PLANS) for i in range(3)]
+assert all(len(set(tokens)) > len(tokens) // 2 for tokens in replayed), "the model should not repeat a token"
+print("decode graphs ok")
+'''
+
+
+def test_decode_graphs_draw_what_the_loop_draws(tiny_llama_dir):
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", CHECK, str(tiny_llama_dir)], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0 and "decode graphs ok" in result.stdout, result.stderr[-4000:]
