@@ -77,7 +77,7 @@ class SampledDecodeGraphs:
         ids = self.first_ids[:bs] if k == 0 else self.tokens[k - 1, :bs]
         hidden = self.model(ids, self.positions[k, :bs], self._metadata(k, bs))
         logits = self.model.compute_logits(hidden)
-        self.tokens[k, :bs] = sample_temperature(logits, self.temperature[:bs], self.greedy[:bs], self.keys[k, :bs])
+        sample_temperature(logits, self.temperature[:bs], self.greedy[:bs], self.keys[k, :bs], out=self.tokens[k, :bs])
 
     def _record(self, step: Callable[[], None]) -> Callable[[], None]:
         """Runs ``step`` once (kernels compile, allocations settle), captures it; returns its replay."""

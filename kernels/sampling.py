@@ -11,7 +11,11 @@ H200); here it is one read of the bf16 logits.
 - ``_partial_kernel``: one program per (row, vocabulary split); it keeps the best score
   and its index over its range and writes them out. Splits keep the GPU busy when there
   are few rows. Sizes are runtime arguments, so one compiled kernel serves every batch.
-- Each row then takes the index of its best split (the first on ties, by ``argmax``).
+- ``_pick_kernel``: one program per row takes the index of its best split (the first on ties,
+  as ``argmax``) and stores it in the caller's output, in its dtype (a CUDA graph of decode
+  steps stores int32 tokens where the next step reads them).
+- On sm_90 and newer both are launched with programmatic dependent launch: each launches while
+  the kernel ahead of it runs and waits for it before reading anything.
 
 Random numbers are Philox (``tl.rand4x``, four per call) keyed by a per-row seed and
 counted by vocabulary position, so a row's draw depends on its seed alone: not on its
@@ -23,8 +27,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from twinplane.kernels.device import num_sms
+from twinplane.kernels.device import launch_pdl, num_sms
 
 BLOCK = 1024
 
@@ -49,7 +54,10 @@ def _score(logits_row, cols, end, temperature, u):
 
 @triton.jit(do_not_specialize=["stride_row", "vocab", "per_split", "num_splits"])
 def _partial_kernel(logits_ptr, stride_row, temperature_ptr, greedy_ptr, seeds_ptr, best_score_ptr,
-                    best_index_ptr, vocab, per_split, num_splits, BLOCK: tl.constexpr):
+                    best_index_ptr, vocab, per_split, num_splits, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0)
     split = tl.program_id(1)
     temperature = tl.where(tl.load(greedy_ptr + row), 0.0, tl.load(temperature_ptr + row))
@@ -87,6 +95,24 @@ def _partial_kernel(logits_ptr, stride_row, temperature_ptr, greedy_ptr, seeds_p
     tl.store(best_index_ptr + row * num_splits + split, best_index)
 
 
+@triton.jit(do_not_specialize=["num_splits"])
+def _pick_kernel(best_score_ptr, best_index_ptr, out_ptr, num_splits, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+    row = tl.program_id(0)
+    lane = tl.arange(0, BLOCK_S)
+    best_score = tl.full([BLOCK_S], -float("inf"), tl.float32)
+    best_index = tl.full([BLOCK_S], 2**31 - 1, tl.int32)
+    for start in range(0, num_splits, BLOCK_S):  # splits cover increasing columns: keep the first on ties
+        splits = start + lane
+        score = tl.load(best_score_ptr + row * num_splits + splits, mask=splits < num_splits, other=-float("inf"))
+        index = tl.load(best_index_ptr + row * num_splits + splits, mask=splits < num_splits, other=2**31 - 1)
+        better = (score > best_score) | ((score == best_score) & (index < best_index))
+        best_score, best_index = tl.where(better, score, best_score), tl.where(better, index, best_index)
+    top = tl.max(best_score, axis=0)
+    tl.store(out_ptr + row, tl.min(tl.where(best_score == top, best_index, 2**31 - 1), axis=0))
+
+
 def vocab_splits(num_rows: int, vocab: int, device: torch.device) -> int:
     """Splits per row so that there are about four programs per SM (at least one tile each)."""
     sms = num_sms(device.index or 0) if device.type == "cuda" else 4
@@ -94,18 +120,25 @@ def vocab_splits(num_rows: int, vocab: int, device: torch.device) -> int:
 
 
 def sample_temperature(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, seeds: torch.Tensor,
-                       num_splits: int | None = None) -> torch.Tensor:
+                       num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """logits [n, vocab] (any float dtype, unit stride on vocab), temperature float32 [n],
-    greedy bool [n] (argmax rows), seeds int64 [n] (one Philox key per row) -> token ids int64 [n]."""
+    greedy bool [n] (argmax rows), seeds int64 [n] (one Philox key per row) -> token ids [n]:
+    ``out`` (int32 or int64, contiguous) if given, else a new int64 tensor."""
     num_rows, vocab = logits.shape
     assert logits.stride(-1) == 1 and seeds.shape == greedy.shape == temperature.shape == (num_rows,)
     assert vocab < 2**31, "Philox offsets are 32-bit vocabulary indices"
+    if out is None:
+        out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    assert out.shape == (num_rows,) and out.stride(0) == 1 and out.dtype in (torch.int32, torch.int64)
     if num_rows == 0:
-        return torch.empty(0, dtype=torch.int64, device=logits.device)
+        return out
     splits = num_splits or vocab_splits(num_rows, vocab, logits.device)
     per_split = -(-vocab // (splits * BLOCK)) * BLOCK  # whole tiles: the noise of a column never moves
     best_score = torch.empty(num_rows, splits, dtype=torch.float32, device=logits.device)
-    best_index = torch.empty(num_rows, splits, dtype=torch.int64, device=logits.device)
+    best_index = torch.empty(num_rows, splits, dtype=torch.int32, device=logits.device)
+    pdl = launch_pdl(logits.device)
     _partial_kernel[(num_rows, splits)](logits, logits.stride(0), temperature, greedy, seeds, best_score,
-                                        best_index, vocab, per_split, splits, BLOCK=BLOCK, num_warps=4)
-    return best_index.gather(1, best_score.argmax(1, keepdim=True)).squeeze(1)
+                                        best_index, vocab, per_split, splits, BLOCK=BLOCK, PDL=pdl, num_warps=4,
+                                        launch_pdl=pdl)
+    _pick_kernel[(num_rows,)](best_score, best_index, out, splits, BLOCK_S=64, PDL=pdl, num_warps=2, launch_pdl=pdl)
+    return out

@@ -195,8 +195,11 @@ def test_triton_sampler_on_a_full_vocabulary():
     greedy = torch.ones(rows, dtype=torch.bool, device="cuda")
     seeds = torch.arange(rows, device="cuda")
     expected = logits.float().argmax(-1)
-    for splits in sorted({1, 5, vocab_splits(rows, vocab, logits.device)}):
+    for splits in sorted({1, 5, 100, vocab_splits(rows, vocab, logits.device)}):  # 100: picked in two passes
         assert torch.equal(sample_temperature(logits, torch.ones(rows, device="cuda"), greedy, seeds, splits), expected)
+    into = torch.full((rows,), -1, dtype=torch.int32, device="cuda")  # int32 tokens, as decode graphs keep them
+    sample_temperature(logits, torch.ones(rows, device="cuda"), greedy, seeds, out=into)
+    assert torch.equal(into.long(), expected)
     # 8 likely tokens spread over the vocabulary, the rest far below them
     n, temperature = 8192, 0.7
     hot = torch.tensor([5, 70_000, 151_935, 12, 99_999, 40_000, 1_000, 151_000], device="cuda")

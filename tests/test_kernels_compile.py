@@ -86,10 +86,15 @@ def test_rope_store_compiles(has_norm):
 
 def test_kv_writer_silu_mul_and_sampler_compile():
     from twinplane.kernels.kv_writer import _store_kv_kernel
-    from twinplane.kernels.sampling import _partial_kernel
+    from twinplane.kernels.sampling import _partial_kernel, _pick_kernel
     from twinplane.kernels.silu_mul import _silu_mul_kernel
 
     _compile(_store_kv_kernel, dict(ROW=1024, BLOCK=1024), {"slot_ptr": "i32"})
     _compile(_silu_mul_kernel, dict(D=3072, BLOCK=1024), {})
-    _compile(_partial_kernel, dict(BLOCK=1024), {"temperature_ptr": "fp32", "greedy_ptr": "i1", "seeds_ptr": "i64",
-                                                 "best_score_ptr": "fp32", "best_index_ptr": "i64"})
+    for pdl in (False, True):
+        _compile(_partial_kernel, dict(BLOCK=1024, PDL=pdl), {"temperature_ptr": "fp32", "greedy_ptr": "i1",
+                                                              "seeds_ptr": "i64", "best_score_ptr": "fp32",
+                                                              "best_index_ptr": "i32"})
+        for out in ("i32", "i64"):
+            _compile(_pick_kernel, dict(BLOCK_S=64, PDL=pdl), {"best_score_ptr": "fp32", "best_index_ptr": "i32",
+                                                               "out_ptr": out})

@@ -163,9 +163,12 @@ torch.manual_seed(0)
 # Greedy: the first maximum, as torch.argmax, however the vocabulary is split (integer logits tie often).
 logits = torch.randint(0, 40, (6, 3000)).float()
 greedy = torch.ones(6, dtype=torch.bool)
-for splits in (1, 3, 7):
+for splits in (1, 3, 7, 100):  # past 64 splits the pick kernel takes them in two passes
     out = sample_temperature(logits, torch.ones(6), greedy, torch.arange(6), num_splits=splits)
     assert torch.equal(out, logits.argmax(-1)), f"greedy differs from argmax at {splits} splits"
+into = torch.full((6,), -1, dtype=torch.int32)  # the caller's int32 tokens, as a graph of decode steps keeps them
+assert sample_temperature(logits, torch.ones(6), greedy, torch.arange(6), num_splits=3, out=into) is into
+assert torch.equal(into.long(), logits.argmax(-1))
 
 # Draws depend only on the row's seed, not on the split count; they follow softmax(logits / T).
 never = torch.zeros(40, dtype=torch.bool)
