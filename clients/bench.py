@@ -11,6 +11,9 @@ nano-vLLM's order became the default. With ``--num-prefixes`` the prefixes are d
 requests, from the same generator. Without ``--server`` it starts both planes itself
 (``twinplane serve`` as a child process). With ``--request-rate`` requests arrive as a Poisson
 process instead of all at once, and time to first token and inter-token latency are what matter.
+Their arrival times are drawn with the workload, before the timed run, as one process over all
+requests: with ``--client-processes K`` each process sends its share at those times, so the
+rate is the one asked for, not K times it.
 
 Two rooflines are printed. The bandwidth roofline is the time the GPU would need to move this
 workload's bytes at its peak memory bandwidth: the weights once per decode step (at least as
@@ -50,6 +53,7 @@ H200_BF16_TFLOPS = 989.0  # dense BF16 tensor cores, per GPU, datasheet
 class Request:
     prompt: list[int]
     max_tokens: int
+    at: float = 0.0  # seconds into the run when it is sent (Poisson arrivals at --request-rate)
     sent: float = 0.0
     token_times: list[float] = field(default_factory=list)
     error: str | None = None  # why its stream ended early
@@ -76,6 +80,10 @@ def make_workload(args: argparse.Namespace) -> list[Request]:
         rng.shuffle(order)
         for req, i in zip(requests, order):
             req.prompt = prefixes[i] + req.prompt
+    if args.request_rate != float("inf"):  # one arrival process over all requests, drawn before the timed run
+        gaps = np.random.default_rng(args.seed).exponential(1.0 / args.request_rate, n)
+        for req, at in zip(requests, np.cumsum(gaps).tolist()):
+            req.at = at
     return requests
 
 
@@ -151,7 +159,7 @@ async def _drive(target: str, requests: list[Request], args, chaos=None) -> tupl
 
 
 async def _send(target: str, client, requests: list[Request], args, progress, chaos=None) -> None:
-    """Sends requests (at args.request_rate) over client, or over args.channels channels of their own."""
+    """Sends each request at its ``at`` over client, or over args.channels channels of their own."""
     from twinplane.clients.client import AsyncClient
 
     own = [AsyncClient(target, options=CHANNEL_OPTIONS + OWN_CONNECTION) for _ in range(args.channels)
@@ -160,11 +168,12 @@ async def _send(target: str, client, requests: list[Request], args, progress, ch
     try:
         for each in own:
             await each.wait_ready(timeout=args.ready_timeout)  # connected before the timed run
-        rng = np.random.default_rng(args.seed)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
         tasks = [asyncio.create_task(chaos())] if chaos else []
         for i, req in enumerate(requests):
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
+            if req.at > loop.time() - start:
+                await asyncio.sleep(start + req.at - loop.time())
             tasks.append(asyncio.create_task(_one(clients[i % len(clients)], req, args, progress)))
         await asyncio.gather(*tasks)
     finally:

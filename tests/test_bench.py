@@ -127,3 +127,17 @@ def test_both_rooflines_agree_on_bytes_for_one_decode_only_request():
     by_step = step_roofline([(1, 5)], StepLimits(1, 8), cost, 1.0, 1.0)
     bandwidth_only = roofline_seconds([SimpleNamespace(prompt=[0], max_tokens=5)], 100, 1, 1, 1.0)
     assert by_step.seconds == by_step.bandwidth_seconds == bandwidth_only - 1
+
+
+def test_arrival_times_are_one_poisson_process_drawn_with_the_workload():
+    """--request-rate R: request i is sent at the i-th arrival of one Poisson process of rate R (so
+    client processes that split the requests together keep rate R); without it, all at time 0."""
+    assert {r.at for r in make_workload(bench_args("--num-requests", "50"))} == {0.0}
+    requests = make_workload(bench_args("--num-requests", "4000", "--request-rate", "20"))
+    times = [r.at for r in requests]
+    assert times == sorted(times) and times[0] > 0
+    assert 4000 / times[-1] == pytest.approx(20, rel=0.05)  # 1.6% standard error at n = 4000
+    shares = [times[i::4] for i in range(4)]  # each of 4 client processes sends its share at those times
+    assert all(len(share) / share[-1] == pytest.approx(5, rel=0.1) for share in shares)
+    again = make_workload(bench_args("--num-requests", "4000", "--request-rate", "20"))
+    assert [r.at for r in again] == times  # drawn from --seed: the same on every run
