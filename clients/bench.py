@@ -53,10 +53,10 @@ H200_BF16_TFLOPS = 989.0  # dense BF16 tensor cores, per GPU, datasheet
 class Request:
     prompt: list[int]
     max_tokens: int
-    at: float = 0.0  # seconds into the run when it is sent (Poisson arrivals at --request-rate)
     sent: float = 0.0
     token_times: list[float] = field(default_factory=list)
     error: str | None = None  # why its stream ended early
+    at: float = 0.0  # seconds into the run when it is sent (Poisson arrivals at --request-rate)
 
 
 def make_workload(args: argparse.Namespace) -> list[Request]:
