@@ -103,12 +103,11 @@ def _pick_kernel(best_score_ptr, best_index_ptr, out_ptr, num_splits, BLOCK_S: t
     lane = tl.arange(0, BLOCK_S)
     best_score = tl.full([BLOCK_S], -float("inf"), tl.float32)
     best_index = tl.full([BLOCK_S], 2**31 - 1, tl.int32)
-    for start in range(0, num_splits, BLOCK_S):  # splits cover increasing columns: keep the first on ties
+    for start in range(0, num_splits, BLOCK_S):  # a lane sees its splits, so their first columns, in order
         splits = start + lane
         score = tl.load(best_score_ptr + row * num_splits + splits, mask=splits < num_splits, other=-float("inf"))
         index = tl.load(best_index_ptr + row * num_splits + splits, mask=splits < num_splits, other=2**31 - 1)
-        better = (score > best_score) | ((score == best_score) & (index < best_index))
-        best_score, best_index = tl.where(better, score, best_score), tl.where(better, index, best_index)
+        best_score, best_index = _keep_best(score, index, best_score, best_index)
     top = tl.max(best_score, axis=0)
     tl.store(out_ptr + row, tl.min(tl.where(best_score == top, best_index, 2**31 - 1), axis=0))
 
