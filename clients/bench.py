@@ -172,8 +172,9 @@ async def _send(target: str, client, requests: list[Request], args, progress, ch
         start = loop.time()
         tasks = [asyncio.create_task(chaos())] if chaos else []
         for i, req in enumerate(requests):
-            if req.at > loop.time() - start:
-                await asyncio.sleep(start + req.at - loop.time())
+            delay = start + req.at - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(_one(clients[i % len(clients)], req, args, progress)))
         await asyncio.gather(*tasks)
     finally:
