@@ -57,11 +57,11 @@ class SampledDecodeGraphs:
         self.replays: dict[tuple[int, int], Callable[[], None]] = {}
 
     def fits(self, inputs: StepInputs) -> bool:
-        """Whether this plan of decode steps can replay the graphs."""
-        sampling = inputs.sampling
-        return (inputs.input_ids.shape[0] <= self.batch_sizes[-1] and sampling is not None
-                and sampling.temperature_only and not sampling.seeded and sampling.max_num_logprobs < 0
-                and inputs.decode_steps.num_steps <= self.num_steps)
+        """Whether this plan of decode steps can replay the graphs: few enough sequences and steps,
+        sampling with temperature only (InputBatch admits plans of several steps only of sequences
+        without seeds, log-probabilities or penalties)."""
+        return (inputs.input_ids.shape[0] <= self.batch_sizes[-1] and inputs.decode_steps.num_steps <= self.num_steps
+                and inputs.sampling.temperature_only)
 
     def _metadata(self, k: int, bs: int) -> AttentionMetadata:
         cu = self.cu_seqlens_q[:bs + 1]
