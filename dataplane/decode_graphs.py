@@ -31,13 +31,17 @@ from twinplane.dataplane.sampler import Sampler
 from twinplane.dataplane.sampling_batch import to_device
 
 MAX_BATCH = 8  # plans of several steps are for a few sequences; larger ones take the loop
+# Steps held: the control plane's default plan length (--decode-steps). A plan may ask for up to
+# MAX_DECODE_STEPS (64); one graph per (batch size, step) for all of those would be 256 captures
+# at every start-up, so longer plans take the loop.
+MAX_STEPS = 8
 
 
 class SampledDecodeGraphs:
     """Step k of a plan of decode steps at padded batch b: forward, logits, sampling, token store."""
 
-    def __init__(self, model: DecoderForCausalLM, batch_sizes: list[int], num_steps: int, max_model_len: int,
-                 block_size: int, device: torch.device, pool=None) -> None:
+    def __init__(self, model: DecoderForCausalLM, batch_sizes: list[int], max_model_len: int, block_size: int,
+                 device: torch.device, pool=None, num_steps: int = MAX_STEPS) -> None:
         self.model, self.num_steps, self.max_model_len, self.pool = model, num_steps, max_model_len, pool
         self.batch_sizes = [b for b in batch_sizes if b <= MAX_BATCH]
         width, k = self.batch_sizes[-1], num_steps

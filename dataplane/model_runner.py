@@ -250,9 +250,8 @@ class ModelRunner:
         self.decode_graphs = None
         if self.graphs is None or tp_world_size() > 1 or not self.sampler.fused:
             return
-        self.decode_graphs = SampledDecodeGraphs(self.model, self.graphs.batch_sizes, MAX_DECODE_STEPS,
-                                                 self.max_model_len, self.config.block_size, self.device,
-                                                 self.graphs.pool)
+        self.decode_graphs = SampledDecodeGraphs(self.model, self.graphs.batch_sizes, self.max_model_len,
+                                                 self.config.block_size, self.device, self.graphs.pool)
         self.decode_graphs.capture()
 
     def _logits_input(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
