@@ -36,7 +36,8 @@ from twinplane.kernels.device import launch_pdl, num_sms
 
 MAX_ROWS = 4
 MAX_K_PAD = 16384  # a program holds BLOCK_N x K_PAD weights in registers; at least one row of them
-WEIGHT_BYTES_PER_PROGRAM = 64 << 10
+WEIGHT_BYTES_PER_PROGRAM = 32 << 10  # at most; see _program_shape
+MAX_BLOCK_N = 8
 
 
 @triton.jit
@@ -134,12 +135,13 @@ def _launch(x, residual, summed, norm_weight, eps, weight, bias, y, glu: bool) -
 
 
 def _program_shape(n: int, k_pad: int, bytes_per_weight: int, device: torch.device) -> tuple[int, int]:
-    """(BLOCK_N, warps): about WEIGHT_BYTES_PER_PROGRAM of weights a program, and programs for at
-    least half the SMs. On an H200 this measured fastest for Qwen3-0.6B's four projections
-    (BENCHMARKS.md)."""
-    block_n = max(1, WEIGHT_BYTES_PER_PROGRAM // (k_pad * bytes_per_weight))
+    """(BLOCK_N, warps): at most MAX_BLOCK_N features and WEIGHT_BYTES_PER_PROGRAM of weights a
+    program, in 4 warps, and programs for at least half the SMs. Small programs, several of them
+    an SM, measured fastest on an H200 for Qwen3-0.6B's four projections at 1, 2 and 4 rows
+    (BENCHMARKS.md): 8 features of q/k/v, o and gate/up, 4 of down; programs of 64 KB in 8 warps,
+    one an SM, took 8-20% longer."""
+    block_n = max(1, min(MAX_BLOCK_N, WEIGHT_BYTES_PER_PROGRAM // (k_pad * bytes_per_weight)))
     sms = num_sms(device.index or 0) if device.type == "cuda" else 2
     while block_n > 1 and triton.cdiv(n, block_n) < sms // 2:
         block_n //= 2
-    num_warps = 8 if block_n * k_pad * bytes_per_weight >= WEIGHT_BYTES_PER_PROGRAM else 4
-    return block_n, num_warps
+    return block_n, 4
