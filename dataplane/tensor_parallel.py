@@ -1,7 +1,8 @@
 """Tensor parallelism: the server process is rank 0 and drives ranks 1..N-1.
 
 Rank 0 spawns one process per other rank (spawn context), and every rank joins one
-NCCL group and builds its own ModelRunner over its shard of the weights. For each
+process group (NCCL on GPUs, one GPU a rank; gloo on CPU, where tests check the sharding and
+the protocol without GPUs) and builds its own ModelRunner over its shard of the weights. For each
 StepPlan, rank 0 copies the plan's protobuf bytes into a shared-memory buffer and
 wakes the workers; every rank runs the same step (the layers all-reduce between
 them) and only rank 0 samples. A worker acknowledges each message once it has
@@ -34,10 +35,19 @@ class Command(enum.IntEnum):
     EXIT = 3
 
 
-def init_process_group(rank: int, world_size: int, port: int) -> None:
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            device_id=torch.device("cuda", rank))
+def on_cuda(config: DataPlaneConfig) -> bool:
+    """Whether the ranks run on GPUs (device "cuda", or "auto" where CUDA is available)."""
+    return config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+
+
+def init_process_group(config: DataPlaneConfig, rank: int, port: int) -> None:
+    init, world = f"tcp://127.0.0.1:{port}", config.tensor_parallel_size
+    if on_cuda(config):
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
+                                device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
 
 
 def _free_port() -> int:
@@ -53,7 +63,7 @@ def worker_main(config: DataPlaneConfig, rank: int, port: int, shm_name: str, wa
     from twinplane.dataplane.model_runner import ModelRunner
     from twinplane.proto import dataplane_pb2 as dp
 
-    init_process_group(rank, config.tensor_parallel_size, port)
+    init_process_group(config, rank, port)
     runner = ModelRunner(config)
     freeze_heap(f"data plane rank {rank}")
     shm = SharedMemory(name=shm_name)
@@ -86,7 +96,7 @@ class TensorParallelWorkers:
     def __init__(self, config: DataPlaneConfig) -> None:
         world = config.tensor_parallel_size
         assert world > 1, "no workers needed for tensor_parallel_size 1"
-        if torch.cuda.device_count() < world:
+        if on_cuda(config) and torch.cuda.device_count() < world:
             raise ValueError(f"tensor_parallel_size={world} needs {world} GPUs, found {torch.cuda.device_count()}")
         ctx = get_context("spawn")
         port = _free_port()
@@ -101,7 +111,7 @@ class TensorParallelWorkers:
             for rank in range(1, world)]
         for p in self.processes:
             p.start()
-        init_process_group(0, world, port)  # this process is rank 0
+        init_process_group(config, 0, port)  # this process is rank 0
 
     def _send(self, command: Command, payload: bytes = b"") -> None:
         assert HEADER.size + len(payload) <= BUFFER_BYTES, f"plan of {len(payload)} bytes exceeds the buffer"
