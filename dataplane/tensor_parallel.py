@@ -35,14 +35,14 @@ class Command(enum.IntEnum):
     EXIT = 3
 
 
-def on_cuda(config: DataPlaneConfig) -> bool:
+def uses_gpus(config: DataPlaneConfig) -> bool:
     """Whether the ranks run on GPUs (device "cuda", or "auto" where CUDA is available)."""
     return config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
 
 
 def init_process_group(config: DataPlaneConfig, rank: int, port: int) -> None:
     init, world = f"tcp://127.0.0.1:{port}", config.tensor_parallel_size
-    if on_cuda(config):
+    if uses_gpus(config):
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
                                 device_id=torch.device("cuda", rank))
@@ -96,7 +96,7 @@ class TensorParallelWorkers:
     def __init__(self, config: DataPlaneConfig) -> None:
         world = config.tensor_parallel_size
         assert world > 1, "no workers needed for tensor_parallel_size 1"
-        if on_cuda(config) and torch.cuda.device_count() < world:
+        if uses_gpus(config) and torch.cuda.device_count() < world:
             raise ValueError(f"tensor_parallel_size={world} needs {world} GPUs, found {torch.cuda.device_count()}")
         ctx = get_context("spawn")
         port = _free_port()
