@@ -71,10 +71,15 @@ class DataPlaneDescription:
     layer_params: int
 
 
-def resolve_device(name: str) -> torch.device:
+def device_kind(name: str) -> str:
+    """The kind of device, "cuda" or "cpu", that a --device value names ("auto": cuda where available)."""
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def resolve_device(name: str) -> torch.device:
+    if device_kind(name) == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but no CUDA device is available")
         return torch.device("cuda", tp_rank() % torch.cuda.device_count())

@@ -36,8 +36,10 @@ class Command(enum.IntEnum):
 
 
 def uses_gpus(config: DataPlaneConfig) -> bool:
-    """Whether the ranks run on GPUs (device "cuda", or "auto" where CUDA is available)."""
-    return config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    """Whether the ranks run on GPUs (the ModelRunner's device rule)."""
+    from twinplane.dataplane.model_runner import device_kind
+
+    return device_kind(config.device) == "cuda"
 
 
 def init_process_group(config: DataPlaneConfig, rank: int, port: int) -> None:
