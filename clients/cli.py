@@ -216,9 +216,13 @@ def _dataplane_credentials(args: argparse.Namespace):
 def cmd_dataplane(args: argparse.Namespace) -> int:
     token = _dataplane_token(args)  # before the model loads
     credentials = _dataplane_credentials(args)
-    from twinplane.dataplane.main import serve
+    from twinplane.dataplane.main import check_config, serve
 
-    serve(_dataplane_config(args), args.listen, token, credentials, args.health_listen)
+    try:
+        config = check_config(_dataplane_config(args))
+    except ValueError as exc:  # an unknown model, or one the tensor-parallel size does not split
+        raise SystemExit(f"twinplane dataplane: error: {exc}") from None
+    serve(config, args.listen, token, credentials, args.health_listen)
     return 0
 
 

@@ -45,6 +45,20 @@ def load_hf_config(model: str) -> PretrainedConfig:
     return AutoConfig.from_pretrained(model)
 
 
+def check_tensor_parallel(hf_config: PretrainedConfig, tensor_parallel_size: int) -> None:
+    """Raises ValueError unless the model's heads and MLP split evenly over tensor_parallel_size
+    ranks: query heads and the intermediate size divide by it, and KV heads either divide by it
+    or divide it (then each is replicated on several ranks)."""
+    tp = tensor_parallel_size
+    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    intermediate = hf_config.intermediate_size
+    if heads % tp or intermediate % tp or (kv_heads % tp and tp % kv_heads):
+        sizes = [n for n in range(1, heads + 1)
+                 if heads % n == 0 and intermediate % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)]
+        raise ValueError(f"tensor_parallel_size {tp} does not split this model ({heads} query heads, {kv_heads} KV "
+                         f"heads, intermediate size {intermediate}); sizes that do: {sizes}")
+
+
 def _as_id_list(value: Any) -> list[int]:
     if value is None:
         return []

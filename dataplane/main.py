@@ -27,13 +27,23 @@ def freeze_heap(process: str) -> None:
               process, gc.get_freeze_count())
 
 
+def check_config(config: DataPlaneConfig) -> DataPlaneConfig:
+    """The config with its model resolved to a folder (or dummy name), after checking that the
+    model's config loads and splits over the tensor-parallel ranks; ValueError says what is wrong."""
+    from twinplane.dataplane.loader import check_tensor_parallel, load_hf_config  # imports torch
+
+    config = dataclasses.replace(config, model=resolve_model(config.model))
+    check_tensor_parallel(load_hf_config(config.model), config.tensor_parallel_size)
+    return config
+
+
 def serve(config: DataPlaneConfig, listen: str, token: str | None = None, credentials=None,
           health_listen: str | None = None) -> None:
     """Serves until SIGTERM or SIGINT (over TLS with grpc.ServerCredentials, and health alone in
     plaintext on health_listen when given); then stops the servers and releases the runner."""
     from twinplane.dataplane.model_runner import ModelRunner  # imports torch
 
-    config = dataclasses.replace(config, model=resolve_model(config.model))
+    config = check_config(config)  # before any rank starts
     workers = None
     if config.tensor_parallel_size > 1:
         from twinplane.dataplane.tensor_parallel import TensorParallelWorkers

@@ -244,3 +244,18 @@ def test_serve_refuses_a_data_parallel_size_its_addresses_or_gpus_cannot_serve(m
     assert "gives 1 addresses for --data-parallel-size 2" in children("-dp", "2", "--dataplane-listen", "unix:///a")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     assert "need 2 GPUs; CUDA_VISIBLE_DEVICES lists 1" in children("-dp", "2", "--device", "cuda")
+
+
+def test_dataplane_refuses_a_tensor_parallel_size_that_does_not_split_the_model(tmp_path):
+    """One line that names the model's sizes and the TP sizes that work, before any rank starts."""
+    from twinplane.dataplane.loader import check_tensor_parallel, load_hf_config
+
+    hf_config = load_hf_config("dummy:tiny-qwen3")  # 4 query heads, 2 KV heads
+    for size in (1, 2, 4):
+        check_tensor_parallel(hf_config, size)
+    result = subprocess.run([*CLI, "dataplane", "--model", "dummy:tiny-qwen3", "--device", "cpu",
+                             "--tensor-parallel-size", "3", "--listen", f"unix://{tmp_path}/dp.sock"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "tensor_parallel_size 3 does not split this model" in result.stderr
+    assert "sizes that do: [1, 2, 4]" in result.stderr and "Traceback" not in result.stderr
