@@ -18,7 +18,8 @@ GPU waiting when plans are sent back to back. Where the runner replays graphs th
 
 ``--profile``: instead, the decode steps run under ``torch.profiler`` (CUDA graphs where the
 runner has them), and for each batch size the kernels of a step are listed by their time
-per step (on a CPU device: the operators, by their own CPU time).
+per step (on a CPU device: the operators, by their own CPU time). ``--profile --prompts``: the
+same for prompt steps, each prefilling that many new sequences of --context tokens.
 """
 
 from __future__ import annotations
@@ -108,22 +109,46 @@ def time_decode(runner, batch: int, context: int, steps: int) -> float:
     return statistics.median(times)
 
 
-def profile_decode(runner, batch: int, context: int, steps: int, top: int = 16) -> str:
-    """A table of the kernels (CPU: operators) of one decode step, by time per step, over `steps` steps."""
+def prefill(runner, batch: int, context: int, steps: int) -> list[float]:
+    """Runs `steps` prompt steps, each prefilling `batch` new sequences of `context` tokens (the
+    last step's dropped by the next); returns the seconds of each."""
+    bs = runner.config.block_size
+    blocks_per_seq = -(-(context + 1) // bs)
+    rng = np.random.default_rng(0)
+    times, ids = [], []
+    for step in range(steps):
+        chunks = [_chunk(step * batch + i, rng.integers(0, 10000, context), 0,
+                         list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), bs, True) for i in range(batch)]
+        started = time.perf_counter()
+        runner.step(StepPlan(step, chunks, dropped_seq_ids=ids))
+        times.append(time.perf_counter() - started)
+        ids = [chunk.seq_id for chunk in chunks]
+    runner.reset()
+    return times
+
+
+def profile_decode(runner, batch: int, context: int, steps: int, top: int = 16, prompts: bool = False) -> str:
+    """A table of the kernels (CPU: operators) of one decode step (``prompts``: one step prefilling
+    `batch` sequences), by time per step, over `steps` steps."""
     import torch
 
     cuda = runner.device.type == "cuda"
-    decoding = DecodeBatch(runner, batch, context, steps + 3)
-    decoding.decode(3)  # warm-up
+    if prompts:
+        prefill(runner, batch, context, 3)  # warm-up
+        run = lambda: prefill(runner, batch, context, steps)  # noqa: E731
+    else:
+        decoding = DecodeBatch(runner, batch, context, steps + 3)
+        decoding.decode(3)  # warm-up
+        run = lambda: decoding.decode(steps)  # noqa: E731
     activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
     with torch.profiler.profile(activities=[activity]) as prof:
-        wall = decoding.decode(steps)
+        wall = run()
     runner.reset()
     rows = [(e.self_device_time_total if cuda else e.self_cpu_time_total, e.count, e.key) for e in prof.key_averages()]
     rows = [row for row in rows if row[0] > 0]
     total, count = sum(r[0] for r in rows) / steps, sum(r[1] for r in rows) / steps
     what = "kernels" if cuda else "operators (own CPU time)"
-    lines = [f"batch {batch}, context {context}: step {statistics.median(wall) * 1e3:.3f} ms (median wall), "
+    lines = [f"{'prompt' if prompts else 'decode'} batch {batch}, context {context}: step {statistics.median(wall) * 1e3:.3f} ms (median wall), "
              f"{what} {total / 1e3:.3f} ms in {count:.0f} calls per step"]
     for us, n, name in sorted(rows, reverse=True)[:top]:
         lines.append(f"{us / steps:10.1f} us/step {n / steps:6.1f} x {us / n:8.2f} us  {name[:90]}")
@@ -147,22 +172,26 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--peak-bandwidth-gbs", type=float, default=4800.0)
     p.add_argument("--profile", action="store_true", help="list each step's kernels under torch.profiler instead")
+    p.add_argument("--prompts", action="store_true", help="with --profile: prompt steps of --context tokens a sequence")
     p.add_argument("--plan-steps", type=int, default=0, metavar="K",
                    help="time plans of K decode steps instead (device, host launch and wall time per token)")
     p.add_argument("--plans", type=int, default=20, help="plans to time with --plan-steps")
     p.add_argument("--device", default="auto")
     args = p.parse_args()
 
+    prompt_tokens = max(8192, max(args.batch_sizes) * args.context) if args.prompts else 8192
+
     def runner_for(enforce_eager: bool = False) -> ModelRunner:
         return ModelRunner(DataPlaneConfig(model=args.model, block_size=args.block_size, enforce_eager=enforce_eager,
                                            device=args.device, max_num_seqs=max(args.batch_sizes),
+                                           max_num_batched_tokens=prompt_tokens,
                                            gpu_memory_utilization=0.85))
 
     if args.profile or args.plan_steps:
         runner = runner_for()
         for batch in args.batch_sizes:
             if args.profile:
-                print(profile_decode(runner, batch, args.context, args.steps), flush=True)
+                print(profile_decode(runner, batch, args.context, args.steps, prompts=args.prompts), flush=True)
             else:
                 print(time_plans(runner, batch, args.context, args.plan_steps, args.plans), flush=True)
                 if runner.decode_graphs is not None:  # the same plans, queued step by step
