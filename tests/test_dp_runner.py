@@ -261,16 +261,18 @@ def test_step_output_reports_the_launch_host_time(runner: ModelRunner) -> None:
 def test_decode_profile_lists_the_step_operators(runner: ModelRunner) -> None:
     """`bench_decode --profile` on a CPU device: a step's operators by their time, the matmuls among
     them nine times a step (q/k/v, o, gate/up and down of two layers, and the LM head), and the
-    runner left empty."""
+    runner left empty; with ``prompts`` the same for steps that prefill two sequences (the LM head
+    on their last tokens only)."""
     from twinplane.dataplane.bench_decode import profile_decode
 
     runner.reset()
-    table = profile_decode(runner, batch=2, context=8, steps=4, top=40).splitlines()
-    assert table[0].startswith("batch 2, context 8: step ") and "operators (own CPU time)" in table[0]
-    rows = {line.split()[-1]: float(line.split()[2]) for line in table[1:]}
-    assert "aten::mm" in rows, table
-    assert rows["aten::mm"] == runner.loaded.hf_config.num_hidden_layers * 4 + 1
-    assert len(runner.sequences) == 0
+    for kind in ("decode", "prompt"):
+        table = profile_decode(runner, batch=2, context=8, steps=4, top=40, prompts=kind == "prompt").splitlines()
+        assert table[0].startswith(f"{kind} batch 2, context 8: step ") and "operators (own CPU time)" in table[0]
+        rows = {line.split()[-1]: float(line.split()[2]) for line in table[1:]}
+        assert "aten::mm" in rows, table
+        assert rows["aten::mm"] == runner.loaded.hf_config.num_hidden_layers * 4 + 1, (kind, table)
+        assert len(runner.sequences) == 0
 
 
 def test_decode_plans_time_the_device_and_the_host_of_plans_of_several_steps(runner: ModelRunner) -> None:
