@@ -10,9 +10,9 @@ bandwidth it implies (K and V bytes read / time), for FlashAttention-4's
 Needs a CUDA GPU and ``flash_attn.cute``.
 
 ``--splits``: the kernel as decode steps call it (``decode_attention_from_qkv``, Qwen3-0.6B
-heads) in a CUDA graph (``do_bench_cudagraph``), at 1-16 splits per sequence, for batches of
-1-96 sequences with mixed context lengths, beside the split count ``decode_splits`` picks.
-Needs a CUDA GPU only.
+heads) in a CUDA graph (``do_bench_cudagraph``), at 1-16 splits per sequence and three tiles,
+on the batches and contexts of the default benchmark's decode steps and a few small batches,
+beside what ``decode_splits`` and ``tile_keys`` choose. Needs a CUDA GPU only.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import argparse
 import torch
 import triton
 
-from twinplane.kernels.decode_attention import decode_attention_from_qkv, decode_splits, paged_decode_attention
+from twinplane.kernels.decode_attention import (decode_attention_from_qkv, decode_splits, paged_decode_attention,
+                                                programs_per_sm, tile_keys)
 from twinplane.kernels.rope_store import QKVRope
 
 CASES = [(1, 1024, 16, 8), (8, 1024, 16, 8), (64, 1024, 16, 8), (256, 1024, 16, 8), (256, 0, 16, 8),
@@ -42,26 +43,46 @@ def make_case(batch: int, context: int, heads: int, kv_heads: int, page: int, he
 
 
 def sweep_splits(page: int, heads: int = 16, kv_heads: int = 8, head_dim: int = 128) -> None:
-    """Time per call of decode attention from the q/k/v projection at each split count."""
-    splits = [1, 2, 4, 8, 16]
-    print("sequences  contexts        " + " ".join(f"{f'{s} split' + 's' * (s > 1):>9}" for s in splits)
-          + "  chosen  fastest")
-    for low, high in [(1000, 2048), (100, 1024)]:
-        for batch in [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96]:
-            q, k_cache, v_cache, tables, _ = make_case(batch, 1, heads, kv_heads, page, head_dim)
-            lens = torch.randint(low, high, (batch,)).to(q.device, torch.int32)
-            order = torch.argsort(lens, descending=True).to(torch.int32)
-            positions = lens - 1
-            slots = (tables.gather(1, (positions // page)[:, None].long())[:, 0] * page + positions % page).int()
-            ones = torch.ones(head_dim, device=q.device, dtype=q.dtype)
-            cos_sin = torch.randn(4096, head_dim, device=q.device, dtype=q.dtype)
-            rope = QKVRope(heads, kv_heads, positions, cos_sin, ones, ones, 1e-6)
-            qkv = torch.randn(batch, (heads + 2 * kv_heads) * head_dim, device=q.device, dtype=q.dtype)
-            times = {n: triton.testing.do_bench_cudagraph(lambda: decode_attention_from_qkv(
-                qkv, rope, k_cache, v_cache, slots, tables, lens, head_dim ** -0.5, order, num_splits=n), rep=30) * 1e3
-                for n in splits}
-            print(f"{batch:>9}  U[{low}, {high})  " + " ".join(f"{times[n]:>6.1f} us" for n in splits)
-                  + f"  {decode_splits(batch, kv_heads, q.device):>6}  {min(splits, key=times.get):>7}", flush=True)
+    """Time per call of decode attention from the q/k/v projection, for each split count and
+    tile, on the decode steps of the default benchmark: 256 prompts of U[100, 1024] tokens and
+    outputs of U[100, 1024], so at step t the batch is the sequences whose output is longer
+    than t, at contexts U[100, 1024] + t; then a few small batches at long contexts."""
+    device = torch.device("cuda")
+    max_blocks = -(-2304 // page)
+    k_cache = torch.randn(256 * max_blocks, page, kv_heads, head_dim, device=device, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    ones = torch.ones(head_dim, device=device, dtype=torch.bfloat16)
+    cos_sin = torch.randn(4096, head_dim, device=device, dtype=torch.bfloat16)
+    configs = [(n, tile) for n in (1, 2, 4, 8) for tile in ((64, False), (128, False))] + [(16, (64, True))]
+    steps = [(max(1, round(256 * (1 - (t - 100) / 924))), 100 + t, 1024 + t) for t in range(100, 1030, 50)]
+    steps += [(batch, 1500, 2000) for batch in (1, 2, 4, 8, 12, 16, 24)]
+    chosen_total = fastest_total = 0.0
+    print("sequences  contexts        chosen (splits, keys, early)       fastest three")
+    for batch, low, high in steps:
+        lens = torch.randint(low, high + 1, (batch,)).to(device, torch.int32)
+        tables = torch.randperm(256 * max_blocks, device=device)[:batch * max_blocks].view(batch, max_blocks).int()
+        order = torch.argsort(lens, descending=True).to(torch.int32)
+        positions = lens - 1
+        slots = (tables.gather(1, (positions // page)[:, None].long())[:, 0] * page + positions % page).int()
+        rope = QKVRope(heads, kv_heads, positions, cos_sin, ones, ones, 1e-6)
+        qkv = torch.randn(batch, (heads + 2 * kv_heads) * head_dim, device=device, dtype=torch.bfloat16)
+
+        def call(splits=None, tile=None):
+            return decode_attention_from_qkv(qkv, rope, k_cache, v_cache, slots, tables, lens, head_dim ** -0.5,
+                                             order, num_splits=splits, tile=tile)
+
+        times = {config: triton.testing.do_bench_cudagraph(lambda: call(*config), rep=30) * 1e3 for config in configs}
+        chosen = triton.testing.do_bench_cudagraph(call, rep=30) * 1e3
+        splits = decode_splits(batch, kv_heads, device)
+        tile = tile_keys(splits, programs_per_sm(batch, kv_heads, device))
+        fastest = sorted(times, key=times.get)[:3]
+        if high < 1500:  # a benchmark step: each stands for 50 of them
+            chosen_total += 50 * chosen
+            fastest_total += 50 * times[fastest[0]]
+        print(f"{batch:>9}  U[{low}, {high}]  {str((splits,) + tile):>20} {chosen:6.1f} us  "
+              + ", ".join(f"{(n,) + t} {times[(n, t)]:.1f}" for n, t in fastest), flush=True)
+    print(f"benchmark decode steps, x28 layers: {chosen_total * 28 / 1e6:.3f} s as chosen, "
+          f"{fastest_total * 28 / 1e6:.3f} s at the fastest of each step")
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ with it, so it is bound by memory bandwidth. The kernel is shaped for that:
   input batch sends it for decode steps), the longest sequences start first, and the short
   ones fill the end of the step instead of a lone long one. On an H200 both together read the
   cache 6-9% faster at 64-256 sequences of mixed length (BENCHMARKS.md).
-- Split-KV: while batch x KV heads is under three programs per SM, each sequence's context is
+- Split-KV: while batch x KV heads is under six programs per SM, each sequence's context is
   cut into ``num_splits`` ranges that run in parallel, and a second kernel merges their
   partial outputs by their log-sum-exp. (Measured on an H200: splitting a batch that
   already fills the GPU is slower.) The split count depends only on the batch size, so it
@@ -35,12 +35,14 @@ padding rows of a CUDA graph) produce zeros.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from twinplane.kernels.device import launch_pdl, num_sms
+from twinplane.kernels.device import launch_pdl, sm_count
 from twinplane.kernels.rope_store import QKVRope, check_qkv, decode_q_store_kv
 
 LOG2E = 1.4426950408889634
@@ -155,36 +157,47 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, stride_ps, stride_pt, stride_ph, s
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
+def programs_per_sm(num_seqs: int, num_kv_heads: int, device: torch.device) -> float:
+    """Programs of one split per sequence (sequences x KV heads) for each SM of the device."""
+    return max(1, num_seqs * num_kv_heads) / sm_count(device)
+
+
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device, max_splits: int = 16) -> int:
-    """Splits per sequence so that the programs cover every SM, and at least two while there are
-    fewer than three programs per SM: with contexts of mixed length, one program per sequence
-    leaves the longest ones running alone at the end. On an H200 (Qwen3-0.6B shapes, contexts
-    uniform in [1000, 2048)), two splits instead of one take 24 sequences from 64 to 45 us,
-    32 from 67 to 58 us and 48 from 84 to 80 us; from 64 sequences on, one split is within 3%
-    of the fastest (``python -m twinplane.kernels.bench_attention --splits``)."""
-    programs = max(1, num_seqs * num_kv_heads)
-    sms = num_sms(device.index or 0)
-    if programs >= 3 * sms:
+    """Splits per sequence: one from six programs per SM on; under that at least two, and
+    enough for a program per SM. With contexts of mixed length, one program per sequence
+    leaves the longest ones running alone at the end of the step.
+
+    Measured on an H200 (Qwen3-0.6B heads, in CUDA graphs) on the decode steps of the default
+    benchmark (batch b with contexts U[100, 1024] + t as it shrinks with step t): two splits
+    take 62 sequences (3.8 programs an SM) from 111.6 to 89.0 us and 76 from 118.0 to 100.6;
+    from 117 sequences on one split is within 1% of the fastest, and two are 3-8% slower from
+    145 on. Under one program per SM more splits than that were faster alone (7 sequences:
+    16.0 us with 8 splits, 19.9 with 4) but not in plans of decode steps (H100, plans of 8
+    steps at context 512: 4 sequences 1,413.5 us a token with 16 splits, 1,322.2 with 8).
+    (``python -m twinplane.kernels.bench_attention --splits``)"""
+    per_sm = programs_per_sm(num_seqs, num_kv_heads, device)
+    if per_sm >= 6:
         return 1
-    return min(max_splits, max(2, triton.next_power_of_2(-(-sms // programs))))
+    return min(max_splits, max(2, triton.next_power_of_2(math.ceil(1 / per_sm))))
 
 
-def tile_keys(num_splits: int) -> tuple[int, bool]:
+def tile_keys(num_splits: int, per_sm: float) -> tuple[int, bool]:
     """(keys per tile, whether a program loads its first tile before it waits) for this many
-    splits, as measured fastest on an H200 (bf16, head dim 128, GQA group 2, Qwen3-0.6B shapes):
+    splits and programs of one split per SM, as measured fastest on an H200 (bf16, head dim
+    128, GQA group 2, Qwen3-0.6B shapes):
 
     - 16 splits (one or two sequences): 64 keys, loaded early. Decoding one sequence at context
       500 / 1,500 took 693 / 749 us a token instead of 760 / 877 (32-key tiles, not loaded
       early): the kernel starts while the q/k/v projection ahead of it still runs.
-    - One split: 64 keys (64 x 512 context: 35 vs 40 us at 128). Loaded early, the kernel alone
-      was faster up to ~6 programs an SM (64 sequences of contexts U[100, 2048): 81 vs 113 us)
-      and slower past it (256: 308 vs 268 us), but the all-at-once benchmark's decode steps
-      took the same time either way (4.73 vs 4.72-4.75 ms), so it does not.
+    - One split: 128 keys up to 12 programs an SM (145 sequences of the benchmark's decode
+      steps: 154.7 vs 159.4 us at 64), 64 from there on (201: 164.3 vs 169.1 us at 128).
+      Loaded early, the kernel alone was faster up to ~6 programs an SM and slower past it,
+      but the all-at-once benchmark's decode steps took the same time either way, so it does not.
     - 2-8 splits: 128 keys. 64 loaded early was slower at 4 sequences (1,472 vs 1,354 us a token).
     """
     if num_splits >= 16:
         return 64, True
-    return (64 if num_splits == 1 else 128), False
+    return (64 if num_splits == 1 and per_sm >= 12 else 128), False
 
 
 def supports(head_dim: int, block_size: int) -> bool:
@@ -209,8 +222,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def decode_attention_from_qkv(qkv: torch.Tensor, rope: QKVRope, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                              scale: float, order: torch.Tensor | None = None,
-                              num_splits: int | None = None) -> torch.Tensor:
+                              scale: float, order: torch.Tensor | None = None, num_splits: int | None = None,
+                              tile: tuple[int, bool] | None = None) -> torch.Tensor:
     """``norm_rope_store`` and ``paged_decode_attention`` in one kernel, for decode steps.
 
     qkv [n, (heads + 2 kv_heads) * d] holds each sequence's new token (row i: sequence i, at
@@ -218,16 +231,17 @@ def decode_attention_from_qkv(qkv: torch.Tensor, rope: QKVRope, k_cache: torch.T
     the queries of its KV head itself; the program whose split holds the new token stores its
     key and value at ``slot_mapping[i]`` (nothing for -1) and then reads them from the cache
     like the rest. Saves a kernel launch and a round trip of q through memory per layer.
-    Returns the attention output [n, heads, d].
+    ``num_splits`` and ``tile`` (keys per tile, first tile loaded early) override the measured
+    choices of ``decode_splits`` and ``tile_keys``. Returns the attention output [n, heads, d].
     """
     head_dim = check_qkv(qkv, rope, k_cache, v_cache)
     assert slot_mapping.shape[0] == qkv.shape[0] == context_lens.shape[0], "one new token per sequence"
     return _launch(qkv, rope.num_heads, qkv.stride(0), head_dim, rope, slot_mapping, k_cache, v_cache, block_tables,
-                   context_lens, scale, order, num_splits, None, 4, 2)
+                   context_lens, scale, order, num_splits, None, 4, 2, tile)
 
 
 def _launch(q, num_heads, stride_qt, stride_qh, rope, slot_mapping, k_cache, v_cache, block_tables, context_lens,
-            scale, order, num_splits, block_n, num_warps, num_stages) -> torch.Tensor:
+            scale, order, num_splits, block_n, num_warps, num_stages, tile=None) -> torch.Tensor:
     """The decode (and merge) kernels; ``q`` is the queries [n, heads, d], or with ``rope`` the q/k/v rows."""
     num_seqs = q.shape[0]
     _, page, num_kv_heads, head_dim = k_cache.shape
@@ -237,7 +251,7 @@ def _launch(q, num_heads, stride_qt, stride_qh, rope, slot_mapping, k_cache, v_c
     assert supports(head_dim, page), f"head_dim {head_dim} / block size {page} not supported"
     if num_splits is None:
         num_splits = decode_splits(num_seqs, num_kv_heads, q.device)
-    keys, prefetch = tile_keys(num_splits)
+    keys, prefetch = tile or tile_keys(num_splits, programs_per_sm(num_seqs, num_kv_heads, q.device))
     block_n = min(block_n or keys, page & -page)  # a power of two that divides the page
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_splits > 1:

@@ -13,6 +13,11 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device; 4 for CPU tensors (Triton's interpreter), as a nominal count."""
+    return num_sms(device.index or 0) if device.type == "cuda" else 4
+
+
 @functools.cache
 def _has_pdl(device_index: int) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9

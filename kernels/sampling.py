@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from twinplane.kernels.device import launch_pdl, num_sms
+from twinplane.kernels.device import launch_pdl, sm_count
 
 BLOCK = 1024
 
@@ -114,7 +114,7 @@ def _pick_kernel(best_score_ptr, best_index_ptr, out_ptr, num_splits, BLOCK_S: t
 
 def vocab_splits(num_rows: int, vocab: int, device: torch.device) -> int:
     """Splits per row so that there are about four programs per SM (at least one tile each)."""
-    sms = num_sms(device.index or 0) if device.type == "cuda" else 4
+    sms = sm_count(device)
     return max(1, min(-(-4 * sms // max(num_rows, 1)), -(-vocab // (4 * BLOCK))))
 
 

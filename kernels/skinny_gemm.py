@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from twinplane.kernels.device import launch_pdl, num_sms
+from twinplane.kernels.device import launch_pdl, sm_count
 
 MAX_ROWS = 4
 MAX_K_PAD = 16384  # a program holds BLOCK_N x K_PAD weights in registers; at least one row of them
@@ -141,7 +141,7 @@ def _program_shape(n: int, k_pad: int, bytes_per_weight: int, device: torch.devi
     (BENCHMARKS.md): 8 features of q/k/v, o and gate/up, 4 of down; programs of 64 KB in 8 warps,
     one an SM, took 8-20% longer."""
     block_n = max(1, min(MAX_BLOCK_N, WEIGHT_BYTES_PER_PROGRAM // (k_pad * bytes_per_weight)))
-    sms = num_sms(device.index or 0) if device.type == "cuda" else 2
+    sms = sm_count(device)
     while block_n > 1 and triton.cdiv(n, block_n) < sms // 2:
         block_n //= 2
     return block_n, 4
