@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from twinplane.clients.launcher import TOKEN_ENV, DataPlaneProcess, gpu_groups, new_token
+from twinplane.clients.launcher import CONFIG_ERROR_EXIT, TOKEN_ENV, DataPlaneProcess, gpu_groups, new_token
 from twinplane.controlplane.event_loop import run as run_event_loop
 
 log = logging.getLogger("twinplane")
@@ -221,7 +221,8 @@ def cmd_dataplane(args: argparse.Namespace) -> int:
     try:
         config = check_config(_dataplane_config(args))
     except ValueError as exc:  # an unknown model, or one the tensor-parallel size does not split
-        raise SystemExit(f"twinplane dataplane: error: {exc}") from None
+        print(f"twinplane dataplane: error: {exc}", file=sys.stderr)
+        raise SystemExit(CONFIG_ERROR_EXIT) from None  # serve does not restart it
     serve(config, args.listen, token, credentials, args.health_listen)
     return 0
 
@@ -299,12 +300,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             _progress(f"data plane ready; serving on {args.listen}")
 
     async def main() -> None:
+        refused = asyncio.Event()
         for child in children:
             _progress(f"starting the data plane ({args.model}) on {child.address}; loading the model")
             child.start()
-            child.start_watching()
+            child.start_watching(refused)
         try:
-            await serve(config, security, on_readiness=announce)
+            await serve(config, security, on_readiness=announce, dataplane_refused=refused)
         finally:
             for child in children:
                 child.stop()

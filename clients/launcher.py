@@ -16,6 +16,7 @@ from twinplane.controlplane.liveness import Backoff
 
 log = logging.getLogger("twinplane")
 TOKEN_ENV = "TWINPLANE_DATAPLANE_TOKEN"
+CONFIG_ERROR_EXIT = 78  # EX_CONFIG: the data plane refused its flags; starting it again would not help
 
 
 def gpu_groups(data_parallel_size: int, tensor_parallel_size: int, visible: str | None) -> list[str]:
@@ -52,17 +53,24 @@ class DataPlaneProcess:
         self.process: subprocess.Popen | None = None
         self._watch: asyncio.Task | None = None
         self.restarts = 0
+        self.refused: asyncio.Event | None = None  # set when the child exits with CONFIG_ERROR_EXIT
 
     def start(self) -> None:
         self.started = time.monotonic()
         self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, env=self.env)
 
     async def watch(self) -> None:
-        """Restarts the child whenever it exits, until stop(); backs off while it keeps failing."""
+        """Restarts the child whenever it exits, until stop(); backs off while it keeps failing.
+        A child that refused its configuration is not restarted: ``refused`` is set instead."""
         backoff = Backoff()
         while True:
             code = await asyncio.to_thread(self.process.wait)
             if not self.restart:
+                return
+            if code == CONFIG_ERROR_EXIT:
+                log.error("the data plane refused its configuration (its error is above); not restarting it")
+                if self.refused is not None:
+                    self.refused.set()
                 return
             delay = backoff.delay(time.monotonic() - self.started)
             self.restarts += 1
@@ -72,7 +80,9 @@ class DataPlaneProcess:
                 return
             self.start()
 
-    def start_watching(self) -> None:
+    def start_watching(self, refused: asyncio.Event | None = None) -> None:
+        """Watches the child in the running loop; ``refused`` is set if it refuses its configuration."""
+        self.refused = refused
         self._watch = asyncio.get_running_loop().create_task(self.watch())
 
     def stop(self, timeout: float = 10.0) -> None:

@@ -123,9 +123,11 @@ async def freeze_heap_once_ready(engine: Engine, process: str) -> None:
     freeze_heap(process)
 
 
-async def serve(config: ControlPlaneConfig, security: Security = Security(), on_readiness=None) -> None:
+async def serve(config: ControlPlaneConfig, security: Security = Security(), on_readiness=None,
+                dataplane_refused: asyncio.Event | None = None) -> None:
     """Serves until SIGTERM or SIGINT, then shuts down gracefully; on_readiness(ready) is called
-    whenever the service becomes ready or stops being ready."""
+    whenever the service becomes ready or stops being ready. ``dataplane_refused`` (set by the
+    launcher of a child data plane that refused its flags) stops it at once with that reason."""
     plane = ControlPlane(config, security)
     if on_readiness is not None:
         plane.engine.on_readiness.append(on_readiness)
@@ -139,8 +141,12 @@ async def serve(config: ControlPlaneConfig, security: Security = Security(), on_
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     secondary_died = plane.secondaries.died if plane.secondaries is not None else asyncio.Event()
-    await first_of(stop, plane.engine.crashed, secondary_died)
+    refused = dataplane_refused if dataplane_refused is not None else asyncio.Event()
+    await first_of(stop, plane.engine.crashed, secondary_died, refused)
     frozen.cancel()
+    if refused.is_set():  # a bad model path or TP size: waiting would not bring the data plane up
+        await plane.shutdown(grace=0.0)
+        raise SystemExit("the control plane stopped: its data plane refused its configuration (see the error above)")
     if plane.engine.crashed.is_set():  # e.g. an unreadable tokenizer folder: say so and exit, don't hang
         await plane.shutdown(grace=0.0)
         raise SystemExit("the control plane stopped: its engine failed (see the error above)")

@@ -217,6 +217,26 @@ def test_a_data_plane_that_keeps_failing_is_restarted_with_growing_delays(monkey
     assert delays[:8] == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
 
 
+def test_a_data_plane_that_refuses_its_flags_is_not_restarted():
+    import asyncio
+
+    from twinplane.clients import launcher
+
+    child = launcher.DataPlaneProcess([])
+    child.command = [sys.executable, "-c", f"raise SystemExit({launcher.CONFIG_ERROR_EXIT})"]
+
+    async def run() -> bool:
+        refused = asyncio.Event()
+        child.start()
+        child.start_watching(refused)
+        await asyncio.wait_for(refused.wait(), 30)
+        await child._watch  # returned: nothing left to restart
+        child.stop()
+        return refused.is_set()
+
+    assert asyncio.run(run()) and child.restarts == 0
+
+
 def test_bench_passes_its_server_flags_on(monkeypatch):
     from twinplane.clients import bench
     from twinplane.clients.cli import build_parser
@@ -256,6 +276,17 @@ def test_dataplane_refuses_a_tensor_parallel_size_that_does_not_split_the_model(
     result = subprocess.run([*CLI, "dataplane", "--model", "dummy:tiny-qwen3", "--device", "cpu",
                              "--tensor-parallel-size", "3", "--listen", f"unix://{tmp_path}/dp.sock"],
                             capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0
+    assert result.returncode == 78  # EX_CONFIG: serve does not restart it
     assert "tensor_parallel_size 3 does not split this model" in result.stderr
     assert "sizes that do: [1, 2, 4]" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_serve_stops_when_its_data_plane_refuses_its_flags():
+    """Not restarted again and again: serve exits at once with the data plane's reason."""
+    result = subprocess.run([*CLI, "serve", "--model", "dummy:tiny-qwen3", "--device", "cpu",
+                             "--tensor-parallel-size", "3", "--listen", "127.0.0.1:0"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr.count("tensor_parallel_size 3 does not split this model") == 1, result.stderr[-2000:]
+    assert "restarting it in" not in result.stderr
+    assert "its data plane refused its configuration" in result.stderr
