@@ -18,8 +18,9 @@ GPU waiting when plans are sent back to back. Where the runner replays graphs th
 
 ``--profile``: instead, the decode steps run under ``torch.profiler`` (CUDA graphs where the
 runner has them), and for each batch size the kernels of a step are listed by their time
-per step (on a CPU device: the operators, by their own CPU time). ``--profile --prompts``: the
-same for prompt steps, each prefilling that many new sequences of --context tokens.
+per step (on a CPU device: the operators, by their own CPU time), and on a GPU how much of a
+step's span, first kernel to last, some kernel runs. ``--profile --prompts``: the same for
+prompt steps, each prefilling that many new sequences of --context tokens.
 """
 
 from __future__ import annotations
@@ -127,6 +128,27 @@ def prefill(runner, batch: int, context: int, steps: int) -> list[float]:
     return times
 
 
+def step_spans(kernels: list[tuple[float, float]], step_gap_us: float = 200.0) -> list[tuple[float, float, int]]:
+    """(span, busy time, kernels) of each step in the kernel intervals (start, end) in us, sorted by
+    start: a step ends where the GPU then ran nothing for longer than step_gap_us. Busy time is the
+    union of the intervals, so kernels that overlap (programmatic dependent launch) count once."""
+    steps: list[tuple[float, float, int]] = []
+    first = end = busy = None
+    count = 0
+    for start, stop in kernels:
+        if end is not None and start - end > step_gap_us:
+            steps.append((end - first, busy, count))
+            end = None
+        if end is None:
+            first, end, busy, count = start, stop, stop - start, 1
+            continue
+        busy += max(0.0, stop - max(start, end))
+        end, count = max(end, stop), count + 1
+    if end is not None:
+        steps.append((end - first, busy, count))
+    return steps
+
+
 def profile_decode(runner, batch: int, context: int, steps: int, top: int = 16, prompts: bool = False) -> str:
     """A table of the kernels (CPU: operators) of one decode step (``prompts``: one step prefilling
     `batch` sequences), by time per step, over `steps` steps."""
@@ -148,11 +170,19 @@ def profile_decode(runner, batch: int, context: int, steps: int, top: int = 16, 
     rows = [row for row in rows if row[0] > 0]
     total, count = sum(r[0] for r in rows) / steps, sum(r[1] for r in rows) / steps
     what = "kernels" if cuda else "operators (own CPU time)"
-    lines = [f"{'prompt' if prompts else 'decode'} batch {batch}, context {context}: step {statistics.median(wall) * 1e3:.3f} ms (median wall), "
+    kind = "prompt" if prompts else "decode"
+    lines = [f"{kind} batch {batch}, context {context}: step {statistics.median(wall) * 1e3:.3f} ms (median wall), "
              f"{what} {total / 1e3:.3f} ms in {count:.0f} calls per step"]
     for us, n, name in sorted(rows, reverse=True)[:top]:
         lines.append(f"{us / steps:10.1f} us/step {n / steps:6.1f} x {us / n:8.2f} us  {name[:90]}")
-    if cuda:
+    if cuda:  # each step's kernels (the host waits between steps), less the copies of its inputs
+        kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                         if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("Mem"))
+        spans = [step for step in step_spans(kernels) if step[2] >= 10]
+        if spans:
+            span, busy = (statistics.median(column) for column in list(zip(*spans))[:2])
+            lines.append(f"GPU busy {100 * busy / span:.1f}% of a step's {span / 1e3:.3f} ms from its first kernel "
+                         f"to its last (medians of {len(spans)} steps; the rest is gaps between kernels)")
         from twinplane.kernels.device import launch_pdl
 
         if launch_pdl(runner.device):

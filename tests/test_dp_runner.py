@@ -289,3 +289,14 @@ def test_decode_plans_time_the_device_and_the_host_of_plans_of_several_steps(run
     line = time_plans(runner, batch=1, context=8, num_steps=4, plans=3)
     assert line.startswith("batch 1, context 8, plans of 4 steps: per token ") and line.endswith(" us wall")
     assert len(runner.sequences) == 0
+
+
+def test_step_spans_split_kernels_into_steps_and_count_overlaps_once() -> None:
+    """Two steps 1 ms apart; in the first, two kernels overlap (a launch that starts early) and one
+    follows after a 5 us gap: its span is 40 us, 35 of them busy."""
+    from twinplane.dataplane.bench_decode import step_spans
+
+    kernels = [(0.0, 20.0), (10.0, 25.0), (30.0, 40.0), (1040.0, 1050.0), (1050.0, 1052.0)]
+    assert step_spans(kernels) == [(40.0, 35.0, 3), (12.0, 12.0, 2)]
+    assert step_spans(kernels, step_gap_us=2000.0) == [(1052.0, 47.0, 5)]
+    assert step_spans([]) == []
