@@ -216,11 +216,12 @@ def _dataplane_credentials(args: argparse.Namespace):
 def cmd_dataplane(args: argparse.Namespace) -> int:
     token = _dataplane_token(args)  # before the model loads
     credentials = _dataplane_credentials(args)
+    from twinplane.dataplane.embedded import EmbeddedModelError
     from twinplane.dataplane.main import check_config, serve
 
     try:
         config = check_config(_dataplane_config(args))
-    except ValueError as exc:  # an unknown model, or one the tensor-parallel size does not split
+    except (ValueError, EmbeddedModelError) as exc:  # no such model, or one the TP size does not split
         print(f"twinplane dataplane: error: {exc}", file=sys.stderr)
         raise SystemExit(CONFIG_ERROR_EXIT) from None  # serve does not restart it
     serve(config, args.listen, token, credentials, args.health_listen)
