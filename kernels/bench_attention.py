@@ -12,7 +12,9 @@ Needs a CUDA GPU and ``flash_attn.cute``.
 ``--splits``: the kernel as decode steps call it (``decode_attention_from_qkv``, Qwen3-0.6B
 heads) in a CUDA graph (``do_bench_cudagraph``), at 1-16 splits per sequence and three tiles,
 on the batches and contexts of the default benchmark's decode steps and a few small batches,
-beside what ``decode_splits`` and ``tile_keys`` choose. Needs a CUDA GPU only.
+beside what ``decode_splits`` and ``tile_keys`` choose. Needs a CUDA GPU only. A config that is
+faster here is not always faster in ``twinplane bench`` (``decode_splits`` has a case): judge
+a new rule by the benchmark's decode steps, run interleaved with the old one.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 import triton
 
 from twinplane.kernels.decode_attention import (decode_attention_from_qkv, decode_splits, paged_decode_attention,
-                                                programs_per_sm, tile_keys)
+                                                tile_keys)
 from twinplane.kernels.rope_store import QKVRope
 
 CASES = [(1, 1024, 16, 8), (8, 1024, 16, 8), (64, 1024, 16, 8), (256, 1024, 16, 8), (256, 0, 16, 8),
@@ -74,7 +76,7 @@ def sweep_splits(page: int, heads: int = 16, kv_heads: int = 8, head_dim: int = 
         times = {config: triton.testing.do_bench_cudagraph(lambda: call(*config), rep=30) * 1e3 for config in configs}
         chosen = triton.testing.do_bench_cudagraph(call, rep=30) * 1e3
         splits = decode_splits(batch, kv_heads, device)
-        tile = tile_keys(splits, programs_per_sm(batch, kv_heads, device))
+        tile = tile_keys(splits)
         fastest = sorted(times, key=times.get)[:3]
         if high < 1500:  # a benchmark step: each stands for 50 of them
             chosen_total += 50 * chosen

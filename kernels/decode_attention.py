@@ -11,7 +11,7 @@ with it, so it is bound by memory bandwidth. The kernel is shaped for that:
   input batch sends it for decode steps), the longest sequences start first, and the short
   ones fill the end of the step instead of a lone long one. On an H200 both together read the
   cache 6-9% faster at 64-256 sequences of mixed length (BENCHMARKS.md).
-- Split-KV: while batch x KV heads is under six programs per SM, each sequence's context is
+- Split-KV: while batch x KV heads is under three programs per SM, each sequence's context is
   cut into ``num_splits`` ranges that run in parallel, and a second kernel merges their
   partial outputs by their log-sum-exp. (Measured on an H200: splitting a batch that
   already fills the GPU is slower.) The split count depends only on the batch size, so it
@@ -163,41 +163,42 @@ def programs_per_sm(num_seqs: int, num_kv_heads: int, device: torch.device) -> f
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device, max_splits: int = 16) -> int:
-    """Splits per sequence: one from six programs per SM on; under that at least two, and
+    """Splits per sequence: one from three programs per SM on; under that at least two, and
     enough for a program per SM. With contexts of mixed length, one program per sequence
     leaves the longest ones running alone at the end of the step.
 
-    Measured on an H200 (Qwen3-0.6B heads, in CUDA graphs) on the decode steps of the default
-    benchmark (batch b with contexts U[100, 1024] + t as it shrinks with step t): two splits
-    take 62 sequences (3.8 programs an SM) from 111.6 to 89.0 us and 76 from 118.0 to 100.6;
-    from 117 sequences on one split is within 1% of the fastest, and two are 3-8% slower from
-    145 on. Under one program per SM more splits than that were faster alone (7 sequences:
-    16.0 us with 8 splits, 19.9 with 4) but not in plans of decode steps (H100, plans of 8
-    steps at context 512: 4 sequences 1,413.5 us a token with 16 splits, 1,322.2 with 8).
-    (``python -m twinplane.kernels.bench_attention --splits``)"""
+    Measured on an H200 (Qwen3-0.6B heads). The kernel alone, in CUDA graphs, on the decode
+    steps of the default benchmark (batch b with contexts U[100, 1024] + t as it shrinks with
+    step t; ``python -m twinplane.kernels.bench_attention --splits``): two splits took 62
+    sequences (3.8 programs an SM) from 111.6 to 89.0 us and 76 from 118.0 to 100.6. In the
+    benchmark itself, two splits up to six programs an SM (with 128-key tiles for one split
+    under twelve) made its decode steps slower, not faster: 4.71 / 4.72 ms against 4.68 / 4.69
+    (26,068 / 26,040 against 26,228 / 26,156 tok/s, runs interleaved). Under one program per
+    SM more splits than this were faster alone (7 sequences: 16.0 us with 8 splits, 19.9 with
+    4) but not in plans of decode steps (H100, plans of 8 steps at context 512: 4 sequences
+    1,413.5 us a token with 16 splits, 1,322.2 with 8)."""
     per_sm = programs_per_sm(num_seqs, num_kv_heads, device)
-    if per_sm >= 6:
+    if per_sm >= 3:
         return 1
     return min(max_splits, max(2, triton.next_power_of_2(math.ceil(1 / per_sm))))
 
 
-def tile_keys(num_splits: int, per_sm: float) -> tuple[int, bool]:
+def tile_keys(num_splits: int) -> tuple[int, bool]:
     """(keys per tile, whether a program loads its first tile before it waits) for this many
-    splits and programs of one split per SM, as measured fastest on an H200 (bf16, head dim
-    128, GQA group 2, Qwen3-0.6B shapes):
+    splits, as measured fastest on an H200 (bf16, head dim 128, GQA group 2, Qwen3-0.6B shapes):
 
     - 16 splits (one or two sequences): 64 keys, loaded early. Decoding one sequence at context
       500 / 1,500 took 693 / 749 us a token instead of 760 / 877 (32-key tiles, not loaded
       early): the kernel starts while the q/k/v projection ahead of it still runs.
-    - One split: 128 keys up to 12 programs an SM (145 sequences of the benchmark's decode
-      steps: 154.7 vs 159.4 us at 64), 64 from there on (201: 164.3 vs 169.1 us at 128).
-      Loaded early, the kernel alone was faster up to ~6 programs an SM and slower past it,
+    - One split: 64 keys (64 x 512 context: 35 vs 40 us at 128). 128 keys were faster for the
+      kernel alone under twelve programs an SM (145 sequences of the benchmark's decode steps:
+      154.7 vs 159.4 us) but not in the benchmark (``decode_splits``). Loaded early, the kernel alone was faster up to ~6 programs an SM and slower past it,
       but the all-at-once benchmark's decode steps took the same time either way, so it does not.
     - 2-8 splits: 128 keys. 64 loaded early was slower at 4 sequences (1,472 vs 1,354 us a token).
     """
     if num_splits >= 16:
         return 64, True
-    return (64 if num_splits == 1 and per_sm >= 12 else 128), False
+    return (64 if num_splits == 1 else 128), False
 
 
 def supports(head_dim: int, block_size: int) -> bool:
@@ -251,7 +252,7 @@ def _launch(q, num_heads, stride_qt, stride_qh, rope, slot_mapping, k_cache, v_c
     assert supports(head_dim, page), f"head_dim {head_dim} / block size {page} not supported"
     if num_splits is None:
         num_splits = decode_splits(num_seqs, num_kv_heads, q.device)
-    keys, prefetch = tile or tile_keys(num_splits, programs_per_sm(num_seqs, num_kv_heads, q.device))
+    keys, prefetch = tile or tile_keys(num_splits)
     block_n = min(block_n or keys, page & -page)  # a power of two that divides the page
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_splits > 1:
