@@ -7,7 +7,7 @@ holds, as a step reads them once), and per layer: norm + q/k/v, the output proje
 q part: no attention), norm + gate/up + SiLU-and-mul, down. The chain is timed in a CUDA graph
 (``triton.testing.do_bench_cudagraph``) three ways:
 
-- ``layers``: what steps of more rows run (compiled norms, cuBLAS, the SiLU-and-mul kernel);
+- ``layers``: what steps of more rows run (the norm kernel, cuBLAS, the SiLU-and-mul kernel);
 - ``skinny``: ``kernels/skinny_gemm.py`` launched without programmatic dependent launch;
 - ``skinny+PDL``: as decode steps of 1-4 rows run it.
 

@@ -1,5 +1,5 @@
 """Our Triton kernels compiled for sm_90 (an H100 / H200) without a GPU: decode attention and its
-merge, the skinny projections, RoPE/K/V store, the KV writer, SiLU-and-mul and the sampler, in
+merge, the skinny projections, RoPE/K/V store, the KV writer, SiLU-and-mul, RMSNorm and the sampler, in
 the variants their launch wrappers pick.
 
 Triton's interpreter (test_kernels_interpreted.py) runs the kernels as Python, so it checks
@@ -76,6 +76,17 @@ def test_skinny_projection_compiles_and_loads_weights_before_it_waits(rows, add,
     assert "ld.global" in ptx[:wait]
 
 
+@pytest.mark.parametrize("add,d", [(False, 1024), (True, 1024), (True, 4000)])
+def test_rms_norm_compiles_and_loads_its_weight_before_it_waits(add, d):
+    from twinplane.kernels.rms_norm import _rms_norm_kernel
+
+    ptx = _compile(_rms_norm_kernel, dict(D=d, BLOCK=triton.next_power_of_2(d), ADD=add, PDL=True), {},
+                   floats=("eps",))
+    wait = ptx.index("griddepcontrol.wait")
+    assert ptx.index("griddepcontrol.launch_dependents") < wait and "ld.global" in ptx[:wait]
+    assert "ld.global" in ptx[wait:]  # x, after the wait
+
+
 @pytest.mark.parametrize("has_norm", [True, False])
 def test_rope_store_compiles(has_norm):
     from twinplane.kernels.rope_store import _rope_store_kernel
@@ -90,7 +101,9 @@ def test_kv_writer_silu_mul_and_sampler_compile():
     from twinplane.kernels.silu_mul import _silu_mul_kernel
 
     _compile(_store_kv_kernel, dict(ROW=1024, BLOCK=1024), {"slot_ptr": "i32"})
-    _compile(_silu_mul_kernel, dict(D=3072, BLOCK=1024), {})
+    for pdl in (False, True):
+        ptx = _compile(_silu_mul_kernel, dict(D=3072, BLOCK=1024, PDL=pdl), {})
+        assert ("griddepcontrol.wait" in ptx) == pdl
     for pdl in (False, True):
         _compile(_partial_kernel, dict(BLOCK=1024, PDL=pdl), {"temperature_ptr": "fp32", "greedy_ptr": "i1",
                                                               "seeds_ptr": "i64", "best_score_ptr": "fp32",

@@ -5,8 +5,8 @@ splits, where 16 loads its first tile before the wait; grouped and plain heads; 
 fused q/k norm + RoPE + K/V store against the unfused layers (with and without the norm), and
 the temperature sampler (greedy = torch.argmax with ties, draws follow softmax(logits / T),
 a row's draw depends on its seed only) alone and inside the Sampler, the skinny projections
-(plain, and with the norm, residual add and SiLU-and-mul they fold in) and the gated MLP's
-SiLU-and-mul.
+(plain, and with the norm, residual add and SiLU-and-mul they fold in), the gated MLP's
+SiLU-and-mul and the RMSNorm with its residual add.
 
 The interpreter is chosen when a kernel is decorated, so the checks run in a child process.
 The GPU tests (test_gpu.py) check the same kernels compiled, in bf16.
@@ -244,6 +244,31 @@ print("silu ok")
 '''
 
 
+NORM_CHECKS = '''
+import torch
+from twinplane.dataplane.layers.layernorm import add_rms_norm, rms_norm
+from twinplane.kernels.rms_norm import rms_norm as norm_kernel
+torch.manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16):
+    for tokens, d in ((1, 64), (5, 100), (3, 1024), (0, 32)):
+        wide = torch.randn(tokens, d + 7, dtype=dtype) * 3
+        x = wide[:, :d]  # rows of a wider tensor: strided, each contiguous
+        residual = torch.randn(tokens, d, dtype=dtype)
+        weight = torch.rand(d, dtype=dtype) + 0.5
+        y, summed = norm_kernel(x, weight, 1e-6)
+        assert summed is x and torch.allclose(y.float(), rms_norm(x, weight, 1e-6).float(), atol=2e-2, rtol=1e-2)
+        y, summed = norm_kernel(x, weight, 1e-6, residual)
+        expected, expected_sum = add_rms_norm(x, residual, weight, 1e-6)
+        # The interpreter's float32 -> bfloat16 casts need not round as the GPU's do: exact in float32 only.
+        assert torch.allclose(summed.float(), expected_sum.float(), atol=2e-2, rtol=1e-2), (dtype, tokens, d)
+        assert y.dtype == dtype and torch.allclose(y.float(), expected.float(), atol=2e-2, rtol=1e-2), (dtype, tokens, d)
+        if dtype == torch.float32:
+            assert torch.equal(summed, expected_sum)
+            torch.testing.assert_close(y, expected)
+print("norm ok")
+'''
+
+
 def _run_interpreted(checks: str, marker: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run([sys.executable, "-c", checks], env=env, capture_output=True, text=True, timeout=600)
@@ -267,6 +292,11 @@ def test_skinny_projections_in_the_interpreter():
 def test_silu_mul_in_the_interpreter():
     """Token counts 0-5, feature counts that end in a partial tile, strided rows."""
     _run_interpreted(SILU_CHECKS, "silu ok")
+
+
+def test_rms_norm_in_the_interpreter():
+    """The norm kernel, with and without the residual add, against the layers' torch functions."""
+    _run_interpreted(NORM_CHECKS, "norm ok")
 
 
 def test_decode_splits_cover_the_sms_and_split_sparse_batches(monkeypatch):
