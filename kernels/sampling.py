@@ -43,6 +43,13 @@ def _keep_best(x, cols, best_score, best_index):
 
 
 @triton.jit
+def _first_best(best_score, best_index):
+    """(the best of the lanes' scores, the smallest index that has it): argmax's first on ties."""
+    top = tl.max(best_score, axis=0)
+    return top, tl.min(tl.where(best_score == top, best_index, 2**31 - 1), axis=0)
+
+
+@triton.jit
 def _score(logits_row, cols, end, temperature, u):
     """Gumbel-max score of the logits at cols (-inf past end); plain logits when temperature is 0."""
     x = tl.load(logits_row + cols, mask=cols < end, other=-float("inf")).to(tl.float32)
@@ -87,12 +94,9 @@ def _partial_kernel(logits_ptr, stride_row, temperature_ptr, greedy_ptr, seeds_p
                                             best_score, best_index)
     # One reduction at the end: the best score, and the first column that has it (a split
     # whose scores are all -inf reports its first column, as a lone argmax would).
-    top = tl.max(best_score, axis=0)
-    first = tl.min(tl.where(best_score == top, best_index, 2**31 - 1), axis=0)
-    best_index = tl.where(first == 2**31 - 1, start, first)
-    best_score = top
-    tl.store(best_score_ptr + row * num_splits + split, best_score)
-    tl.store(best_index_ptr + row * num_splits + split, best_index)
+    top, first = _first_best(best_score, best_index)
+    tl.store(best_score_ptr + row * num_splits + split, top)
+    tl.store(best_index_ptr + row * num_splits + split, tl.where(first == 2**31 - 1, start, first))
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -108,8 +112,7 @@ def _pick_kernel(best_score_ptr, best_index_ptr, out_ptr, num_splits, BLOCK_S: t
         score = tl.load(best_score_ptr + row * num_splits + splits, mask=splits < num_splits, other=-float("inf"))
         index = tl.load(best_index_ptr + row * num_splits + splits, mask=splits < num_splits, other=2**31 - 1)
         best_score, best_index = _keep_best(score, index, best_score, best_index)
-    top = tl.max(best_score, axis=0)
-    tl.store(out_ptr + row, tl.min(tl.where(best_score == top, best_index, 2**31 - 1), axis=0))
+    tl.store(out_ptr + row, _first_best(best_score, best_index)[1])
 
 
 def vocab_splits(num_rows: int, vocab: int, device: torch.device) -> int:
