@@ -2,6 +2,7 @@
 
     python -m twinplane.kernels.bench_attention [--block-size 256]
     python -m twinplane.kernels.bench_attention --splits
+    python -m twinplane.kernels.bench_attention --read-peak
 
 For each (batch, context, q heads, kv heads) case it prints the time per call
 (``triton.testing.do_bench``: wall clock, so under ~50 us it is the launch cost) and the
@@ -15,6 +16,10 @@ on the batches and contexts of the default benchmark's decode steps and a few sm
 beside what ``decode_splits`` and ``tile_keys`` choose. Needs a CUDA GPU only. A config that is
 faster here is not always faster in ``twinplane bench`` (``decode_splits`` has a case): judge
 a new rule by the benchmark's decode steps, run interleaved with the old one.
+
+``--read-peak``: the most bandwidth a plain streaming read of 2 GiB reaches on this GPU (a Triton
+kernel that only loads and sums, over a few grid sizes and tiles), the ceiling for a kernel
+bound by reading memory, as decode attention is; the two other modes print it first.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import argparse
 
 import torch
 import triton
+import triton.language as tl
 
 from twinplane.kernels.decode_attention import (decode_attention_from_qkv, decode_splits, paged_decode_attention,
                                                 tile_keys)
@@ -31,6 +37,34 @@ from twinplane.kernels.rope_store import QKVRope
 CASES = [(1, 1024, 16, 8), (8, 1024, 16, 8), (64, 1024, 16, 8), (256, 1024, 16, 8), (256, 0, 16, 8),
          (128, 0, 16, 8), (256, 1024, 16, 4), (64, 1024, 16, 4)]  # context 0: uniform in [100, 2048)
 CONFIGS = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (32, 4, 4)]  # block_n, warps, stages
+
+
+@triton.jit
+def _read_sums(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """Each program sums every num_programs-th tile of x into out[program]: nothing but loads."""
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pid, tl.sum(acc))
+
+
+def read_sums(x: torch.Tensor, programs: int, block: int = 1024, num_warps: int = 4) -> torch.Tensor:
+    """Partial sums of a contiguous x in float32 by ``programs`` programs (they add up to x's sum)."""
+    out = torch.empty(programs, device=x.device, dtype=torch.float32)
+    _read_sums[(programs,)](x, out, x.numel(), BLOCK=block, num_warps=num_warps)
+    return out
+
+
+def read_peak(gib: float = 2.0) -> float:
+    """TB/s of the fastest streaming read of ``gib`` GiB of bf16, calls back to back in a CUDA graph
+    (``triton.testing.do_bench``, which clears the L2 between calls, reads ~2% slower)."""
+    x = torch.randn(int(gib * 2 ** 30) // 2, device="cuda", dtype=torch.bfloat16)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    best = min(triton.testing.do_bench_cudagraph(lambda: read_sums(x, sms * per_sm, block, warps), rep=50)
+               for per_sm in (4, 8, 16) for block in (2048, 4096) for warps in (4, 8))
+    return x.numel() * x.element_size() / (best * 1e-3) / 1e12
 
 
 def make_case(batch: int, context: int, heads: int, kv_heads: int, page: int, head_dim: int = 128):
@@ -91,8 +125,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--splits", action="store_true", help="time each split count of the decode steps' kernel")
+    p.add_argument("--read-peak", action="store_true", help="only the GPU's streaming read bandwidth")
     args = p.parse_args()
     torch.manual_seed(0)
+    print(f"streaming read peak: {read_peak():.2f} TB/s", flush=True)
+    if args.read_peak:
+        return
     if args.splits:
         sweep_splits(args.block_size)
         return

@@ -173,10 +173,11 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device, max_sp
     sequences (3.8 programs an SM) from 111.6 to 89.0 us and 76 from 118.0 to 100.6. In the
     benchmark itself, two splits up to six programs an SM (with 128-key tiles for one split
     under twelve) made its decode steps slower, not faster: 4.71 / 4.72 ms against 4.68 / 4.69
-    (26,068 / 26,040 against 26,228 / 26,156 tok/s, runs interleaved). Under one program per
-    SM more splits than this were faster alone (7 sequences: 16.0 us with 8 splits, 19.9 with
-    4) but not in plans of decode steps (H100, plans of 8 steps at context 512: 4 sequences
-    1,413.5 us a token with 16 splits, 1,322.2 with 8)."""
+    (26,068 / 26,040 against 26,228 / 26,156 tok/s, runs interleaved); two splits alone, up
+    to four or six programs an SM, changed nothing (decode steps 4.64-4.66 ms either way).
+    Under one program per SM more splits than this were faster alone (7 sequences: 16.0 us
+    with 8 splits, 19.9 with 4) but not in plans of decode steps (H100, plans of 8 steps at
+    context 512: 4 sequences 1,413.5 us a token with 16 splits, 1,322.2 with 8)."""
     per_sm = programs_per_sm(num_seqs, num_kv_heads, device)
     if per_sm >= 3:
         return 1

@@ -6,7 +6,8 @@ fused q/k norm + RoPE + K/V store against the unfused layers (with and without t
 the temperature sampler (greedy = torch.argmax with ties, draws follow softmax(logits / T),
 a row's draw depends on its seed only) alone and inside the Sampler, the skinny projections
 (plain, and with the norm, residual add and SiLU-and-mul they fold in), the gated MLP's
-SiLU-and-mul and the RMSNorm with its residual add.
+SiLU-and-mul, the RMSNorm with its residual add, and the streaming read that measures the
+GPU's read bandwidth.
 
 The interpreter is chosen when a kernel is decorated, so the checks run in a child process.
 The GPU tests (test_gpu.py) check the same kernels compiled, in bf16.
@@ -244,6 +245,19 @@ print("silu ok")
 '''
 
 
+READ_CHECKS = '''
+import torch
+from twinplane.kernels.bench_attention import read_sums
+torch.manual_seed(0)
+for n, programs, block in ((1000, 3, 64), (64, 4, 64), (5, 2, 16)):
+    x = torch.randn(n)
+    tiles = torch.cat([x, x.new_zeros(-n % block)]).view(-1, block)
+    expected = torch.stack([tiles[p::programs].sum() for p in range(programs)])  # program p: every programs-th tile
+    assert torch.allclose(read_sums(x, programs, block), expected, atol=1e-4), (n, programs, block)
+print("read ok")
+'''
+
+
 NORM_CHECKS = '''
 import torch
 from twinplane.dataplane.layers.layernorm import add_rms_norm, rms_norm
@@ -292,6 +306,11 @@ def test_skinny_projections_in_the_interpreter():
 def test_silu_mul_in_the_interpreter():
     """Token counts 0-5, feature counts that end in a partial tile, strided rows."""
     _run_interpreted(SILU_CHECKS, "silu ok")
+
+
+def test_read_bandwidth_kernel_in_the_interpreter():
+    """The streaming read of ``bench_attention --read-peak``: its partial sums add up to x's sum."""
+    _run_interpreted(READ_CHECKS, "read ok")
 
 
 def test_rms_norm_in_the_interpreter():
