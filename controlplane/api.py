@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import string
+import struct
 import urllib.parse
 import uuid
 from dataclasses import dataclass, field
@@ -90,15 +91,27 @@ def _check(ok: bool, message: str) -> None:
         raise InvalidRequest(message)
 
 
+def _float32(value: float) -> float:
+    """value as the 32-bit float the data plane receives (a tiny value becomes 0, a huge one inf)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
 def _range(name: str, value: float, low: float, high: float, *, low_open: bool = False) -> None:
-    _check(math.isfinite(value), f"{name} must be a finite number, got {value}")
+    single = _float32(value)
+    _check(math.isfinite(single), f"{name} must be a finite number (as a 32-bit float), got {value}")
     interval = f"{'(' if low_open else '['}{low}, {high}]"
-    ok = (value > low if low_open else value >= low) and value <= high
-    _check(ok, f"{name} must be in {interval}, got {value:g}")
+    ok = (single > low if low_open else single >= low) and single <= high
+    as_sent = "" if single == value or not low <= value <= high else f", which is {single:g} as the 32-bit float sent"
+    _check(ok, f"{name} must be in {interval}, got {value:g}{as_sent}")
 
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "seed")
+GREEDY_BELOW = 1e-5  # a lower temperature samples greedily (as vLLM): dividing the logits by it could overflow
+MAX_TOP_K = (1 << 31) - 1  # top_k travels to the data plane as an int32
 
 
 def sampling_options(values: dict, prefix: str = "sampling.") -> SamplingOptions:
@@ -106,12 +119,14 @@ def sampling_options(values: dict, prefix: str = "sampling.") -> SamplingOptions
     prefix goes before each field name in error messages."""
     options = SamplingOptions()
     temperature = values.get("temperature", options.temperature)
-    _check(math.isfinite(temperature) and temperature >= 0,
-           f"{prefix}temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    _check(math.isfinite(_float32(temperature)) and temperature >= 0,
+           f"{prefix}temperature must be a finite number >= 0 (as a 32-bit float; 0 = greedy), got {temperature}")
+    if temperature < GREEDY_BELOW:
+        temperature = 0.0
     top_p = values.get("top_p", 1.0)
     _range(f"{prefix}top_p", top_p, 0.0, 1.0, low_open=True)
     top_k = values.get("top_k", 0)
-    _check(top_k >= -1, f"{prefix}top_k must be >= 1, or 0 or -1 for no limit, got {top_k}")
+    _check(-1 <= top_k <= MAX_TOP_K, f"{prefix}top_k must be in [-1, {MAX_TOP_K}] (0 or -1 for no limit), got {top_k}")
     min_p = values.get("min_p", 0.0)
     _range(f"{prefix}min_p", min_p, 0.0, 1.0)
     repetition = values.get("repetition_penalty", 1.0)
@@ -133,7 +148,7 @@ def sampling_from_pb(s: pb.SamplingParams) -> SamplingOptions:
 
 def text_prompt(text: str, limits: Limits, name: str = "text") -> Prompt:
     _check(text != "", f"{name} must not be empty")
-    _check_bytes(name, len(text.encode()), limits)
+    _check_bytes(name, _utf8_size(name, text), limits)
     return Prompt(text=text)
 
 
@@ -149,7 +164,8 @@ def chat_prompt(messages: list[dict[str, str]], limits: Limits, name: str = "cha
     for i, m in enumerate(messages):
         _check(m["role"] in CHAT_ROLES, f"{name}[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
                                         f"got {m['role']!r}")
-    _check_bytes(f"{name} (content, all together)", sum(len(m["content"].encode()) for m in messages), limits)
+    size = sum(_utf8_size(f"{name}[{i}].content", m["content"]) for i, m in enumerate(messages))
+    _check_bytes(f"{name} (content, all together)", size, limits)
     return Prompt(messages=messages)
 
 
@@ -169,6 +185,15 @@ def prompt_from_pb(req: pb.GenerateRequest | pb.TokenizeRequest, limits: Limits)
     if kind == "chat":
         return chat_prompt([{"role": m.role, "content": m.content} for m in req.chat.messages], limits)
     raise InvalidRequest("input is required: set one of text, token_ids or chat")
+
+
+def _utf8_size(name: str, text: str) -> int:
+    """Bytes of text in UTF-8. JSON may escape a lone surrogate ("\\ud800"), which is no character."""
+    try:
+        return len(text.encode())
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(f"{name} is not valid Unicode: a lone surrogate (U+{ord(text[exc.start]):04X}) at "
+                             f"character {exc.start}") from None
 
 
 def _check_bytes(name: str, size: int, limits: Limits) -> None:
@@ -200,13 +225,13 @@ def request_id_header_value(request_id: str) -> str:
 def request_params(limits: Limits, sampling: SamplingOptions, *, max_tokens: int | None = None, min_tokens: int = 0,
                    stop: tuple[str, ...] = (), stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False,
                    logprobs: int | None = None, skip_special_tokens: bool = True,
-                   logprobs_name: str = "logprobs") -> RequestParams:
+                   logprobs_name: str = "logprobs", max_tokens_name: str = "max_tokens") -> RequestParams:
     """Validated RequestParams from plain values; max_tokens None means as many as fit."""
     if max_tokens is not None:
         _check(0 < max_tokens <= limits.max_model_len,
-               f"max_tokens must be in [1, {limits.max_model_len}] (max_model_len), got {max_tokens}")
+               f"{max_tokens_name} must be in [1, {limits.max_model_len}] (max_model_len), got {max_tokens}")
     _check(0 <= min_tokens <= limits.max_model_len,
-           f"min_tokens must be at most {limits.max_model_len} (max_model_len), got {min_tokens}")
+           f"min_tokens must be in [0, {limits.max_model_len}] (max_model_len), got {min_tokens}")
     _check(max_tokens is None or min_tokens <= max_tokens,
            f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})")
     _check(len(stop) <= limits.max_stop_strings,
@@ -224,13 +249,17 @@ def request_params(limits: Limits, sampling: SamplingOptions, *, max_tokens: int
                          skip_special_tokens=skip_special_tokens)
 
 
+def check_truncation(truncate_prompt_tokens: int, limits: Limits) -> None:
+    _check(0 <= truncate_prompt_tokens < limits.max_model_len,
+           f"truncate_prompt_tokens must be in [0, {limits.max_model_len - 1}] (below max_model_len), 0 for no "
+           f"truncation; got {truncate_prompt_tokens}")
+
+
 def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, header_request_id: str | None = None
                           ) -> GenerateCall:
     request_id = request_id_of(req, header_request_id)
     prompt = prompt_from_pb(req, limits)
-    _check(req.truncate_prompt_tokens < limits.max_model_len,
-           f"truncate_prompt_tokens must be below max_model_len ({limits.max_model_len}), 0 for no truncation; "
-           f"got {req.truncate_prompt_tokens}")
+    check_truncation(req.truncate_prompt_tokens, limits)
     params = request_params(
         limits, sampling_from_pb(req.sampling),
         max_tokens=req.max_tokens if req.HasField("max_tokens") else None,

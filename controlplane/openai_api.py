@@ -12,15 +12,16 @@ from dataclasses import dataclass, replace
 import xxhash
 
 from twinplane.controlplane.api import (SAMPLING_FIELDS, GenerateCall, Limits, Prompt, RequestOutput, TokenLogprobs,
-                                        chat_prompt, check_chat_count, request_params, sampling_options, text_prompt,
-                                        token_prompt)
+                                        chat_prompt, check_chat_count, check_truncation, request_params,
+                                        sampling_options, text_prompt, token_prompt)
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.sequence import FinishReason
 from twinplane.controlplane.tokenizer import Tokenizer
 
 MAX_CHOICES = 16  # most sequences (n) one request may ask for
 UNSUPPORTED = ("tools", "functions", "logit_bias", "suffix", "audio", "prediction")  # refused unless null/empty
-_INTS = ("top_k", "seed", "n", "max_tokens", "max_completion_tokens", "min_tokens", "top_logprobs")
+_INTS = ("top_k", "seed", "n", "max_tokens", "max_completion_tokens", "min_tokens", "top_logprobs",
+         "truncate_prompt_tokens")
 # request fields an error message may start with: an error's "param"
 PARAMS = frozenset((*SAMPLING_FIELDS, *_INTS, "messages", "prompt", "stop", "stop_token_ids", "logprobs",
                     "stream_options", "response_format", "echo", *UNSUPPORTED))
@@ -131,9 +132,11 @@ def _prompt(body: dict, limits: Limits) -> Prompt:
         return text_prompt(prompt, limits, name="prompt")
     if isinstance(prompt, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
         return token_prompt(prompt, limits, name="prompt")
-    if isinstance(prompt, list):
+    if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
         _fail("prompt: a batch of several prompts is not supported; send one prompt (text or token ids) "
               "per request")
+    if prompt is not None:
+        _fail("prompt must be a string or a list of token ids (integers)")
     _fail("prompt is required: a string or a list of token ids")
 
 
@@ -163,9 +166,12 @@ def _check_supported(body: dict) -> None:
         _fail("best_of is not supported by this server (leave it unset or equal to n)")
 
 
-def _max_tokens(body: dict) -> int | None:
+def _max_tokens(body: dict) -> tuple[int | None, str]:
+    """The most tokens to generate, and the field that gave it."""
     completion = _int(body, "max_completion_tokens")
-    return completion if completion is not None else _int(body, "max_tokens")
+    if completion is not None:
+        return completion, "max_completion_tokens"
+    return _int(body, "max_tokens"), "max_tokens"
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -184,11 +190,14 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool) -> Op
         _fail(f"n must be in [1, {MAX_CHOICES}], got {n}")
     prompt = _messages(body, limits) if chat else _prompt(body, limits)
     top = _logprobs(body, chat)
+    max_tokens, max_tokens_name = _max_tokens(body)
     params = request_params(
-        limits, _sampling(body), max_tokens=_max_tokens(body), min_tokens=_int(body, "min_tokens") or 0,
+        limits, _sampling(body), max_tokens=max_tokens, min_tokens=_int(body, "min_tokens") or 0,
         stop=_stop(body), stop_token_ids=_int_list(body, "stop_token_ids"), ignore_eos=_bool(body, "ignore_eos"),
         logprobs=top, skip_special_tokens=body.get("skip_special_tokens") is not False,
-        logprobs_name="top_logprobs" if chat else "logprobs")
+        logprobs_name="top_logprobs" if chat else "logprobs", max_tokens_name=max_tokens_name)
+    truncate = _int(body, "truncate_prompt_tokens") or 0
+    check_truncation(truncate, limits)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         _fail("stream_options must be an object")
@@ -196,7 +205,7 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool) -> Op
     for i in range(n):
         sampling = replace(params.sampling, seed=choice_seed(params.sampling.seed, i))
         call_id = request_id if n == 1 else f"{request_id}-{i}"
-        calls.append(GenerateCall(call_id, prompt, replace(params, sampling=sampling)))
+        calls.append(GenerateCall(call_id, prompt, replace(params, sampling=sampling), truncate))
     return OpenAIRequest(chat=chat, calls=calls, stream=_bool(body, "stream"),
                          include_usage=bool(options and options.get("include_usage")), logprobs=top is not None)
 

@@ -133,10 +133,14 @@ class OpenAIService:
             data += part
             if len(data) > self.max_body_bytes:
                 raise InvalidRequest(f"the request body is over {self.max_body_bytes} bytes")
-        try:
+        try:  # never echo the body back
             body = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError):  # never echo the body back
+        except (UnicodeDecodeError, json.JSONDecodeError):
             raise InvalidRequest("the request body is not valid JSON") from None
+        except RecursionError:
+            raise InvalidRequest("the request body nests JSON arrays or objects too deeply") from None
+        except ValueError:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+            raise InvalidRequest("the request body holds a number with too many digits") from None
         if not isinstance(body, dict):
             raise InvalidRequest("the request body must be a JSON object")
         return body

@@ -54,6 +54,8 @@ def test_prompt_forms():
     assert parse({"prompt": [1, 2, 3]}, chat=False).calls[0].prompt.token_ids == [1, 2, 3]
     assert parse({"prompt": ["hello"]}, chat=False).calls[0].prompt.text == "hello"
     assert parse({"prompt": "x", "logprobs": 3}, chat=False).calls[0].params.logprobs == 3
+    # what the error for a prompt that does not fit advises
+    assert parse({"prompt": [1, 2, 3], "truncate_prompt_tokens": 2}, chat=False).calls[0].truncate_prompt_tokens == 2
 
 
 @pytest.mark.parametrize("body, chat, words", [
@@ -74,11 +76,31 @@ def test_prompt_forms():
     ({"prompt": ["a", "b"]}, False, "batch of several prompts"),
     ({"prompt": [5000]}, False, "prompt must be in [0, 1000)"),
     ({"prompt": "x", "echo": True}, False, "echo is not supported"),
+    ({**CHAT, "top_k": 2**31}, True, "top_k must be in [-1, 2147483647]"),  # an int32 on the data plane
+    ({**CHAT, "top_p": 1e-300}, True, "0 as the 32-bit float"),  # 0 on the data plane
+    ({**CHAT, "repetition_penalty": 1e-300}, True, "repetition_penalty must be in (0.0, 2.0]"),
+    ({**CHAT, "temperature": 1e300}, True, "temperature must be a finite number"),  # inf on the data plane
+    ({"prompt": "a\ud800"}, False, "prompt is not valid Unicode"),  # a lone surrogate: valid JSON, no text
+    ({"messages": [{"role": "user", "content": "ok"}, {"role": "user", "content": "\udc00"}]}, True,
+     "messages[1].content is not valid Unicode"),
+    ({**CHAT, "min_tokens": -1}, True, "min_tokens must be in [0, 512]"),
+    ({**CHAT, "max_completion_tokens": 600}, True, "max_completion_tokens must be in [1, 512]"),
+    ({"prompt": [1, 2.5]}, False, "prompt must be a string or a list of token ids"),
+    ({"prompt": [None]}, False, "prompt must be a string or a list of token ids"),
+    ({"prompt": "x", "truncate_prompt_tokens": 512}, False, "truncate_prompt_tokens must be in [0, 511]"),
+    ({"prompt": "x", "truncate_prompt_tokens": -1}, False, "truncate_prompt_tokens must be in [0, 511]"),
 ])
 def test_invalid_fields_name_the_field(body, chat, words):
     with pytest.raises(InvalidRequest) as error:
         parse(body, chat)
     assert words in str(error.value)
+
+
+def test_a_tiny_temperature_samples_greedily():
+    # dividing the logits by it would overflow them; vLLM too samples greedily below 1e-5
+    for temperature in (1e-40, 1e-6):
+        assert parse({**CHAT, "temperature": temperature}).calls[0].params.sampling.temperature == 0.0
+    assert parse({**CHAT, "temperature": 1e-4}).calls[0].params.sampling.temperature == 1e-4
 
 
 @pytest.mark.parametrize("exc, status, kind", [

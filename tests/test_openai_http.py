@@ -93,6 +93,15 @@ def test_completions_from_token_ids(client, model, http_planes):
     assert answer.choices[0].text == expected and answer.usage.prompt_tokens == len(ids)
 
 
+def test_a_prompt_too_long_is_truncated_when_asked(client, model):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=model, prompt=[5] * 5000, max_tokens=2)
+    assert "truncate_prompt_tokens" in error.value.message  # the advice the next request follows
+    answer = client.completions.create(model=model, prompt=[5] * 5000, max_tokens=2,
+                                       extra_body={"truncate_prompt_tokens": 100})
+    assert answer.usage.prompt_tokens == 100
+
+
 def test_n_choices_share_the_prompt_blocks(client, model, http_planes):
     hits_before = http_planes.engine.core_snapshot.prefix_cache_hits
     answer = client.completions.create(model=model, prompt=LONG_PROMPT, max_tokens=12, temperature=1.0, seed=7,
@@ -192,6 +201,36 @@ def test_bad_json_gets_400_and_leaks_nothing(base_url):
         response = http.get(base_url + "/v1/nowhere")
         assert response.status_code == 404 and "error" in response.json()
         assert http.get(base_url + "/health").json() == {"status": "SERVING"}
+
+
+def test_bodies_json_cannot_hold_get_400(base_url):
+    with httpx.Client(timeout=30, headers={"authorization": f"Bearer {KEY}"}) as http:
+        for body, words in (("[" * 100_000, "nests"), ('{"prompt": "hi", "max_tokens": ' + "9" * 5000 + "}", "number"),
+                            ('{"prompt": "hi \\ud800"}', "prompt is not valid Unicode")):
+            response = http.post(base_url + "/v1/completions", content=body,
+                                 headers={"content-type": "application/json"})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["type"] == "invalid_request_error" and words in error["message"]
+
+
+def test_values_the_data_plane_cannot_take_get_400_and_spare_other_requests(base_url, model, http_planes):
+    body = {"model": model, "prompt": LONG_PROMPT, "max_tokens": 60, "stream": True, "ignore_eos": True}
+    headers = {"authorization": f"Bearer {KEY}"}
+    with httpx.Client(timeout=60, headers=headers) as http:
+        with http.stream("POST", base_url + "/v1/completions", json=body) as running:
+            lines = running.iter_lines()
+            assert next(lines).startswith("data: ")
+            # an int32 and 32-bit floats on the data plane: out of range, or 0 where 0 is not allowed
+            for bad in ({"top_k": 2**31}, {"top_p": 1e-300}, {"repetition_penalty": 1e-300}):
+                response = http.post(base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4, **bad})
+                assert response.status_code == 400, response.text
+                assert response.json()["error"]["param"] == next(iter(bad))
+            events = [line for line in lines if line]
+        assert events[-1] == "data: [DONE]" and all("error" not in e for e in events)
+        assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+        assert http.get(base_url + "/health").json() == {"status": "SERVING"}
+    wait_until(lambda: all_blocks_free(http_planes), 20, "every KV block free")
 
 
 def test_disconnect_mid_stream_frees_the_blocks(base_url, model, http_planes):

@@ -101,6 +101,16 @@ def test_valid_requests_still_succeed_after_the_bad_ones(stub, shared_planes):
     wait_until(lambda: all_blocks_free(shared_planes), 10, "every block free")
 
 
+def test_a_tiny_temperature_samples_greedily(stub):
+    # logits divided by 1e-40 overflow; below 1e-5 the request samples greedily, as vLLM's do
+    def tokens(temperature: float) -> list[int]:
+        responses = stub.Generate(request(max_tokens=6, ignore_eos=True, sampling=dict(temperature=temperature)),
+                                  timeout=30)
+        return [t for r in responses for t in r.token_ids]
+
+    assert tokens(1e-40) == tokens(1e-6) == tokens(0.0)
+
+
 def test_duplicate_request_id_in_flight(stub, shared_planes):
     first = stub.Generate(request(request_id="dup", max_tokens=400, ignore_eos=True,
                                   sampling=dict(temperature=0)), timeout=60)
