@@ -3,6 +3,10 @@
 Each choice is an engine request of its own with the same prompt. With n > 1 the first one goes
 alone; the others are added once its first token is out, when its prompt's full blocks are in the
 prefix cache, so they share those blocks instead of computing the prompt again.
+
+The choices' outputs pass through a queue of one slot per choice: what a slow client has not read
+stays with the engine, which merges it and ends the streams that fall too far behind
+(``max_unsent_tokens_per_stream``, ``max_unsent_tokens``), as for gRPC streams.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ class Choices:
         self.calls = request.calls
         self.states: list[RequestState] = []
         self.tasks: list[asyncio.Task] = []
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=len(self.calls))
         self.finals: list[RequestOutput | None] = [None] * len(self.calls)
 
     async def open(self) -> None:
@@ -40,9 +44,9 @@ class Choices:
     async def _pump(self, index: int, state: RequestState) -> None:
         try:
             async for out in self.engine.outputs(state):
-                self.queue.put_nowait((index, out))
+                await self.queue.put((index, out))
         except Exception as exc:  # noqa: BLE001 -- handed to the reader, which raises it
-            self.queue.put_nowait((index, exc))
+            await self.queue.put((index, exc))
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         remaining = len(self.calls)

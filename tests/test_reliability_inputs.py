@@ -1,18 +1,21 @@
 """Large or hostile input and clients that do not read: the event loop stays free, memory stays bounded.
 
 A prompt of several MB is tokenized off the event loop, so health and other streams carry on
-meanwhile; a stream whose client never reads is aborted once its unsent output passes the bound,
-its KV blocks freed, while a reading client gets its whole output; chat content cannot forge the
+meanwhile; a stream whose client never reads (gRPC, or an HTTP event stream) is aborted once its
+unsent output passes the bound, its KV blocks freed, while a reading client gets its whole output; chat content cannot forge the
 template's special tokens, and a template that refuses or fails gives a clean status.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
+import socket
 import threading
 import time
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -37,7 +40,7 @@ def planes(tiny_qwen3_dir, smollm2_dir, tmp_path_factory):
     (tokenizer / "chat_template.jinja").write_text(TEMPLATE_RULES + (smollm2_dir / "chat_template.jinja").read_text())
     planes = Planes(tmp_path_factory.mktemp("inputs"), tiny_qwen3_dir, ("--block-size", "16", "--max-model-len", "512"),
                     tokenizer=str(tokenizer), max_prompt_bytes=8 << 20, max_chat_messages=8,
-                    max_unsent_tokens_per_stream=MAX_UNSENT_PER_STREAM).start()
+                    max_unsent_tokens_per_stream=MAX_UNSENT_PER_STREAM, http_listen="127.0.0.1:0").start()
     yield planes
     planes.stop()
 
@@ -137,6 +140,35 @@ def test_a_client_that_does_not_read_is_cut_off_and_others_are_not(planes, stub)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
     assert "did not read" in info.value.details()
     assert 0 < received < 480
+    assert planes.engine.unsent.total == 0 and not planes.engine.unsent.streams
+
+
+def test_an_http_client_that_does_not_read_its_event_stream_is_cut_off(planes):
+    port = planes.plane.http_port
+    # 16 choices of ~2 KB events: ~15 MB, more than the sockets' buffers hold, so the server waits on the client
+    body = {"prompt": [11, 12, 13, 14], "max_tokens": 480, "temperature": 0, "ignore_eos": True, "stream": True,
+            "logprobs": 20, "n": 16}
+    reading = {"prompt": [21, 22, 23], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    with httpx.Client(timeout=120) as http:
+        reference = http.post(url, json=reading).json()["choices"][0]["text"]
+        unread = socket.create_connection(("127.0.0.1", port))
+        payload = json.dumps(body).encode()  # HTTP/1.0: the body ends when the server closes
+        unread.sendall(b"POST /v1/completions HTTP/1.0\r\ncontent-type: application/json\r\n"
+                       b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
+        with http.stream("POST", url, json={**reading, "stream": True}) as response:
+            events = [json.loads(line[len("data: "):]) for line in response.iter_lines() if line.startswith("data: {")]
+        assert "".join(e["choices"][0]["text"] for e in events) == reference
+        wait_until(lambda: all_blocks_free(planes), 60, "the unread stream's blocks to be freed")
+    unread.settimeout(30)
+    received = b""
+    while part := unread.recv(1 << 20):
+        received += part
+    unread.close()
+    events = [json.loads(line[len("data: "):]) for line in received.decode().split("\n") if line.startswith("data: {")]
+    assert "did not read" in events[-1]["error"]["message"], events[-1]
+    assert received.endswith(b"data: [DONE]\n\n")
+    assert 0 < sum(len(e["choices"][0]["logprobs"]["tokens"]) for e in events[:-1]) < 16 * 480
     assert planes.engine.unsent.total == 0 and not planes.engine.unsent.streams
 
 
