@@ -24,7 +24,7 @@ _INTS = ("top_k", "seed", "n", "max_tokens", "max_completion_tokens", "min_token
          "truncate_prompt_tokens")
 # request fields an error message may start with: an error's "param"
 PARAMS = frozenset((*SAMPLING_FIELDS, *_INTS, "messages", "prompt", "stop", "stop_token_ids", "logprobs",
-                    "stream_options", "response_format", "echo", *UNSUPPORTED))
+                    "skip_special_tokens", "stream_options", "response_format", "echo", *UNSUPPORTED))
 FINISH_REASONS = {FinishReason.STOP_TOKEN: "stop", FinishReason.STOP_STRING: "stop",
                   FinishReason.LENGTH: "length", FinishReason.ABORTED: "abort"}
 
@@ -194,19 +194,20 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool) -> Op
     params = request_params(
         limits, _sampling(body), max_tokens=max_tokens, min_tokens=_int(body, "min_tokens") or 0,
         stop=_stop(body), stop_token_ids=_int_list(body, "stop_token_ids"), ignore_eos=_bool(body, "ignore_eos"),
-        logprobs=top, skip_special_tokens=body.get("skip_special_tokens") is not False,
+        logprobs=top, skip_special_tokens=_typed(body, "skip_special_tokens", (bool,), "true or false") is not False,
         logprobs_name="top_logprobs" if chat else "logprobs", max_tokens_name=max_tokens_name)
     truncate = _int(body, "truncate_prompt_tokens") or 0
     check_truncation(truncate, limits)
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        _fail("stream_options must be an object")
+    options = _typed(body, "stream_options", (dict,), "an object")
+    stream = _bool(body, "stream")
+    if options is not None and not stream:
+        _fail("stream_options is only allowed with stream: true")
     calls = []
     for i in range(n):
         sampling = replace(params.sampling, seed=choice_seed(params.sampling.seed, i))
         call_id = request_id if n == 1 else f"{request_id}-{i}"
         calls.append(GenerateCall(call_id, prompt, replace(params, sampling=sampling), truncate))
-    return OpenAIRequest(chat=chat, calls=calls, stream=_bool(body, "stream"),
+    return OpenAIRequest(chat=chat, calls=calls, stream=stream,
                          include_usage=bool(options and options.get("include_usage")), logprobs=top is not None)
 
 

@@ -89,6 +89,9 @@ def test_prompt_forms():
     ({"prompt": [None]}, False, "prompt must be a string or a list of token ids"),
     ({"prompt": "x", "truncate_prompt_tokens": 512}, False, "truncate_prompt_tokens must be in [0, 511]"),
     ({"prompt": "x", "truncate_prompt_tokens": -1}, False, "truncate_prompt_tokens must be in [0, 511]"),
+    ({**CHAT, "stream_options": {"include_usage": True}}, True, "stream_options is only allowed with stream: true"),
+    ({**CHAT, "stream": True, "stream_options": True}, True, "stream_options must be an object"),
+    ({**CHAT, "skip_special_tokens": "false"}, True, "skip_special_tokens must be true or false, got str"),
 ])
 def test_invalid_fields_name_the_field(body, chat, words):
     with pytest.raises(InvalidRequest) as error:
