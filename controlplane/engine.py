@@ -151,6 +151,8 @@ class Engine:
                 self.step_failed(seq_ids, error)
             case messages.Refused(reasons):
                 self.refused(reasons)
+            case messages.Rejected(seq_id, why):
+                self.rejected(seq_id, why)
             case _:
                 raise AssertionError(f"unexpected message for a frontend: {message!r}")
 
@@ -251,6 +253,13 @@ class Engine:
             state = self.by_seq.get(seq_id)
             if state is not None:
                 self._fail(state, NoLongerFits(why), tell_core=False)
+
+    def rejected(self, seq_id: int, why: str) -> None:
+        """A request the core could not put into a step plan: its values passed the checks here but
+        not the plan's field types (a gap in those checks, which this keeps from taking the core down)."""
+        state = self.by_seq.get(seq_id)
+        if state is not None:
+            self._fail(state, InvalidRequest(why), tell_core=False)
 
     # ---- requests -----------------------------------------------------------------------
 

@@ -34,8 +34,10 @@ from twinplane.controlplane.fanout import Frontends, owner
 from twinplane.controlplane.finish import Limit, misfit, stop_token_ids
 from twinplane.controlplane.ipc import Channel, child_argv, start_process
 from twinplane.controlplane.liveness import ticks
+from twinplane.controlplane.plan_codec import sequence_init
 from twinplane.controlplane.messages import (Abort, AddRequest, Configure, Connected, CoreMessage, CoreSnapshot,
-                                             DataPlaneSnapshot, Heartbeat, Lost, Refused, Shutdown, Stalled)
+                                             DataPlaneSnapshot, Heartbeat, Lost, Refused, Rejected, Shutdown,
+                                             Stalled)
 from twinplane.controlplane.replica import STAT_NAMES, Replica
 from twinplane.controlplane.router import Router
 from twinplane.controlplane.sequence import Sequence
@@ -113,6 +115,12 @@ class EngineCore:
         self.num_added += 1
         self.added_by_frontend[owner(seq_id, self.config.api_server_count)] += 1
         seq = Sequence(seq_id, request.request_id, request.prompt, params)
+        try:  # what its plans will carry, once: a value they cannot hold fails this request, not the core
+            sequence_init(seq, self.eos_token_ids, 0)
+        except (ValueError, TypeError) as exc:
+            log.error("request %s: its values cannot be put into a step plan: %s", request.request_id, exc)
+            self.frontend.send(Rejected(seq_id, f"a value of this request is outside what the data plane takes: {exc}"))
+            return
         seq.token_ids += request.output_ids
         seq.num_cached_tokens = request.num_cached_tokens
         self.seqs[seq_id] = seq, stop_token_ids(params, self.eos_token_ids)

@@ -13,8 +13,8 @@ import itertools
 from collections.abc import Iterator
 
 from twinplane.controlplane.ipc import Channel, encode
-from twinplane.controlplane.messages import (CoreSnapshot, FrontendMessage, Refused, Snapshot, StepFailed,
-                                             StepOutputs, TokenOutput)
+from twinplane.controlplane.messages import (CoreSnapshot, FrontendMessage, Refused, Rejected, Snapshot,
+                                             StepFailed, StepOutputs, TokenOutput)
 
 
 def seq_ids(index: int, count: int) -> Iterator[int]:
@@ -45,6 +45,8 @@ class Frontends:
                 for channel, part in zip(self.channels, self._split(reasons, lambda reason: reason[0])):
                     if part:
                         channel.send(Refused(part))
+            case Rejected(seq_id, _):
+                self.channels[owner(seq_id, len(self.channels))].send(message)
             case _:
                 data = encode(message)
                 for channel in self.channels:

@@ -2,7 +2,7 @@
 
 Frontend -> engine core (``ipc.Channel``): Configure (first, from frontend 0 only), AddRequest,
 Abort, Shutdown. Engine core -> frontends: Connected, Lost, Stalled, StepOutputs, StepFailed,
-Refused, Snapshot, Heartbeat (``fanout.py`` says which frontend gets which). Primary frontend <->
+Refused, Rejected, Snapshot, Heartbeat (``fanout.py`` says which frontend gets which). Primary frontend <->
 secondary frontends (``ipc.Control``): StartFrontend, NewCore, StopFrontend one way,
 FrontendMetrics the other. Each side dispatches on the message's type; nothing is looked up by name.
 
@@ -198,6 +198,14 @@ class Refused:
 
 
 @dataclass(frozen=True, slots=True)
+class Rejected:
+    """A request the core cannot put into a step plan (a value the plan's fields cannot carry)."""
+
+    seq_id: int
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     """The core's numbers, when there are no tokens to send with them."""
 
@@ -209,7 +217,7 @@ class Heartbeat:
     """The core is alive (sent every HEARTBEAT_INTERVAL, busy or idle)."""
 
 
-FrontendMessage = Connected | Lost | Stalled | StepOutputs | StepFailed | Refused | Snapshot | Heartbeat
+FrontendMessage = Connected | Lost | Stalled | StepOutputs | StepFailed | Refused | Rejected | Snapshot | Heartbeat
 
 
 # ---- primary frontend <-> secondary frontends -------------------------------------------------

@@ -101,6 +101,27 @@ class Frontend:
         self.messages.append(message)
 
 
+def test_a_request_its_plans_cannot_carry_fails_alone():
+    """The API checks every value; should one slip through that a plan's protobuf fields cannot
+    hold (top_k past int32), the core fails that request instead of dying on the plan."""
+    from twinplane.controlplane.api import SamplingOptions
+    from twinplane.controlplane.config import ControlPlaneConfig
+    from twinplane.controlplane.engine_core import EngineCore
+    from twinplane.controlplane.messages import Rejected
+
+    async def run():
+        frontend = Frontend()
+        core = EngineCore(ControlPlaneConfig(dataplane="unix:///nowhere"), frontend)
+        core.add(AddRequest(7, "bad", [5, 6], RequestParams(max_tokens=3, sampling=SamplingOptions(top_k=1 << 31))))
+        core.add(AddRequest(8, "good", [5, 6], RequestParams(max_tokens=3, sampling=SamplingOptions(top_k=5))))
+        return core, frontend.messages
+
+    core, messages = asyncio.run(run())
+    assert [type(m) for m in messages] == [Rejected] and messages[0].seq_id == 7
+    assert "outside what the data plane takes" in messages[0].why and "out of range" in messages[0].why.lower()
+    assert list(core.seqs) == [8] and [s.seq_id for s in core.unrouted] == [8]
+
+
 def test_the_core_applies_a_step_counts_it_and_logs_it_at_debug(caplog):
     import numpy as np
 

@@ -24,7 +24,8 @@ from tests.reliability import (GREEDY, all_blocks_free, greedy_references, runni
 from tests.test_e2e_reference import random_prompts
 from twinplane.clients.client import AsyncClient, Client
 from twinplane.controlplane.config import ControlPlaneConfig
-from twinplane.controlplane.fanout import owner, seq_ids
+from twinplane.controlplane.fanout import Frontends, owner, seq_ids
+from twinplane.controlplane.messages import Refused, Rejected
 
 CLI = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", "WARNING"]
 DP_ARGS = ("--block-size", "16", "--max-model-len", "512")
@@ -59,6 +60,22 @@ def test_sequence_ids_are_distinct_and_name_their_frontend():
     assert len({s for values in ids.values() for s in values}) == 150 and min(ids[0]) > 0
     assert all(owner(s, 3) == index for index, values in ids.items() for s in values)
     assert list(itertools.islice(seq_ids(0, 1), 3)) == [1, 2, 3] and owner(7, 1) == 0  # one frontend: as before
+
+
+def test_the_core_tells_only_the_owner_of_a_request_that_it_failed():
+    class Channel:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, message):
+            self.sent.append(message)
+
+    channels = [Channel() for _ in range(3)]
+    frontends = Frontends(channels)
+    frontends.send(Rejected(7, "top_k out of range"))
+    frontends.send(Refused([(3, "too long"), (4, "too long"), (6, "too long")]))
+    assert [c.sent for c in channels] == [[Refused([(3, "too long"), (6, "too long")])],
+                                          [Rejected(7, "top_k out of range"), Refused([(4, "too long")])], []]
 
 
 def test_a_unix_socket_cannot_be_shared_by_several_frontends(tmp_path):
