@@ -138,7 +138,10 @@ async def _drive(target: str, requests: list[Request], args, chaos=None) -> tupl
     from twinplane.clients.client import AsyncClient
 
     async with AsyncClient(target, options=CHANNEL_OPTIONS) as client:
-        await client.wait_ready(timeout=args.ready_timeout)
+        try:
+            await client.wait_ready(timeout=args.ready_timeout)
+        except TimeoutError as exc:
+            raise SystemExit(f"twinplane bench: {target}: {exc}") from None
         await _every_dataplane_connected(client, args.ready_timeout)
         info = await client.model_info()
         warm = Request([1, 2, 3], 8)
@@ -348,9 +351,29 @@ async def _kill_a_dataplane(server: subprocess.Popen, after: float) -> None:
         print(f"killed data plane pid {pids[-1]} after {after:.1f} s", file=sys.stderr)
 
 
+def _check_workload(args: argparse.Namespace) -> None:
+    """The workload's flags in range, before a server starts: SystemExit names the one that is not."""
+    problems = [
+        (args.num_requests >= 1, f"--num-requests must be >= 1, got {args.num_requests}"),
+        (1 <= args.min_input <= args.max_input,
+         f"--min-input and --max-input must be 1 <= min <= max, got {args.min_input} and {args.max_input}"),
+        (1 <= args.min_output <= args.max_output,
+         f"--min-output and --max-output must be 1 <= min <= max, got {args.min_output} and {args.max_output}"),
+        (args.vocab_limit >= 1, f"--vocab-limit must be >= 1, got {args.vocab_limit}"),
+        (args.request_rate > 0, f"--request-rate must be > 0 (inf: all at once), got {args.request_rate}"),
+        (args.ready_timeout > 0, f"--ready-timeout must be > 0, got {args.ready_timeout}"),
+        (args.num_prefixes >= 0 and args.prefix_len >= 0,
+         f"--num-prefixes and --prefix-len must be >= 0, got {args.num_prefixes} and {args.prefix_len}"),
+    ]
+    for ok, message in problems:
+        if not ok:
+            raise SystemExit(f"twinplane bench: {message}")
+
+
 def run_bench(args: argparse.Namespace) -> int:
     if args.client_processes < 1 or args.channels < 1:
         raise SystemExit("twinplane bench: --client-processes and --channels must be >= 1")
+    _check_workload(args)
     requests = make_workload(args)
     server, target = (None, args.server) if args.server else _start_server(args)
     chaos = None

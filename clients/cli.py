@@ -200,10 +200,14 @@ def _dataplane_token(args: argparse.Namespace) -> str | None:
 
 
 def _dataplane_credentials(args: argparse.Namespace):
-    """The data plane's TLS credentials (None: plaintext), its files checked before the model loads."""
-    from twinplane.controlplane.tls import is_loopback, server_credentials
+    """The data plane's TLS credentials (None: plaintext), its files and its addresses checked before
+    the model loads."""
+    from twinplane.controlplane.tls import check_listen, is_loopback, server_credentials
 
     try:
+        check_listen(args.listen)
+        if args.health_listen is not None:
+            check_listen(args.health_listen, "--health-listen")
         credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
     except ValueError as exc:
         raise SystemExit(f"twinplane dataplane: error: {exc}") from None
@@ -224,7 +228,10 @@ def cmd_dataplane(args: argparse.Namespace) -> int:
     except (ValueError, EmbeddedModelError) as exc:  # no such model, or one the TP size does not split
         print(f"twinplane dataplane: error: {exc}", file=sys.stderr)
         raise SystemExit(CONFIG_ERROR_EXIT) from None  # serve does not restart it
-    serve(config, args.listen, token, credentials, args.health_listen)
+    try:
+        serve(config, args.listen, token, credentials, args.health_listen)
+    except OSError as exc:  # an address it cannot listen on (in use, or not this host's)
+        raise SystemExit(f"twinplane dataplane: error: {exc}") from None
     return 0
 
 
@@ -268,6 +275,8 @@ def _dataplane_child(args: argparse.Namespace, address: str | None = None, token
 
 def _dataplane_children(args: argparse.Namespace, token: str) -> list[DataPlaneProcess]:
     """serve's data planes: --data-parallel-size of them, each on its own GPUs and address."""
+    from twinplane.controlplane.tls import check_listen
+
     n = args.data_parallel_size
     if n < 1:
         raise SystemExit(f"twinplane serve: --data-parallel-size must be >= 1, got {n}")
@@ -275,6 +284,11 @@ def _dataplane_children(args: argparse.Namespace, token: str) -> list[DataPlaneP
     if len(addresses) != n:
         raise SystemExit(f"twinplane serve: --dataplane-listen gives {len(addresses)} addresses for "
                          f"--data-parallel-size {n}")
+    try:
+        for address in filter(None, addresses):
+            check_listen(address, "--dataplane-listen")
+    except ValueError as exc:  # the child would refuse it, after the model loads
+        raise SystemExit(f"twinplane serve: {exc}") from None
     groups = [None] * n
     if n > 1 and args.device != "cpu":
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from twinplane.controlplane.router import ROUTING_POLICIES
-from twinplane.controlplane.tls import DataPlaneTls
+from twinplane.controlplane.tls import DataPlaneTls, check_listen
 
 BYTES_PER_TOKEN = 64  # default max_prompt_bytes per token of max_model_len (generous: room for truncation)
 
@@ -60,6 +60,11 @@ class ControlPlaneConfig:
     def __post_init__(self) -> None:
         if not self.dataplanes:
             raise ValueError("dataplane: give at least one data-plane address")
+        check_listen(self.listen)
+        if self.http_listen is not None:
+            from twinplane.controlplane.openai_http import parse_listen  # imports the HTTP server's modules
+
+            parse_listen(self.http_listen)
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_tokens_with_decode"):
@@ -86,6 +91,8 @@ class ControlPlaneConfig:
         self._check_api_server_count()
         if self.max_logprobs < 0:
             raise ValueError("max_logprobs must be >= 0")
+        if not self.shutdown_grace >= 0:
+            raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
         if not self.stall_timeout > 0:
             raise ValueError(f"stall_timeout must be > 0, got {self.stall_timeout}")
         for name in ("dataplane_timeout", "core_timeout"):

@@ -67,16 +67,16 @@ class ControlPlane:
         self._start_task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        await self.server.start()
-        if self.secondaries is not None:  # they bind the ports this one bound
-            self.secondaries.start(shared_config(self.config, self.port, self.http_port))
-            self.engine.supervisor.hand_over = self.secondaries.hand_over
-        if self.config.metrics_port is not None:
+        if self.config.metrics_port is not None:  # first: a port it cannot have stops nothing started yet
             host = self.config.metrics_host
             self.metrics_server = serve_metrics(self.metrics_registry, host, self.config.metrics_port,
                                                 self.metrics_key)
             log.info("metrics on http://%s:%d/metrics%s", host, self.metrics_port,
                      " (API key required)" if self.metrics_key else "")
+        await self.server.start()
+        if self.secondaries is not None:  # they bind the ports this one bound
+            self.secondaries.start(shared_config(self.config, self.port, self.http_port))
+            self.engine.supervisor.hand_over = self.secondaries.hand_over
         if self.http_server is not None:
             await self.http_server.start()
             log.info("OpenAI-compatible HTTP API on %s:%d", self.http_server.host, self.http_server.port)
@@ -128,10 +128,13 @@ async def serve(config: ControlPlaneConfig, security: Security = Security(), on_
     """Serves until SIGTERM or SIGINT, then shuts down gracefully; on_readiness(ready) is called
     whenever the service becomes ready or stops being ready. ``dataplane_refused`` (set by the
     launcher of a child data plane that refused its flags) stops it at once with that reason."""
-    plane = ControlPlane(config, security)
-    if on_readiness is not None:
-        plane.engine.on_readiness.append(on_readiness)
-    await plane.start()
+    try:  # binds its ports: one that is taken, or not this host's, is a one-line error
+        plane = ControlPlane(config, security)
+        if on_readiness is not None:
+            plane.engine.on_readiness.append(on_readiness)
+        await plane.start()
+    except OSError as exc:
+        raise SystemExit(f"the control plane cannot start: {exc}") from None
     frozen = asyncio.create_task(freeze_heap_once_ready(plane.engine, "frontend 0"))
     where = config.listen if is_unix(config.listen) else f"{config.listen} (port {plane.port})"
     log.info("control plane listening on %s, data plane %s%s", where, config.dataplane,

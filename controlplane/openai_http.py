@@ -242,7 +242,10 @@ class HttpServer:
         self.host, port = parse_listen(listen)
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         # bound now: errors come early
-        self.socket = socket.create_server((self.host, port), family=family, reuse_port=reuse_port)
+        try:
+            self.socket = socket.create_server((self.host, port), family=family, reuse_port=reuse_port)
+        except OSError as exc:
+            raise OSError(f"--http-listen {listen}: cannot listen there: {exc.strerror or exc}") from None
         self.port = self.socket.getsockname()[1]
         app = OpenAIService(engine, api_key, max_body_bytes).app()
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", ws="none", http="h11",

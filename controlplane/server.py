@@ -21,6 +21,7 @@ from twinplane.controlplane.api import (REQUEST_ID_HEADER, generate_call_from_pb
                                         request_id_header_value)
 from twinplane.controlplane.engine import Engine
 from twinplane.controlplane.errors import InvalidRequest, ServiceError
+from twinplane.controlplane.tls import add_port
 from twinplane.proto import generation_pb2 as pb
 from twinplane.proto import generation_pb2_grpc as pb_grpc
 
@@ -195,8 +196,7 @@ def create_server(engine: Engine, listen: str, *, max_message_bytes: int = 16 <<
     set_health(engine.ready.is_set() and engine.accepting)
     engine.on_readiness.append(set_health)
     _enable_reflection(server, (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
-    port = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
-    return server, port
+    return server, add_port(server, listen, credentials)
 
 
 def _enable_reflection(server: grpc.aio.Server, service_names: tuple[str, ...]) -> None:

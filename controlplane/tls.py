@@ -89,6 +89,25 @@ def is_loopback(address: str) -> bool:
     return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
+def check_listen(address: str, flag: str = "--listen") -> str:
+    """address if a server can be asked to listen there (host:port with a port in [0, 65535], or
+    unix:///path), else ValueError naming the flag: gRPC would take port 65536 for port 0, and so on."""
+    port = address.rpartition(":")[2]
+    if not is_unix(address) and not (port.isdigit() and int(port) <= 65535):
+        raise ValueError(f"{flag} must be host:port with a port in [0, 65535], or unix:///path; got {address!r}")
+    return address
+
+
+def add_port(server, listen: str, credentials: grpc.ServerCredentials | None = None, flag: str = "--listen") -> int:
+    """Binds a gRPC server (grpc.Server or grpc.aio.Server) to listen; returns the port, or raises
+    OSError naming the flag when it cannot bind there."""
+    try:
+        return server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
+    except RuntimeError:  # gRPC says only "Failed to bind to address"
+        raise OSError(f"{flag} {listen}: cannot listen there (the port is in use, or the address or its "
+                      "folder is not this host's)") from None
+
+
 # The control plane's flags for each field of DataPlaneTls, as its errors name them.
 DATAPLANE_TLS_FLAGS = {"ca": "--dataplane-tls-ca", "server_name": "--dataplane-tls-server-name",
                        "cert": "--dataplane-tls-cert", "key": "--dataplane-tls-key"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "flash_attn_4", "flash_attn_2", "torch")
@@ -35,6 +36,7 @@ class DataPlaneConfig:
              "max_num_batched_tokens must be >= max_num_seqs"),
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
             (self.num_kv_blocks >= 0, "num_kv_blocks must be >= 0"),
+            (0.0 < self.cpu_kv_cache_gib < math.inf, f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}"),
             (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
             (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}"),
             (self.dtype in DTYPES, f"dtype must be one of {DTYPES}"),

@@ -42,7 +42,10 @@ def load_hf_config(model: str) -> PretrainedConfig:
         return dummy_hf_config(model)
     if not (Path(model) / "config.json").is_file():
         raise ValueError(f"model {model!r} is neither a folder with config.json nor a dummy:<shape> name")
-    return AutoConfig.from_pretrained(model)
+    try:
+        return AutoConfig.from_pretrained(model)
+    except OSError as exc:  # e.g. config.json is not JSON
+        raise ValueError(f"model {model!r}: {exc}") from None
 
 
 def check_tensor_parallel(hf_config: PretrainedConfig, tensor_parallel_size: int) -> None:

@@ -249,10 +249,16 @@ def _add_health(server: grpc.Server) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
 
 
-def _bind(server: grpc.Server, listen: str, credentials: grpc.ServerCredentials | None) -> int:
-    if credentials is None:
-        return server.add_insecure_port(listen)
-    return server.add_secure_port(listen, credentials)
+def _bind(server: grpc.Server, listen: str, credentials: grpc.ServerCredentials | None = None,
+          flag: str = "--listen") -> int:
+    """Binds server to listen; returns the port, or raises OSError naming the flag when it cannot."""
+    try:
+        if credentials is None:
+            return server.add_insecure_port(listen)
+        return server.add_secure_port(listen, credentials)
+    except RuntimeError:  # gRPC says only "Failed to bind to address"
+        raise OSError(f"{flag} {listen}: cannot listen there (the port is in use, or the address or its "
+                      "folder is not this host's)") from None
 
 
 def create_server(runner, listen: str, token: str | None = None, workers=None,
@@ -276,4 +282,4 @@ def create_health_server(listen: str) -> tuple[grpc.Server, int]:
     (Kubernetes' gRPC probes); returns it and its bound port."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), maximum_concurrent_rpcs=4)
     _add_health(server)
-    return server, server.add_insecure_port(listen)
+    return server, _bind(server, listen, flag="--health-listen")

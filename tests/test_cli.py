@@ -290,3 +290,77 @@ def test_serve_stops_when_its_data_plane_refuses_its_flags():
     assert result.stderr.count("tensor_parallel_size 3 does not split this model") == 1, result.stderr[-2000:]
     assert "restarting it in" not in result.stderr
     assert "its data plane refused its configuration" in result.stderr
+
+
+def _refused(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """A command that must stop at once: non-zero, and no traceback (the callers check its message)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TWINPLANE_API_KEY", "TWINPLANE_DATAPLANE_TOKEN")}
+    result = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=timeout, env=env,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode != 0, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    return result
+
+
+@pytest.fixture
+def taken_port():
+    """A loopback port another socket holds."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        yield sock.getsockname()[1]
+
+
+def test_controlplane_says_which_address_it_cannot_listen_on(taken_port, tmp_path):
+    controlplane = ["controlplane", "--dataplane", f"unix://{tmp_path}/dp.sock"]
+    busy = f"127.0.0.1:{taken_port}"
+    cases = [
+        (["--listen", busy], f"--listen {busy}: cannot listen there"),
+        (["--listen", "127.0.0.1:99999"], "--listen must be host:port with a port in [0, 65535]"),
+        (["--listen", "127.0.0.1:0", "--http-listen", "foo:bar"], "--http-listen must be host:port or a port"),
+        (["--listen", "127.0.0.1:0", "--http-listen", busy], f"--http-listen {busy}: cannot listen there"),
+        (["--listen", "127.0.0.1:0", "--metrics-port", str(taken_port)], f"cannot serve metrics on {busy}"),
+        (["--listen", "127.0.0.1:0", "--shutdown-grace", "-1"], "shutdown_grace must be >= 0, got -1.0"),
+    ]
+    for flags, message in cases:
+        result = _refused(*controlplane, *flags)
+        assert message in result.stderr, (flags, result.stderr)
+
+
+def test_serve_refuses_a_dataplane_listen_address_without_a_port():
+    from twinplane.clients.cli import _dataplane_children, build_parser
+
+    args = build_parser().parse_args(["serve", "--dataplane-listen", "127.0.0.1:70000"])
+    with pytest.raises(SystemExit, match="--dataplane-listen must be host:port with a port in"):
+        _dataplane_children(args, "token")
+
+
+def test_dataplane_refuses_bad_addresses_and_sizes_in_one_line(taken_port, tmp_path):
+    dataplane = ["dataplane", "--model", "dummy:tiny-qwen3", "--device", "cpu"]
+    socket_path = f"unix://{tmp_path}/dp.sock"
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    cases = [
+        ([*dataplane, "--listen", "127.0.0.1:99999", "--insecure"], "--listen must be host:port with a port in"),
+        ([*dataplane, "--listen", socket_path, "--health-listen", "nowhere"], "--health-listen must be host:port"),
+        ([*dataplane, "--listen", socket_path, "--cpu-kv-cache-gib", "0"], "cpu_kv_cache_gib must be > 0, got 0.0"),
+        ([*dataplane, "--listen", socket_path, "--cpu-kv-cache-gib", "nan"], "cpu_kv_cache_gib must be > 0, got nan"),
+        (["dataplane", "--model", str(broken), "--device", "cpu", "--listen", socket_path],
+         f"model '{broken}': It looks like the config file"),
+        ([*dataplane, "--listen", f"127.0.0.1:{taken_port}", "--insecure"],
+         f"--listen 127.0.0.1:{taken_port}: cannot listen there"),
+    ]
+    for argv, message in cases:
+        result = _refused(*argv, timeout=120)
+        assert message in result.stderr, (argv, result.stderr)
+
+
+def test_bench_refuses_a_workload_it_cannot_draw_and_a_server_that_is_not_there(tmp_path):
+    for flags, message in [(["--min-input", "500", "--max-input", "10"], "--min-input and --max-input must be"),
+                           (["--request-rate", "0"], "--request-rate must be > 0"),
+                           (["--num-requests", "0"], "--num-requests must be >= 1, got 0")]:
+        result = _refused("bench", "--server", f"unix://{tmp_path}/nobody.sock", *flags)
+        assert message in result.stderr, (flags, result.stderr)
+    result = _refused("bench", "--server", f"unix://{tmp_path}/nobody.sock", "--ready-timeout", "1")
+    assert "server not ready before the timeout" in result.stderr, result.stderr
