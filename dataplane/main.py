@@ -8,6 +8,7 @@ import gc
 import logging
 import signal
 import threading
+from pathlib import Path
 
 from twinplane.dataplane.config import DataPlaneConfig
 from twinplane.dataplane.embedded import resolve_model
@@ -29,11 +30,15 @@ def freeze_heap(process: str) -> None:
 
 def check_config(config: DataPlaneConfig) -> DataPlaneConfig:
     """The config with its model resolved to a folder (or dummy name), after checking that the
-    model's config loads and splits over the tensor-parallel ranks; ValueError says what is wrong."""
-    from twinplane.dataplane.loader import check_tensor_parallel, load_hf_config  # imports torch
+    model's config loads, that a folder holds weights, and that the model splits over the
+    tensor-parallel ranks; ValueError says what is wrong."""
+    from twinplane.dataplane.loader import check_tensor_parallel, is_dummy, load_hf_config  # imports torch
 
     config = dataclasses.replace(config, model=resolve_model(config.model))
-    check_tensor_parallel(load_hf_config(config.model), config.tensor_parallel_size)
+    hf_config = load_hf_config(config.model)
+    if not is_dummy(config.model) and not any(Path(config.model).glob("*.safetensors")):
+        raise ValueError(f"model {config.model!r} holds no *.safetensors files: its weights are needed")
+    check_tensor_parallel(hf_config, config.tensor_parallel_size)
     return config
 
 

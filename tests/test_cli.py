@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -335,12 +337,15 @@ def test_serve_refuses_a_dataplane_listen_address_without_a_port():
         _dataplane_children(args, "token")
 
 
-def test_dataplane_refuses_bad_addresses_and_sizes_in_one_line(taken_port, tmp_path):
+def test_dataplane_refuses_bad_addresses_and_sizes_in_one_line(taken_port, tmp_path, tiny_qwen3_dir):
     dataplane = ["dataplane", "--model", "dummy:tiny-qwen3", "--device", "cpu"]
     socket_path = f"unix://{tmp_path}/dp.sock"
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
+    weightless = tmp_path / "weightless"
+    weightless.mkdir()
+    shutil.copy(Path(tiny_qwen3_dir) / "config.json", weightless / "config.json")
     cases = [
         ([*dataplane, "--listen", "127.0.0.1:99999", "--insecure"], "--listen must be host:port with a port in"),
         ([*dataplane, "--listen", socket_path, "--health-listen", "nowhere"], "--health-listen must be host:port"),
@@ -348,6 +353,8 @@ def test_dataplane_refuses_bad_addresses_and_sizes_in_one_line(taken_port, tmp_p
         ([*dataplane, "--listen", socket_path, "--cpu-kv-cache-gib", "nan"], "cpu_kv_cache_gib must be > 0, got nan"),
         (["dataplane", "--model", str(broken), "--device", "cpu", "--listen", socket_path],
          f"model '{broken}': It looks like the config file"),
+        (["dataplane", "--model", str(weightless), "--device", "cpu", "--listen", socket_path],
+         "holds no *.safetensors files"),
         ([*dataplane, "--listen", f"127.0.0.1:{taken_port}", "--insecure"],
          f"--listen 127.0.0.1:{taken_port}: cannot listen there"),
     ]
