@@ -345,6 +345,8 @@ def cmd_health(args: argparse.Namespace) -> int:
 
     from twinplane.clients.client import Client
 
+    if not args.timeout > 0:
+        raise SystemExit(f"twinplane health: --timeout must be > 0 seconds, got {args.timeout}")
     with Client(args.server) as client:
         try:
             status = client.health_status(args.timeout)

@@ -371,3 +371,5 @@ def test_bench_refuses_a_workload_it_cannot_draw_and_a_server_that_is_not_there(
         assert message in result.stderr, (flags, result.stderr)
     result = _refused("bench", "--server", f"unix://{tmp_path}/nobody.sock", "--ready-timeout", "1")
     assert "server not ready before the timeout" in result.stderr, result.stderr
+    result = _refused("health", "--server", f"unix://{tmp_path}/nobody.sock", "--timeout", "-1")
+    assert "--timeout must be > 0 seconds, got -1.0" in result.stderr, result.stderr
