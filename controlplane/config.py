@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from twinplane.controlplane.router import ROUTING_POLICIES
-from twinplane.controlplane.tls import DataPlaneTls, check_listen
+from twinplane.controlplane.tls import DataPlaneTls, check_listen, parse_listen
 
 BYTES_PER_TOKEN = 64  # default max_prompt_bytes per token of max_model_len (generous: room for truncation)
 
@@ -62,8 +62,6 @@ class ControlPlaneConfig:
             raise ValueError("dataplane: give at least one data-plane address")
         check_listen(self.listen)
         if self.http_listen is not None:
-            from twinplane.controlplane.openai_http import parse_listen  # imports the HTTP server's modules
-
             parse_listen(self.http_listen)
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")

@@ -30,9 +30,9 @@ from twinplane.controlplane.engine import Engine
 from twinplane.controlplane.errors import InvalidRequest, NotReady, ServiceError
 from twinplane.controlplane.openai_api import PARAMS, parse_request
 from twinplane.controlplane.openai_stream import Choices, ResponseBuilder
+from twinplane.controlplane.tls import parse_listen
 
 log = logging.getLogger("twinplane.controlplane")
-DEFAULT_HOST = "127.0.0.1"
 _STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429,
            "UNAVAILABLE": 503, "INTERNAL": 500}
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -70,15 +70,6 @@ def response_of(exc: Exception) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
     log.exception("unexpected error while serving an HTTP request", exc_info=exc)
     return error_response(500, f"internal error ({type(exc).__name__}); the server keeps serving")
-
-
-def parse_listen(listen: str) -> tuple[str, int]:
-    """'host:port', '[v6]:port' or a bare port (loopback)."""
-    host, sep, port = listen.rpartition(":")
-    host = host.strip("[]") if sep else DEFAULT_HOST
-    if not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"--http-listen must be host:port or a port, got {listen!r}")
-    return host or DEFAULT_HOST, int(port)
 
 
 class OpenAIService:

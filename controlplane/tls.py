@@ -4,6 +4,7 @@ file is a one-line error that names its flag, never a handshake that fails later
 The control plane uses them for its public API (``--tls-cert``/``--tls-key``) and for its channels
 to data planes on TCP (``DataPlaneTls``); the command line builds the data plane's server
 credentials (``--tls-cert``/``--tls-key``/``--tls-client-ca`` of ``twinplane dataplane``) here too.
+The addresses the servers listen on are checked here as well (``check_listen``, ``parse_listen``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import ssl
 from dataclasses import dataclass
 
 import grpc
+
+DEFAULT_HOST = "127.0.0.1"  # the HTTP API's host when --http-listen gives only a port
 
 
 def read_pem(path: str, flag: str) -> bytes:
@@ -89,13 +92,26 @@ def is_loopback(address: str) -> bool:
     return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
+def _is_port(text: str) -> bool:
+    return text.isdigit() and int(text) <= 65535
+
+
 def check_listen(address: str, flag: str = "--listen") -> str:
     """address if a server can be asked to listen there (host:port with a port in [0, 65535], or
     unix:///path), else ValueError naming the flag: gRPC would take port 65536 for port 0, and so on."""
     port = address.rpartition(":")[2]
-    if not is_unix(address) and not (port.isdigit() and int(port) <= 65535):
+    if not is_unix(address) and not _is_port(port):
         raise ValueError(f"{flag} must be host:port with a port in [0, 65535], or unix:///path; got {address!r}")
     return address
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """'host:port', '[v6]:port' or a bare port (loopback): where the HTTP API listens."""
+    host, sep, port = listen.rpartition(":")
+    host = host.strip("[]") if sep else DEFAULT_HOST
+    if not _is_port(port):
+        raise ValueError(f"--http-listen must be host:port or a port, got {listen!r}")
+    return host or DEFAULT_HOST, int(port)
 
 
 def add_port(server, listen: str, credentials: grpc.ServerCredentials | None = None, flag: str = "--listen") -> int:

@@ -9,7 +9,8 @@ import pytest
 from twinplane.controlplane.api import Limits
 from twinplane.controlplane.errors import InvalidRequest, NotReady, Overloaded, StepFailed
 from twinplane.controlplane.openai_api import parse_request
-from twinplane.controlplane.openai_http import NotFound, Unauthenticated, parse_listen, response_of
+from twinplane.controlplane.openai_http import NotFound, Unauthenticated, response_of
+from twinplane.controlplane.tls import parse_listen
 
 LIMITS = Limits(vocab_size=1000, max_model_len=512)
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
