@@ -243,23 +243,23 @@ class Engine:
     def step_failed(self, seq_ids: list[int], error: str) -> None:
         """A step the data plane could not run fails only the requests in it."""
         for seq_id in seq_ids:
-            state = self.by_seq.get(seq_id)
-            if state is not None:
-                self._fail(state, StepFailed(f"the data plane failed to run this request: {error}"), tell_core=False)
+            self._ended_by_core(seq_id, StepFailed(f"the data plane failed to run this request: {error}"))
 
     def refused(self, reasons: list[tuple[int, str]]) -> None:
         """Requests the core ended because the data plane it connected to can never hold them."""
         for seq_id, why in reasons:
-            state = self.by_seq.get(seq_id)
-            if state is not None:
-                self._fail(state, NoLongerFits(why), tell_core=False)
+            self._ended_by_core(seq_id, NoLongerFits(why))
 
     def rejected(self, seq_id: int, why: str) -> None:
         """A request the core could not put into a step plan: its values passed the checks here but
         not the plan's field types (a gap in those checks, which this keeps from taking the core down)."""
+        self._ended_by_core(seq_id, InvalidRequest(why))
+
+    def _ended_by_core(self, seq_id: int, error: ServiceError) -> None:
+        """Fails a request the core has already dropped (unless it ended meanwhile)."""
         state = self.by_seq.get(seq_id)
         if state is not None:
-            self._fail(state, InvalidRequest(why), tell_core=False)
+            self._fail(state, error, tell_core=False)
 
     # ---- requests -----------------------------------------------------------------------
 

@@ -34,10 +34,10 @@ from twinplane.controlplane.fanout import Frontends, owner
 from twinplane.controlplane.finish import Limit, misfit, stop_token_ids
 from twinplane.controlplane.ipc import Channel, child_argv, start_process
 from twinplane.controlplane.liveness import ticks
-from twinplane.controlplane.plan_codec import sequence_init
 from twinplane.controlplane.messages import (Abort, AddRequest, Configure, Connected, CoreMessage, CoreSnapshot,
                                              DataPlaneSnapshot, Heartbeat, Lost, Refused, Rejected, Shutdown,
                                              Stalled)
+from twinplane.controlplane.plan_codec import sequence_init
 from twinplane.controlplane.replica import STAT_NAMES, Replica
 from twinplane.controlplane.router import Router
 from twinplane.controlplane.sequence import Sequence

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from twinplane.kernels.decode_attention import (decode_attention_from_qkv, decode_splits, paged_decode_attention,
                                                 tile_keys)
+from twinplane.kernels.device import sm_count
 from twinplane.kernels.rope_store import QKVRope
 
 CASES = [(1, 1024, 16, 8), (8, 1024, 16, 8), (64, 1024, 16, 8), (256, 1024, 16, 8), (256, 0, 16, 8),
@@ -61,7 +62,7 @@ def read_peak(gib: float = 2.0) -> float:
     """TB/s of the fastest streaming read of ``gib`` GiB of bf16, calls back to back in a CUDA graph
     (``triton.testing.do_bench``, which clears the L2 between calls, reads ~2% slower)."""
     x = torch.randn(int(gib * 2 ** 30) // 2, device="cuda", dtype=torch.bfloat16)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    sms = sm_count(x.device)
     best = min(triton.testing.do_bench_cudagraph(lambda: read_sums(x, sms * per_sm, block, warps), rep=50)
                for per_sm in (4, 8, 16) for block in (2048, 4096) for warps in (4, 8))
     return x.numel() * x.element_size() / (best * 1e-3) / 1e12
