@@ -232,6 +232,9 @@ def cmd_dataplane(args: argparse.Namespace) -> int:
         serve(config, args.listen, token, credentials, args.health_listen)
     except OSError as exc:  # an address it cannot listen on (in use, or not this host's)
         raise SystemExit(f"twinplane dataplane: error: {exc}") from None
+    except ValueError as exc:  # a KV cache the device cannot hold, found once the model is loaded
+        print(f"twinplane dataplane: error: {exc}", file=sys.stderr)
+        raise SystemExit(CONFIG_ERROR_EXIT) from None
     return 0
 
 

@@ -9,6 +9,8 @@ activation peak, and what is left of ``gpu_memory_utilization`` becomes KV block
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -28,6 +30,30 @@ def cpu_num_blocks(cache_gib: float, block_bytes: int) -> int:
     if num_blocks < 1:
         raise ValueError(f"cpu_kv_cache_gib={cache_gib} holds no KV block of {block_bytes} bytes")
     return num_blocks
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes a new tensor can take on device now: the GPU's free memory, or the host's available memory."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kib * 1024
+    except (OSError, StopIteration, ValueError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_num_blocks(num_blocks: int, block_bytes: int, device: torch.device, asked: str) -> None:
+    """ValueError when num_blocks blocks (what ``asked`` gave) do not fit in the device's memory now,
+    instead of an out-of-memory error (or the host's OOM killer) once the model is loaded."""
+    need, free = num_blocks * block_bytes, available_memory(device)
+    if need > free:
+        where = "the GPU has" if device.type == "cuda" else "the host has"
+        raise ValueError(f"{asked} asks for {num_blocks} KV blocks, {need / 2**30:.1f} GiB at {block_bytes} bytes "
+                         f"a block; {where} {free / 2**30:.1f} GiB free after the weights: at most "
+                         f"{free // block_bytes} blocks fit")
 
 
 def allocate_kv_cache(layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype,

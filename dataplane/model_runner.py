@@ -31,7 +31,9 @@ from twinplane.dataplane.config import DataPlaneConfig
 from twinplane.dataplane.cuda_graphs import StepGraphs, bucket, graph_batch_sizes
 from twinplane.dataplane.decode_graphs import SampledDecodeGraphs
 from twinplane.dataplane.distributed import tp_rank, tp_world_size
-from twinplane.dataplane.kv_cache import allocate_kv_cache, bytes_per_block, cpu_num_blocks, cuda_num_blocks
+from twinplane.dataplane.kv_cache import (
+    allocate_kv_cache, bytes_per_block, check_num_blocks, cpu_num_blocks, cuda_num_blocks,
+)
 from twinplane.dataplane.loader import load_model
 from twinplane.dataplane.models.decoder import head_dim_of
 from twinplane.dataplane.plan import MAX_DECODE_STEPS, StepOutput, StepPath, StepPlan
@@ -202,14 +204,18 @@ class ModelRunner:
 
     def init_kv_cache(self) -> None:
         layers, block_size = self.model.attention_layers(), self.config.block_size
+        block_bytes = bytes_per_block(layers, block_size, self.dtype)
         if self.config.num_kv_blocks > 0:
             self.num_kv_blocks = self.config.num_kv_blocks
+            check_num_blocks(self.num_kv_blocks, block_bytes, self.device, f"num_kv_blocks={self.num_kv_blocks}")
         elif self.device.type == "cuda":
             self.num_kv_blocks = cuda_num_blocks(
                 self.model, block_size, self.dtype, self.device, self.config.max_num_batched_tokens,
                 self.max_model_len, self.config.max_num_seqs, self.config.gpu_memory_utilization)
         else:
-            self.num_kv_blocks = cpu_num_blocks(self.config.cpu_kv_cache_gib, bytes_per_block(layers, block_size, self.dtype))
+            self.num_kv_blocks = cpu_num_blocks(self.config.cpu_kv_cache_gib, block_bytes)
+            check_num_blocks(self.num_kv_blocks, block_bytes, self.device,
+                             f"cpu_kv_cache_gib={self.config.cpu_kv_cache_gib}")
         if tp_world_size() > 1:  # every rank must hold the same number of blocks
             count = torch.tensor([self.num_kv_blocks], device=self.device)
             torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN)

@@ -361,6 +361,13 @@ def test_dataplane_refuses_bad_addresses_and_sizes_in_one_line(taken_port, tmp_p
     for argv, message in cases:
         result = _refused(*argv, timeout=120)
         assert message in result.stderr, (argv, result.stderr)
+    # a KV cache larger than the host's memory is refused once the model is loaded, not allocated
+    for flags, asked in ((["--num-kv-blocks", str(10**13)], f"num_kv_blocks={10**13}"),
+                         (["--cpu-kv-cache-gib", "1e9"], "cpu_kv_cache_gib=1000000000.0")):
+        result = _refused(*dataplane, "--listen", socket_path, *flags, timeout=120)
+        assert result.returncode == 78, result.stderr[-2000:]  # EX_CONFIG: serve does not restart it
+        assert re.search(asked + r" asks for \d+ KV blocks, [\d.]+ GiB at \d+ bytes a block; the host has "
+                         r"[\d.]+ GiB free after the weights: at most \d+ blocks fit", result.stderr), result.stderr
 
 
 def test_bench_refuses_a_workload_it_cannot_draw_and_a_server_that_is_not_there(tmp_path):

@@ -387,6 +387,13 @@ def _prompts(n: int, seed: int, low: int = 20, high: int = 300) -> list[list[int
             for _ in range(n)]
 
 
+def test_a_kv_cache_larger_than_the_gpu_is_refused_before_it_is_allocated(qwen3_folder):
+    with pytest.raises(ValueError, match=r"num_kv_blocks=1000000000 asks for 1000000000 KV blocks, [\d.]+ GiB at "
+                                         r"\d+ bytes a block; the GPU has [\d.]+ GiB free after the weights"):
+        _runner(qwen3_folder, num_kv_blocks=10**9)
+    torch.cuda.empty_cache()
+
+
 def test_bf16_logits_match_transformers_prefill_and_decode(qwen3_folder):
     prompts = _prompts(3, seed=1)
     runner = _runner(qwen3_folder)
