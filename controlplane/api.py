@@ -43,6 +43,7 @@ class Prompt:
     text: str | None = None
     token_ids: list[int] | None = None
     messages: list[dict[str, str]] | None = None
+    messages_name: str = "chat.messages"  # what the client's API calls the messages, for error messages
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,7 @@ def chat_prompt(messages: list[dict[str, str]], limits: Limits, name: str = "cha
                                         f"got {m['role']!r}")
     size = sum(_utf8_size(f"{name}[{i}].content", m["content"]) for i, m in enumerate(messages))
     _check_bytes(f"{name} (content, all together)", size, limits)
-    return Prompt(messages=messages)
+    return Prompt(messages=messages, messages_name=name)
 
 
 def check_chat_count(count: int, limits: Limits, name: str = "chat.messages") -> None:

@@ -270,7 +270,7 @@ class Engine:
         if self.tokenizer is None:
             raise InvalidRequest("this model has no tokenizer: send token_ids instead of text or chat")
         if prompt.messages is not None:
-            return await self.in_tokenizer_pool(self.tokenizer.encode_chat, prompt.messages)
+            return await self.in_tokenizer_pool(self.tokenizer.encode_chat, prompt.messages, prompt.messages_name)
         return await self.in_tokenizer_pool(self.tokenizer.encode, prompt.text)
 
     async def in_tokenizer_pool(self, function, *args):

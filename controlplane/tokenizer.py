@@ -98,13 +98,14 @@ class Tokenizer:
         except Exception as exc:  # noqa: BLE001 -- whatever a template raises, the template is at fault
             raise TemplateBroken(f"the server's chat template failed: {type(exc).__name__}: {exc}") from exc
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], name: str = "chat.messages") -> list[int]:
         """Token ids of the rendered messages; content may not spell out special tokens, which only the
-        template places (else a message could forge turns, e.g. end its own and start the system's)."""
+        template places (else a message could forge turns, e.g. end its own and start the system's).
+        ``name``: what the client's API calls the messages."""
         for i, message in enumerate(messages):
             found = self._special_text and self._special_text.search(message["content"])
             if found:
-                raise InvalidRequest(f"chat.messages[{i}].content holds {found.group()!r}, a special token of this "
+                raise InvalidRequest(f"{name}[{i}].content holds {found.group()!r}, a special token of this "
                                      "model that only the chat template may place; remove it or send text")
         return self.encode(self.render_chat(messages), add_special_tokens=False)
 
