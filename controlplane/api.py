@@ -54,6 +54,9 @@ class GenerateCall:
     prompt: Prompt
     params: RequestParams  # params.max_tokens is 0 when the client left it unset
     truncate_prompt_tokens: int = 0
+    # what the client's API calls the input and max_tokens, for the messages of checks made after tokenizing
+    input_name: str = "input"
+    max_tokens_name: str = "max_tokens"
 
 
 @dataclass

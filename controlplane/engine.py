@@ -372,7 +372,7 @@ class Engine:
         request_id = call.request_id
         if request_id in self.requests:
             raise InvalidRequest(f"request_id {request_id!r} is already in flight")
-        params = self._resolve_max_tokens(call.params, len(prompt))
+        params = self._resolve_max_tokens(call.params, len(prompt), call.max_tokens_name)
         state = RequestState(next(self._seq_ids), request_id, prompt, params, self.tokenizer,
                              self.config.stream_interval, self.metrics, arrival_time, self.unsent)
         self.requests[request_id] = self.by_seq[state.seq_id] = state
@@ -391,27 +391,28 @@ class Engine:
         if call.truncate_prompt_tokens and len(prompt) > call.truncate_prompt_tokens:
             prompt = prompt[-call.truncate_prompt_tokens:]
         if not prompt:
-            raise InvalidRequest("input: the prompt is empty after tokenization; send at least one token")
+            raise InvalidRequest(f"{call.input_name}: the prompt is empty after tokenization; send at least one token")
         limit = self.limits.max_model_len
         if output_room(len(prompt), limit) < 1:
-            raise InvalidRequest(f"input: the prompt has {len(prompt)} tokens; at most {limit - 1} fit "
+            raise InvalidRequest(f"{call.input_name}: the prompt has {len(prompt)} tokens; at most {limit - 1} fit "
                                  f"(max_model_len {limit}); shorten it or set truncate_prompt_tokens")
         return prompt
 
-    def _resolve_max_tokens(self, params, num_prompt_tokens: int):
-        """Checks max_tokens/min_tokens against the room the prompt leaves; fills in the default."""
+    def _resolve_max_tokens(self, params, num_prompt_tokens: int, name: str):
+        """Checks max_tokens/min_tokens against the room the prompt leaves; fills in the default.
+        ``name``: what the client's API calls max_tokens."""
         limit = self.limits.max_model_len
         room = output_room(num_prompt_tokens, limit)
         max_tokens = params.max_tokens or room
         too_many = misfit(num_prompt_tokens, max_tokens, limit, self.describe.num_kv_blocks * self.describe.block_size)
         if too_many is not None and too_many.limit is Limit.MAX_MODEL_LEN:
-            raise InvalidRequest(f"max_tokens: prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) "
-                                 f"exceeds max_model_len ({limit}); set max_tokens <= {room}")
+            raise InvalidRequest(f"{name}: prompt ({num_prompt_tokens} tokens) + {name} ({max_tokens}) "
+                                 f"exceeds max_model_len ({limit}); set {name} <= {room}")
         if params.min_tokens > max_tokens:
-            raise InvalidRequest(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens}, "
+            raise InvalidRequest(f"min_tokens ({params.min_tokens}) must not exceed {name} ({max_tokens}, "
                                  f"what fits after the {num_prompt_tokens}-token prompt)")
         if too_many is not None:
-            raise InvalidRequest(f"max_tokens: prompt + max_tokens ({too_many.needed} tokens) can "
+            raise InvalidRequest(f"{name}: prompt + {name} ({too_many.needed} tokens) can "
                                  f"never fit in the KV cache ({too_many.available} tokens); lower it")
         return params if params.max_tokens else replace(params, max_tokens=max_tokens)
 

@@ -206,7 +206,8 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool) -> Op
     for i in range(n):
         sampling = replace(params.sampling, seed=choice_seed(params.sampling.seed, i))
         call_id = request_id if n == 1 else f"{request_id}-{i}"
-        calls.append(GenerateCall(call_id, prompt, replace(params, sampling=sampling), truncate))
+        calls.append(GenerateCall(call_id, prompt, replace(params, sampling=sampling), truncate,
+                                  "messages" if chat else "prompt", max_tokens_name))
     return OpenAIRequest(chat=chat, calls=calls, stream=stream,
                          include_usage=bool(options and options.get("include_usage")), logprobs=top is not None)
 

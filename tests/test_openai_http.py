@@ -97,6 +97,7 @@ def test_a_prompt_too_long_is_truncated_when_asked(client, model):
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model=model, prompt=[5] * 5000, max_tokens=2)
     assert "truncate_prompt_tokens" in error.value.message  # the advice the next request follows
+    assert "400 - prompt: the prompt has 5000 tokens" in error.value.message and error.value.param == "prompt"
     answer = client.completions.create(model=model, prompt=[5] * 5000, max_tokens=2,
                                        extra_body={"truncate_prompt_tokens": 100})
     assert answer.usage.prompt_tokens == 100
@@ -154,7 +155,7 @@ def test_stop_string(client, model):
     assert cut.finish_reason == "stop" and cut.text == free[:free.index(stop)]
 
 
-def test_errors_through_the_sdk(base_url, client, model):
+def test_errors_through_the_sdk(base_url, client, model, http_planes):
     with pytest.raises(openai.AuthenticationError) as error:
         openai.OpenAI(base_url=base_url + "/v1", api_key="wrong", max_retries=0).models.list()
     assert error.value.status_code == 401
@@ -170,6 +171,12 @@ def test_errors_through_the_sdk(base_url, client, model):
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model=model, messages=[{"role": "wizard", "content": "hi"}])
     assert "messages[0].role" in error.value.message
+    # checks made once the prompt is tokenized name the field the client sent, too
+    limit = http_planes.engine.limits.max_model_len
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=model, messages=QUESTION, max_completion_tokens=limit)
+    assert "400 - max_completion_tokens: prompt (" in error.value.message, error.value.message
+    assert "set max_completion_tokens <=" in error.value.message and error.value.param == "max_completion_tokens"
 
 
 def test_sse_framing_over_raw_http(base_url, model):
