@@ -51,6 +51,9 @@ class ScheduledChunk:
     new_block_ids: list[int]  # block-table entries the data plane has not seen yet
     sample: bool  # the chunk reaches the end of the sequence, so a token is sampled
     is_new_mirror: bool  # the data plane sees this sequence for the first time
+    # the sequence's preemptions when planned: once preempted, its result says nothing of the blocks
+    # the sequence holds now (it may be running again, from another block table, while the step is in flight)
+    num_preemptions: int = 0
 
 
 @dataclass
@@ -278,7 +281,7 @@ class Scheduler:
         index = len(output.decode_seqs)
         for chunk in output.other_chunks:
             seq, end = chunk.seq, chunk.start_pos + chunk.num_tokens
-            if seq.status is running:
+            if seq.status is running and seq.num_preemptions == chunk.num_preemptions:
                 self._cache_full_blocks(seq, end)
             if chunk.sample:
                 if seq.status is not finished:
@@ -354,7 +357,7 @@ class Scheduler:
         start, table = seq.num_computed_tokens, seq.block_table
         new_blocks = table[seq.num_blocks_mirrored:] if seq.num_blocks_mirrored < len(table) else []
         chunk = ScheduledChunk(seq, start, num_tokens, new_blocks, start + num_tokens == len(seq.token_ids),
-                               not seq.mirrored)
+                               not seq.mirrored, seq.num_preemptions)
         seq.num_blocks_mirrored = len(table)
         seq.mirrored = True
         return chunk
