@@ -2,7 +2,8 @@
 
 Text is decoded a few tokens at a time, with a little left context so that
 tokenizers that drop leading spaces decode correctly; a delta that would end in
-half a UTF-8 character (U+FFFD) waits for the next token. Text that could be the
+half a UTF-8 character (U+FFFD) waits for the next token (the last token sends what
+still waits: it decodes as U+FFFD, as in the whole output's text). Text that could be the
 beginning of a stop string is held back until it is known not to be one, so a
 stop string never reaches the client, not even in part.
 """
@@ -31,9 +32,17 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int) -> None:
         self.ids.append(token_id)
+        self._read()
+
+    def flush(self) -> None:
+        """At the request's last token: the text still waiting for a later token, U+FFFD included
+        (no token will complete that character), so that the output is all of its tokens' text."""
+        self._read(final=True)
+
+    def _read(self, final: bool = False) -> None:
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+        if len(new_text) > len(prefix_text) and (final or not new_text.endswith("\ufffd")):
             self.pending += new_text[len(prefix_text):]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)

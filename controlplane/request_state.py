@@ -74,14 +74,18 @@ class RequestState:
 
     def add_text(self, token_id: int, reason: FinishReason | None) -> FinishReason | None:
         """Detokenizes a recorded token and applies the stop-string rule (``finish.py``); returns the
-        final reason.
+        final reason. At the last token (reason set), the text that waited for a later token (half a
+        character) is added too, and looked at for stop strings even when a stop token ends the request.
 
         Runs while the data plane computes the next step, which may then hold one token of
         a request that a stop string ended: that token is discarded.
         """
-        if reason is FinishReason.STOP_TOKEN or self.detokenizer is None:
-            return reason  # a stop token's text is never part of the output
-        self.detokenizer.add_token(token_id)
+        if self.detokenizer is None:
+            return reason
+        if reason is not FinishReason.STOP_TOKEN:  # a stop token's text is never part of the output
+            self.detokenizer.add_token(token_id)
+        if reason is not None:  # the last token: no later one completes a character
+            self.detokenizer.flush()
         if stop_strings_apply(self.num_outputs, self.params):
             matched = self.detokenizer.find_stop()
             if matched is not None:
