@@ -16,15 +16,28 @@ on other contents or a wrong recompute changes the output. After every tick, eac
 reference count must equal the live block tables holding it, a block may be shared only as the
 same full cached block, and every computed position of a running sequence must hold its token in
 the KV cache; at the end every block is free and every request has exactly its tokens.
+
+The data plane's own plan handling runs beside the stand-in, on the CPU and with no model: each
+plan is decoded by convert.plan_from_pb and prepared by a real InputBatch, which must accept it,
+and what it builds must equal what the stand-in derived: token ids (PENDING resolved), positions,
+slots, context lengths and block tables, which rows sample, the tokens masked for min_tokens, the
+token counts of requests with a penalty, and each step's positions, slots and context lengths in a
+plan of several decode steps. The stand-in's samples go back to it as ModelRunner feeds the
+sampler's: kept for the next plan's PENDING tokens, and written into the token history when the
+result is read or the next plan waits for them.
 """
 
 from __future__ import annotations
 
 import zlib
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import accumulate
 
 import numpy as np
+import torch
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
@@ -32,7 +45,9 @@ from twinplane.controlplane.block_manager import BlockManager
 from twinplane.controlplane.finish import stop_token_ids, token_finish_reason
 from twinplane.controlplane.plan_codec import decode_result, encode_plan
 from twinplane.controlplane.scheduler import Scheduler, SchedulerConfig
-from twinplane.controlplane.sequence import PENDING, FinishReason, RequestParams, Sequence
+from twinplane.controlplane.sequence import PENDING, FinishReason, RequestParams, SamplingOptions, Sequence
+from twinplane.dataplane.convert import plan_from_pb
+from twinplane.dataplane.input_batch import DecodeSteps, InputBatch, PlanLimits, StepInputs
 from twinplane.proto import dataplane_pb2 as dp
 
 VOCAB = 8  # tiny: prompts share prefixes often, and the end-of-sequence token comes up
@@ -69,15 +84,21 @@ class Mirror:
     num_prompt_tokens: int
     min_tokens: int
     masked: frozenset[int]  # while fewer than min_tokens tokens are generated
+    penalized: bool  # its sampler counts the tokens of its history
     block_table: list[int] = field(default_factory=list)
     last_token: int = PENDING
     sampled_at: int = -1  # index of the plan that sampled last_token
+
+    def banned(self, context_len: int) -> frozenset[int]:
+        """The tokens masked when sampling after context_len tokens."""
+        return self.masked if context_len - self.num_prompt_tokens < self.min_tokens else frozenset()
 
 
 @dataclass
 class Row:
     """One sequence's share of a plan."""
 
+    seq_id: int
     mirror: Mirror
     start: int
     tokens: list[int]
@@ -104,7 +125,8 @@ class StandInDataPlane:
         assert pos // bs < len(mirror.block_table), f"position {pos} is past the mirrored block table"
         return mirror.block_table[pos // bs] * bs + pos % bs
 
-    def run(self, plan: dp.StepPlan) -> dp.StepResult:
+    def run(self, plan: dp.StepPlan) -> tuple[list[Row], list[list[int]]]:
+        """Runs a plan: its rows (PENDING tokens resolved) and the tokens each row sampled."""
         self.plan_index += 1
         for seq_id in plan.dropped_seq_ids:
             self.mirrors.pop(seq_id, None)
@@ -128,8 +150,7 @@ class StandInDataPlane:
         for row, out in zip(rows, outputs):
             if out:
                 row.mirror.last_token, row.mirror.sampled_at = out[-1], self.plan_index
-        sampled = [token for out in outputs for token in out]
-        return dp.StepResult(step_id=plan.step_id, sampled_token_ids=np.asarray(sampled, dtype="<i4").tobytes())
+        return rows, outputs
 
     def _rows(self, plan: dp.StepPlan) -> list[Row]:
         """Decodes and checks the plan's columns; applies inits and new blocks to the mirrors."""
@@ -153,8 +174,10 @@ class StandInDataPlane:
         for i, seq_id in enumerate(seq_ids):
             if seq_id in inits:  # seen for the first time, or again from scratch
                 init = inits[seq_id]
-                self.mirrors[seq_id] = Mirror(init.num_prompt_tokens, init.sampling.min_tokens,
-                                              frozenset(init.sampling.stop_token_ids))
+                s = init.sampling
+                penalized = (s.repetition_penalty, s.presence_penalty, s.frequency_penalty) != (1.0, 0.0, 0.0)
+                self.mirrors[seq_id] = Mirror(init.num_prompt_tokens, s.min_tokens, frozenset(s.stop_token_ids),
+                                              penalized)
             assert seq_id in self.mirrors, f"seq {seq_id} is unknown to the data plane and has no init"
             mirror = self.mirrors[seq_id]
             mirror.block_table += new_block_ids[b:b + num_new_blocks[i]]
@@ -169,18 +192,173 @@ class StandInDataPlane:
             assert final <= lim.max_model_len and -(-final // lim.block_size) <= len(mirror.block_table)
             assert slots == [self.slot(mirror, pos) for pos in range(start_pos[i], end)], "slot_mapping is wrong"
             assert not sample[i] or end >= mirror.num_prompt_tokens, "sampled before the prompt is complete"
-            rows.append(Row(mirror, start_pos[i], tokens, slots, bool(sample[i]), budgets[i]))
+            rows.append(Row(seq_id, mirror, start_pos[i], tokens, slots, bool(sample[i]), budgets[i]))
         return rows
 
-    def _sample(self, mirror: Mirror, context_len: int) -> int:
-        """Reads positions 0 .. context_len - 1 back through the block table; the model's next token."""
+    def context(self, mirror: Mirror, context_len: int) -> list[int]:
+        """Reads positions 0 .. context_len - 1 back through the block table."""
         context = []
         for pos in range(context_len):
             entry = self.kv[self.slot(mirror, pos)]
             assert entry is not None and entry[1] == pos, f"the KV slot of position {pos} holds {entry}"
             context.append(entry[0])
-        masked = mirror.masked if context_len - mirror.num_prompt_tokens < mirror.min_tokens else frozenset()
-        return next_token(context, masked)
+        return context
+
+    def _sample(self, mirror: Mirror, context_len: int) -> int:
+        """The model's next token after the first context_len positions."""
+        return next_token(self.context(mirror, context_len), mirror.banned(context_len))
+
+
+# ---- the real data plane's plan handling, checked against the stand-in ----------------------
+
+FED_PAST_BUDGET = VOCAB  # what a sequence samples past its decode budget: never an input (not a token)
+
+
+def cumsum0(values: list[int]) -> list[int]:
+    return [0, *accumulate(values)]
+
+
+@dataclass
+class LaunchedStep:
+    """A plan both data planes ran. Reading the result records the real one's samples in its token
+    history, as ModelRunner's LaunchedStep.result does: when the result is sent, or earlier when the
+    next plan's wait_for_tokens needs them."""
+
+    result_pb: dp.StepResult
+    record: Callable[[], None] | None = None
+
+    def result(self) -> dp.StepResult:
+        record, self.record = self.record, None
+        if record is not None:
+            record()
+        return self.result_pb
+
+
+class RealPlanHandling:
+    """The data plane's own plan handling on the CPU, with no model: convert.plan_from_pb and InputBatch,
+    fed the stand-in's samples where ModelRunner feeds the sampler's. It must accept every plan, and
+    what it builds must equal what the stand-in derived."""
+
+    def __init__(self, limits: Limits):
+        self.batch = InputBatch(PlanLimits(
+            vocab_size=VOCAB, num_kv_blocks=limits.num_blocks, block_size=limits.block_size,
+            max_model_len=limits.max_model_len, max_num_seqs=limits.max_num_seqs,
+            max_num_batched_tokens=limits.max_num_batched_tokens, max_logprobs=0),  # none asked for
+            torch.device("cpu"))
+        self.batch.wait_for_tokens = self._wait_for_last_step
+        self.last: LaunchedStep | None = None  # ModelRunner._last
+
+    def _wait_for_last_step(self) -> None:
+        if self.last is not None:
+            self.last.result()
+
+    def reset(self) -> None:
+        """A new control-plane stream: the data plane forgets every sequence (ModelRunner.reset)."""
+        self.batch.reset()
+
+    def prepare(self, plan: dp.StepPlan) -> StepInputs | None:
+        try:
+            return self.batch.prepare(plan_from_pb(plan))
+        except ValueError as exc:
+            raise AssertionError(f"the data plane refuses step {plan.step_id}: {exc}") from exc
+
+    def launched(self, inputs: StepInputs | None, outputs: list[list[int]], result: dp.StepResult) -> LaunchedStep:
+        """What ModelRunner.launch leaves: the samples kept on the device for the next plan's PENDING
+        tokens (set_last_tokens) and, for a plan of one step, their record once the result is read."""
+        step = LaunchedStep(result)
+        if inputs is not None and inputs.decode_steps is not None:  # [K, n]: step k's token of row i
+            steps = inputs.decode_steps
+            tokens = np.full((steps.num_steps, len(outputs)), FED_PAST_BUDGET, dtype=np.int32)
+            for i, out in enumerate(outputs):
+                tokens[:len(out), i] = out
+            self.batch.set_last_tokens(inputs.sample_rows, torch.from_numpy(tokens.ravel())[steps.last.long()])
+        elif inputs is not None and inputs.sampling is not None:
+            sampled = np.asarray([out[0] for out in outputs if out], dtype=np.int32)
+            self.batch.set_last_tokens(inputs.sample_rows, torch.from_numpy(sampled))
+            step.record = partial(self.batch.record_sampled, inputs.sampled, sampled)
+        self.last = step
+        return step
+
+    def check(self, inputs: StepInputs | None, rows: list[Row], num_steps: int, standin: StandInDataPlane) -> None:
+        """What InputBatch built for a plan, against the rows the stand-in ran."""
+        assert set(self.batch.mirrors) == set(standin.mirrors), "the data planes hold different sequences"
+        if not rows:
+            assert inputs is None
+            return
+        query_lens = [len(row.tokens) for row in rows]
+        ends = [row.start + len(row.tokens) for row in rows]
+        m = inputs.metadata
+        assert inputs.input_ids.tolist() == [t for row in rows for t in row.tokens], "input_ids (PENDING resolved)"
+        assert inputs.positions.tolist() == [pos for row, end in zip(rows, ends) for pos in range(row.start, end)]
+        assert m.slot_mapping.tolist() == [slot for row in rows for slot in row.slots], "slot_mapping"
+        assert m.context_lens.tolist() == m.context_lens_host == ends, "context lengths"
+        assert m.query_lens_host == query_lens and (m.max_seqlen_q, m.max_seqlen_k) == (max(query_lens), max(ends))
+        assert m.cu_seqlens_q.tolist() == cumsum0(query_lens) and m.cu_seqlens_k.tolist() == cumsum0(ends)
+        if max(query_lens) == 1:  # a decode step: longest context first, ties in plan order
+            assert m.decode_order.tolist() == sorted(range(len(rows)), key=lambda i: -ends[i])
+        else:
+            assert m.decode_order is None
+        self._check_block_tables(m.block_tables, rows)
+        self._check_sampling(inputs, rows, standin)
+        if num_steps > 1:
+            self._check_decode_steps(inputs.decode_steps, rows, standin)
+        else:
+            assert inputs.decode_steps is None
+
+    def _check_block_tables(self, tables: torch.Tensor, rows: list[Row]) -> None:
+        """Each sequence's mirrored block table, and the part of it the plan's attention reads."""
+        batch, bs = self.batch, self.batch.limits.block_size
+        for i, row in enumerate(rows):
+            r = batch.mirrors[row.seq_id]
+            assert batch.block_table[r, :batch.num_blocks[r]].tolist() == row.mirror.block_table, f"seq {row.seq_id}"
+            read = -(-(row.start + len(row.tokens) + row.budget - 1) // bs)  # once every step of the plan ran
+            assert tables[i, :read].tolist() == row.mirror.block_table[:read], f"block table row of seq {row.seq_id}"
+
+    def _check_sampling(self, inputs: StepInputs, rows: list[Row], standin: StandInDataPlane) -> None:
+        """Which rows sample, from which hidden state, with which tokens masked and, with penalties,
+        which history (the first step's, in a plan of several)."""
+        token_ends = cumsum0([len(row.tokens) for row in rows])[1:]
+        sampled = [(row, end) for row, end in zip(rows, token_ends) if row.sample]
+        ends = [row.start + len(row.tokens) for row, _ in sampled]
+        assert inputs.sample_indices.tolist() == [end - 1 for _, end in sampled], "rows of the hidden states"
+        batch_rows = [self.batch.mirrors[row.seq_id] for row, _ in sampled]
+        assert inputs.sample_rows.tolist() == inputs.sampled.rows.tolist() == batch_rows
+        assert inputs.sampled.seq_ids.tolist() == [row.seq_id for row, _ in sampled]
+        assert inputs.sampled.positions.tolist() == ends, "positions of the sampled tokens"
+        sampling = inputs.sampling
+        if not sampled:
+            assert sampling is None
+            return
+        banned = set() if sampling.banned is None else set(zip(*(t.tolist() for t in sampling.banned)))
+        assert banned == {(j, t) for j, ((row, _), end) in enumerate(zip(sampled, ends))
+                          for t in row.mirror.banned(end)}, "tokens masked for min_tokens"
+        penalized = [(j, row.mirror, end) for j, ((row, _), end) in enumerate(zip(sampled, ends))
+                     if row.mirror.penalized]
+        assert (sampling.penalties is not None) == bool(penalized)
+        for j, mirror, end in penalized:
+            history = np.asarray(standin.context(mirror, end), dtype=np.int64)
+            prompt, outputs = history[:mirror.num_prompt_tokens], history[mirror.num_prompt_tokens:]
+            assert sampling.penalties.prompt_counts[j].tolist() == np.bincount(prompt, minlength=VOCAB).tolist()
+            assert sampling.penalties.output_counts[j].tolist() == np.bincount(outputs, minlength=VOCAB).tolist()
+
+    @staticmethod
+    def _check_decode_steps(steps: DecodeSteps, rows: list[Row], standin: StandInDataPlane) -> None:
+        """The inputs of every step of a plan of several decode steps. On the CPU all of them are host-built
+        and readable (on CUDA a decode graph copies them in); the tokens fed from one step into the next
+        are the model runner's device work, stood in for by the stand-in's samples (see launched)."""
+        budgets, n = [row.budget for row in rows], len(rows)
+        assert steps.num_steps == max(budgets) and steps.budget.tolist() == budgets
+        # where each row's last token lands in the [K, n] tokens, the next plan's PENDING: checked here, as
+        # the scheduler gives a budget under K only to a sequence whose last token that is
+        assert steps.last.tolist() == [(budget - 1) * n + i for i, budget in enumerate(budgets)]
+        for k in range(steps.num_steps):  # a row past its budget stays at its last position and stores nothing
+            positions = [row.start + min(k, row.budget - 1) for row in rows]
+            slots = [standin.slot(row.mirror, row.start + k) if k < row.budget else -1 for row in rows]
+            assert steps.positions[k].tolist() == positions, f"positions of decode step {k}"
+            assert steps.slot_mapping[k].tolist() == slots, f"slot_mapping of decode step {k}"
+            contexts = [pos + 1 for pos in positions]
+            assert steps.context_lens[k].tolist() == steps.context_lens_host[k] == contexts
+            assert steps.cu_seqlens_k[k].tolist() == cumsum0(contexts)
 
 
 # ---- the engine core and one replica's step loop --------------------------------------------
@@ -235,10 +413,12 @@ class Add:
     min_tokens: int
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
+    penalized: bool = False  # a repetition penalty: the data plane keeps its history
 
     @property
     def params(self) -> RequestParams:
-        return RequestParams(max_tokens=self.max_tokens, min_tokens=self.min_tokens,
+        sampling = SamplingOptions(repetition_penalty=1.5 if self.penalized else 1.0)
+        return RequestParams(max_tokens=self.max_tokens, sampling=sampling, min_tokens=self.min_tokens,
                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
 
 
@@ -261,6 +441,7 @@ class Engine:
         self.setup = setup
         self.scheduler = Scheduler(setup.config, self._block_manager())
         self.dataplane = StandInDataPlane(setup.limits)
+        self.real = RealPlanHandling(setup.limits)
         self.requests: list[Request] = []
         self.live: dict[int, Request] = {}  # the core's unfinished sequences
         self.lost = False
@@ -315,17 +496,27 @@ class Engine:
                 continue
             if out is not None:
                 plan = encode_plan(out, bs, EOS_IDS)
-                result = self.dataplane.run(plan)  # the data plane runs plans in the order sent
+                launched = self._launch(plan)  # the data plane runs plans in the order sent
                 self._note(plan)
                 yield "sending"
                 if self.lost:
                     continue
-                in_flight.append((out, result))
+                in_flight.append((out, launched))
             if in_flight and (out is None or len(in_flight) >= self.setup.max_steps_in_flight):
                 yield "receiving"
                 if self.lost:
                     continue
-                self._apply(*in_flight.popleft())
+                out, launched = in_flight.popleft()
+                self._apply(out, launched.result())
+
+    def _launch(self, plan: dp.StepPlan) -> LaunchedStep:
+        """Runs a plan on the stand-in, and checks the real data plane's inputs for it against the stand-in."""
+        inputs = self.real.prepare(plan)
+        rows, outputs = self.dataplane.run(plan)
+        self.real.check(inputs, rows, plan.num_steps, self.dataplane)
+        sampled = np.asarray([token for out in outputs for token in out], dtype="<i4")
+        return self.real.launched(inputs, outputs, dp.StepResult(step_id=plan.step_id,
+                                                                 sampled_token_ids=sampled.tobytes()))
 
     def _apply(self, out, result: dp.StepResult) -> None:
         """replica.py's _apply: new tokens, and the token rules that end requests."""
@@ -347,6 +538,7 @@ class Engine:
         seqs = self.scheduler.evict_all()
         self.scheduler.block_manager = self._block_manager()
         self.dataplane = StandInDataPlane(self.setup.limits)
+        self.real.reset()  # empty as a restarted data plane, and its rows are reused
         for seq in seqs:
             if seq.seq_id in self.live:
                 self.scheduler.add(seq)
@@ -438,7 +630,8 @@ def adds(draw, stems: list[list[int]], room: int) -> Add:
     prompt = prompt or [draw(TOKENS)]
     max_tokens = draw(st.integers(1, min(12, room - len(prompt))))
     return Add(prompt, max_tokens, min(draw(st.sampled_from([0, 0, 0, 1, 3])), max_tokens),
-               draw(st.sampled_from([(), (), (STOP_TOKEN,)])), draw(st.sampled_from([False, False, False, True])))
+               draw(st.sampled_from([(), (), (STOP_TOKEN,)])), draw(st.sampled_from([False, False, False, True])),
+               draw(st.sampled_from([False, False, False, True])))
 
 
 @st.composite
