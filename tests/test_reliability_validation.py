@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import grpc
+import httpx
 import pytest
 
 from tests.reliability import all_blocks_free, wait_until
@@ -139,3 +140,23 @@ def test_tokenize_refuses_bad_input_too(stub):
         with pytest.raises(grpc.RpcError) as info:
             stub.Tokenize(req, timeout=30)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in info.value.details()
+
+
+def test_a_model_without_a_tokenizer_takes_token_ids_and_says_so_for_text(planes_factory):
+    planes = planes_factory("dummy:tiny-qwen3", "--block-size", "16", http_listen="127.0.0.1:0")
+    why = "this model has no tokenizer: send the prompt as token ids, not as text or chat messages"
+    with grpc.insecure_channel(planes.address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        for req in (request(None, text="hi", max_tokens=2), request(None, chat=chat("user"), max_tokens=2)):
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(req, timeout=60))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details() == why
+        assert len([t for out in stub.Generate(request(max_tokens=3, ignore_eos=True), timeout=60)
+                    for t in out.token_ids]) == 3
+    url = f"http://127.0.0.1:{planes.plane.http_port}/v1"
+    for path, body in (("chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("completions", {"prompt": "hi"})):
+        response = httpx.post(f"{url}/{path}", json={"model": planes.engine.describe.model, **body}, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["message"] == why, response.text
+    answer = httpx.post(f"{url}/completions", json={"prompt": [5, 6, 7], "max_tokens": 2}, timeout=60).json()
+    assert answer["usage"]["completion_tokens"] == 2, answer
