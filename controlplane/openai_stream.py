@@ -88,6 +88,7 @@ class ResponseBuilder:
         self.logprobs: list[list] = [[] for _ in range(n)]
         self.reasons: list[str | None] = [None] * n
         self.started = [False] * n
+        self.offsets = [0] * n  # streamed completions' text_offset: the length of the tokens' texts so far
 
     def _object(self, chunk: bool) -> dict:
         kind = ("chat.completion" if self.request.chat else "text_completion") + (".chunk" if chunk and
@@ -97,7 +98,10 @@ class ResponseBuilder:
     def _logprobs(self, index: int, out: RequestOutput) -> dict | None:
         if not self.request.logprobs:
             return None
-        return logprobs_json(self.request.chat, out.logprobs, self.tokenizer, offset=len(self.texts[index]))
+        logprobs = logprobs_json(self.request.chat, out.logprobs, self.tokenizer, offset=self.offsets[index])
+        if not self.request.chat:  # counted as in the whole response, not from the text sent (which may wait)
+            self.offsets[index] += sum(len(token) for token in logprobs["tokens"])
+        return logprobs
 
     def chunk(self, index: int, out: RequestOutput) -> dict:
         """The stream chunk of one output of choice index."""
@@ -109,7 +113,6 @@ class ResponseBuilder:
         else:
             choice["text"] = out.text
         self.started[index] = True
-        self.texts[index] += out.text
         chunk = {**self._object(True), "choices": [choice]}
         if self.request.include_usage:
             chunk["usage"] = None
