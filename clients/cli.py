@@ -221,20 +221,15 @@ def cmd_dataplane(args: argparse.Namespace) -> int:
     token = _dataplane_token(args)  # before the model loads
     credentials = _dataplane_credentials(args)
     from twinplane.dataplane.embedded import EmbeddedModelError
-    from twinplane.dataplane.main import check_config, serve
+    from twinplane.dataplane.main import serve
 
-    try:
-        config = check_config(_dataplane_config(args))
-    except (ValueError, EmbeddedModelError) as exc:  # no such model, or one the TP size does not split
-        print(f"twinplane dataplane: error: {exc}", file=sys.stderr)
-        raise SystemExit(CONFIG_ERROR_EXIT) from None  # serve does not restart it
-    try:
-        serve(config, args.listen, token, credentials, args.health_listen)
+    try:  # serve checks the model first (check_config), before any rank starts or the model loads
+        serve(_dataplane_config(args), args.listen, token, credentials, args.health_listen)
     except OSError as exc:  # an address it cannot listen on (in use, or not this host's)
         raise SystemExit(f"twinplane dataplane: error: {exc}") from None
-    except ValueError as exc:  # a KV cache the device cannot hold, found once the model is loaded
+    except (ValueError, EmbeddedModelError) as exc:  # the model, the TP size or the KV cache size
         print(f"twinplane dataplane: error: {exc}", file=sys.stderr)
-        raise SystemExit(CONFIG_ERROR_EXIT) from None
+        raise SystemExit(CONFIG_ERROR_EXIT) from None  # serve does not restart it
     return 0
 
 

@@ -268,7 +268,8 @@ class Engine:
         if prompt.token_ids is not None:
             return list(prompt.token_ids)
         if self.tokenizer is None:
-            raise InvalidRequest("this model has no tokenizer: send the prompt as token ids, not as text or chat messages")
+            raise InvalidRequest("this model has no tokenizer: send the prompt as token ids, "
+                                 "not as text or chat messages")
         if prompt.messages is not None:
             return await self.in_tokenizer_pool(self.tokenizer.encode_chat, prompt.messages, prompt.messages_name)
         return await self.in_tokenizer_pool(self.tokenizer.encode, prompt.text)

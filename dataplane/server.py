@@ -31,6 +31,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from twinplane.controlplane.tls import add_port  # grpc only: the address checks both planes share
 from twinplane.dataplane.convert import describe_to_pb, output_to_pb, plan_from_pb
 from twinplane.proto import dataplane_pb2 as dp
 from twinplane.proto import dataplane_pb2_grpc as dp_grpc
@@ -249,18 +250,6 @@ def _add_health(server: grpc.Server) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
 
 
-def _bind(server: grpc.Server, listen: str, credentials: grpc.ServerCredentials | None = None,
-          flag: str = "--listen") -> int:
-    """Binds server to listen; returns the port, or raises OSError naming the flag when it cannot."""
-    try:
-        if credentials is None:
-            return server.add_insecure_port(listen)
-        return server.add_secure_port(listen, credentials)
-    except RuntimeError:  # gRPC says only "Failed to bind to address"
-        raise OSError(f"{flag} {listen}: cannot listen there (the port is in use, or the address or its "
-                      "folder is not this host's)") from None
-
-
 def create_server(runner, listen: str, token: str | None = None, workers=None,
                   credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, int, DataPlaneServicer]:
     """Builds the data-plane server (not started), over TLS with credentials; returns it, the bound
@@ -274,7 +263,7 @@ def create_server(runner, listen: str, token: str | None = None, workers=None,
     servicer = DataPlaneServicer(runner, workers)
     dp_grpc.add_DataPlaneServicer_to_server(servicer, server)
     _add_health(server)
-    return server, _bind(server, listen, credentials), servicer
+    return server, add_port(server, listen, credentials), servicer
 
 
 def create_health_server(listen: str) -> tuple[grpc.Server, int]:
@@ -282,4 +271,4 @@ def create_health_server(listen: str) -> tuple[grpc.Server, int]:
     (Kubernetes' gRPC probes); returns it and its bound port."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), maximum_concurrent_rpcs=4)
     _add_health(server)
-    return server, _bind(server, listen, flag="--health-listen")
+    return server, add_port(server, listen, flag="--health-listen")
