@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import math
 import multiprocessing
 import os
 import random
@@ -386,8 +388,26 @@ def run_bench(args: argparse.Namespace) -> int:
             server.terminate()
             server.wait(60)
             shutil.rmtree(os.path.dirname(target.removeprefix("unix://")), ignore_errors=True)
-    report(requests, elapsed, before, after, info, args, cpu)
+    figures = report(requests, elapsed, before, after, info, args, cpu)
+    if args.save_result:
+        save_result(args.save_result, requests, figures, args)
     return 0
+
+
+def save_result(path: str, requests: list[Request], figures: dict, args: argparse.Namespace) -> None:
+    """Writes the run as JSON: the printed figures, the flags, and each request's prompt length, max_tokens,
+    send time and token arrival times in seconds from the first send (tokens that came in one message share
+    a time), so gaps can be traced to what the service was doing."""
+    t0 = min(r.sent for r in requests)
+    run = {
+        "figures": figures,
+        "args": {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v))  # --request-rate inf
+                 for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
+        "requests": [{"prompt_tokens": len(r.prompt), "max_tokens": r.max_tokens, "sent_s": r.sent - t0,
+                      "token_times_s": [t - t0 for t in r.token_times], "error": r.error} for r in requests],
+    }
+    with open(path, "w") as f:
+        json.dump(run, f)
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -421,6 +441,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "spread them over a server's --api-server-count frontends)")
     g.add_argument("--max-prefill-tokens-with-decode", type=int, default=None,
                    help="passed to the server it starts (default: no cap)")
+    g.add_argument("--save-result", metavar="PATH", default=None,
+                   help="also write the figures and every token's arrival time (JSON) to PATH (default: not written)")
     g.add_argument("--stream-interval", type=int, default=1, help="passed to the server it starts")
     g.add_argument("--max-steps-in-flight", type=int, default=2, help="passed to the server it starts")
     g.add_argument("--decode-steps", type=int, default=8, help="passed to the server it starts")

@@ -4,6 +4,7 @@ benchmark's report."""
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -145,6 +146,29 @@ def test_bench_reports_each_requests_pace_beside_the_gaps_between_tokens(control
     assert figures["itl_p50_s"] == pytest.approx(0.002) and figures["itl_max_s"] == pytest.approx(0.006)
     out = capsys.readouterr().out
     assert "inter-token latency p50 2.0 ms, p99 6.0 ms, max 6.0 ms; time per output token p50 2.5 ms" in out
+
+
+def test_bench_saves_every_tokens_arrival_time_beside_the_figures(control_plane, tmp_path, capsys):
+    """--save-result: the figures it printed, its flags, and each token's arrival from the first send,
+    so the gaps behind a percentile can be found again."""
+    import json
+
+    from twinplane.clients.bench import save_result
+
+    stats = control_plane.stats()
+    first = Request([1] * 40, 3, 5.0, [5.010, 5.012, 5.020])
+    second = Request([1] * 70, 2, 5.5, [5.530, 5.530], error=None)
+    figures = report([first, second], 1.0, stats, stats, _model_info(), _bench_args())
+    args = argparse.Namespace(request_rate=float("inf"), seed=3, save_result=str(tmp_path / "run.json"), peers=[1])
+    save_result(args.save_result, [first, second], figures, args)
+    saved = json.loads((tmp_path / "run.json").read_text())
+    assert saved["figures"]["itl_max_s"] == pytest.approx(0.008) and saved["figures"]["output_tokens"] == 5
+    assert saved["args"] == {"request_rate": "inf", "seed": 3, "save_result": str(tmp_path / "run.json")}
+    one, two = saved["requests"]
+    assert (one["prompt_tokens"], one["max_tokens"], two["prompt_tokens"], two["max_tokens"]) == (40, 3, 70, 2)
+    assert one["sent_s"] == 0.0 and two["sent_s"] == pytest.approx(0.5)
+    assert one["token_times_s"] == pytest.approx([0.010, 0.012, 0.020])
+    assert two["token_times_s"] == pytest.approx([0.530, 0.530]) and two["error"] is None
 
 
 def test_data_plane_logs_each_steps_host_timeline_at_debug(caplog):
