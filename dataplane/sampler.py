@@ -58,16 +58,28 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Keep each row's top_k tokens, then the smallest prefix whose probability reaches top_p."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
-    if top_k is not None:
-        ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
+    """Keep each row's top_k tokens (and any tied with the k-th), then the fewest most likely of those
+    whose probability reaches top_p, as transformers' and vLLM's filters do."""
+    sorted_logits, order = logits.sort(dim=-1)  # ascending: the most likely last
+    if top_k is not None:  # off: top_k = vocab, so the k-th is the smallest
+        kth = sorted_logits.gather(-1, logits.shape[-1] - top_k)
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     if top_p is not None:
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        sorted_logits = sorted_logits.masked_fill(mass_before > top_p, float("-inf"))
+        mass_up_to = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # of this token and every less likely one
+        drop = mass_up_to <= 1 - top_p
+        drop[:, -1] = False  # the most likely token always stays
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature, then min_p, top_k and top_p: what a drawing row samples from (removed tokens -inf)."""
+    logits = logits / batch.temperature
+    if batch.min_p is not None:
+        logits = apply_min_p(logits, batch.min_p)
+    if batch.top_k is not None or batch.top_p is not None:
+        logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+    return logits
 
 
 class Sampler:
@@ -123,12 +135,7 @@ class Sampler:
         return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
     def _random_sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        logits = logits / batch.temperature
-        if batch.min_p is not None:
-            logits = apply_min_p(logits, batch.min_p)
-        if batch.top_k is not None or batch.top_p is not None:
-            logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-        probs = logits.softmax(dim=-1)
+        probs = filter_logits(logits, batch).softmax(dim=-1)
         return (probs / self._race_noise(probs, batch)).argmax(dim=-1)
 
     def _logprobs(self, raw_logits: torch.Tensor, token_ids: torch.Tensor, out: SamplerOutput,

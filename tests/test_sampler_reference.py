@@ -1,0 +1,101 @@
+"""The sampler's filters against Hugging Face transformers' own logits processors.
+
+For random logits (ties and round values included, where the boundary rules of top_k and top_p
+decide) and random temperature / top_k / top_p / min_p / repetition penalty, the tokens the
+sampler may draw must be exactly those the reference chain leaves finite: transformers'
+RepetitionPenalty, Temperature, MinP, TopK and TopP processors, in the sampler's (and vLLM's)
+order. And every draw must come from that set.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from twinplane.dataplane.plan import SamplingParams
+from twinplane.dataplane.sampler import Sampler, apply_penalties, filter_logits
+from twinplane.dataplane.sampling_batch import SamplingRow, build_sampling_batch
+
+transformers = pytest.importorskip("transformers")
+from transformers.generation.logits_process import (  # noqa: E402
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+CPU = torch.device("cpu")
+PROPERTY = settings(max_examples=600, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+EMPTY = np.empty(0, dtype=np.int32)
+
+# logits often of a few round values, so ties and probabilities that sum exactly to a top_p
+# boundary are common (log 2 apart: probabilities 1/2, 1/4, 1/8, ...)
+logit_rows = st.integers(2, 12).flatmap(
+    lambda vocab: st.lists(st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.0]).map(lambda k: float(k * np.log(2)))
+                                    | st.floats(-4, 4, width=32), min_size=vocab, max_size=vocab),
+                           min_size=1, max_size=4))
+params = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.5, 1.0, 2.0]) | st.floats(0.05, 3.0),
+    top_k=st.sampled_from([0, 1, 2, 3]) | st.integers(0, 16),
+    top_p=st.sampled_from([1.0, 0.5, 0.75, 0.25]) | st.floats(0.0625, 1.0, width=32),
+    min_p=st.sampled_from([0.0, 0.5]) | st.floats(0.0, 0.9375, width=32),
+    repetition_penalty=st.sampled_from([1.0, 2.0]) | st.floats(0.5, 3.0),
+)
+
+
+def _reference_kept(logits: torch.Tensor, p: SamplingParams, history: list[int]) -> list[bool]:
+    """The tokens transformers' processors leave finite, in the sampler's order."""
+    ids = torch.tensor([history or [0]], dtype=torch.long)
+    scores = logits.unsqueeze(0).clone()
+    if p.repetition_penalty != 1.0 and history:
+        scores = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, scores)
+    scores = TemperatureLogitsWarper(p.temperature)(ids, scores)
+    if p.min_p > 0.0:
+        scores = MinPLogitsWarper(p.min_p)(ids, scores)
+    if 0 < p.top_k < logits.shape[-1]:
+        scores = TopKLogitsWarper(p.top_k)(ids, scores)
+    if p.top_p < 1.0:
+        scores = TopPLogitsWarper(p.top_p)(ids, scores)
+    return torch.isfinite(scores[0]).tolist()
+
+
+@PROPERTY
+@given(rows=logit_rows, data=st.data())
+def test_the_sampler_keeps_the_tokens_transformers_keeps(rows: list[list[float]], data) -> None:
+    logits = torch.tensor(rows, dtype=torch.float32)
+    n, vocab = logits.shape
+    row_params = [data.draw(params) for _ in range(n)]
+    histories = [data.draw(st.lists(st.integers(0, vocab - 1), max_size=4)) for _ in range(n)]
+    batch_rows = [SamplingRow(p, 0, np.asarray(h, np.int32), EMPTY) for p, h in zip(row_params, histories)]
+    batch = build_sampling_batch(batch_rows, vocab, CPU)
+    penalized = logits if batch.penalties is None else apply_penalties(logits, batch.penalties)
+    kept = torch.isfinite(filter_logits(penalized, batch)).tolist()
+    for i in range(n):
+        reference = _reference_kept(logits[i], row_params[i], histories[i])
+        mine, theirs = ([x for x, k in zip(rows[i], mask) if k] for mask in (kept[i], reference))
+        assert sorted(mine) == sorted(theirs), (rows[i], row_params[i], histories[i])
+    draws = Sampler(data.draw(st.integers(0, 2**31)), CPU)(logits.repeat(8, 1), build_sampling_batch(batch_rows * 8, vocab, CPU))
+    for j, token in enumerate(draws.token_ids.tolist()):
+        assert kept[j % n][token], f"row {j % n} drew token {token}, which its filters remove"
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth() -> None:
+    """Two tokens share the second-highest logit: top_k=2 keeps both, as transformers and vLLM do,
+    rather than the one with the lower id."""
+    logits = torch.tensor([[3.0, 1.0, 1.0, 0.0]])
+    batch = build_sampling_batch([SamplingRow(SamplingParams(top_k=2), 0, EMPTY, EMPTY)], 4, CPU)
+    assert torch.isfinite(filter_logits(logits, batch)).tolist() == [[True, True, True, False]]
+
+
+def test_top_p_stops_at_the_token_that_reaches_it() -> None:
+    """Probabilities 1/2, 1/4, 1/8, 1/8: top_p 0.75 is reached by the first two tokens exactly, so the
+    third goes; top_p 0.5 by the first alone."""
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125], [0.5, 0.25, 0.125, 0.125]]))
+    rows = [SamplingRow(SamplingParams(top_p=p), 0, EMPTY, EMPTY) for p in (0.75, 0.5)]
+    kept = torch.isfinite(filter_logits(logits, build_sampling_batch(rows, 4, CPU))).tolist()
+    assert kept == [[True, True, False, False], [True, False, False, False]]
