@@ -17,9 +17,10 @@ CHAT_PROMPTS = [
 ]
 
 
-def hf_greedy(folder, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool) -> list[int]:
+def hf_greedy(folder, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool, **generate_kwargs) -> list[int]:
     model = _hf_model(str(folder))
     extra = {"min_new_tokens": max_new_tokens} if ignore_eos else {}
+    extra.update(generate_kwargs)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
                              attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long), **extra)
@@ -49,6 +50,26 @@ def test_tiny_random_models_match_transformers(arch, request, planes_factory):
             got = [t for c in client.generate(token_ids=prompt, max_tokens=12, temperature=0, ignore_eos=True)
                    for t in c.token_ids]
             assert got == hf_greedy(folder, prompt, 12, ignore_eos=True)
+
+
+def test_repetition_penalty_matches_transformers(tiny_qwen3_dir, shared_planes):
+    """Greedy with a repetition penalty equals transformers' generate with its own penalty processor
+    (over prompt and output), also when the prompt's full blocks come from the prefix cache."""
+    changed = 0
+    with shared_planes.client() as client:
+        for i, (start, tail) in enumerate(zip(random_prompts(3, seed=13, low=16, high=16),
+                                              random_prompts(3, seed=14, low=8, high=12))):
+            # the model's own continuation in the prompt's first blocks (the ones the cache serves the
+            # second time): the tokens it would pick next are prompt tokens
+            prompt = start + hf_greedy(tiny_qwen3_dir, start, 16, ignore_eos=True) + tail
+            expected = hf_greedy(tiny_qwen3_dir, prompt, 16, ignore_eos=True, repetition_penalty=1.6)
+            changed += expected != hf_greedy(tiny_qwen3_dir, prompt, 16, ignore_eos=True)
+            for attempt in ("computed", "cached"):
+                chunks = list(client.generate(token_ids=prompt, max_tokens=16, temperature=0, ignore_eos=True,
+                                              repetition_penalty=1.6))
+                assert [t for c in chunks for t in c.token_ids] == expected, (i, attempt)
+            assert chunks[-1].usage.cached_prompt_tokens == 32, "the second time, two blocks came from the cache"
+    assert changed >= 1, "the penalty changed no reference output: the test would not notice it ignored"
 
 
 def test_smollm2_chat_matches_transformers(smollm2_dir, planes_factory):
