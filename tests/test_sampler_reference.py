@@ -99,3 +99,24 @@ def test_top_p_stops_at_the_token_that_reaches_it() -> None:
     rows = [SamplingRow(SamplingParams(top_p=p), 0, EMPTY, EMPTY) for p in (0.75, 0.5)]
     kept = torch.isfinite(filter_logits(logits, build_sampling_batch(rows, 4, CPU))).tolist()
     assert kept == [[True, True, False, False], [True, False, False, False]]
+
+
+@pytest.mark.parametrize("p", [SamplingParams(temperature=0.8, top_k=6, top_p=0.9, min_p=0.05),
+                               SamplingParams(temperature=1.3, top_p=0.7),
+                               SamplingParams(temperature=0.5, min_p=0.2, seed=5)],
+                         ids=["every-filter", "top-p", "min-p-seeded"])
+def test_draws_follow_the_reference_distribution(p: SamplingParams) -> None:
+    """20,000 draws of one row's token (fixed seeds: the counts are the same every run) against the
+    softmax of what transformers' processors leave: every token within 4.5 standard deviations."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.7, 0.3, 0.0, -0.5, -1.0])
+    n = 20_000
+    rows = [SamplingRow(p, i if p.seed is not None else 0, EMPTY, EMPTY) for i in range(n)]  # seeded: n positions
+    drawn = Sampler(0, CPU)(logits.repeat(n, 1), build_sampling_batch(rows, len(logits), CPU)).token_ids
+    kept = torch.tensor(_reference_kept(logits, p, []))
+    scaled = (logits / p.temperature).masked_fill(~kept, float("-inf"))
+    expected = scaled.softmax(-1).double()
+    frequencies = torch.bincount(drawn, minlength=len(logits)).double() / n
+    assert (frequencies[~kept] == 0).all(), f"drew removed tokens: {frequencies.tolist()}"
+    sigma = (expected * (1 - expected) / n).sqrt().clamp(min=1e-12)
+    z = ((frequencies - expected).abs() / sigma)[kept]
+    assert z.max() < 4.5, f"frequencies {frequencies.tolist()} against {expected.tolist()}"
