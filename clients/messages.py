@@ -113,6 +113,7 @@ def build_request(
     logprobs: int | None = None,
     truncate_prompt_tokens: int = 0,
     skip_special_tokens: bool | None = None,
+    logit_bias: dict[int, float] | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from exactly one of prompt, token_ids and messages.
 
@@ -129,7 +130,7 @@ def build_request(
         request_id=request_id, max_tokens=max_tokens, min_tokens=min_tokens,
         stop=[stop] if isinstance(stop, str) else list(stop), stop_token_ids=list(stop_token_ids),
         ignore_eos=ignore_eos, logprobs=logprobs, truncate_prompt_tokens=truncate_prompt_tokens,
-        skip_special_tokens=skip_special_tokens,
+        skip_special_tokens=skip_special_tokens, logit_bias=logit_bias or {},
     )
     if sampling.ListFields():
         request.sampling.CopyFrom(sampling)

@@ -34,6 +34,7 @@ class Limits:
     max_stop_string_len: int = 256
     max_prompt_bytes: int = 1 << 20  # UTF-8 bytes of text, or of every chat message's role and content
     max_chat_messages: int = 1024
+    max_logit_bias: int = 1024  # entries of logit_bias
 
 
 @dataclass(frozen=True)
@@ -228,9 +229,10 @@ def request_id_header_value(request_id: str) -> str:
 
 def request_params(limits: Limits, sampling: SamplingOptions, *, max_tokens: int | None = None, min_tokens: int = 0,
                    stop: tuple[str, ...] = (), stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False,
-                   logprobs: int | None = None, skip_special_tokens: bool = True,
+                   logprobs: int | None = None, skip_special_tokens: bool = True, logit_bias: dict | None = None,
                    logprobs_name: str = "logprobs", max_tokens_name: str = "max_tokens") -> RequestParams:
-    """Validated RequestParams from plain values; max_tokens None means as many as fit."""
+    """Validated RequestParams from plain values; max_tokens None means as many as fit. logit_bias maps
+    token ids (ints) to biases."""
     if max_tokens is not None:
         _check(0 < max_tokens <= limits.max_model_len,
                f"{max_tokens_name} must be in [1, {limits.max_model_len}] (max_model_len), got {max_tokens}")
@@ -250,7 +252,19 @@ def request_params(limits: Limits, sampling: SamplingOptions, *, max_tokens: int
            f"{logprobs_name} must be in [0, {limits.max_logprobs}], got {logprobs}")
     return RequestParams(max_tokens=max_tokens or 0, sampling=sampling, min_tokens=min_tokens, stop=stop,
                          stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
-                         skip_special_tokens=skip_special_tokens)
+                         skip_special_tokens=skip_special_tokens,
+                         logit_bias=checked_logit_bias(logit_bias or {}, limits))
+
+
+def checked_logit_bias(bias: dict, limits: Limits) -> tuple[tuple[int, float], ...]:
+    """(token id, bias) pairs in ascending id order, each id in the vocabulary and each bias in [-100, 100]."""
+    _check(len(bias) <= limits.max_logit_bias,
+           f"logit_bias may hold at most {limits.max_logit_bias} entries, got {len(bias)}")
+    bad = sorted(i for i in bias if not 0 <= i < limits.vocab_size)
+    _check(not bad, f"logit_bias token ids must be in [0, {limits.vocab_size}); got {bad[:5]}")
+    for token_id, value in sorted(bias.items()):
+        _range(f"logit_bias[{token_id}]", value, -100.0, 100.0)
+    return tuple((int(i), float(_float32(v))) for i, v in sorted(bias.items()))
 
 
 def check_truncation(truncate_prompt_tokens: int, limits: Limits) -> None:
@@ -273,6 +287,7 @@ def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, header_reques
         ignore_eos=req.ignore_eos,
         logprobs=req.logprobs if req.HasField("logprobs") else None,
         skip_special_tokens=req.skip_special_tokens if req.HasField("skip_special_tokens") else True,
+        logit_bias=dict(req.logit_bias),
     )
     return GenerateCall(request_id, prompt, params, req.truncate_prompt_tokens)
 

@@ -19,11 +19,11 @@ from twinplane.controlplane.sequence import FinishReason
 from twinplane.controlplane.tokenizer import Tokenizer
 
 MAX_CHOICES = 16  # most sequences (n) one request may ask for
-UNSUPPORTED = ("tools", "functions", "logit_bias", "suffix", "audio", "prediction")  # refused unless null/empty
+UNSUPPORTED = ("tools", "functions", "suffix", "audio", "prediction")  # refused unless null/empty
 _INTS = ("top_k", "seed", "n", "max_tokens", "max_completion_tokens", "min_tokens", "top_logprobs",
          "truncate_prompt_tokens")
 # request fields an error message may start with: an error's "param"
-PARAMS = frozenset((*SAMPLING_FIELDS, *_INTS, "messages", "prompt", "stop", "stop_token_ids", "logprobs",
+PARAMS = frozenset((*SAMPLING_FIELDS, *_INTS, "messages", "prompt", "stop", "stop_token_ids", "logprobs", "logit_bias",
                     "skip_special_tokens", "stream_options", "response_format", "echo", *UNSUPPORTED))
 FINISH_REASONS = {FinishReason.STOP_TOKEN: "stop", FinishReason.STOP_STRING: "stop",
                   FinishReason.LENGTH: "length", FinishReason.ABORTED: "abort"}
@@ -84,6 +84,19 @@ def _stop(body: dict) -> tuple[str, ...]:
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         _fail("stop must be a string or a list of strings")
     return tuple(stop)
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's logit_bias: an object from token ids (as strings, as JSON keys are) to numbers."""
+    bias = _typed(body, "logit_bias", (dict,), "an object from token ids to biases") or {}
+    parsed = {}
+    for key, value in bias.items():
+        if not isinstance(key, str) or not key.lstrip("-").isdigit():
+            _fail(f"logit_bias keys must be token ids (integers), got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail(f"logit_bias[{key}] must be a number, got {value!r}")
+        parsed[int(key)] = value
+    return parsed
 
 
 def _int_list(body: dict, name: str) -> tuple[int, ...]:
@@ -195,7 +208,8 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool) -> Op
         limits, _sampling(body), max_tokens=max_tokens, min_tokens=_int(body, "min_tokens") or 0,
         stop=_stop(body), stop_token_ids=_int_list(body, "stop_token_ids"), ignore_eos=_bool(body, "ignore_eos"),
         logprobs=top, skip_special_tokens=_typed(body, "skip_special_tokens", (bool,), "true or false") is not False,
-        logprobs_name="top_logprobs" if chat else "logprobs", max_tokens_name=max_tokens_name)
+        logit_bias=_logit_bias(body), logprobs_name="top_logprobs" if chat else "logprobs",
+        max_tokens_name=max_tokens_name)
     truncate = _int(body, "truncate_prompt_tokens") or 0
     check_truncation(truncate, limits)
     options = _typed(body, "stream_options", (dict,), "an object")

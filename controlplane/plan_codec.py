@@ -27,6 +27,7 @@ def sequence_init(seq: Sequence, eos_token_ids: tuple[int, ...], start_pos: int)
         frequency_penalty=s.frequency_penalty, has_seed=s.seed is not None, seed=s.seed or 0,
         num_logprobs=-1 if params.logprobs is None else params.logprobs,
         min_tokens=params.min_tokens, stop_token_ids=sorted(masked) if params.min_tokens else [],
+        logit_bias_ids=[i for i, _ in params.logit_bias], logit_bias_values=[v for _, v in params.logit_bias],
     )
     init = dp.SequenceInit(seq_id=seq.seq_id, sampling=sampling, num_prompt_tokens=seq.num_prompt_tokens)
     has_penalty = s.repetition_penalty != 1.0 or s.presence_penalty != 0.0 or s.frequency_penalty != 0.0

@@ -49,14 +49,15 @@ class RequestParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None = none; n = the sampled token's plus the top n
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ascending ids
 
     @property
     def plain_sampling(self) -> bool:
-        """Temperature, top-k, top-p and min-p only (no penalties, seed, logprobs or min_tokens):
-        what a plan of several decode steps allows."""
+        """Temperature, top-k, top-p and min-p only (no penalties, seed, logprobs, min_tokens or logit
+        bias): what a plan of several decode steps allows."""
         s = self.sampling
         return (s.repetition_penalty == 1.0 and s.presence_penalty == 0.0 and s.frequency_penalty == 0.0
-                and s.seed is None and self.logprobs is None and self.min_tokens == 0)
+                and s.seed is None and self.logprobs is None and self.min_tokens == 0 and not self.logit_bias)
 
 
 class Sequence:

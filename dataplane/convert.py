@@ -21,6 +21,7 @@ def init_from_pb(init: dp.SequenceInit) -> SequenceInit:
         repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty, seed=s.seed if s.has_seed else None,
         num_logprobs=s.num_logprobs, min_tokens=s.min_tokens, stop_token_ids=tuple(s.stop_token_ids),
+        logit_bias=tuple(zip(s.logit_bias_ids, s.logit_bias_values)),
     )
     prior = _ints(init.prior_token_ids) if init.prior_token_ids else None
     return SequenceInit(sampling=sampling, num_prompt_tokens=init.num_prompt_tokens, prior_token_ids=prior)

@@ -21,6 +21,7 @@ only the tokens fed back from one step to the next are left to the device.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,6 +111,9 @@ def check_sampling(seq_id: int, init: SequenceInit, limits: PlanLimits) -> None:
         (p.repetition_penalty > 0.0, f"repetition_penalty {p.repetition_penalty} <= 0"),
         (p.num_logprobs <= limits.max_logprobs, f"num_logprobs {p.num_logprobs} > {limits.max_logprobs}"),
         (all(0 <= t < limits.vocab_size for t in p.stop_token_ids), "stop_token_ids outside the vocabulary"),
+        (all(0 <= t < limits.vocab_size for t, _ in p.logit_bias), "logit_bias token ids outside the vocabulary"),
+        (all(math.isfinite(v) for _, v in p.logit_bias), "logit_bias values not finite"),
+        (len({t for t, _ in p.logit_bias}) == len(p.logit_bias), "logit_bias names a token id twice"),
     ]
     for ok, message in problems:
         if not ok:
@@ -118,7 +122,7 @@ def check_sampling(seq_id: int, init: SequenceInit, limits: PlanLimits) -> None:
 
 def _is_plain(p: SamplingParams) -> bool:
     """Temperature, top-k, top-p and min-p only: the vectorized sampling path."""
-    return not p.has_penalties and p.seed is None and p.num_logprobs < 0 and p.min_tokens == 0
+    return not p.has_penalties and p.seed is None and p.num_logprobs < 0 and p.min_tokens == 0 and not p.logit_bias
 
 
 class InputBatch:
@@ -226,7 +230,7 @@ class InputBatch:
         try:
             if plan.num_steps > 1 and not self.plain[rows].all():
                 _fail("a plan of several decode steps takes only sequences sampled with temperature, top-k, "
-                      "top-p and min-p (no penalties, seed, log-probabilities or min_tokens)")
+                      "top-p and min-p (no penalties, seed, log-probabilities, min_tokens or logit bias)")
             pending = self._check_pending(cols, rows, unknown)
             positions = self._apply_blocks_and_check(cols, rows, cols.start_pos + cols.num_tokens + budget - 1)
         except ValueError:

@@ -30,6 +30,7 @@ class SamplingParams:
     num_logprobs: int = -1  # -1 = none; n >= 0 = sampled token's + top n
     min_tokens: int = 0  # stop_token_ids are masked while fewer outputs exist
     stop_token_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit before penalties)
 
     @property
     def greedy(self) -> bool:

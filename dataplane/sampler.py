@@ -1,6 +1,6 @@
 """Batched next-token sampling from float32 logits [n, vocab].
 
-Order of operations per row (as vLLM): penalties (repetition over prompt + output,
+Order of operations per row (as vLLM): logit bias, penalties (repetition over prompt + output,
 frequency and presence over output) and min_tokens masking of stop ids; greedy rows take
 the argmax here. Other rows: temperature, min_p, top_k, top_p, then an exponential race
 (argmax of probs / Exp(1) noise), which draws exactly from the filtered distribution. A
@@ -70,6 +70,20 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         drop[:, -1] = False  # the most likely token always stays
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Logit bias, penalties and min_tokens masking: what greedy rows take the argmax of. Never in place
+    (logits may be the model's own, which log-probabilities read)."""
+    if batch.bias is not None:
+        rows, token_ids, values = batch.bias
+        logits = logits.index_put((rows, token_ids), values, accumulate=True)
+    if batch.penalties is not None:
+        logits = apply_penalties(logits, batch.penalties)
+    if batch.banned is not None:
+        minus_inf = torch.full((), float("-inf"), device=logits.device)  # made there: no copy from the host
+        logits = logits.index_put((batch.banned[0], batch.banned[1]), minus_inf)
+    return logits
 
 
 def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -159,11 +173,7 @@ class Sampler:
         return out
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        if batch.penalties is not None:
-            logits = apply_penalties(logits, batch.penalties)
-        if batch.banned is not None:
-            minus_inf = torch.full((), float("-inf"), device=logits.device)  # made there: no copy from the host
-            logits = logits.index_put((batch.banned[0], batch.banned[1]), minus_inf)
+        logits = adjust_logits(logits, batch)
         token_ids = logits.argmax(dim=-1)
         if not batch.all_greedy:
             token_ids = torch.where(batch.greedy, token_ids, self._random_sample(logits, batch))

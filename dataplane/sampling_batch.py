@@ -59,14 +59,15 @@ class SamplingBatch:
     min_p: torch.Tensor | None  # float32 [n, 1]
     penalties: PenaltyTensors | None
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) to mask to -inf (min_tokens)
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, values) of logit_bias
     seeded: list[tuple[int, int, int]]  # (row, seed, output position)
     num_logprobs: list[int]  # per row; -1 = none
 
     @property
     def temperature_only(self) -> bool:
-        """No row uses penalties, min_tokens masking, min_p, top_k or top_p."""
-        return (self.penalties is None and self.banned is None and self.min_p is None and self.top_k is None
-                and self.top_p is None)
+        """No row uses penalties, min_tokens masking, logit bias, min_p, top_k or top_p."""
+        return (self.penalties is None and self.banned is None and self.bias is None and self.min_p is None
+                and self.top_k is None and self.top_p is None)
 
     @property
     def max_num_logprobs(self) -> int:
@@ -98,6 +99,7 @@ class SamplingBatch:
             min_p=on_device[3].unsqueeze(1) if (min_p > 0.0).any() else None,
             penalties=None,
             banned=None,
+            bias=None,
             seeded=[],
             num_logprobs=[-1] * n,
         )
@@ -159,6 +161,16 @@ def _banned(rows: list[SamplingRow], device: torch.device) -> tuple[torch.Tensor
             to_device(torch.tensor(token_ids, dtype=torch.int64), device))
 
 
+def _bias(rows: list[SamplingRow], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    entries = [(i, t, v) for i, r in enumerate(rows) for t, v in r.params.logit_bias]
+    if not entries:
+        return None
+    row_ids, token_ids, values = zip(*entries)
+    return (to_device(torch.tensor(row_ids, dtype=torch.int64), device),
+            to_device(torch.tensor(token_ids, dtype=torch.int64), device),
+            to_device(torch.tensor(values, dtype=torch.float32), device))
+
+
 def build_sampling_batch(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> SamplingBatch:
     """Tensors for ``rows``, in row order."""
     params = [r.params for r in rows]
@@ -174,6 +186,7 @@ def build_sampling_batch(rows: list[SamplingRow], vocab_size: int, device: torch
         min_p=_column([p.min_p for p in params], torch.float32, device) if any(p.min_p > 0.0 for p in params) else None,
         penalties=_penalties(rows, vocab_size, device),
         banned=_banned(rows, device),
+        bias=_bias(rows, device),
         seeded=[(i, r.params.seed, r.output_pos) for i, r in enumerate(rows)
                 if r.params.seed is not None and not r.params.greedy],
         num_logprobs=[p.num_logprobs for p in params],

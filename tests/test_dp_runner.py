@@ -57,14 +57,19 @@ def _bad_plans(builder: PlanBuilder) -> dict[str, StepPlan]:
         "block id": fresh(55, [1, 2], new_block_ids=np.array([64], np.int32)),
         "batch": fresh(56, [1] * 65),
         "repeated": StepPlan(0, [builder.schedule(builder.new_seq(57, [1, 2]))] * 2),
+        "bias id": StepPlan(0, [builder.schedule(builder.new_seq(58, [1, 2], SamplingParams(
+            logit_bias=((49152, 1.0),))))]),
+        "bias value": StepPlan(0, [builder.schedule(builder.new_seq(59, [1, 2], SamplingParams(
+            logit_bias=((3, float("nan")),))))]),
     }
 
 
-BAD_PLAN_MESSAGES = {"repeated": "schedules a seq_id more than once"}
+BAD_PLAN_MESSAGES = {"repeated": "schedules a seq_id more than once", "bias id": "logit_bias token ids outside",
+                     "bias value": "logit_bias values not finite"}
 
 
 @pytest.mark.parametrize("case", ["unknown", "vocab", "slot", "table", "max_model_len", "block id", "batch",
-                                  "repeated"])
+                                  "repeated", "bias id", "bias value"])
 def test_bad_plans_fail_the_step_not_the_runner(runner: ModelRunner, case: str) -> None:
     runner.reset()
     builder = PlanBuilder(BLOCK, first_block=20)

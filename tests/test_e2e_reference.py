@@ -72,6 +72,25 @@ def test_repetition_penalty_matches_transformers(tiny_qwen3_dir, shared_planes):
     assert changed >= 1, "the penalty changed no reference output: the test would not notice it ignored"
 
 
+def test_logit_bias_matches_transformers(tiny_qwen3_dir, shared_planes):
+    """Greedy with logit_bias equals transformers' generate with the same biases (its sequence_bias
+    of one-token sequences), with a repetition penalty applied after them as both do."""
+    changed = 0
+    with shared_planes.client() as client:
+        for prompt in random_prompts(3, seed=17):
+            free = hf_greedy(tiny_qwen3_dir, prompt, 12, ignore_eos=True)
+            bias = {free[0]: -0.5, free[4]: -2.0, free[8]: 0.75, 4321: 1.5}  # mild: the model still decides
+            for penalty in (1.0, 1.3):
+                expected = hf_greedy(tiny_qwen3_dir, prompt, 12, ignore_eos=True, repetition_penalty=penalty,
+                                     sequence_bias=[[[t], v] for t, v in bias.items()])
+                changed += expected != free
+                got = [t for c in client.generate(token_ids=prompt, max_tokens=12, temperature=0, ignore_eos=True,
+                                                  repetition_penalty=penalty, logit_bias=bias)
+                       for t in c.token_ids]
+                assert got == expected, (prompt, penalty)
+    assert changed >= 2, "the biases changed too few reference outputs to show they are applied"
+
+
 def test_smollm2_chat_matches_transformers(smollm2_dir, planes_factory):
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(smollm2_dir))
     planes = planes_factory(smollm2_dir)

@@ -93,11 +93,24 @@ def test_prompt_forms():
     ({**CHAT, "stream_options": {"include_usage": True}}, True, "stream_options is only allowed with stream: true"),
     ({**CHAT, "stream": True, "stream_options": True}, True, "stream_options must be an object"),
     ({**CHAT, "skip_special_tokens": "false"}, True, "skip_special_tokens must be true or false, got str"),
+    ({**CHAT, "logit_bias": [1, 2]}, True, "logit_bias must be an object from token ids to biases, got list"),
+    ({**CHAT, "logit_bias": {"the": 5}}, True, "logit_bias keys must be token ids (integers), got 'the'"),
+    ({**CHAT, "logit_bias": {"7": "5"}}, True, "logit_bias[7] must be a number, got '5'"),
+    ({**CHAT, "logit_bias": {"7": 101}}, True, "logit_bias[7] must be in [-100.0, 100.0], got 101"),
+    ({**CHAT, "logit_bias": {"1000": 1}}, True, "logit_bias token ids must be in [0, 1000); got [1000]"),
+    ({**CHAT, "logit_bias": {"-3": 1}}, True, "logit_bias token ids must be in [0, 1000); got [-3]"),
+    ({**CHAT, "logit_bias": {str(i): 1 for i in range(1025)}}, True, "logit_bias may hold at most 1024"),
 ])
 def test_invalid_fields_name_the_field(body, chat, words):
     with pytest.raises(InvalidRequest) as error:
         parse(body, chat)
     assert words in str(error.value)
+
+
+def test_logit_bias_arrives_as_sorted_token_id_and_float_pairs():
+    params = parse({**CHAT, "logit_bias": {"9": 100, "3": -2.5}, "n": 2}).calls[1].params
+    assert params.logit_bias == ((3, -2.5), (9, 100.0)) and not params.plain_sampling
+    assert parse({**CHAT, "logit_bias": None}).calls[0].params.logit_bias == ()
 
 
 def test_a_tiny_temperature_samples_greedily():

@@ -155,6 +155,30 @@ def test_stop_string(client, model):
     assert cut.finish_reason == "stop" and cut.text == free[:free.index(stop)]
 
 
+def test_logit_bias_forces_bans_and_leaves_logprobs_alone(client, model, http_planes):
+    """OpenAI's logit_bias (token ids as JSON keys): +100 makes greedy decoding emit that token, -100
+    keeps the greedy choice out, and the log-probabilities reported stay the model's own."""
+    forced = client.completions.create(model=model, prompt=[5, 6, 7, 8], max_tokens=6, temperature=0.8, seed=1,
+                                       logprobs=0, logit_bias={"123": 100},
+                                       extra_body={"ignore_eos": True}).choices[0]
+    same = dict(token_ids=[5, 6, 7, 8], max_tokens=6, temperature=0.8, seed=1, ignore_eos=True)
+    assert grpc_tokens(http_planes, **same, logit_bias={123: 100.0}) == [123] * 6
+    assert forced.text == grpc_text(http_planes, **same, logit_bias={123: 100.0})
+    assert all(lp < -1 for lp in forced.logprobs.token_logprobs), forced.logprobs  # the model's own, not ~0
+    greedy = grpc_tokens(http_planes, token_ids=[5, 6, 7, 8], max_tokens=6, temperature=0, ignore_eos=True)
+    banned = grpc_tokens(http_planes, token_ids=[5, 6, 7, 8], max_tokens=6, temperature=0, ignore_eos=True,
+                         logit_bias={t: -100.0 for t in greedy})
+    assert not set(banned) & set(greedy), (greedy, banned)
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=model, prompt="Hi", logit_bias={"123": 500})
+    assert "logit_bias[123] must be in [-100.0, 100.0]" in error.value.message and error.value.param == "logit_bias"
+
+
+def grpc_tokens(planes: Planes, **kwargs) -> list[int]:
+    with planes.client(api_key=KEY) as grpc_client:
+        return [t for chunk in grpc_client.generate(**kwargs, timeout=60) for t in chunk.token_ids]
+
+
 def test_errors_through_the_sdk(base_url, client, model, http_planes):
     with pytest.raises(openai.AuthenticationError) as error:
         openai.OpenAI(base_url=base_url + "/v1", api_key="wrong", max_retries=0).models.list()

@@ -66,7 +66,9 @@ def generate_requests(draw) -> pb.GenerateRequest:
         ignore_eos=draw(st.booleans()),
         logprobs=draw(mostly(st.none() | st.integers(0, 20), st.integers(0, UINT32))),
         truncate_prompt_tokens=draw(mostly(st.just(0) | st.integers(1, 500), st.integers(0, UINT32))),
-        skip_special_tokens=draw(st.none() | st.booleans()))
+        skip_special_tokens=draw(st.none() | st.booleans()),
+        logit_bias=draw(mostly(st.dictionaries(st.integers(0, 49151), st.floats(-100, 100, width=32), max_size=4),
+                               st.dictionaries(st.integers(0, UINT32), any_float, max_size=1100))))
     kind = draw(mostly(st.sampled_from(["text", "token_ids", "chat"]), st.just("none")))
     if kind == "text":
         req.text = draw(mostly(st.text(min_size=1, max_size=120), text))

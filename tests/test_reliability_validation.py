@@ -69,6 +69,10 @@ BAD_REQUESTS = [
     ("stop-token-beyond-vocab", request(stop_token_ids=[VOCAB + 3]), "stop_token_ids"),
     ("too-many-stop-tokens", request(stop_token_ids=[3] * 65), "stop_token_ids"),
     ("logprobs-above-limit", request(logprobs=21), "logprobs"),
+    ("logit-bias-beyond-vocab", request(logit_bias={VOCAB: 1.0}), "logit_bias token ids"),
+    ("logit-bias-above-100", request(logit_bias={3: 100.5}), "logit_bias[3]"),
+    ("logit-bias-nan", request(logit_bias={3: math.nan}), "logit_bias[3]"),
+    ("too-many-logit-biases", request(logit_bias={i: 1.0 for i in range(1025)}), "logit_bias"),
     ("request-id-too-long", request(request_id="r" * 257), "request_id"),
     ("text-over-max-prompt-bytes", request(None, text="é" * (16 << 10) + "a"), "max_prompt_bytes"),  # 64 per token
     ("too-many-chat-messages", request(None, chat=chat(*["user"] * 1025)), "max_chat_messages"),
@@ -95,7 +99,8 @@ def test_valid_requests_still_succeed_after_the_bad_ones(stub, shared_planes):
     for req in (request(max_tokens=5, sampling=dict(temperature=0)),
                 request([5] * 600, truncate_prompt_tokens=100, max_tokens=3),  # truncated, then fits
                 request(sampling=dict(top_k=-1, top_p=1.0, min_p=0.0), max_tokens=3),  # -1 and 0: "off"
-                request(sampling=dict(top_k=0), max_tokens=3, min_tokens=3, ignore_eos=True)):
+                request(sampling=dict(top_k=0), max_tokens=3, min_tokens=3, ignore_eos=True),
+                request(max_tokens=3, logit_bias={3: -100.0, 4: 100.0})):
         responses = list(stub.Generate(req, timeout=30))
         assert responses[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
         assert responses[-1].usage.completion_tokens >= 1

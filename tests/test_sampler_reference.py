@@ -1,13 +1,17 @@
 """The sampler's filters against Hugging Face transformers' own logits processors.
 
 For random logits (ties and round values included, where the boundary rules of top_k and top_p
-decide) and random temperature / top_k / top_p / min_p / repetition penalty, the tokens the
-sampler may draw must be exactly those the reference chain leaves finite: transformers'
-RepetitionPenalty, Temperature, MinP, TopK and TopP processors, in the sampler's (and vLLM's)
-order. And every draw must come from that set.
+decide) and random logit bias / temperature / top_k / top_p / min_p / repetition penalty, the
+tokens the sampler may draw must be exactly those that the reference chain leaves a probability
+above 0: transformers' SequenceBias (as logit_bias), RepetitionPenalty, Temperature, MinP, TopK
+and TopP processors, in the sampler's (and vLLM's) order. Where tied tokens straddle a top_p
+boundary, which of them stays is the sort's choice (in transformers as here), so rows are
+compared as the logits they keep, with multiplicity. And every draw must come from the tokens kept.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,13 +20,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from twinplane.dataplane.plan import SamplingParams
-from twinplane.dataplane.sampler import Sampler, apply_penalties, filter_logits
+from twinplane.dataplane.sampler import Sampler, adjust_logits, filter_logits
 from twinplane.dataplane.sampling_batch import SamplingRow, build_sampling_batch
 
 transformers = pytest.importorskip("transformers")
 from transformers.generation.logits_process import (  # noqa: E402
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -49,9 +54,11 @@ params = st.builds(
 
 
 def _reference_kept(logits: torch.Tensor, p: SamplingParams, history: list[int]) -> list[bool]:
-    """The tokens transformers' processors leave finite, in the sampler's order."""
+    """The tokens transformers' processors leave a probability above 0 (in float32), in the sampler's order."""
     ids = torch.tensor([history or [0]], dtype=torch.long)
     scores = logits.unsqueeze(0).clone()
+    if p.logit_bias:
+        scores = SequenceBiasLogitsProcessor([[[t], v] for t, v in p.logit_bias])(ids, scores)
     if p.repetition_penalty != 1.0 and history:
         scores = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, scores)
     scores = TemperatureLogitsWarper(p.temperature)(ids, scores)
@@ -61,7 +68,7 @@ def _reference_kept(logits: torch.Tensor, p: SamplingParams, history: list[int])
         scores = TopKLogitsWarper(p.top_k)(ids, scores)
     if p.top_p < 1.0:
         scores = TopPLogitsWarper(p.top_p)(ids, scores)
-    return torch.isfinite(scores[0]).tolist()
+    return (scores[0].softmax(-1) > 0).tolist()
 
 
 @PROPERTY
@@ -69,12 +76,13 @@ def _reference_kept(logits: torch.Tensor, p: SamplingParams, history: list[int])
 def test_the_sampler_keeps_the_tokens_transformers_keeps(rows: list[list[float]], data) -> None:
     logits = torch.tensor(rows, dtype=torch.float32)
     n, vocab = logits.shape
-    row_params = [data.draw(params) for _ in range(n)]
+    biases = st.dictionaries(st.integers(0, vocab - 1), st.sampled_from([-100.0, -2.5, 1.0, 3.0, 100.0])
+                             | st.floats(-100, 100, width=32), max_size=3)
+    row_params = [replace(data.draw(params), logit_bias=tuple(sorted(data.draw(biases).items()))) for _ in range(n)]
     histories = [data.draw(st.lists(st.integers(0, vocab - 1), max_size=4)) for _ in range(n)]
     batch_rows = [SamplingRow(p, 0, np.asarray(h, np.int32), EMPTY) for p, h in zip(row_params, histories)]
     batch = build_sampling_batch(batch_rows, vocab, CPU)
-    penalized = logits if batch.penalties is None else apply_penalties(logits, batch.penalties)
-    kept = torch.isfinite(filter_logits(penalized, batch)).tolist()
+    kept = (filter_logits(adjust_logits(logits, batch), batch).softmax(-1) > 0).tolist()
     for i in range(n):
         reference = _reference_kept(logits[i], row_params[i], histories[i])
         mine, theirs = ([x for x, k in zip(rows[i], mask) if k] for mask in (kept[i], reference))
