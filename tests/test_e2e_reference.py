@@ -105,3 +105,21 @@ def test_smollm2_chat_matches_transformers(smollm2_dir, planes_factory):
             assert got == hf_greedy(smollm2_dir, list(ids), 24, ignore_eos=False), text
             if text.startswith("What is the capital"):
                 assert "Paris" in "".join(c.text for c in chunks)
+
+
+def test_min_tokens_matches_transformers_min_new_tokens(smollm2_dir, planes_factory):
+    """A chat answer that ends early, asked for more: min_tokens masks the end-of-sequence tokens as
+    transformers' min_new_tokens does, and the answer then ends where transformers' ends."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(smollm2_dir))
+    planes = planes_factory(smollm2_dir)
+    messages = [{"role": "user", "content": "What is 12 times 12?"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    with planes.client() as client:
+        free = list(client.generate(messages=messages, max_tokens=64, temperature=0))
+        natural = free[-1].usage.completion_tokens
+        assert free[-1].finish_reason == "stop_token" and natural < 48, natural
+        longer = list(client.generate(messages=messages, max_tokens=64, min_tokens=natural + 4, temperature=0))
+    got = [t for c in longer for t in c.token_ids]
+    expected = hf_greedy(smollm2_dir, ids, 64, ignore_eos=False, min_new_tokens=natural + 4)
+    assert len(got) >= natural + 4 and got == expected
