@@ -91,6 +91,29 @@ def test_logit_bias_matches_transformers(tiny_qwen3_dir, shared_planes):
     assert changed >= 2, "the biases changed too few reference outputs to show they are applied"
 
 
+def test_logprobs_match_transformers(tiny_qwen3_dir, shared_planes):
+    """The log-probabilities streamed (the sampled token's and the top 5) equal transformers'
+    log_softmax at each generated position, for a sampled (seeded) and a greedy request."""
+    model = _hf_model(str(tiny_qwen3_dir))
+    with shared_planes.client() as client:
+        for prompt, temperature in zip(random_prompts(2, seed=23), (0.0, 0.9)):
+            chunks = list(client.generate(token_ids=prompt, max_tokens=8, temperature=temperature, seed=4,
+                                          ignore_eos=True, logprobs=5))
+            tokens = [t for c in chunks for t in c.token_ids]
+            positions = [p for c in chunks for p in c.logprobs]
+            assert len(positions) == len(tokens) == 8
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+            reference = logits.float().log_softmax(-1)
+            for i, (token, position) in enumerate(zip(tokens, positions)):
+                assert position.token_id == token
+                assert abs(position.logprob - reference[i, token].item()) < 1e-3, (i, position.logprob)
+                top_values = reference[i].topk(5).values.tolist()
+                assert [lp for _, lp in position.top] == pytest.approx(top_values, abs=1e-3), i
+                for token_id, lp in position.top:
+                    assert abs(lp - reference[i, token_id].item()) < 1e-3, (i, token_id)
+
+
 def test_smollm2_chat_matches_transformers(smollm2_dir, planes_factory):
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(smollm2_dir))
     planes = planes_factory(smollm2_dir)
