@@ -1,7 +1,7 @@
 """ModelRunner against transformers: same logits and greedy tokens on tiny random models.
 
-Each case saves a random transformers model (Qwen3, Llama with biases, llama3 RoPE and tied
-embeddings, Qwen2 with qkv bias; one and two safetensors shards), loads it with ModelRunner
+Each case saves a random transformers model (Qwen3, also with YaRN RoPE; Llama with biases, llama3
+RoPE and tied embeddings; Qwen2 with qkv bias; one and two safetensors shards), loads it with ModelRunner
 and drives full prefill, chunked prefill, decode, a mixed decode + prefill batch and a
 prefix-cached prefill, comparing every sampled row with the reference model's logits.
 """
@@ -32,6 +32,10 @@ def _config(kind: str):
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
         return LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"], tie_word_embeddings=True,
                            attention_bias=True, mlp_bias=True, rope_parameters=rope, rms_norm_eps=1e-5)
+    if kind == "qwen3-yarn":  # a context of 16 stretched 4 times: most frequencies interpolated, cos/sin scaled
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+        return Qwen3Config(**COMMON, head_dim=16, architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False,
+                           rope_parameters=rope)
     return Qwen2Config(**COMMON, architectures=["Qwen2ForCausalLM"], tie_word_embeddings=False)
 
 
@@ -76,7 +80,7 @@ def _prompt(generator: torch.Generator, n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("kind,block_size,sharded", [
-    ("qwen3", 4, False), ("qwen3", 16, True), ("llama", 4, True), ("qwen2", 16, False)])
+    ("qwen3", 4, False), ("qwen3", 16, True), ("llama", 4, True), ("qwen2", 16, False), ("qwen3-yarn", 4, False)])
 def test_runner_matches_transformers(tmp_path: Path, kind: str, block_size: int, sharded: bool) -> None:
     reference = _save_reference(kind, tmp_path, sharded)
     runner = ModelRunner(DataPlaneConfig(model=str(tmp_path), block_size=block_size, num_kv_blocks=128,

@@ -1,7 +1,8 @@
 """Rotary position embedding (RoPE), rotate-half layout, with cached cos/sin tables.
 
-Supports the plain ("default") frequencies, "linear" position interpolation and the
-"llama3" frequency-dependent scaling. ``rope_settings`` reads the Hugging Face config in
+Supports the plain ("default") frequencies, "linear" position interpolation, the "llama3"
+frequency-dependent scaling and "yarn" (frequencies ramped between plain and interpolated by how
+often they turn within the original context, cos/sin scaled by an attention factor). ``rope_settings`` reads the Hugging Face config in
 both of its layouts: ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling``.
 """
 
@@ -50,17 +51,50 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_medium, smoothed, scaled)
 
 
-def compute_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] for the given scaling type."""
+def _yarn(head_dim: int, base: float, scaling: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
+    """YaRN: a frequency that turns more than beta_fast times within the original context stays as it
+    is, one that turns fewer than beta_slow times is divided by factor, and those in between are mixed
+    linearly by dimension; cos and sin are scaled by the attention factor (0.1 ln(factor) + 1 unless given)."""
+    original = float(scaling.get("original_max_position_embeddings") or max_position)
+    factor = float(scaling.get("factor") or max_position / original)
+
+    def log_scale(weight: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = log_scale(mscale) / log_scale(mscale_all_dim) if mscale and mscale_all_dim else log_scale()
+
+    def dim_of(turns: float) -> float:  # the dimension whose frequency turns this often in the original context
+        return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    span = high - low if high != low else 1e-3
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / span).clamp(0, 1)
+    periods = base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    return 1.0 / (factor * periods) * ramp + 1.0 / periods * (1 - ramp), float(attention)
+
+
+def rope_frequencies(head_dim: int, base: float, scaling: dict[str, Any] | None,
+                     max_position: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim // 2] for the given scaling type, and the factor cos and sin
+    are scaled by (1 but for yarn)."""
     inv_freq = _default_inv_freq(head_dim, base)
     if scaling is None:
-        return inv_freq
+        return inv_freq, 1.0
     rope_type = scaling.get("rope_type", scaling.get("type"))
     if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
+        return _llama3_inv_freq(inv_freq, scaling), 1.0
     if rope_type == "linear":
-        return inv_freq / float(scaling["factor"])
-    raise NotImplementedError(f"rope_scaling type {rope_type!r} is not supported (default, linear, llama3 are)")
+        return inv_freq / float(scaling["factor"]), 1.0
+    if rope_type == "yarn":
+        return _yarn(head_dim, base, scaling, max_position)
+    raise NotImplementedError(f"rope_scaling type {rope_type!r} is not supported (default, linear, llama3 and "
+                              "yarn are)")
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -87,9 +121,9 @@ class RotaryEmbedding(nn.Module):
         # Computed on CPU in float32 (a meta-device context must not reach the values),
         # then moved to the device the model is being built on.
         with torch.device("cpu"):
-            inv_freq = compute_inv_freq(head_dim, base, scaling)
+            inv_freq, attention_factor = rope_frequencies(head_dim, base, scaling, max_position)
             freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-            cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+            cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor
         self.register_buffer("cos_sin_cache", cos_sin.to(torch.get_default_device()), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
