@@ -397,9 +397,12 @@ def run_bench(args: argparse.Namespace) -> int:
 def save_result(path: str, requests: list[Request], figures: dict, args: argparse.Namespace) -> None:
     """Writes the run as JSON: the printed figures, the flags, and each request's prompt length, max_tokens,
     send time and token arrival times in seconds from the first send (tokens that came in one message share
-    a time), so gaps can be traced to what the service was doing."""
+    a time), so gaps can be traced to what the service was doing. ``first_send_unix_s`` (the first send on
+    the wall clock) lines them up with the time stamps of the service's logs (``--log-level DEBUG``: a line
+    per step from each plane)."""
     t0 = min(r.sent for r in requests)
     run = {
+        "first_send_unix_s": time.time() - (time.perf_counter() - t0),
         "figures": figures,
         "args": {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v))  # --request-rate inf
                  for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},

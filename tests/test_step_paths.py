@@ -150,8 +150,9 @@ def test_bench_reports_each_requests_pace_beside_the_gaps_between_tokens(control
 
 def test_bench_saves_every_tokens_arrival_time_beside_the_figures(control_plane, tmp_path, capsys):
     """--save-result: the figures it printed, its flags, and each token's arrival from the first send,
-    so the gaps behind a percentile can be found again."""
+    so the gaps behind a percentile can be found again; the first send on the wall clock too."""
     import json
+    import time
 
     from twinplane.clients.bench import save_result
 
@@ -161,7 +162,9 @@ def test_bench_saves_every_tokens_arrival_time_beside_the_figures(control_plane,
     figures = report([first, second], 1.0, stats, stats, _model_info(), _bench_args())
     args = argparse.Namespace(request_rate=float("inf"), seed=3, save_result=str(tmp_path / "run.json"), peers=[1])
     save_result(args.save_result, [first, second], figures, args)
+    before = time.time() - (time.perf_counter() - 5.0)  # the wall clock when perf_counter read 5.0
     saved = json.loads((tmp_path / "run.json").read_text())
+    assert abs(saved["first_send_unix_s"] - before) < 1.0
     assert saved["figures"]["itl_max_s"] == pytest.approx(0.008) and saved["figures"]["output_tokens"] == 5
     assert saved["args"] == {"request_rate": "inf", "seed": 3, "save_result": str(tmp_path / "run.json")}
     one, two = saved["requests"]
