@@ -230,7 +230,7 @@ def request_id_header_value(request_id: str) -> str:
 def request_params(limits: Limits, sampling: SamplingOptions, *, max_tokens: int | None = None, min_tokens: int = 0,
                    stop: tuple[str, ...] = (), stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False,
                    logprobs: int | None = None, skip_special_tokens: bool = True, logit_bias: dict | None = None,
-                   logprobs_name: str = "logprobs", max_tokens_name: str = "max_tokens") -> RequestParams:
+                   include_stop_str_in_output: bool = False, logprobs_name: str = "logprobs", max_tokens_name: str = "max_tokens") -> RequestParams:
     """Validated RequestParams from plain values; max_tokens None means as many as fit. logit_bias maps
     token ids (ints) to biases."""
     if max_tokens is not None:
@@ -253,7 +253,8 @@ def request_params(limits: Limits, sampling: SamplingOptions, *, max_tokens: int
     return RequestParams(max_tokens=max_tokens or 0, sampling=sampling, min_tokens=min_tokens, stop=stop,
                          stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
                          skip_special_tokens=skip_special_tokens,
-                         logit_bias=checked_logit_bias(logit_bias or {}, limits))
+                         logit_bias=checked_logit_bias(logit_bias or {}, limits),
+                         include_stop_str_in_output=include_stop_str_in_output)
 
 
 def checked_logit_bias(bias: dict, limits: Limits) -> tuple[tuple[int, float], ...]:
@@ -288,6 +289,7 @@ def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, header_reques
         logprobs=req.logprobs if req.HasField("logprobs") else None,
         skip_special_tokens=req.skip_special_tokens if req.HasField("skip_special_tokens") else True,
         logit_bias=dict(req.logit_bias),
+        include_stop_str_in_output=req.include_stop_str_in_output,
     )
     return GenerateCall(request_id, prompt, params, req.truncate_prompt_tokens)
 

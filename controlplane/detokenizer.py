@@ -18,10 +18,11 @@ CONTEXT_TOKENS = 5  # left context decoded with each delta
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True,
-                 stop: tuple[str, ...] = ()):
+                 stop: tuple[str, ...] = (), keep_stop: bool = False):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
+        self.keep_stop = keep_stop  # the matched stop string stays at the end of the text
         self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -52,12 +53,14 @@ class IncrementalDetokenizer:
                 self.prefix_offset, self.read_offset = 0, self.read_offset - drop
 
     def find_stop(self) -> str | None:
-        """The first stop string in the pending text (finish.first_stop_string); the text after it is dropped."""
+        """The first stop string in the pending text (finish.first_stop_string); the text after it (and it,
+        unless keep_stop) is dropped."""
         match = first_stop_string(self.pending, self.stop)
         if match is None:
             return None
-        self.pending = self.pending[:match[0]]
-        return match[1]
+        start, matched = match
+        self.pending = self.pending[:start + len(matched) if self.keep_stop else start]
+        return matched
 
     def take_text(self, final: bool = False) -> str:
         """Pending text that cannot be part of a stop string (all of it when final)."""

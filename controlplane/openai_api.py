@@ -24,7 +24,8 @@ _INTS = ("top_k", "seed", "n", "max_tokens", "max_completion_tokens", "min_token
          "truncate_prompt_tokens")
 # request fields an error message may start with: an error's "param"
 PARAMS = frozenset((*SAMPLING_FIELDS, *_INTS, "messages", "prompt", "stop", "stop_token_ids", "logprobs", "logit_bias",
-                    "skip_special_tokens", "stream_options", "response_format", "echo", *UNSUPPORTED))
+                    "skip_special_tokens", "stream_options", "response_format", "echo", "include_stop_str_in_output",
+                    *UNSUPPORTED))
 FINISH_REASONS = {FinishReason.STOP_TOKEN: "stop", FinishReason.STOP_STRING: "stop",
                   FinishReason.LENGTH: "length", FinishReason.ABORTED: "abort"}
 
@@ -208,7 +209,8 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool) -> Op
         limits, _sampling(body), max_tokens=max_tokens, min_tokens=_int(body, "min_tokens") or 0,
         stop=_stop(body), stop_token_ids=_int_list(body, "stop_token_ids"), ignore_eos=_bool(body, "ignore_eos"),
         logprobs=top, skip_special_tokens=_typed(body, "skip_special_tokens", (bool,), "true or false") is not False,
-        logit_bias=_logit_bias(body), logprobs_name="top_logprobs" if chat else "logprobs",
+        logit_bias=_logit_bias(body), include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
+        logprobs_name="top_logprobs" if chat else "logprobs",
         max_tokens_name=max_tokens_name)
     truncate = _int(body, "truncate_prompt_tokens") or 0
     check_truncation(truncate, limits)

@@ -48,7 +48,8 @@ class RequestState:
         self.stream_interval = stream_interval  # tokens per message (the first and the last may hold fewer)
         self.detokenizer = None
         if tokenizer is not None:
-            self.detokenizer = IncrementalDetokenizer(tokenizer, prompt, params.skip_special_tokens, params.stop)
+            self.detokenizer = IncrementalDetokenizer(tokenizer, prompt, params.skip_special_tokens, params.stop,
+                                                      params.include_stop_str_in_output)
         self.outputs: deque[RequestOutput | ServiceError] = deque()  # queued for the stream, not sent yet
         self._queued = asyncio.Event()  # set while outputs is not empty
         self.unsent = 0  # tokens in outputs

@@ -50,6 +50,7 @@ class RequestParams:
     logprobs: int | None = None  # None = none; n = the sampled token's plus the top n
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ascending ids
+    include_stop_str_in_output: bool = False  # the stop string that ends the text stays in it
 
     @property
     def plain_sampling(self) -> bool:

@@ -120,7 +120,9 @@ def requests(draw, vocab: Vocab, with_stop: bool) -> Request:
     skip = draw(st.booleans())
     stop = draw(stop_strings(tokenizer.decode(tokens, skip_special_tokens=skip))) if with_stop else ()
     min_tokens = draw(st.integers(0, len(tokens))) if draw(st.booleans()) else 0
-    params = RequestParams(max_tokens=len(tokens), min_tokens=min_tokens, stop=stop, skip_special_tokens=skip)
+    keep = with_stop and draw(st.booleans())  # include_stop_str_in_output
+    params = RequestParams(max_tokens=len(tokens), min_tokens=min_tokens, stop=stop, skip_special_tokens=skip,
+                           include_stop_str_in_output=keep)
     return Request(prompt, tokens, params, eos=draw(st.booleans()))
 
 
@@ -191,7 +193,8 @@ def reference(tokenizer: Tokenizer, request: Request) -> Outcome:
             unsent_from = len(known) - held_back(known, params.stop)
         match = earliest_stop(known, unsent_from, params.stop) if k > params.min_tokens else None
         if match is not None:
-            return Outcome(sent + [known[:match[0]]], known[:match[0]], FinishReason.STOP_STRING, match[1], k)
+            end = match[0] + (len(match[1]) if params.include_stop_str_in_output else 0)
+            return Outcome(sent + [known[:end]], known[:end], FinishReason.STOP_STRING, match[1], k)
         if reason is not None:
             return Outcome(sent + [known], known, reason, "", k)
         sent.append(known[:len(known) - held_back(known, params.stop)])

@@ -98,6 +98,10 @@ def test_stop_string_ends_and_is_never_emitted(smollm2_dir, planes_factory):
         assert "Paris" in full
         computed_before = planes.engine.core_snapshot.stats["computed_tokens"]
         chunks = list(client.generate(messages=messages, max_tokens=400, temperature=0, stop=["Paris"]))
+        kept = list(client.generate(messages=messages, max_tokens=400, temperature=0, stop=["Paris"],
+                                    include_stop_str_in_output=True))
+    assert "".join(c.text for c in kept) == full[:full.index("Paris") + len("Paris")]  # asked to keep it
+    assert kept[-1].finish_reason == "stop_string" and kept[-1].matched_stop == "Paris"
     text = "".join(c.text for c in chunks)
     assert chunks[-1].finish_reason == "stop_string" and chunks[-1].matched_stop == "Paris"
     assert text == full[:full.index("Paris")]

@@ -111,6 +111,9 @@ def test_logit_bias_arrives_as_sorted_token_id_and_float_pairs():
     params = parse({**CHAT, "logit_bias": {"9": 100, "3": -2.5}, "n": 2}).calls[1].params
     assert params.logit_bias == ((3, -2.5), (9, 100.0)) and not params.plain_sampling
     assert parse({**CHAT, "logit_bias": None}).calls[0].params.logit_bias == ()
+    assert parse({**CHAT, "include_stop_str_in_output": True}).calls[0].params.include_stop_str_in_output
+    with pytest.raises(InvalidRequest, match="include_stop_str_in_output must be true or false"):
+        parse({**CHAT, "include_stop_str_in_output": "yes"})
 
 
 def test_a_tiny_temperature_samples_greedily():

@@ -153,6 +153,9 @@ def test_stop_string(client, model):
     cut = client.completions.create(model=model, prompt="Once upon a time", max_tokens=16, temperature=0,
                                     stop=[stop], extra_body={"ignore_eos": True}).choices[0]
     assert cut.finish_reason == "stop" and cut.text == free[:free.index(stop)]
+    kept = client.completions.create(model=model, prompt="Once upon a time", max_tokens=16, temperature=0, stop=[stop],
+                                     extra_body={"ignore_eos": True, "include_stop_str_in_output": True}).choices[0]
+    assert kept.finish_reason == "stop" and kept.text == free[:free.index(stop) + len(stop)]
 
 
 def test_logit_bias_forces_bans_and_leaves_logprobs_alone(client, model, http_planes):
