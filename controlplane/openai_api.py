@@ -92,8 +92,8 @@ def _logit_bias(body: dict) -> dict[int, float]:
     bias = _typed(body, "logit_bias", (dict,), "an object from token ids to biases") or {}
     parsed = {}
     for key, value in bias.items():
-        if not isinstance(key, str) or not key.lstrip("-").isdigit():
-            _fail(f"logit_bias keys must be token ids (integers), got {key!r}")
+        if not isinstance(key, str) or not key.lstrip("-").isdigit() or len(key) > 20:  # int() of 5,000 digits raises
+            _fail(f"logit_bias keys must be token ids (integers), got {key[:40]!r}")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             _fail(f"logit_bias[{key}] must be a number, got {value!r}")
         parsed[int(key)] = value

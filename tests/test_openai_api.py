@@ -95,6 +95,7 @@ def test_prompt_forms():
     ({**CHAT, "skip_special_tokens": "false"}, True, "skip_special_tokens must be true or false, got str"),
     ({**CHAT, "logit_bias": [1, 2]}, True, "logit_bias must be an object from token ids to biases, got list"),
     ({**CHAT, "logit_bias": {"the": 5}}, True, "logit_bias keys must be token ids (integers), got 'the'"),
+    ({**CHAT, "logit_bias": {"7" * 5000: 5}}, True, "logit_bias keys must be token ids (integers), got '7777"),
     ({**CHAT, "logit_bias": {"7": "5"}}, True, "logit_bias[7] must be a number, got '5'"),
     ({**CHAT, "logit_bias": {"7": 101}}, True, "logit_bias[7] must be in [-100.0, 100.0], got 101"),
     ({**CHAT, "logit_bias": {"1000": 1}}, True, "logit_bias token ids must be in [0, 1000); got [1000]"),
