@@ -25,7 +25,7 @@ _INTS = ("top_k", "seed", "n", "max_tokens", "max_completion_tokens", "min_token
 # request fields an error message may start with: an error's "param"
 PARAMS = frozenset((*SAMPLING_FIELDS, *_INTS, "messages", "prompt", "stop", "stop_token_ids", "logprobs", "logit_bias",
                     "skip_special_tokens", "stream_options", "response_format", "echo", "include_stop_str_in_output",
-                    *UNSUPPORTED))
+                    "tokens", *UNSUPPORTED))
 FINISH_REASONS = {FinishReason.STOP_TOKEN: "stop", FinishReason.STOP_STRING: "stop",
                   FinishReason.LENGTH: "length", FinishReason.ABORTED: "abort"}
 
@@ -152,6 +152,23 @@ def _prompt(body: dict, limits: Limits) -> Prompt:
     if prompt is not None:
         _fail("prompt must be a string or a list of token ids (integers)")
     _fail("prompt is required: a string or a list of token ids")
+
+
+def tokenize_prompt(body: dict, limits: Limits) -> Prompt:
+    """/tokenize: chat messages (rendered with the chat template and a generation prompt) or a text prompt."""
+    if "messages" in body:
+        return _messages(body, limits)
+    if not isinstance(body.get("prompt"), str):
+        _fail("prompt is required: a string (or send messages: a list of {role, content} objects)")
+    return _prompt(body, limits)
+
+
+def detokenize_ids(body: dict, limits: Limits) -> list[int]:
+    """/detokenize: the token ids to turn into text."""
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in tokens):
+        _fail("tokens is required: a list of token ids (integers)")
+    return token_prompt(tokens, limits, name="tokens").token_ids
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

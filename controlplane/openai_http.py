@@ -28,7 +28,7 @@ from twinplane.controlplane.api import REQUEST_ID_HEADER, checked_request_id, re
 from twinplane.controlplane.auth import MESSAGE as API_KEY_MESSAGE
 from twinplane.controlplane.engine import Engine
 from twinplane.controlplane.errors import InvalidRequest, NotReady, ServiceError
-from twinplane.controlplane.openai_api import PARAMS, parse_request
+from twinplane.controlplane.openai_api import PARAMS, detokenize_ids, parse_request, tokenize_prompt
 from twinplane.controlplane.openai_stream import Choices, ResponseBuilder
 from twinplane.controlplane.tls import parse_listen
 
@@ -84,6 +84,8 @@ class OpenAIService:
         routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/tokenize", self.tokenize, methods=["POST"]),
+                  Route("/detokenize", self.detokenize, methods=["POST"]),
                   Route("/health", self.health, methods=["GET"])]
         handlers = {Exception: lambda request, exc: response_of(exc),
                     HTTPException: lambda request, exc: response_of(exc)}
@@ -109,6 +111,33 @@ class OpenAIService:
             model = {"id": self._model_id(), "object": "model", "created": 0, "owned_by": "twinplane",
                      "max_model_len": self.engine.describe.max_model_len}
             return JSONResponse({"object": "list", "data": [model]})
+        except Exception as exc:  # noqa: BLE001 -- every error becomes an OpenAI error object
+            return response_of(exc)
+
+    async def tokenize(self, request: Request) -> Response:
+        """A prompt's token ids, as the completion endpoints would see it (vLLM's /tokenize)."""
+        async def answer(body: dict) -> dict:
+            ids = await self.engine.tokenize(tokenize_prompt(body, self.engine.limits))
+            return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.limits.max_model_len}
+        return await self._json(request, answer)
+
+    async def detokenize(self, request: Request) -> Response:
+        """Token ids back to text (vLLM's /detokenize)."""
+        async def answer(body: dict) -> dict:
+            engine = self.engine
+            if engine.tokenizer is None:
+                raise InvalidRequest("this model has no tokenizer: there is no text for token ids")
+            ids = detokenize_ids(body, engine.limits)
+            return {"prompt": await engine.in_tokenizer_pool(engine.tokenizer.decode, ids)}
+        return await self._json(request, answer)
+
+    async def _json(self, request: Request, answer) -> Response:
+        """A JSON body in, ``await answer(body)`` out; any error as an OpenAI error object."""
+        try:
+            self._authorize(request)
+            body = await self._body(request)
+            self._check_model(body)
+            return JSONResponse(await answer(body))
         except Exception as exc:  # noqa: BLE001 -- every error becomes an OpenAI error object
             return response_of(exc)
 

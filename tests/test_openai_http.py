@@ -177,6 +177,29 @@ def test_logit_bias_forces_bans_and_leaves_logprobs_alone(client, model, http_pl
     assert "logit_bias[123] must be in [-100.0, 100.0]" in error.value.message and error.value.param == "logit_bias"
 
 
+def test_tokenize_and_detokenize_as_vllm_serves_them(base_url, model, http_planes):
+    """POST /tokenize (a text prompt, or chat messages with the generation prompt) gives the ids the
+    gRPC Tokenize gives; POST /detokenize turns ids back into text; bad bodies get 400 naming the field."""
+    headers = {"authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=base_url, headers=headers, timeout=30) as http:
+        with http_planes.client(api_key=KEY) as grpc_client:
+            for body, grpc_kwargs in (({"prompt": "Hello there, world"}, {"text": "Hello there, world"}),
+                                      ({"model": model, "messages": QUESTION}, {"messages": QUESTION})):
+                answer = http.post("/tokenize", json=body).json()
+                expected = grpc_client.tokenize(**grpc_kwargs)
+                assert answer["tokens"] == expected and answer["count"] == len(expected) > 0
+                assert answer["max_model_len"] == http_planes.engine.limits.max_model_len
+        ids = http.post("/tokenize", json={"prompt": "Once upon a time"}).json()["tokens"]
+        assert http.post("/detokenize", json={"tokens": ids}).json() == {"prompt": "Once upon a time"}
+        for path, body, words in (("/tokenize", {"prompt": [1, 2]}, "prompt is required: a string"),
+                                  ("/tokenize", {"messages": "hi"}, "messages is required"),
+                                  ("/detokenize", {"tokens": "hi"}, "tokens is required"),
+                                  ("/detokenize", {"tokens": [10**9]}, "tokens must be in [0, ")):
+            reply = http.post(path, json=body)
+            assert reply.status_code == 400 and words in reply.json()["error"]["message"], reply.text
+        assert http.post("/tokenize", json={"prompt": "x"}, headers={"authorization": "Bearer no"}).status_code == 401
+
+
 def grpc_tokens(planes: Planes, **kwargs) -> list[int]:
     with planes.client(api_key=KEY) as grpc_client:
         return [t for chunk in grpc_client.generate(**kwargs, timeout=60) for t in chunk.token_ids]

@@ -165,3 +165,8 @@ def test_a_model_without_a_tokenizer_takes_token_ids_and_says_so_for_text(planes
         assert response.status_code == 400 and response.json()["error"]["message"] == why, response.text
     answer = httpx.post(f"{url}/completions", json={"prompt": [5, 6, 7], "max_tokens": 2}, timeout=60).json()
     assert answer["usage"]["completion_tokens"] == 2, answer
+    root = url.removesuffix("/v1")
+    response = httpx.post(f"{root}/tokenize", json={"prompt": "hi"}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["message"] == why, response.text
+    response = httpx.post(f"{root}/detokenize", json={"tokens": [5, 6]}, timeout=60)
+    assert response.status_code == 400 and "this model has no tokenizer" in response.json()["error"]["message"]
