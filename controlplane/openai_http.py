@@ -84,6 +84,7 @@ class OpenAIService:
         routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                   Route("/tokenize", self.tokenize, methods=["POST"]),
                   Route("/detokenize", self.detokenize, methods=["POST"]),
                   Route("/health", self.health, methods=["GET"])]
@@ -108,11 +109,22 @@ class OpenAIService:
     async def models(self, request: Request) -> Response:
         try:
             self._authorize(request)
-            model = {"id": self._model_id(), "object": "model", "created": 0, "owned_by": "twinplane",
-                     "max_model_len": self.engine.describe.max_model_len}
-            return JSONResponse({"object": "list", "data": [model]})
+            return JSONResponse({"object": "list", "data": [self._model_object()]})
         except Exception as exc:  # noqa: BLE001 -- every error becomes an OpenAI error object
             return response_of(exc)
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{id}: the served model, or 404 for any other id."""
+        try:
+            self._authorize(request)
+            self._check_model({"model": request.path_params["model"]})
+            return JSONResponse(self._model_object())
+        except Exception as exc:  # noqa: BLE001 -- every error becomes an OpenAI error object
+            return response_of(exc)
+
+    def _model_object(self) -> dict:
+        return {"id": self._model_id(), "object": "model", "created": 0, "owned_by": "twinplane",
+                "max_model_len": self.engine.describe.max_model_len}
 
     async def tokenize(self, request: Request) -> Response:
         """A prompt's token ids, as the completion endpoints would see it (vLLM's /tokenize)."""

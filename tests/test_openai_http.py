@@ -49,6 +49,10 @@ def grpc_text(planes: Planes, **kwargs) -> str:
 
 def test_models_lists_the_served_model(client, model):
     assert [m.id for m in client.models.list().data] == [model]
+    assert client.models.retrieve(model).id == model  # a folder path: slashes in the id
+    with pytest.raises(openai.NotFoundError) as error:
+        client.models.retrieve("gpt-4o")
+    assert error.value.code == "model_not_found"
 
 
 def test_chat_greedy_text_equals_the_grpc_text(client, model, http_planes):
