@@ -230,7 +230,8 @@ def request_id_header_value(request_id: str) -> str:
 def request_params(limits: Limits, sampling: SamplingOptions, *, max_tokens: int | None = None, min_tokens: int = 0,
                    stop: tuple[str, ...] = (), stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False,
                    logprobs: int | None = None, skip_special_tokens: bool = True, logit_bias: dict | None = None,
-                   include_stop_str_in_output: bool = False, logprobs_name: str = "logprobs", max_tokens_name: str = "max_tokens") -> RequestParams:
+                   include_stop_str_in_output: bool = False, logprobs_name: str = "logprobs",
+                   max_tokens_name: str = "max_tokens") -> RequestParams:
     """Validated RequestParams from plain values; max_tokens None means as many as fit. logit_bias maps
     token ids (ints) to biases."""
     if max_tokens is not None:

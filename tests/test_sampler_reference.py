@@ -87,7 +87,8 @@ def test_the_sampler_keeps_the_tokens_transformers_keeps(rows: list[list[float]]
         reference = _reference_kept(logits[i], row_params[i], histories[i])
         mine, theirs = ([x for x, k in zip(rows[i], mask) if k] for mask in (kept[i], reference))
         assert sorted(mine) == sorted(theirs), (rows[i], row_params[i], histories[i])
-    draws = Sampler(data.draw(st.integers(0, 2**31)), CPU)(logits.repeat(8, 1), build_sampling_batch(batch_rows * 8, vocab, CPU))
+    sampler = Sampler(data.draw(st.integers(0, 2**31)), CPU)
+    draws = sampler(logits.repeat(8, 1), build_sampling_batch(batch_rows * 8, vocab, CPU))
     for j, token in enumerate(draws.token_ids.tolist()):
         assert kept[j % n][token], f"row {j % n} drew token {token}, which its filters remove"
 

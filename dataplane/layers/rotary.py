@@ -2,8 +2,9 @@
 
 Supports the plain ("default") frequencies, "linear" position interpolation, the "llama3"
 frequency-dependent scaling and "yarn" (frequencies ramped between plain and interpolated by how
-often they turn within the original context, cos/sin scaled by an attention factor). ``rope_settings`` reads the Hugging Face config in
-both of its layouts: ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling``.
+often they turn within the original context, cos/sin scaled by an attention factor).
+``rope_settings`` reads the Hugging Face config in both of its layouts: ``rope_parameters``
+(transformers 5) or ``rope_theta`` + ``rope_scaling``.
 """
 
 from __future__ import annotations
