@@ -264,9 +264,10 @@ def checked_logit_bias(bias: dict, limits: Limits) -> tuple[tuple[int, float], .
            f"logit_bias may hold at most {limits.max_logit_bias} entries, got {len(bias)}")
     bad = sorted(i for i in bias if not 0 <= i < limits.vocab_size)
     _check(not bad, f"logit_bias token ids must be in [0, {limits.vocab_size}); got {bad[:5]}")
-    for token_id, value in sorted(bias.items()):
+    pairs = sorted(bias.items())
+    for token_id, value in pairs:
         _range(f"logit_bias[{token_id}]", value, -100.0, 100.0)
-    return tuple((int(i), float(_float32(v))) for i, v in sorted(bias.items()))
+    return tuple((int(i), float(_float32(v))) for i, v in pairs)
 
 
 def check_truncation(truncate_prompt_tokens: int, limits: Limits) -> None:

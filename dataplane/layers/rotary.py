@@ -52,10 +52,12 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _yarn(head_dim: int, base: float, scaling: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
+def _yarn(inv_freq: torch.Tensor, base: float, scaling: dict[str, Any],
+          max_position: int) -> tuple[torch.Tensor, float]:
     """YaRN: a frequency that turns more than beta_fast times within the original context stays as it
     is, one that turns fewer than beta_slow times is divided by factor, and those in between are mixed
     linearly by dimension; cos and sin are scaled by the attention factor (0.1 ln(factor) + 1 unless given)."""
+    head_dim = 2 * len(inv_freq)
     original = float(scaling.get("original_max_position_embeddings") or max_position)
     factor = float(scaling.get("factor") or max_position / original)
 
@@ -75,9 +77,8 @@ def _yarn(head_dim: int, base: float, scaling: dict[str, Any], max_position: int
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, head_dim - 1)
     span = high - low if high != low else 1e-3
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / span).clamp(0, 1)
-    periods = base ** (torch.arange(0, head_dim, 2).float() / head_dim)
-    return 1.0 / (factor * periods) * ramp + 1.0 / periods * (1 - ramp), float(attention)
+    ramp = ((torch.arange(len(inv_freq), dtype=torch.float32) - low) / span).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp), float(attention)
 
 
 def rope_frequencies(head_dim: int, base: float, scaling: dict[str, Any] | None,
@@ -93,7 +94,7 @@ def rope_frequencies(head_dim: int, base: float, scaling: dict[str, Any] | None,
     if rope_type == "linear":
         return inv_freq / float(scaling["factor"]), 1.0
     if rope_type == "yarn":
-        return _yarn(head_dim, base, scaling, max_position)
+        return _yarn(inv_freq, base, scaling, max_position)
     raise NotImplementedError(f"rope_scaling type {rope_type!r} is not supported (default, linear, llama3 and "
                               "yarn are)")
 
