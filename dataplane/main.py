@@ -2,30 +2,18 @@
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import gc
 import logging
 import signal
 import threading
 from pathlib import Path
 
+from twinplane.controlplane.event_loop import freeze_heap
 from twinplane.dataplane.config import DataPlaneConfig
 from twinplane.dataplane.embedded import resolve_model
 from twinplane.dataplane.server import create_health_server, create_server
 
 log = logging.getLogger("twinplane.dataplane")
-
-
-def freeze_heap(process: str) -> None:
-    """Moves what start-up left (modules, the model, kernels, CUDA graphs) out of the cyclic garbage
-    collector's reach (``gc.freeze``): a full collection that walks it stalls every step for tens
-    to hundreds of milliseconds. Later collections walk only what serving allocated."""
-    gc.collect()
-    gc.freeze()
-    atexit.register(gc.unfreeze)  # so the last collection at exit frees them (Triton's bindings check for leaks)
-    log.debug("%s: %d objects kept since start-up are out of the garbage collector's reach",
-              process, gc.get_freeze_count())
 
 
 def check_config(config: DataPlaneConfig) -> DataPlaneConfig:
