@@ -381,11 +381,7 @@ class InputBatch:
             values = self.sampling_values[sample_rows]
             parts["sampling_columns"], parts["greedy_flags"] = plain_columns(values, self.limits.vocab_size)
         v = self._to_device(parts)
-        input_ids = v["token_ids"]
-        if pending.all():  # the previous plan's samples, still on the device
-            input_ids = self.last_token.index_select(0, v["pending_rows"])
-        elif pending.any():
-            input_ids = input_ids.index_put((v["pending_at"],), self.last_token.index_select(0, v["pending_rows"]))
+        input_ids = self._input_ids(v["token_ids"], pending, v["pending_at"], v["pending_rows"])
         metadata = AttentionMetadata(
             cu_seqlens_q=v["cu_seqlens_q"], cu_seqlens_k=v["cu_seqlens_k"], context_lens=v["context_lens"],
             max_seqlen_q=int(cols.num_tokens.max()), max_seqlen_k=int(context.max()), slot_mapping=v["slot_mapping"],
@@ -404,6 +400,23 @@ class InputBatch:
             pos, slots, ctx, cu_k = (v[name].view(k, -1) for name in DECODE_STEP_PARTS[:4])
             inputs.decode_steps = DecodeSteps(pos, slots, ctx, cu_k, steps[2].tolist(), budget, v["step_last"])
         return inputs
+
+    def _input_ids(self, token_ids: torch.Tensor, pending: np.ndarray, pending_at: torch.Tensor,
+                   pending_rows: torch.Tensor) -> torch.Tensor:
+        """The step's token ids, PENDING ones taken from the previous plan's samples (still on the device)."""
+        if pending.all():
+            return self.last_token.index_select(0, pending_rows)
+        if pending.any():
+            return token_ids.index_put((pending_at,), self.last_token.index_select(0, pending_rows))
+        return token_ids
+
+    def warm_up(self) -> None:
+        """Launches once the device ops that only some plans reach. CUDA loads a kernel's module on
+        its first launch; for index_put that took ~17 ms of host time on an H200, and it came in the
+        middle of serving: the first plan with a prompt beside decodes of PENDING tokens stalled
+        every stream."""
+        ids = torch.zeros(2, dtype=torch.int32, device=self.device)
+        self._input_ids(ids, np.array([True, False]), ids[:1], ids[:1])
 
     def _decode_steps(self, rows: np.ndarray, start: np.ndarray, budget: np.ndarray) -> list[np.ndarray]:
         """Positions, slots, context lengths and cumulative context lengths [K, ...] of each of

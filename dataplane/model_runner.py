@@ -190,6 +190,7 @@ class ModelRunner:
             max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_logprobs=MAX_LOGPROBS), self.device)
         self.sequences.wait_for_tokens = self._wait_for_last_step
+        self.sequences.warm_up()
         self._last: LaunchedStep | None = None  # the most recently launched step
         self._last_end: float | None = None  # CPU timing: when the previous step's work ended
 

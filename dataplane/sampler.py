@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from twinplane.dataplane.sampling_batch import PenaltyTensors, SamplingBatch, to_device
+from twinplane.dataplane.sampling_batch import (PenaltyTensors, SamplingBatch, build_sampling_batch, to_device,
+                                                warm_up_rows)
 
 
 @dataclass
@@ -110,12 +111,17 @@ class Sampler:
         self.fused_draws = 0  # batches drawn by the kernel: keys the unseeded rows of the next one
 
     def warm_up(self, logits: torch.Tensor) -> None:
-        """Samples once from ``logits`` [n, vocab] (alternate rows drawn and greedy): compiles the
-        kernel of temperature-only batches now, not in the first request's time."""
+        """Samples from ``logits`` [n >= 2, vocab] once per path: the fused kernel of temperature-only
+        batches (it compiles now, not in the first request's time), then every feature of the torch
+        path. CUDA loads a kernel's module on its first launch, for ~1-20 ms of host time (measured
+        on an H200); left to the first request with top-p or penalties, that stalls every stream."""
+        plain = np.zeros((logits.shape[0], 4), dtype=np.float32)
+        plain[:, 1], plain[::2, 0] = 1.0, 0.7  # top_p off; temperature 0.7 or greedy
         if self.fused:
-            plain = np.zeros((logits.shape[0], 4), dtype=np.float32)
-            plain[:, 1], plain[::2, 0] = 1.0, 0.7  # top_p off; temperature 0.7 or greedy
             self(logits, SamplingBatch.from_plain_values(plain, logits.shape[1], self.device))
+        plain[:, 1:] = 0.9, 50, 0.05  # top_p, top_k, min_p
+        self(logits, SamplingBatch.from_plain_values(plain, logits.shape[1], self.device))
+        self(logits[:2], build_sampling_batch(warm_up_rows(), logits.shape[1], self.device))
 
     def _next_key(self) -> int:
         """The Philox key of row 0 of the next kernel draw (row i: key + i)."""

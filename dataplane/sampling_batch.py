@@ -171,6 +171,15 @@ def _bias(rows: list[SamplingRow], device: torch.device) -> tuple[torch.Tensor, 
             to_device(torch.tensor(values, dtype=torch.float32), device))
 
 
+def warm_up_rows() -> list[SamplingRow]:
+    """Two rows that between them use every sampling feature (ids < 8): a warm-up batch."""
+    everything = SamplingParams(temperature=0.8, top_p=0.9, top_k=4, min_p=0.05, repetition_penalty=1.1,
+                                presence_penalty=0.5, frequency_penalty=0.5, seed=7, num_logprobs=5, min_tokens=4,
+                                stop_token_ids=(0,), logit_bias=((1, 2.0),))
+    history = np.array([1, 2, 3], dtype=np.int32), np.array([4, -1], dtype=np.int32)
+    return [SamplingRow(everything, 2, *history), SamplingRow(SamplingParams(temperature=0.0, num_logprobs=0), 2, *history)]
+
+
 def build_sampling_batch(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> SamplingBatch:
     """Tensors for ``rows``, in row order."""
     params = [r.params for r in rows]

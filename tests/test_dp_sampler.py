@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -10,7 +11,7 @@ import torch
 
 from twinplane.dataplane.plan import SamplingParams
 from twinplane.dataplane.sampler import Sampler, apply_min_p, apply_penalties
-from twinplane.dataplane.sampling_batch import SamplingBatch, SamplingRow, build_sampling_batch
+from twinplane.dataplane.sampling_batch import SamplingBatch, SamplingRow, build_sampling_batch, warm_up_rows
 
 CPU = torch.device("cpu")
 EMPTY = np.empty(0, dtype=np.int32)
@@ -155,3 +156,18 @@ def test_plain_values_build_the_batch_the_general_path_builds(params: list[Sampl
             assert mine.dtype == theirs.dtype and torch.equal(mine, theirs), name
     logits = _random_logits(len(params), vocab)
     assert torch.equal(Sampler(3, CPU)(logits, plain).token_ids, Sampler(3, CPU)(logits, general).token_ids)
+
+
+def test_the_warm_up_batch_uses_every_sampling_feature() -> None:
+    """The warm-up launches each device op of the sampler before serving: its rows must reach every
+    optional part of a batch (a feature added later and left out of them fails here)."""
+    rows = warm_up_rows()
+    batch = build_sampling_batch(rows, 8, CPU)
+    optional = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    assert all(value is not None for value in optional.values()), optional
+    assert batch.seeded and batch.max_num_logprobs > 0 and not batch.all_greedy and bool(batch.greedy.any())
+    assert all(getattr(rows[0].params, f.name) != f.default for f in dataclasses.fields(SamplingParams)), \
+        "a sampling parameter the warm-up leaves at its default"
+    out = Sampler(0, CPU, fused=False)(_random_logits(2, 8), batch)
+    assert out.top_ids.shape == (2, 5) and out.logprobs.shape == (2,)
+    Sampler(0, CPU, fused=False).warm_up(_random_logits(4, 64))  # the plain batches and the rows above
