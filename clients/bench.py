@@ -45,6 +45,7 @@ from functools import partial
 import numpy as np
 
 from twinplane.clients.roofline import ModelCost, StepLimits, StepRoofline, step_roofline
+from twinplane.controlplane.event_loop import freeze_heap
 from twinplane.proto import step_path_names
 
 H200_BANDWIDTH_GBS = 4800.0  # HBM3e, per GPU, datasheet
@@ -173,6 +174,7 @@ async def _send(target: str, client, requests: list[Request], args, progress, ch
     try:
         for each in own:
             await each.wait_ready(timeout=args.ready_timeout)  # connected before the timed run
+        freeze_heap("benchmark client")  # its own collections would read as gaps between tokens
         loop = asyncio.get_running_loop()
         start = loop.time()
         tasks = [asyncio.create_task(chaos())] if chaos else []

@@ -174,6 +174,37 @@ def test_bench_saves_every_tokens_arrival_time_beside_the_figures(control_plane,
     assert two["token_times_s"] == pytest.approx([0.530, 0.530]) and two["error"] is None
 
 
+def test_bench_client_keeps_its_start_up_heap_out_of_collections_while_it_sends():
+    """A full collection in the benchmark client delays every stream's next token, and would be
+    measured as a gap the server did not cause: the client freezes its heap before the first send."""
+    import asyncio
+    import gc
+
+    from tqdm import tqdm
+
+    from twinplane.clients.bench import _send
+
+    class Client:
+        frozen_at_send: list[int] = []
+
+        def generate(self, **_):
+            self.frozen_at_send.append(gc.get_freeze_count())
+
+            async def chunks():
+                yield SimpleNamespace(token_ids=[7, 8])
+            return chunks()
+
+    gc.unfreeze()
+    requests = [Request([1] * 4, 2, at=0.0), Request([1] * 4, 2, at=0.01)]
+    try:
+        with tqdm(disable=True) as progress:
+            asyncio.run(_send("unused", Client(), requests, SimpleNamespace(channels=1, temperature=0.0), progress))
+    finally:
+        gc.unfreeze()
+    assert len(Client.frozen_at_send) == 2 and min(Client.frozen_at_send) > 1000
+    assert [len(r.token_times) for r in requests] == [2, 2] and all(r.error is None for r in requests)
+
+
 def test_data_plane_logs_each_steps_host_timeline_at_debug(caplog):
     """DEBUG on ``twinplane.dataplane.steps``: one line per step, with where its host time went."""
     import re
