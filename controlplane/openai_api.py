@@ -19,6 +19,7 @@ from twinplane.controlplane.sequence import FinishReason
 from twinplane.controlplane.tokenizer import Tokenizer
 
 MAX_CHOICES = 16  # most sequences (n) one request may ask for
+MAX_BATCH_PROMPTS = 32  # most prompts in one completion request (each gets n choices)
 UNSUPPORTED = ("tools", "functions", "suffix", "audio", "prediction")  # refused unless null/empty
 _INTS = ("top_k", "seed", "n", "max_tokens", "max_completion_tokens", "min_tokens", "top_logprobs",
          "truncate_prompt_tokens")
@@ -35,7 +36,8 @@ class OpenAIRequest:
     """A validated /v1/chat/completions or /v1/completions request: one GenerateCall per choice."""
 
     chat: bool  # chat completion, else text completion
-    calls: list[GenerateCall]
+    calls: list[GenerateCall]  # n per prompt, prompt after prompt (a completion may send a batch of prompts)
+    n: int = 1  # choices per prompt
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     logprobs: bool = False  # return log-probabilities (the top ones: calls[i].params.logprobs of them)
@@ -139,19 +141,30 @@ def _messages(body: dict, limits: Limits) -> Prompt:
 
 
 def _prompt(body: dict, limits: Limits) -> Prompt:
+    prompts = _prompts(body, limits)
+    if len(prompts) > 1:
+        _fail("prompt: a batch of several prompts is not allowed here; send one prompt (text or token ids)")
+    return prompts[0]
+
+
+def _prompts(body: dict, limits: Limits) -> list[Prompt]:
+    """A completion's prompt: a string or a list of token ids, or a batch of them (a list of those)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        return text_prompt(prompt, limits, name="prompt")
-    if isinstance(prompt, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
-        return token_prompt(prompt, limits, name="prompt")
-    if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
-        _fail("prompt: a batch of several prompts is not supported; send one prompt (text or token ids) "
-              "per request")
-    if prompt is not None:
-        _fail("prompt must be a string or a list of token ids (integers)")
-    _fail("prompt is required: a string or a list of token ids")
+    if prompt is None:
+        _fail("prompt is required: a string or a list of token ids")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_BATCH_PROMPTS:
+            _fail(f"prompt: a batch holds at most {MAX_BATCH_PROMPTS} prompts, got {len(prompt)}")
+        return [_one_prompt(p, limits, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [_one_prompt(prompt, limits, "prompt")]
+
+
+def _one_prompt(value, limits: Limits, name: str) -> Prompt:
+    if isinstance(value, str):
+        return text_prompt(value, limits, name=name)
+    if isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        return token_prompt(value, limits, name=name)
+    _fail(f"{name} must be a string or a list of token ids (integers)")
 
 
 def tokenize_prompt(body: dict, limits: Limits) -> Prompt:
@@ -213,13 +226,13 @@ def choice_seed(seed: int | None, index: int) -> int | None:
 
 
 def parse_request(body: dict, limits: Limits, request_id: str, chat: bool) -> OpenAIRequest:
-    """Validates an OpenAI request body; each choice gets the request id with '-<index>' when n > 1."""
+    """Validates an OpenAI request body; each choice gets the request id with '-<index>' when there are several."""
     _check_supported(body)
     n = _int(body, "n")
     n = 1 if n is None else n
     if not 1 <= n <= MAX_CHOICES:
         _fail(f"n must be in [1, {MAX_CHOICES}], got {n}")
-    prompt = _messages(body, limits) if chat else _prompt(body, limits)
+    prompts = [_messages(body, limits)] if chat else _prompts(body, limits)
     top = _logprobs(body, chat)
     max_tokens, max_tokens_name = _max_tokens(body)
     params = request_params(
@@ -235,13 +248,14 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool) -> Op
     stream = _bool(body, "stream")
     if options is not None and not stream:
         _fail("stream_options is only allowed with stream: true")
-    calls = []
-    for i in range(n):
-        sampling = replace(params.sampling, seed=choice_seed(params.sampling.seed, i))
-        call_id = request_id if n == 1 else f"{request_id}-{i}"
-        calls.append(GenerateCall(call_id, prompt, replace(params, sampling=sampling), truncate,
-                                  "messages" if chat else "prompt", max_tokens_name))
-    return OpenAIRequest(chat=chat, calls=calls, stream=stream,
+    calls = []  # prompt after prompt, n choices each: choice index = prompt index * n + j
+    for prompt in prompts:
+        for j in range(n):  # a prompt's choices draw as they would with that prompt alone
+            sampling = replace(params.sampling, seed=choice_seed(params.sampling.seed, j))
+            call_id = request_id if n * len(prompts) == 1 else f"{request_id}-{len(calls)}"
+            calls.append(GenerateCall(call_id, prompt, replace(params, sampling=sampling), truncate,
+                                      "messages" if chat else "prompt", max_tokens_name))
+    return OpenAIRequest(chat=chat, calls=calls, n=n, stream=stream,
                          include_usage=bool(options and options.get("include_usage")), logprobs=top is not None)
 
 
@@ -252,11 +266,13 @@ def finish_reason(out: RequestOutput) -> str | None:
     return None if out.finish_reason is None else FINISH_REASONS[out.finish_reason]
 
 
-def usage_json(finals: list[RequestOutput]) -> dict:
-    """Usage of a request's choices: the prompt counted once, the completions added up."""
-    prompt = finals[0].prompt_tokens if finals else 0
+def usage_json(finals: list[RequestOutput], n: int = 1) -> dict:
+    """Usage of a request's choices (finals: in choice order, n per prompt): each prompt counted
+    once, the completions added up."""
+    firsts = finals[::n]
+    prompt = sum(f.prompt_tokens for f in firsts)
     completion = sum(f.completion_tokens for f in finals)
-    cached = finals[0].cached_prompt_tokens if finals else 0
+    cached = sum(f.cached_prompt_tokens for f in firsts)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
 

@@ -22,21 +22,32 @@ from twinplane.controlplane.request_state import RequestState
 
 
 class Choices:
-    """The engine requests of one OpenAI request, read as one stream of (choice index, output)."""
+    """The engine requests of one OpenAI request, read as one stream of (choice index, output).
+
+    The first choice of each prompt starts at once; its n - 1 siblings once it has output, when
+    the prompt's blocks are in the prefix cache for them to share."""
 
     def __init__(self, engine: Engine, request: OpenAIRequest):
         self.engine = engine
-        self.calls = request.calls
+        self.calls, self.n = request.calls, request.n
         self.states: list[RequestState] = []
         self.tasks: list[asyncio.Task] = []
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=len(self.calls))
         self.finals: list[RequestOutput | None] = [None] * len(self.calls)
+        self.started = [False] * len(self.calls)
 
     async def open(self) -> None:
-        """Adds the first choice (raises the engine's ServiceError for a request it refuses)."""
-        await self._start(0)
+        """Adds the first choice of every prompt (raises the engine's ServiceError for a request it
+        refuses, after aborting the ones it added)."""
+        try:
+            for index in range(0, len(self.calls), self.n):
+                await self._start(index)
+        except BaseException:
+            self.close()
+            raise
 
     async def _start(self, index: int) -> None:
+        self.started[index] = True
         state = await self.engine.add(self.calls[index])
         self.states.append(state)
         self.tasks.append(asyncio.create_task(self._pump(index, state)))
@@ -55,9 +66,9 @@ class Choices:
                 index, out = await self.queue.get()
                 if isinstance(out, Exception):
                     raise out
-                if len(self.states) < len(self.calls):  # the prompt's blocks are cached now
-                    for i in range(len(self.states), len(self.calls)):
-                        await self._start(i)
+                if index % self.n == 0 and not self.started[index + self.n - 1]:  # the prompt's blocks are cached now
+                    for sibling in range(index + 1, index + self.n):
+                        await self._start(sibling)
                 if out.finish_reason is not None:
                     self.finals[index] = out
                     remaining -= 1
@@ -73,7 +84,8 @@ class Choices:
             self.engine.abort(state)
 
     def usage(self) -> dict:
-        return usage_json([f for f in self.finals if f is not None])
+        """Once every choice has finished."""
+        return usage_json(self.finals, self.n)
 
 
 class ResponseBuilder:

@@ -74,7 +74,11 @@ def test_prompt_forms():
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, True, "only text input"),
     ({}, True, "messages is required"),
     ({}, False, "prompt is required"),
-    ({"prompt": ["a", "b"]}, False, "batch of several prompts"),
+    ({"prompt": []}, False, "prompt must not be empty"),
+    ({"prompt": ["a", []]}, False, "prompt[1] must not be empty"),
+    ({"prompt": ["a", [5000]]}, False, "prompt[1] must be in [0, 1000)"),
+    ({"prompt": ["a", [1, None]]}, False, "prompt[1] must be a string or a list of token ids"),
+    ({"prompt": ["a"] * 33}, False, "prompt: a batch holds at most 32 prompts, got 33"),
     ({"prompt": [5000]}, False, "prompt must be in [0, 1000)"),
     ({"prompt": "x", "echo": True}, False, "echo is not supported"),
     ({**CHAT, "top_k": 2**31}, True, "top_k must be in [-1, 2147483647]"),  # an int32 on the data plane
@@ -164,3 +168,30 @@ def test_the_command_line_passes_http_listen_on(monkeypatch):
     assert (config.http_listen, security.api_key) == ("8000", "k")
     off, _ = _controlplane(build_parser().parse_args(["controlplane"]), "127.0.0.1:50061", None)
     assert off.http_listen is None  # off unless asked for
+
+
+def test_a_batch_of_prompts_gets_n_choices_each_in_prompt_order():
+    """A completion's batch: choice p * n + j is prompt p's choice j, seeded as that prompt alone
+    would be; each choice has an id of its own."""
+    from twinplane.controlplane.openai_api import choice_seed
+
+    req = parse({"prompt": ["a", [7, 8], "c"], "n": 2, "seed": 5}, chat=False)
+    assert req.n == 2 and len(req.calls) == 6
+    assert [c.prompt.text or c.prompt.token_ids for c in req.calls] == ["a", "a", [7, 8], [7, 8], "c", "c"]
+    assert [c.params.sampling.seed for c in req.calls] == [5, choice_seed(5, 1)] * 3
+    assert len({c.request_id for c in req.calls}) == 6
+    alone = parse({"prompt": [7, 8], "n": 2, "seed": 5}, chat=False)
+    assert [c.params for c in alone.calls] == [c.params for c in req.calls[2:4]]
+    assert parse({"prompt": [[7, 8]]}, chat=False).calls[0].prompt.token_ids == [7, 8]  # a batch of one
+
+
+def test_usage_counts_each_prompt_once_and_every_completion():
+    from twinplane.controlplane.api import RequestOutput
+    from twinplane.controlplane.openai_api import usage_json
+
+    finals = [RequestOutput("x", prompt_tokens=p, completion_tokens=c, cached_prompt_tokens=k)
+              for p, c, k in [(10, 3, 0), (10, 4, 8), (6, 5, 2), (6, 1, 4)]]
+    assert usage_json(finals, n=2) == {"prompt_tokens": 16, "completion_tokens": 13, "total_tokens": 29,
+                                       "prompt_tokens_details": {"cached_tokens": 2}}
+    assert usage_json(finals[:1]) == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
+                                      "prompt_tokens_details": {"cached_tokens": 0}}

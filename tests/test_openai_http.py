@@ -134,6 +134,33 @@ def test_n_choices_stream_with_indexes(client, model):
     assert finished == {0, 1}
 
 
+def test_a_batch_of_prompts_answers_each_as_alone(client, model, http_planes):
+    """A completion's prompt may be a batch (texts and token ids): choice p * n + j belongs to prompt p,
+    each prompt's choices are what it gets alone (seeded), and usage counts each prompt once."""
+    prompts = ["Once upon a time", list(range(100, 120)), LONG_PROMPT]
+    kwargs = dict(model=model, max_tokens=6, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(prompt=p, n=2, **kwargs) for p in prompts]
+    batch = client.completions.create(prompt=prompts, n=2, **kwargs)
+    assert sorted(c.index for c in batch.choices) == list(range(6))
+    texts = {c.index: c.text for c in batch.choices}
+    for p, answer in enumerate(alone):
+        assert [texts[2 * p + c.index] for c in answer.choices] == [c.text for c in answer.choices]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 36
+    stream = client.completions.create(prompt=prompts, stream=True, stream_options={"include_usage": True},
+                                       **kwargs)
+    streamed, finished, usage = {0: "", 1: "", 2: ""}, set(), None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+            if c.finish_reason:
+                finished.add(c.index)
+    assert finished == {0, 1, 2} and [streamed[p] for p in range(3)] == [a.choices[0].text for a in alone]
+    assert usage.prompt_tokens == batch.usage.prompt_tokens and usage.completion_tokens == 18
+    wait_until(lambda: all_blocks_free(http_planes), 20, "every KV block free after the batch")
+
+
 def test_logprobs(client, model):
     answer = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=5, temperature=0,
                                             logprobs=True, top_logprobs=3)
