@@ -38,6 +38,7 @@ class OpenAIRequest:
     chat: bool  # chat completion, else text completion
     calls: list[GenerateCall]  # n per prompt, prompt after prompt (a completion may send a batch of prompts)
     n: int = 1  # choices per prompt
+    echo: bool = False  # completions: each choice's text starts with its prompt
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     logprobs: bool = False  # return log-probabilities (the top ones: calls[i].params.logprobs of them)
@@ -200,8 +201,6 @@ def _check_supported(body: dict) -> None:
     for name in UNSUPPORTED:
         if body.get(name):
             _fail(f"{name} is not supported by this server")
-    if body.get("echo"):
-        _fail("echo is not supported by this server")
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         _fail("response_format: only {\"type\": \"text\"} is supported")
@@ -255,7 +254,13 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool) -> Op
             call_id = request_id if n * len(prompts) == 1 else f"{request_id}-{len(calls)}"
             calls.append(GenerateCall(call_id, prompt, replace(params, sampling=sampling), truncate,
                                       "messages" if chat else "prompt", max_tokens_name))
-    return OpenAIRequest(chat=chat, calls=calls, n=n, stream=stream,
+    echo = _bool(body, "echo")
+    if echo and chat:
+        _fail("echo is only for /v1/completions")
+    if echo and top is not None:
+        _fail("echo: with logprobs it needs the prompt's log-probabilities, which this server does not compute; "
+              "leave out echo or logprobs")
+    return OpenAIRequest(chat=chat, calls=calls, n=n, echo=echo, stream=stream,
                          include_usage=bool(options and options.get("include_usage")), logprobs=top is not None)
 
 

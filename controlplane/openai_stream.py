@@ -1,8 +1,10 @@
 """The choices of one OpenAI request as engine requests, and their outputs as OpenAI JSON objects.
 
-Each choice is an engine request of its own with the same prompt. With n > 1 the first one goes
-alone; the others are added once its first token is out, when its prompt's full blocks are in the
-prefix cache, so they share those blocks instead of computing the prompt again.
+Each choice is an engine request of its own with its prompt (a completion may send a batch of
+prompts, n choices each). The first choice of each prompt goes at once; the others are added once
+its first token is out, when its prompt's full blocks are in the prefix cache, so they share those
+blocks instead of computing the prompt again. With echo, a choice's first output starts with its
+prompt.
 
 The choices' outputs pass through a queue of one slot per choice: what a slow client has not read
 stays with the engine, which merges it and ends the streams that fall too far behind
@@ -15,8 +17,9 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from twinplane.controlplane.api import RequestOutput
+from twinplane.controlplane.api import GenerateCall, RequestOutput
 from twinplane.controlplane.engine import Engine
+from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.openai_api import OpenAIRequest, finish_reason, logprobs_json, usage_json
 from twinplane.controlplane.request_state import RequestState
 
@@ -35,6 +38,7 @@ class Choices:
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=len(self.calls))
         self.finals: list[RequestOutput | None] = [None] * len(self.calls)
         self.started = [False] * len(self.calls)
+        self.echo: list[str] | None = [""] * len(self.calls) if request.echo else None  # each choice's prompt
 
     async def open(self) -> None:
         """Adds the first choice of every prompt (raises the engine's ServiceError for a request it
@@ -50,7 +54,19 @@ class Choices:
         self.started[index] = True
         state = await self.engine.add(self.calls[index])
         self.states.append(state)
+        if self.echo is not None:
+            self.echo[index] = await self._prompt_text(self.calls[index], state.prompt)
         self.tasks.append(asyncio.create_task(self._pump(index, state)))
+
+    async def _prompt_text(self, call: GenerateCall, token_ids: list[int]) -> str:
+        """The prompt as echoed: a text prompt as sent, else (token ids, or a truncated text) the
+        text of the tokens the model was given."""
+        if call.prompt.text is not None and not call.truncate_prompt_tokens:
+            return call.prompt.text
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise InvalidRequest("echo needs the model's tokenizer to show a prompt of token ids; this server has none")
+        return await self.engine.in_tokenizer_pool(tokenizer.decode, token_ids, False)
 
     async def _pump(self, index: int, state: RequestState) -> None:
         try:
@@ -69,6 +85,8 @@ class Choices:
                 if index % self.n == 0 and not self.started[index + self.n - 1]:  # the prompt's blocks are cached now
                     for sibling in range(index + 1, index + self.n):
                         await self._start(sibling)
+                if self.echo is not None and self.echo[index]:  # the choice's first output
+                    out.text, self.echo[index] = self.echo[index] + out.text, ""
                 if out.finish_reason is not None:
                     self.finals[index] = out
                     remaining -= 1

@@ -161,6 +161,36 @@ def test_a_batch_of_prompts_answers_each_as_alone(client, model, http_planes):
     wait_until(lambda: all_blocks_free(http_planes), 20, "every KV block free after the batch")
 
 
+def test_echo_starts_each_choice_with_its_prompt(client, base_url, model, http_planes):
+    """echo: a text prompt as sent; token ids (or a truncated text) as the text of the tokens the model
+    got; streamed, the prompt comes in the choice's first chunk."""
+    kwargs = dict(model=model, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    alone = client.completions.create(prompt="Once upon a time", **kwargs)
+    plain = alone.choices[0].text
+    echoed = client.completions.create(prompt="Once upon a time", echo=True, **kwargs).choices[0].text
+    assert echoed == "Once upon a time" + plain
+    ids = list(range(100, 120))
+    shown = http_planes.engine.tokenizer.decode(ids, skip_special_tokens=False)
+    batch = client.completions.create(prompt=["Once upon a time", ids], n=2, echo=True, **kwargs)
+    texts = {c.index: c.text for c in batch.choices}
+    assert texts[0] == texts[1] == echoed and texts[2] == texts[3] and texts[2].startswith(shown)
+    assert len(texts[2]) > len(shown) and batch.usage.prompt_tokens == alone.usage.prompt_tokens + len(ids)
+    stream = client.completions.create(prompt=["Once upon a time", ids], echo=True, stream=True, **kwargs)
+    firsts, streamed = {}, {0: "", 1: ""}
+    for chunk in stream:
+        for c in chunk.choices:
+            firsts.setdefault(c.index, c.text)
+            streamed[c.index] += c.text
+    assert firsts[0].startswith("Once upon a time") and firsts[1].startswith(shown)
+    assert streamed == {0: texts[0], 1: texts[2]}
+    tail = httpx.post(f"{base_url}/tokenize", json={"model": model, "prompt": LONG_PROMPT},
+                      headers={"authorization": f"Bearer {KEY}"}, timeout=60).json()["tokens"][-10:]
+    truncated = client.completions.create(prompt=LONG_PROMPT, echo=True, **{**kwargs, "extra_body": {
+        "ignore_eos": True, "truncate_prompt_tokens": 10}})
+    assert truncated.choices[0].text.startswith(http_planes.engine.tokenizer.decode(tail, skip_special_tokens=False))
+    assert truncated.usage.prompt_tokens == 10
+
+
 def test_logprobs(client, model):
     answer = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=5, temperature=0,
                                             logprobs=True, top_logprobs=3)
