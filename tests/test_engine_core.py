@@ -64,6 +64,40 @@ gc.collect()
     assert len(ours) == 1 and ours[0].startswith("proc: "), result.stderr
 
 
+def test_a_held_event_loop_is_logged_with_where_it_was_held():
+    """With DEBUG logging, a callback that holds the event loop for 5 ms or more is logged once, with
+    the stack of the loop's thread while it held it; without DEBUG, no watcher runs."""
+    script = """
+import asyncio, logging, sys, threading, time
+logging.basicConfig(level=getattr(logging, sys.argv[1]), format="%(message)s")
+from twinplane.controlplane.event_loop import freeze_heap
+
+def hold_the_loop():
+    time.sleep(0.2)
+
+async def main():
+    freeze_heap("proc"); freeze_heap("proc")
+    await asyncio.sleep(0.02)
+    hold_the_loop()
+    await asyncio.sleep(0.05)
+    print(sorted(t.name for t in threading.enumerate() if "watcher" in t.name))
+
+asyncio.run(main())
+"""
+    for level, watchers in (("DEBUG", "['proc: loop watcher']"), ("INFO", "[]")):
+        result = subprocess.run([sys.executable, "-c", script, level], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == watchers
+        held = [line for line in result.stderr.splitlines() if "event loop held for" in line]
+        if level == "INFO":
+            assert not held, result.stderr
+            continue
+        assert all(line.startswith("proc: ") for line in held), result.stderr
+        # one report per hold (others may come from a loaded machine), with the loop thread's stack then
+        reports = result.stderr.split("event loop held for")[1:]
+        assert sum("in hold_the_loop" in report for report in reports) == 1, result.stderr
+
+
 def test_a_frozen_heap_is_still_freed_at_exit():
     """Triton's bindings report every object of theirs still alive when the interpreter ends: a
     process that froze its heap must let the last collection reach it again."""
