@@ -410,6 +410,21 @@ def test_429_when_too_many_wait_and_shutdown_ends_streams(planes_factory, tiny_q
     planes.plane = None  # already shut down
 
 
+def test_a_batch_refused_part_way_leaves_nothing_behind(planes_factory, tiny_qwen3_dir):
+    """A batch whose later prompts find the queue full gets 429, and the prompts already added are
+    aborted at once: no request and no KV block is left, and a batch that fits runs next."""
+    planes = planes_factory(tiny_qwen3_dir, "--block-size", "16", max_waiting_requests=2, http_listen="127.0.0.1:0")
+    url = f"http://127.0.0.1:{planes.plane.http_port}/v1/completions"
+    body = {"prompt": ["Once upon a time", [5, 6, 7], "The quick brown fox", [8, 9]], "max_tokens": 512,
+            "ignore_eos": True}
+    refused = httpx.post(url, json=body, timeout=60)
+    assert refused.status_code == 429 and "max_waiting_requests 2" in refused.json()["error"]["message"]
+    assert not planes.engine.requests  # aborted before the answer, not left to run their 512 tokens
+    wait_until(lambda: all_blocks_free(planes), 20, "every KV block free after the refused batch")
+    answer = httpx.post(url, json={**body, "prompt": body["prompt"][:2], "max_tokens": 4}, timeout=60).json()
+    assert sorted(c["index"] for c in answer["choices"]) == [0, 1] and answer["usage"]["completion_tokens"] == 8
+
+
 def test_tls_files_serve_the_http_api_over_https(tmp_path):
     from tests.test_reliability_security import self_signed_cert
 
