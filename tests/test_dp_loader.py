@@ -114,3 +114,27 @@ def test_a_missing_attention_package_says_what_to_install() -> None:
     with pytest.raises(ValueError, match=r"'flash_attn_4' cannot be loaded: .*twinplane\[gpu\]"):
         get_attention_backend("flash_attn_4", "cuda")
     assert get_attention_backend("auto", "cpu").name == "torch"
+
+
+def test_the_checkout_root_does_not_hide_hugging_faces_kernels_package():
+    """Run in a checkout (cwd on sys.path), the kernels folder is also found as a top-level
+    ``kernels``: the name of Hugging Face's package, which transformers imports when it is
+    installed. That import must get Hugging Face's package (or fail as a missing one does)."""
+    import importlib.metadata
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = "import kernels; print(kernels.__file__)"
+    result = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
+    try:
+        importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        assert result.returncode != 0 and "no package named 'kernels' is installed" in result.stderr, result.stderr
+    else:
+        assert result.returncode == 0, result.stderr
+        assert not Path(result.stdout.strip()).resolve().is_relative_to(root / "kernels"), result.stdout
+    result = subprocess.run([sys.executable, "-c", "from transformers import LlamaConfig, Qwen3Config"], cwd=root,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
