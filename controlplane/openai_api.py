@@ -141,13 +141,6 @@ def _messages(body: dict, limits: Limits) -> Prompt:
     return chat_prompt(out, limits, name="messages")
 
 
-def _prompt(body: dict, limits: Limits) -> Prompt:
-    prompts = _prompts(body, limits)
-    if len(prompts) > 1:
-        _fail("prompt: a batch of several prompts is not allowed here; send one prompt (text or token ids)")
-    return prompts[0]
-
-
 def _prompts(body: dict, limits: Limits) -> list[Prompt]:
     """A completion's prompt: a string or a list of token ids, or a batch of them (a list of those)."""
     prompt = body.get("prompt")
@@ -174,7 +167,7 @@ def tokenize_prompt(body: dict, limits: Limits) -> Prompt:
         return _messages(body, limits)
     if not isinstance(body.get("prompt"), str):
         _fail("prompt is required: a string (or send messages: a list of {role, content} objects)")
-    return _prompt(body, limits)
+    return text_prompt(body["prompt"], limits, name="prompt")
 
 
 def detokenize_ids(body: dict, limits: Limits) -> list[int]:
