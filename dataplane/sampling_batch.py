@@ -177,7 +177,8 @@ def warm_up_rows() -> list[SamplingRow]:
                                 presence_penalty=0.5, frequency_penalty=0.5, seed=7, num_logprobs=5, min_tokens=4,
                                 stop_token_ids=(0,), logit_bias=((1, 2.0),))
     history = np.array([1, 2, 3], dtype=np.int32), np.array([4, -1], dtype=np.int32)
-    return [SamplingRow(everything, 2, *history), SamplingRow(SamplingParams(temperature=0.0, num_logprobs=0), 2, *history)]
+    greedy = SamplingParams(temperature=0.0, num_logprobs=0)
+    return [SamplingRow(everything, 2, *history), SamplingRow(greedy, 2, *history)]
 
 
 def build_sampling_batch(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> SamplingBatch:
