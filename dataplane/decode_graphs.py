@@ -1,17 +1,23 @@
-"""Plans of several decode steps as CUDA graphs that sample too, one graph per (batch size, step).
+"""Decode steps as CUDA graphs that sample too: the forward pass, the logits, the temperature
+sampler (``kernels/sampling.py``) and the store of the tokens, one graph per (batch size, step).
 
 A plan of K decode steps feeds each step's sampled tokens to the next one on the device. At a
 few sequences a step needs about 0.7 ms of GPU time (Qwen3-0.6B on an H200), and queueing it
 step by step from the host (the forward graph's replay, the logits GEMM, the sampler's
 kernels, the token store) cost nearly as much: the GPU waited on the host. Here step k of a
-plan at padded batch size b is one graph: the forward pass, the logits, the temperature
-sampler (``kernels/sampling.py``) and the store of the tokens where step k + 1 reads them.
-A plan copies its inputs into the graphs' buffers in one call and replays K graphs.
+plan at padded batch size b is one graph, whose tokens step k + 1 reads. A plan copies its
+inputs into the graphs' buffers in one call and replays K graphs.
 
-The graphs draw what the step-by-step loop of ``ModelRunner`` draws: the same forward shape
+A plan of one decode step at any batch size replays step 0's graph the same way. Queued
+op by op, its logits and sampling cost the host ~0.6 ms (an H200's host, ~30-45 sequences),
+on top of the forward graph's replay and the inputs: at half load the launch took about as
+long as the GPU's step, so the GPU waited between steps and set the streams' pace.
+
+The graphs draw what the step-by-step path of ``ModelRunner`` draws: the same forward shape
 and logits rows, and the Philox keys ``Sampler.draw_keys`` hands out in the loop's order.
 They serve tensor-parallel size 1 (the loop broadcasts each step's tokens from rank 0) and
-batches that sample with temperature only; other plans take the loop.
+batches that sample with temperature only, with no seeded rows and no log-probabilities;
+other plans take the loop.
 
 Padding sequences (a batch below its bucket) have context 0 and slot -1 in every step: they
 store nothing and attend to nothing, and the tokens they sample are never read back.
@@ -38,12 +44,13 @@ MAX_STEPS = 8
 
 
 class SampledDecodeGraphs:
-    """Step k of a plan of decode steps at padded batch b: forward, logits, sampling, token store."""
+    """Step k of a plan of decode steps at padded batch b: forward, logits, sampling, token store.
+    Steps 0 .. num_steps - 1 at batch sizes up to MAX_BATCH, step 0 at the larger ones."""
 
     def __init__(self, model: DecoderForCausalLM, batch_sizes: list[int], max_model_len: int, block_size: int,
                  device: torch.device, pool=None, num_steps: int = MAX_STEPS) -> None:
         self.model, self.num_steps, self.max_model_len, self.pool = model, num_steps, max_model_len, pool
-        self.batch_sizes = [b for b in batch_sizes if b <= MAX_BATCH]
+        self.batch_sizes = batch_sizes
         width, k = self.batch_sizes[-1], num_steps
         i32 = dict(dtype=torch.int32, device=device)
         self.first_ids = torch.zeros(width, **i32)  # step 0's inputs; step k > 0 reads tokens[k - 1]
@@ -61,11 +68,17 @@ class SampledDecodeGraphs:
         self.replays: dict[tuple[int, int], Callable[[], None]] = {}
 
     def fits(self, inputs: StepInputs) -> bool:
-        """Whether this plan of decode steps can replay the graphs: few enough sequences and steps,
-        sampling with temperature only (InputBatch admits plans of several steps only of sequences
-        without seeds, log-probabilities or penalties)."""
-        return (inputs.input_ids.shape[0] <= self.batch_sizes[-1] and inputs.decode_steps.num_steps <= self.num_steps
-                and inputs.sampling.temperature_only)
+        """Whether this plan can replay the graphs: sampling with temperature only, and either a plan
+        of several decode steps of few enough sequences and steps (InputBatch admits those only of
+        sequences without seeds, log-probabilities or penalties), or one decode step in which every
+        sequence samples, without seeds or log-probabilities."""
+        sampling, n, steps = inputs.sampling, inputs.input_ids.shape[0], inputs.decode_steps
+        if sampling is None or not sampling.temperature_only:
+            return False
+        if steps is not None:
+            return n <= MAX_BATCH and steps.num_steps <= self.num_steps
+        return (inputs.metadata.max_seqlen_q == 1 and inputs.sample_indices.shape[0] == n <= self.batch_sizes[-1]
+                and not sampling.seeded and sampling.max_num_logprobs < 0)
 
     def _metadata(self, k: int, bs: int) -> AttentionMetadata:
         cu = self.cu_seqlens_q[:bs + 1]
@@ -98,7 +111,7 @@ class SampledDecodeGraphs:
         """Records every (batch size, step); the warm-up lengths are 1 and slots -1 (nothing stored)."""
         self.context_lens.fill_(1)
         for bs in reversed(self.batch_sizes):
-            for k in range(self.num_steps):
+            for k in range(self.num_steps if bs <= MAX_BATCH else 1):
                 self.replays[(bs, k)] = self._record(lambda k=k, bs=bs: self._step(k, bs))
         if self.keys.is_cuda:
             torch.cuda.synchronize(self.keys.device)
@@ -107,14 +120,18 @@ class SampledDecodeGraphs:
         """Replays the plan's steps (``fits`` holds), with the sampler's next keys. Returns the sampled
         tokens, int32 [K, n] (a view of the graphs' buffer)."""
         steps, metadata, sampling = inputs.decode_steps, inputs.metadata, inputs.sampling
-        n, k = inputs.input_ids.shape[0], steps.num_steps
+        n = inputs.input_ids.shape[0]
+        if steps is None:  # one step
+            k, per_step = 1, [t.view(1, n) for t in (inputs.positions, metadata.slot_mapping, metadata.context_lens)]
+        else:
+            k, per_step = steps.num_steps, [steps.positions, steps.slot_mapping, steps.context_lens]
         bs, width = bucket(self.batch_sizes, n), metadata.block_tables.shape[1]
         targets = [self.first_ids[:n], self.positions[:k, :n], self.slots[:k, :n], self.context_lens[:k, :n],
                    self.block_tables[:n, :width], self.order[:n], self.temperature[:n], self.greedy[:n],
                    self.keys[:k, :bs]]
-        sources = [inputs.input_ids, steps.positions, steps.slot_mapping, steps.context_lens, metadata.block_tables,
-                   metadata.decode_order, sampling.temperature.view(-1), sampling.greedy,
-                   to_device(sampler.draw_keys(k, bs), self.keys.device)]
+        keys = to_device(sampler.draw_keys(k, bs), self.keys.device)
+        sources = [inputs.input_ids, *per_step, metadata.block_tables, metadata.decode_order,
+                   sampling.temperature.view(-1), sampling.greedy, keys]
         if n < bs:  # padding sequences start last
             targets.append(self.order[n:bs])
             sources.append(self.rows[n:bs])

@@ -14,7 +14,8 @@ A plan of K decode steps queues K forward passes and samplings at once, each ste
 the next one's inputs on the device, with no round trip to the control plane or the host in
 between: what a small batch's step costs beyond its GPU time is paid once per K tokens. On
 one CUDA device, plans that sample with temperature only replay one graph per step that
-samples too (``decode_graphs.py``), so queueing a step costs the host a graph replay.
+samples too (``decode_graphs.py``), so queueing a step costs the host a graph replay; so do
+plans of one decode step that sample with temperature only, at any batch size.
 """
 
 from __future__ import annotations
@@ -342,6 +343,9 @@ class ModelRunner:
             step.previous_done = self._last.done if self._last is not None else None
         if inputs is not None and inputs.decode_steps is not None:
             self._decode_steps(step, inputs)
+        elif inputs is not None and not keep_logits and self._graphs_fit(inputs):
+            self._sampled_decode_step(step, inputs)
+            step.forward_us = int((time.perf_counter() - prepared) * 1e6)
         elif inputs is not None:
             hidden, step.path = self._forward(inputs.input_ids, inputs.positions, inputs.metadata)
             forwarded = time.perf_counter()
@@ -393,15 +397,27 @@ class ModelRunner:
                 step.logits = rank_logits.float()
         self.sequences.set_last_tokens(inputs.sample_rows, token_ids)
 
+    def _graphs_fit(self, inputs: StepInputs) -> bool:
+        """Whether the plan replays graphs that sample (``decode_graphs.py``)."""
+        return self.decode_graphs is not None and self.decode_graphs.fits(inputs)
+
+    def _sampled_decode_step(self, step: LaunchedStep, inputs: StepInputs) -> None:
+        """One decode step as one graph that samples too (``decode_graphs.py``); what ``_sample`` keeps."""
+        token_ids = self.decode_graphs.run(inputs, self.sampler)[0]
+        step.path = StepPath.DECODE_GRAPH
+        step.sampler_output = SamplerOutput(token_ids.to("cpu", non_blocking=True))
+        step.sampled, step.num_logprobs = inputs.sampled, inputs.sampling.num_logprobs
+        step.record = self.sequences.record_sampled
+        self.sequences.set_last_tokens(inputs.sample_rows, token_ids)
+
     def _decode_steps(self, step: LaunchedStep, inputs: StepInputs) -> None:
         """Queues K decode steps, each fed the tokens the one before sampled; the host never waits.
 
         The token history is not recorded: these sequences use no penalties.
         """
         steps, n = inputs.decode_steps, len(inputs.input_ids)
-        graphs = self.decode_graphs
-        if graphs is not None and graphs.fits(inputs):
-            tokens, rank0 = graphs.run(inputs, self.sampler).reshape(-1), True
+        if self._graphs_fit(inputs):
+            tokens, rank0 = self.decode_graphs.run(inputs, self.sampler).reshape(-1), True
         else:
             tokens = torch.empty(steps.num_steps, n, dtype=torch.int32, device=self.device)
             input_ids, metadata = inputs.input_ids, inputs.metadata

@@ -1,10 +1,11 @@
-"""Plans of several decode steps replayed by graphs that sample (``dataplane/decode_graphs.py``)
-draw the tokens the step-by-step loop draws.
+"""Plans of several decode steps, and plans of one decode step at any batch size, replayed by
+graphs that sample (``dataplane/decode_graphs.py``) draw the tokens the step-by-step loop draws.
 
 Without a GPU there are no CUDA graphs, so a "replay" runs the recorded step again, on the
 graphs' buffers, with the temperature sampler in Triton's interpreter (chosen when a kernel is
 decorated: the check runs in a child process). That checks what the graphs hold: the buffers
-a plan fills (three sequences in a bucket of four: one padding row), each step reading the
+a plan fills (three sequences in a bucket of four: one padding row; ten in a bucket of
+sixteen, above the batch sizes that take plans of several steps), each step reading the
 tokens of the step before, and the sampler's keys. The GPU test in test_gpu.py replays real
 graphs.
 """
@@ -30,7 +31,7 @@ from twinplane.dataplane.attention_backends.torch_backend import TorchAttentionB
 from twinplane.dataplane.config import DataPlaneConfig
 from twinplane.dataplane.decode_graphs import SampledDecodeGraphs
 from twinplane.dataplane.model_runner import ModelRunner
-from twinplane.dataplane.plan import SamplingParams
+from twinplane.dataplane.plan import SamplingParams, StepPath, StepPlan
 from twinplane.dataplane.sampler import Sampler
 
 
@@ -72,11 +73,12 @@ TEMPERATURES = (0.0, 0.8, 1.3)
 PLANS = ((4, 1, 3), (2, 4, 4), (5, 2, 5))
 
 runner = ModelRunner(DataPlaneConfig(model=sys.argv[1], block_size=BLOCK, num_kv_blocks=64, max_model_len=64,
-                                     max_num_seqs=8, max_num_batched_tokens=64))
+                                     max_num_seqs=16, max_num_batched_tokens=64))
 for layer in runner.model.attention_layers():
     layer.backend = LengthsFromTensors()
-graphs = Rerun(runner.model, [1, 2, 4, 8], runner.max_model_len, BLOCK, runner.device, num_steps=4)
+graphs = Rerun(runner.model, [1, 2, 4, 8, 16], runner.max_model_len, BLOCK, runner.device, num_steps=4)
 graphs.capture()
+assert sorted(graphs.replays) == [(bs, k) for bs in (1, 2, 4, 8) for k in range(4)] + [(16, 0)]
 
 
 def generate(decode_graphs):
@@ -96,6 +98,33 @@ assert replayed == looped, (replayed, looped)
 assert replayed_draws == looped_draws
 assert [len(t) for t in replayed] == [1 + sum(b[i] for b in PLANS) for i in range(3)]
 assert all(len(set(tokens)) > len(tokens) // 2 for tokens in replayed), "the model should not repeat a token"
+
+
+def single_steps(decode_graphs, num_seqs, steps=5):
+    """Prefills num_seqs sequences (temperatures cycling), then decodes them one step a plan."""
+    runner.reset()
+    runner.sampler, runner.decode_graphs = Sampler(5, runner.device, fused=True), decode_graphs
+    builder = PlanBuilder(BLOCK)
+    prompts = list(PROMPTS.values())
+    seqs = [builder.new_seq(i, prompts[i % 3], SamplingParams(temperature=TEMPERATURES[i % 3]))
+            for i in range(num_seqs)]
+    paths = []
+    for step in range(steps + 1):
+        out = runner.step(StepPlan(step, [builder.schedule(s) for s in seqs]))
+        paths.append(out.path)
+        for s, token in zip(seqs, out.sampled_token_ids.tolist()):
+            s.tokens.append(token)
+    return [s.tokens[s.num_prompt_tokens:] for s in seqs], paths
+
+
+for num_seqs, bucket in ((3, 4), (10, 16)):
+    looped, _ = single_steps(None, num_seqs)
+    before = Rerun.replays
+    replayed, paths = single_steps(graphs, num_seqs)
+    assert Rerun.replays - before == 5, Rerun.replays - before  # every plan after the prompts'
+    assert paths[1:] == [StepPath.DECODE_GRAPH] * 5, paths
+    assert replayed == looped, (num_seqs, replayed, looped)
+    assert num_seqs < 4 or len({tuple(t) for t in replayed[1::3]}) > 1, "rows of one prompt and temperature draw apart"
 print("decode graphs ok")
 '''
 

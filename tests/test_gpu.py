@@ -471,6 +471,39 @@ def test_plans_of_decode_steps_replay_graphs_that_sample_what_the_loop_samples(q
     assert all(len(set(tokens)) > len(tokens) // 2 for tokens in results[0][1:]), "draws should vary"
 
 
+def test_single_decode_steps_replay_graphs_that_sample_what_the_step_path_samples(qwen3_folder):
+    """Plans of one decode step, greedy and temperature rows, at 3 sequences (bucket 4) and 12 (bucket 16,
+    above the batch sizes of plans of several steps): a graph that samples draws the tokens of the forward
+    graph followed by the logits GEMM and the sampler, queued op by op."""
+    from twinplane.dataplane.plan import SamplingParams
+    from twinplane.dataplane.sampler import Sampler
+
+    runner = _runner(qwen3_folder)
+    graphs, replayed = runner.decode_graphs, []
+    run = graphs.run
+    graphs.run = lambda inputs, sampler: replayed.append(len(inputs.input_ids)) or run(inputs, sampler)
+    for num_seqs in (3, 12):
+        results = []
+        for decode_graphs in (graphs, None):
+            runner.reset()
+            runner.sampler, runner.decode_graphs = Sampler(11, runner.device), decode_graphs
+            builder = PlanBuilder(16)
+            seqs = [builder.new_seq(i, p, SamplingParams(temperature=(0.0, 0.8, 1.1)[i % 3]))
+                    for i, p in enumerate(_prompts(num_seqs, seed=9))]
+            paths = []
+            for step in range(9):
+                out = runner.step(StepPlan(step, [builder.schedule(s) for s in seqs]))
+                paths.append(out.path)
+                for s, t in zip(seqs, out.sampled_token_ids.tolist()):
+                    s.tokens.append(t)
+            assert paths[1:] == [StepPath.DECODE_GRAPH] * 8
+            results.append([s.tokens[s.num_prompt_tokens:] for s in seqs])
+        assert results[0] == results[1]
+        assert all(len(set(tokens)) > 1 for tokens in results[0][1::3]), "temperature rows should vary"
+    runner.close()
+    assert replayed == [3] * 8 + [12] * 8
+
+
 def _drive_with_arrival(runner) -> tuple[list[list[int]], list[StepPath]]:
     """Two sequences decode while a third prompt arrives beside them in chunks of 100 tokens;
     returns the generated tokens and how each step ran."""
