@@ -2,7 +2,8 @@
 
     python -m twinplane.controlplane.bench_stream [--api-server-count N] [--device-step-ms MS [--launch-ms MS]]
                                                   [--max-steps-in-flight N] [--decode-steps K]
-                                                  [--decode-steps-max-seqs N] [twinplane bench options]
+                                                  [--decode-steps-max-seqs N] [--log-level LEVEL]
+                                                  [twinplane bench options]
 
 A stand-in data plane (in this process) answers every StepPlan at once with one token
 per sampled sequence, so the figures measure only the control plane (scheduling,
@@ -11,7 +12,8 @@ tokens per second that no GPU speed-up can push the service beyond. With
 ``--api-server-count N`` the control plane runs N frontend processes on a loopback TCP port;
 give the benchmark client ``--client-processes`` and ``--channels`` to match, so that the
 client is not what limits the figure. It prints each process's CPU time. The step-pipeline
-options (``CONTROL_PLANE_OPTIONS``) go to the control plane it starts.
+options (``CONTROL_PLANE_OPTIONS``) go to the control plane it starts, ``--log-level`` (WARNING
+by default) to the control plane and the client both.
 
 With ``--device-step-ms MS`` the stand-in is the real data-plane server (its Step pipeline,
 threads and gRPC stream) over an emulated device instead: each step takes MS of device time
@@ -205,7 +207,7 @@ def main() -> int:
         sys.exit("--launch-ms needs --device-step-ms")
     stand_in = EmulatedDataPlane(step_ms, launch_ms) if step_ms > 0 else NullDataPlane()
     server, dp_address, api = serve_stand_in(stand_in)
-    cli = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", "WARNING"]
+    cli = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", _take(args, "--log-level", "WARNING")]
     interval = _option(args, "--stream-interval", "1")
     frontends = _take(args, "--api-server-count", "1")
     passed = [item for name in CONTROL_PLANE_OPTIONS if name in args for item in (name, _take(args, name, ""))]
