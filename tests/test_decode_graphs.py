@@ -100,14 +100,15 @@ assert [len(t) for t in replayed] == [1 + sum(b[i] for b in PLANS) for i in rang
 assert all(len(set(tokens)) > len(tokens) // 2 for tokens in replayed), "the model should not repeat a token"
 
 
-def single_steps(decode_graphs, num_seqs, steps=5):
-    """Prefills num_seqs sequences (temperatures cycling), then decodes them one step a plan."""
+def single_steps(decode_graphs, num_seqs, steps=5, special=()):
+    """Prefills num_seqs sequences (temperatures cycling; the first ones with the ``special``
+    parameters instead), then decodes them one step a plan."""
     runner.reset()
     runner.sampler, runner.decode_graphs = Sampler(5, runner.device, fused=True), decode_graphs
     builder = PlanBuilder(BLOCK)
     prompts = list(PROMPTS.values())
-    seqs = [builder.new_seq(i, prompts[i % 3], SamplingParams(temperature=TEMPERATURES[i % 3]))
-            for i in range(num_seqs)]
+    params = [*special, *(SamplingParams(temperature=TEMPERATURES[i % 3]) for i in range(len(special), num_seqs))]
+    seqs = [builder.new_seq(i, prompts[i % 3], params[i]) for i in range(num_seqs)]
     paths = []
     for step in range(steps + 1):
         out = runner.step(StepPlan(step, [builder.schedule(s) for s in seqs]))
@@ -125,6 +126,14 @@ for num_seqs, bucket in ((3, 4), (10, 16)):
     assert paths[1:] == [StepPath.DECODE_GRAPH] * 5, paths
     assert replayed == looped, (num_seqs, replayed, looped)
     assert num_seqs < 4 or len({tuple(t) for t in replayed[1::3]}) > 1, "rows of one prompt and temperature draw apart"
+
+# a seeded row or one that asks for log-probabilities: the step path for the whole plan
+for special in ([SamplingParams(temperature=0.8, seed=7)], [SamplingParams(temperature=0.8, num_logprobs=2)]):
+    looped, _ = single_steps(None, 3, special=special)
+    before = Rerun.replays
+    replayed, _ = single_steps(graphs, 3, special=special)
+    assert Rerun.replays == before, special
+    assert replayed == looped, (special, replayed, looped)
 print("decode graphs ok")
 '''
 
