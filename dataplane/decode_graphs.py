@@ -9,9 +9,9 @@ plan at padded batch size b is one graph, whose tokens step k + 1 reads. A plan 
 inputs into the graphs' buffers in one call and replays K graphs.
 
 A plan of one decode step at any batch size replays step 0's graph the same way. Queued
-op by op, its logits and sampling cost the host ~0.6 ms (an H200's host, ~30-45 sequences),
-on top of the forward graph's replay and the inputs: at half load the launch took about as
-long as the GPU's step, so the GPU waited between steps and set the streams' pace.
+op by op, its logits and sampling cost the host ~0.6 ms (an H200's host, ~30-45 sequences)
+on top of the inputs and the forward graph's replay, and at tens of streams that launch, not
+the GPU, set the pace of the steps (BENCHMARKS.md).
 
 The graphs draw what the step-by-step path of ``ModelRunner`` draws: the same forward shape
 and logits rows, and the Philox keys ``Sampler.draw_keys`` hands out in the loop's order.
