@@ -100,7 +100,7 @@ assert [len(t) for t in replayed] == [1 + sum(b[i] for b in PLANS) for i in rang
 assert all(len(set(tokens)) > len(tokens) // 2 for tokens in replayed), "the model should not repeat a token"
 
 
-def single_steps(decode_graphs, num_seqs, steps=5, special=()):
+def single_steps(decode_graphs, num_seqs, steps=3, special=()):
     """Prefills num_seqs sequences (temperatures cycling; the first ones with the ``special``
     parameters instead), then decodes them one step a plan."""
     runner.reset()
@@ -118,12 +118,12 @@ def single_steps(decode_graphs, num_seqs, steps=5, special=()):
     return [s.tokens[s.num_prompt_tokens:] for s in seqs], paths
 
 
-for num_seqs, bucket in ((3, 4), (10, 16)):
+for num_seqs in (3, 10):  # padded to batch sizes 4 (plans of several steps too) and 16 (one step only)
     looped, _ = single_steps(None, num_seqs)
     before = Rerun.replays
     replayed, paths = single_steps(graphs, num_seqs)
-    assert Rerun.replays - before == 5, Rerun.replays - before  # every plan after the prompts'
-    assert paths[1:] == [StepPath.DECODE_GRAPH] * 5, paths
+    assert Rerun.replays - before == 3, Rerun.replays - before  # every plan after the prompts'
+    assert paths[1:] == [StepPath.DECODE_GRAPH] * 3, paths
     assert replayed == looped, (num_seqs, replayed, looped)
     assert num_seqs < 4 or len({tuple(t) for t in replayed[1::3]}) > 1, "rows of one prompt and temperature draw apart"
 
