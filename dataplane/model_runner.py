@@ -389,12 +389,18 @@ class ModelRunner:
     def _sample(self, step: LaunchedStep, inputs: StepInputs, hidden: torch.Tensor, keep_logits: bool) -> None:
         """Samples on rank 0; every rank keeps the sampled tokens for the next plan's PENDING inputs."""
         token_ids, sampled, rank_logits = self._draw(inputs, hidden)
+        if sampled is not None and keep_logits:
+            step.logits = rank_logits.float()
+        self._keep(step, inputs, token_ids, sampled)
+
+    def _keep(self, step: LaunchedStep, inputs: StepInputs, token_ids: torch.Tensor,
+              sampled: SamplerOutput | None) -> None:
+        """What a step that samples once keeps: on rank 0 (``sampled``) its output on the way to the
+        host and how to record it; on every rank the tokens, for the next plan's PENDING inputs."""
         if sampled is not None:
             step.sampler_output = _to_host(sampled, token_ids)
             step.sampled, step.num_logprobs = inputs.sampled, inputs.sampling.num_logprobs
             step.record = self.sequences.record_sampled
-            if keep_logits:
-                step.logits = rank_logits.float()
         self.sequences.set_last_tokens(inputs.sample_rows, token_ids)
 
     def _graphs_fit(self, inputs: StepInputs) -> bool:
@@ -402,13 +408,10 @@ class ModelRunner:
         return self.decode_graphs is not None and self.decode_graphs.fits(inputs)
 
     def _sampled_decode_step(self, step: LaunchedStep, inputs: StepInputs) -> None:
-        """One decode step as one graph that samples too (``decode_graphs.py``); what ``_sample`` keeps."""
+        """One decode step as one graph that samples too (``decode_graphs.py``), kept as ``_sample`` keeps it."""
         token_ids = self.decode_graphs.run(inputs, self.sampler)[0]
         step.path = StepPath.DECODE_GRAPH
-        step.sampler_output = SamplerOutput(token_ids.to("cpu", non_blocking=True))
-        step.sampled, step.num_logprobs = inputs.sampled, inputs.sampling.num_logprobs
-        step.record = self.sequences.record_sampled
-        self.sequences.set_last_tokens(inputs.sample_rows, token_ids)
+        self._keep(step, inputs, token_ids, SamplerOutput(token_ids))
 
     def _decode_steps(self, step: LaunchedStep, inputs: StepInputs) -> None:
         """Queues K decode steps, each fed the tokens the one before sampled; the host never waits.
