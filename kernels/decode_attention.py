@@ -191,10 +191,12 @@ def tile_keys(num_splits: int) -> tuple[int, bool]:
     - 16 splits (one or two sequences): 64 keys, loaded early. Decoding one sequence at context
       500 / 1,500 took 693 / 749 us a token instead of 760 / 877 (32-key tiles, not loaded
       early): the kernel starts while the q/k/v projection ahead of it still runs.
-    - One split: 64 keys (64 x 512 context: 35 vs 40 us at 128). 128 keys were faster for the
-      kernel alone under twelve programs an SM (145 sequences of the benchmark's decode steps:
-      154.7 vs 159.4 us) but not in the benchmark (``decode_splits``). Loaded early, the kernel alone was faster up to ~6 programs an SM and slower past it,
-      but the all-at-once benchmark's decode steps took the same time either way, so it does not.
+    - One split: 64 keys (64 x 512 context: 35 vs 40 us at 128). 128 keys made the kernel alone
+      3% faster on the benchmark's decode steps (62 sequences: 89.6 vs 110.2 us), but the
+      benchmark's own decode steps slower: 4.76 against 4.70 ms, runs interleaved, and 4.73
+      with programmatic dependent launch off. Loaded early, the kernel alone was faster up to
+      ~6 programs an SM and slower past it, but the benchmark's decode steps took the same
+      time either way, so it does not.
     - 2-8 splits: 128 keys. 64 loaded early was slower at 4 sequences (1,472 vs 1,354 us a token).
     """
     if num_splits >= 16:
