@@ -2,8 +2,9 @@
 
 The control plane owns every request; the data plane keeps, per seq_id, only what a
 step needs, in one row of preallocated numpy arrays (as vLLM V1's persistent batch):
-the block table (grown by each step's new block ids), the token history (for
-penalties; -1 where never seen), and the sampling parameters from SequenceInit. A
+the block table (grown by each step's new block ids), the token history (kept only
+for rows whose sampling reads it: penalties; -1 where never seen), and the sampling
+parameters from SequenceInit. A
 StepPlan arrives as columns, so checking it and building the forward pass's tensors
 are whole-array operations, not a Python loop per sequence: the hot path of a large
 decode step. A plan that fails a check raises ValueError and leaves every row as it
@@ -59,7 +60,7 @@ class StepInputs:
     sample_indices: torch.Tensor  # int32 [num_sampled]: rows of the hidden states to sample from
     sampling: SamplingBatch | None  # None when no sequence samples
     sample_rows: torch.Tensor  # int32 [num_sampled]: their batch rows (where last_token is kept)
-    sampled: "SampledRows"  # the same, on the host, to record the tokens when they arrive
+    sampled: "SampledRows | None"  # the same on the host, to record tokens where a history is kept, else None
     decode_steps: DecodeSteps | None = None  # a plan of several decode steps
 
 
@@ -227,42 +228,48 @@ class InputBatch:
             return None
         rows, undo = self._rows(cols)
         unknown = cols.token_ids == PENDING
+        decode = len(cols.token_ids) == len(rows)  # one token a sequence: its token i is sequence i's
         try:
             if plan.num_steps > 1 and not self.plain[rows].all():
                 _fail("a plan of several decode steps takes only sequences sampled with temperature, top-k, "
                       "top-p and min-p (no penalties, seed, log-probabilities, min_tokens or logit bias)")
-            pending = self._check_pending(cols, rows, unknown)
-            positions = self._apply_blocks_and_check(cols, rows, cols.start_pos + cols.num_tokens + budget - 1)
+            pending = self._check_pending(cols, rows, unknown, decode)
+            positions = self._apply_blocks_and_check(cols, rows, cols.start_pos + cols.num_tokens + budget - 1,
+                                                     decode)
         except ValueError:
             self._undo(undo)
             raise
         for old_row in undo[1].values():  # rows of sequences that were sent again from scratch
             self._free(old_row)
         context = cols.start_pos + cols.num_tokens
-        known = ~unknown
-        self.tokens[np.repeat(rows, cols.num_tokens)[known], positions[known]] = cols.token_ids[known]
+        if not unknown.all():  # the known tokens of rows that keep a history (none are plain)
+            token_rows = rows if decode else np.repeat(rows, cols.num_tokens)
+            kept = ~(unknown | self.plain[token_rows])
+            self.tokens[token_rows[kept], positions[kept]] = cols.token_ids[kept]
         if pending.any() and not self.plain[rows[pending]].all():
             self.wait_for_tokens()  # penalties read the history, PENDING tokens included
         self.sampled_at[rows[cols.sample]] = self.plan_index
         return self._build(cols, rows, positions, context, pending, budget if plan.num_steps > 1 else None)
 
-    def _check_pending(self, cols: PlanColumns, rows: np.ndarray, unknown: np.ndarray) -> np.ndarray:
+    def _check_pending(self, cols: PlanColumns, rows: np.ndarray, unknown: np.ndarray, decode: bool) -> np.ndarray:
         """Which sequences decode a PENDING token (unknown: per token, whether it is PENDING);
-        each must have sampled in the previous plan."""
-        pending = unknown[np.cumsum(cols.num_tokens) - 1]
+        each must have sampled in the previous plan. decode: one token a sequence."""
+        pending = unknown if decode else unknown[np.cumsum(cols.num_tokens) - 1]
         if not pending.any():
             return pending
-        single = cols.num_tokens[pending] == 1
-        sampled_last = self.sampled_at[rows[pending]] == self.plan_index - 1
-        if not (single.all() and sampled_last.all()) or int(unknown.sum()) != int(pending.sum()):
+        ok = bool((self.sampled_at[rows[pending]] == self.plan_index - 1).all())
+        if not decode:  # and it is the sequence's only token
+            ok = ok and bool((cols.num_tokens[pending] == 1).all()) and int(unknown.sum()) == int(pending.sum())
+        if not ok:
             _fail(f"token id {PENDING} (pending) is allowed only as the one token of a sequence that sampled "
                   "in the previous plan")
         return pending
 
     def record_sampled(self, sampled: SampledRows, token_ids: np.ndarray) -> None:
-        """Writes a step's sampled tokens into the history of rows still held by the same sequences."""
-        alive = self.owner[sampled.rows] == sampled.seq_ids
-        self.tokens[sampled.rows[alive], sampled.positions[alive]] = token_ids[alive]
+        """Writes a step's sampled tokens into the history of rows still held by the same sequences
+        (those that keep one)."""
+        kept = (self.owner[sampled.rows] == sampled.seq_ids) & ~self.plain[sampled.rows]
+        self.tokens[sampled.rows[kept], sampled.positions[kept]] = token_ids[kept]
 
     def _check_shapes(self, cols: PlanColumns, num_steps: int) -> np.ndarray:
         """Checks what needs no row; returns each sequence's decode budget (1 unless num_steps > 1)."""
@@ -305,6 +312,11 @@ class InputBatch:
 
     def _rows(self, cols: PlanColumns) -> tuple[np.ndarray, tuple[list[int], dict[int, int]]]:
         """The row of each scheduled sequence; new rows for inits. Also what undoing takes."""
+        if not cols.inits:  # every sequence known (the loop below names one that is not)
+            try:
+                return np.array([self.row_of[s] for s in cols.seq_ids.tolist()], dtype=np.int64), ([], {})
+            except KeyError:
+                pass
         rows = np.empty(len(cols.seq_ids), dtype=np.int64)
         added: list[int] = []
         replaced: dict[int, int] = {}
@@ -329,14 +341,16 @@ class InputBatch:
         self.drop(added)
         self.row_of.update(replaced)
 
-    def _apply_blocks_and_check(self, cols: PlanColumns, rows: np.ndarray, final: np.ndarray) -> np.ndarray:
+    def _apply_blocks_and_check(self, cols: PlanColumns, rows: np.ndarray, final: np.ndarray,
+                                decode: bool) -> np.ndarray:
         """Appends new blocks, checks slots and prompts; returns each token's position.
-        final: each sequence's context once the plan has run (all its steps)."""
+        final: each sequence's context once the plan has run (all its steps); decode: one token a sequence."""
         bs = self.limits.block_size
-        saved = self.num_blocks[rows].copy()
+        growing = np.flatnonzero(cols.num_new_blocks)
+        saved = self.num_blocks[rows].copy() if len(growing) else None
         try:
-            offsets = _cumsum0(cols.num_new_blocks)
-            for i in np.flatnonzero(cols.num_new_blocks).tolist():
+            offsets = _cumsum0(cols.num_new_blocks) if len(growing) else None
+            for i in growing.tolist():
                 row, have, k = rows[i], int(self.num_blocks[rows[i]]), int(cols.num_new_blocks[i])
                 if have + k > self.max_blocks:
                     _fail(f"seq {int(cols.seq_ids[i])}: block table longer than max_model_len allows")
@@ -344,9 +358,12 @@ class InputBatch:
                 self.num_blocks[row] = have + k
             if np.any(-(-final // bs) > self.num_blocks[rows]):
                 _fail("a sequence's block table does not cover its tokens")
-            starts = _cumsum0(cols.num_tokens)[:-1]
-            positions = np.arange(len(cols.token_ids)) + np.repeat(cols.start_pos - starts, cols.num_tokens)
-            token_rows = np.repeat(rows, cols.num_tokens)
+            if decode:
+                positions, token_rows = cols.start_pos, rows
+            else:
+                starts = _cumsum0(cols.num_tokens)[:-1]
+                positions = np.arange(len(cols.token_ids)) + np.repeat(cols.start_pos - starts, cols.num_tokens)
+                token_rows = np.repeat(rows, cols.num_tokens)
             expected = self.block_table[token_rows, positions // bs] * bs + positions % bs
             slots = cols.slot_mapping
             if not np.all((slots == -1) | (slots == expected)):
@@ -355,7 +372,8 @@ class InputBatch:
                 _fail("sample=True before the prompt is complete")
             return positions
         except ValueError:
-            self.num_blocks[rows] = saved
+            if saved is not None:
+                self.num_blocks[rows] = saved
             raise
 
     def _build(self, cols: PlanColumns, rows: np.ndarray, positions: np.ndarray, context: np.ndarray,
@@ -392,7 +410,8 @@ class InputBatch:
                                                         self.limits.vocab_size)
         else:
             sampling = self._sampling(cols, sample_rows, context[cols.sample]) if len(sample_idx) else None
-        sampled = SampledRows(sample_rows, cols.seq_ids[cols.sample], context[cols.sample])
+        # rows sampled plainly keep no history: nothing to record
+        sampled = None if plain else SampledRows(sample_rows, cols.seq_ids[cols.sample], context[cols.sample])
         assert input_ids.shape[0] == t
         inputs = StepInputs(input_ids, v["positions"], metadata, v["sample_idx"], sampling, v["sample_rows"], sampled)
         if budget is not None:

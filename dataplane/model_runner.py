@@ -400,7 +400,7 @@ class ModelRunner:
         if sampled is not None:
             step.sampler_output = _to_host(sampled, token_ids)
             step.sampled, step.num_logprobs = inputs.sampled, inputs.sampling.num_logprobs
-            step.record = self.sequences.record_sampled
+            step.record = None if inputs.sampled is None else self.sequences.record_sampled
         self.sequences.set_last_tokens(inputs.sample_rows, token_ids)
 
     def _graphs_fit(self, inputs: StepInputs) -> bool:

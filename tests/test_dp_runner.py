@@ -92,6 +92,29 @@ def test_a_decode_plan_naming_an_unknown_sequence_is_refused(runner: ModelRunner
     assert set(runner.sequences.mirrors) == {1}
 
 
+def test_a_refused_decode_plan_leaves_the_block_tables_as_they_were(runner: ModelRunner) -> None:
+    """A decode plan (one token a sequence) that appends a block for one sequence and fails a check on
+    another changes no block table; the corrected plan then runs."""
+    runner.reset()
+    builder, batch = PlanBuilder(BLOCK), runner.sequences
+    a, b = builder.new_seq(1, [3, 4, 5, 6]), builder.new_seq(2, [7, 8])
+    out = runner.step(StepPlan(1, [builder.schedule(a), builder.schedule(b)]))
+    for seq, token in zip((a, b), out.sampled_token_ids.tolist()):
+        seq.tokens.append(token)
+    grow, stay = builder.schedule(a), builder.schedule(b)
+    assert (len(grow.new_block_ids), len(stay.new_block_ids)) == (1, 0)
+
+    def tables() -> dict[int, list[int]]:
+        return {s: batch.block_table[r, :batch.num_blocks[r]].tolist() for s, r in batch.row_of.items()}
+
+    before = tables()
+    with pytest.raises(ValueError, match="slot_mapping disagrees"):
+        runner.step(StepPlan(2, [grow, dataclasses.replace(stay, slot_mapping=stay.slot_mapping + 1)]))
+    assert tables() == before
+    assert runner.step(StepPlan(3, [grow, stay])).sampled_token_ids.shape == (2,)
+    assert tables() == {1: before[1] + grow.new_block_ids.tolist(), 2: before[2]}
+
+
 def test_drop_and_reset_forget_sequences(runner: ModelRunner) -> None:
     runner.reset()
     builder = PlanBuilder(BLOCK)
@@ -164,7 +187,9 @@ def test_pending_tokens_are_fed_back_on_the_device(runner: ModelRunner, sampling
         launched.append(runner.launch(StepPlan(step, [_pending_decode(builder, seq)])))
     tokens = [int(step.result().sampled_token_ids[0]) for step in launched]
     assert tokens == expected
-    assert runner.sequences.tokens[runner.sequences.row_of[1], 5:10].tolist() == tokens
+    history = runner.sequences.tokens[runner.sequences.row_of[1]]  # kept only where penalties read it
+    assert history[5:10].tolist() == (tokens if sampling.has_penalties else [-1] * 5)
+    assert history[:5].tolist() == (prompt if sampling.has_penalties else [-1] * 5)
 
 
 def test_pending_token_needs_a_sample_in_the_previous_plan(runner: ModelRunner) -> None:
