@@ -275,7 +275,8 @@ class RealPlanHandling:
         elif inputs is not None and inputs.sampling is not None:
             sampled = np.asarray([out[0] for out in outputs if out], dtype=np.int32)
             self.batch.set_last_tokens(inputs.sample_rows, torch.from_numpy(sampled))
-            step.record = partial(self.batch.record_sampled, inputs.sampled, sampled)
+            if inputs.sampled is not None:  # None: every row sampled plainly, none keeps a history
+                step.record = partial(self.batch.record_sampled, inputs.sampled, sampled)
         self.last = step
         return step
 
@@ -322,9 +323,13 @@ class RealPlanHandling:
         ends = [row.start + len(row.tokens) for row, _ in sampled]
         assert inputs.sample_indices.tolist() == [end - 1 for _, end in sampled], "rows of the hidden states"
         batch_rows = [self.batch.mirrors[row.seq_id] for row, _ in sampled]
-        assert inputs.sample_rows.tolist() == inputs.sampled.rows.tolist() == batch_rows
-        assert inputs.sampled.seq_ids.tolist() == [row.seq_id for row, _ in sampled]
-        assert inputs.sampled.positions.tolist() == ends, "positions of the sampled tokens"
+        assert inputs.sample_rows.tolist() == batch_rows
+        if inputs.sampled is None:  # nothing to record: no sampled row keeps a history
+            assert sampled and self.batch.plain[batch_rows].all(), "rows to record left out"
+        else:
+            assert inputs.sampled.rows.tolist() == batch_rows
+            assert inputs.sampled.seq_ids.tolist() == [row.seq_id for row, _ in sampled]
+            assert inputs.sampled.positions.tolist() == ends, "positions of the sampled tokens"
         sampling = inputs.sampling
         if not sampled:
             assert sampling is None
