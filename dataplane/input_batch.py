@@ -234,8 +234,8 @@ class InputBatch:
                 _fail("a plan of several decode steps takes only sequences sampled with temperature, top-k, "
                       "top-p and min-p (no penalties, seed, log-probabilities, min_tokens or logit bias)")
             pending = self._check_pending(cols, rows, unknown, decode)
-            positions = self._apply_blocks_and_check(cols, rows, cols.start_pos + cols.num_tokens + budget - 1,
-                                                     decode)
+            positions, token_rows = self._apply_blocks_and_check(
+                cols, rows, cols.start_pos + cols.num_tokens + budget - 1, decode)
         except ValueError:
             self._undo(undo)
             raise
@@ -243,7 +243,6 @@ class InputBatch:
             self._free(old_row)
         context = cols.start_pos + cols.num_tokens
         if not unknown.all():  # the known tokens of rows that keep a history (none are plain)
-            token_rows = rows if decode else np.repeat(rows, cols.num_tokens)
             kept = ~(unknown | self.plain[token_rows])
             self.tokens[token_rows[kept], positions[kept]] = cols.token_ids[kept]
         if pending.any() and not self.plain[rows[pending]].all():
@@ -342,8 +341,8 @@ class InputBatch:
         self.row_of.update(replaced)
 
     def _apply_blocks_and_check(self, cols: PlanColumns, rows: np.ndarray, final: np.ndarray,
-                                decode: bool) -> np.ndarray:
-        """Appends new blocks, checks slots and prompts; returns each token's position.
+                                decode: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Appends new blocks, checks slots and prompts; returns each token's position and row.
         final: each sequence's context once the plan has run (all its steps); decode: one token a sequence."""
         bs = self.limits.block_size
         growing = np.flatnonzero(cols.num_new_blocks)
@@ -370,7 +369,7 @@ class InputBatch:
                 _fail("slot_mapping disagrees with the block table (slot = block_id * block_size + offset)")
             if np.any(cols.sample & (cols.start_pos + cols.num_tokens < self.num_prompt[rows])):
                 _fail("sample=True before the prompt is complete")
-            return positions
+            return positions, token_rows
         except ValueError:
             if saved is not None:
                 self.num_blocks[rows] = saved
