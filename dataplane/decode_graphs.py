@@ -14,7 +14,8 @@ on top of the inputs and the forward graph's replay, and at tens of streams that
 the GPU, set the pace of the steps (BENCHMARKS.md).
 
 The graphs draw what the step-by-step path of ``ModelRunner`` draws: the same forward shape
-and logits rows, and the Philox keys ``Sampler.draw_keys`` hands out in the loop's order.
+and logits rows, and the Philox keys of the sampler's ``draw_key``, which each step's sampling
+reads and advances on the device as the loop's does.
 They serve tensor-parallel size 1 (the loop broadcasts each step's tokens from rank 0) and
 batches that sample with temperature only, with no seeded rows and no log-probabilities;
 other plans take the loop.
@@ -33,8 +34,6 @@ from twinplane.dataplane.attention_backends.base import AttentionMetadata
 from twinplane.dataplane.cuda_graphs import bucket
 from twinplane.dataplane.input_batch import StepInputs
 from twinplane.dataplane.models.decoder import DecoderForCausalLM
-from twinplane.dataplane.sampler import Sampler
-from twinplane.dataplane.sampling_batch import to_device
 
 MAX_BATCH = 8  # plans of several steps are for a few sequences; larger ones take the loop
 # Steps held: the control plane's default plan length (--decode-steps). A plan may ask for up to
@@ -47,9 +46,11 @@ class SampledDecodeGraphs:
     """Step k of a plan of decode steps at padded batch b: forward, logits, sampling, token store.
     Steps 0 .. num_steps - 1 at batch sizes up to MAX_BATCH, step 0 at the larger ones."""
 
-    def __init__(self, model: DecoderForCausalLM, batch_sizes: list[int], max_model_len: int, block_size: int,
-                 device: torch.device, pool=None, num_steps: int = MAX_STEPS) -> None:
+    def __init__(self, model: DecoderForCausalLM, draw_key: torch.Tensor, batch_sizes: list[int], max_model_len: int,
+                 block_size: int, pool=None, num_steps: int = MAX_STEPS) -> None:
+        """draw_key: the sampler's (``Sampler.draw_key``); each replay reads and advances it."""
         self.model, self.num_steps, self.max_model_len, self.pool = model, num_steps, max_model_len, pool
+        self.draw_key, device = draw_key, draw_key.device
         self.batch_sizes = batch_sizes
         width, k = self.batch_sizes[-1], num_steps
         i32 = dict(dtype=torch.int32, device=device)
@@ -63,7 +64,6 @@ class SampledDecodeGraphs:
         self.order = torch.arange(width, **i32)
         self.temperature = torch.ones(width, dtype=torch.float32, device=device)
         self.greedy = torch.ones(width, dtype=torch.bool, device=device)
-        self.keys = torch.zeros(k, width, dtype=torch.int64, device=device)
         self.tokens = torch.zeros(k, width, **i32)
         self.replays: dict[tuple[int, int], Callable[[], None]] = {}
 
@@ -94,7 +94,8 @@ class SampledDecodeGraphs:
         ids = self.first_ids[:bs] if k == 0 else self.tokens[k - 1, :bs]
         hidden = self.model(ids, self.positions[k, :bs], self._metadata(k, bs))
         logits = self.model.compute_logits(hidden)
-        sample_temperature(logits, self.temperature[:bs], self.greedy[:bs], self.keys[k, :bs], out=self.tokens[k, :bs])
+        sample_temperature(logits, self.temperature[:bs], self.greedy[:bs], out=self.tokens[k, :bs],
+                           draw_key=self.draw_key)
 
     def _record(self, step: Callable[[], None]) -> Callable[[], None]:
         """Runs ``step`` once (kernels compile, allocations settle), captures it; returns its replay."""
@@ -108,16 +109,19 @@ class SampledDecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Records every (batch size, step); the warm-up lengths are 1 and slots -1 (nothing stored)."""
+        """Records every (batch size, step); the warm-up lengths are 1 and slots -1 (nothing stored).
+        The draw key is put back as it was: recording draws."""
+        key = self.draw_key.clone()
         self.context_lens.fill_(1)
         for bs in reversed(self.batch_sizes):
             for k in range(self.num_steps if bs <= MAX_BATCH else 1):
                 self.replays[(bs, k)] = self._record(lambda k=k, bs=bs: self._step(k, bs))
-        if self.keys.is_cuda:
-            torch.cuda.synchronize(self.keys.device)
+        self.draw_key.copy_(key)
+        if key.is_cuda:
+            torch.cuda.synchronize(key.device)
 
-    def run(self, inputs: StepInputs, sampler: Sampler) -> torch.Tensor:
-        """Replays the plan's steps (``fits`` holds), with the sampler's next keys. Returns the sampled
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Replays the plan's steps (``fits`` holds). Returns the sampled
         tokens, int32 [K, n] (a view of the graphs' buffer)."""
         steps, metadata, sampling = inputs.decode_steps, inputs.metadata, inputs.sampling
         n = inputs.input_ids.shape[0]
@@ -127,11 +131,9 @@ class SampledDecodeGraphs:
             k, per_step = steps.num_steps, [steps.positions, steps.slot_mapping, steps.context_lens]
         bs, width = bucket(self.batch_sizes, n), metadata.block_tables.shape[1]
         targets = [self.first_ids[:n], self.positions[:k, :n], self.slots[:k, :n], self.context_lens[:k, :n],
-                   self.block_tables[:n, :width], self.order[:n], self.temperature[:n], self.greedy[:n],
-                   self.keys[:k, :bs]]
-        keys = to_device(sampler.draw_keys(k, bs), self.keys.device)
+                   self.block_tables[:n, :width], self.order[:n], self.temperature[:n], self.greedy[:n]]
         sources = [inputs.input_ids, *per_step, metadata.block_tables, metadata.decode_order,
-                   sampling.temperature.view(-1), sampling.greedy, keys]
+                   sampling.temperature.view(-1), sampling.greedy]
         if n < bs:  # padding sequences start last
             targets.append(self.order[n:bs])
             sources.append(self.rows[n:bs])

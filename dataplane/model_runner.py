@@ -263,8 +263,8 @@ class ModelRunner:
         self.decode_graphs = None
         if self.graphs is None or tp_world_size() > 1 or not self.sampler.fused:
             return
-        self.decode_graphs = SampledDecodeGraphs(self.model, self.graphs.batch_sizes, self.max_model_len,
-                                                 self.config.block_size, self.device, self.graphs.pool)
+        self.decode_graphs = SampledDecodeGraphs(self.model, self.sampler.draw_key, self.graphs.batch_sizes,
+                                                 self.max_model_len, self.config.block_size, self.graphs.pool)
         self.decode_graphs.capture()
 
     def _logits_input(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -409,7 +409,7 @@ class ModelRunner:
 
     def _sampled_decode_step(self, step: LaunchedStep, inputs: StepInputs) -> None:
         """One decode step as one graph that samples too (``decode_graphs.py``), kept as ``_sample`` keeps it."""
-        token_ids = self.decode_graphs.run(inputs, self.sampler)[0]
+        token_ids = self.decode_graphs.run(inputs)[0]
         step.path = StepPath.DECODE_GRAPH
         self._keep(step, inputs, token_ids, SamplerOutput(token_ids))
 
@@ -420,7 +420,7 @@ class ModelRunner:
         """
         steps, n = inputs.decode_steps, len(inputs.input_ids)
         if self._graphs_fit(inputs):
-            tokens, rank0 = self.decode_graphs.run(inputs, self.sampler).reshape(-1), True
+            tokens, rank0 = self.decode_graphs.run(inputs).reshape(-1), True
         else:
             tokens = torch.empty(steps.num_steps, n, dtype=torch.int32, device=self.device)
             input_ids, metadata = inputs.input_ids, inputs.metadata

@@ -11,8 +11,8 @@ Log-probabilities are the log_softmax of the raw model logits.
 Batches whose rows use only temperature (the common case) take one Triton kernel on CUDA
 (``kernels/sampling.py``: Gumbel-max, the same distribution) instead of about ten passes
 over a float32 copy of the logits. There a row's noise is Philox keyed by
-seed_for_position(seed, output position) for seeded rows, and by a per-step key plus the
-row's index for the others.
+seed_for_position(seed, output position) for seeded rows, and for the others by the draw's key plus the
+row's index: the sampler's ``draw_key``, kept on the device, which each draw advances there.
 """
 
 from __future__ import annotations
@@ -105,10 +105,18 @@ class Sampler:
 
     def __init__(self, seed: int, device: torch.device, fused: bool | None = None) -> None:
         self.device = device
-        self.seed = seed
-        self.generator = torch.Generator(device=device).manual_seed(seed)
         self.fused = device.type == "cuda" if fused is None else fused
-        self.fused_draws = 0  # batches drawn by the kernel: keys the unseeded rows of the next one
+        self.generator = torch.Generator(device=device)
+        # the key of row 0 of the next kernel draw of unseeded rows (row i: key + i), on the device
+        self.draw_key = torch.zeros(1, dtype=torch.int64, device=device)
+        self.reseed(seed)
+
+    @torch.inference_mode()
+    def reseed(self, seed: int) -> None:
+        """Starts the draws of unseeded rows over, as a new sampler with this seed would make them."""
+        self.seed = seed
+        self.generator.manual_seed(seed)
+        self.draw_key.fill_(seed_for_position(seed, 0) >> 3)  # leaves room for 2**40 draws below 2**63
 
     def warm_up(self, logits: torch.Tensor) -> None:
         """Samples from ``logits`` [n >= 2, vocab] once per path: the fused kernel of temperature-only
@@ -123,29 +131,18 @@ class Sampler:
         self(logits, SamplingBatch.from_plain_values(plain, logits.shape[1], self.device))
         self(logits[:2], build_sampling_batch(warm_up_rows(), logits.shape[1], self.device))
 
-    def _next_key(self) -> int:
-        """The Philox key of row 0 of the next kernel draw (row i: key + i)."""
-        key = seed_for_position(self.seed, self.fused_draws) >> 2  # leaves room for + row below 2**63
-        self.fused_draws += 1
-        return key
-
-    def draw_keys(self, num_draws: int, rows: int) -> np.ndarray:
-        """int64 [num_draws, rows]: the keys of the next ``num_draws`` kernel draws of unseeded rows, as
-        that many calls would use them (for draws queued without a call each, as CUDA graphs)."""
-        keys = np.array([self._next_key() for _ in range(num_draws)], dtype=np.int64)
-        return keys[:, None] + np.arange(rows, dtype=np.int64)
-
     def _fused_sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        from twinplane.kernels.sampling import sample_temperature
+        from twinplane.kernels.sampling import KEY_STRIDE, sample_temperature
 
-        n = batch.num_rows
-        step_key = self._next_key()
-        seeds = torch.arange(step_key, step_key + n, dtype=torch.int64, device=logits.device)
-        if batch.seeded:
-            rows, keys = zip(*((row, seed_for_position(seed, pos)) for row, seed, pos in batch.seeded))
-            seeds[to_device(torch.tensor(rows), logits.device)] = to_device(torch.tensor(keys, dtype=torch.int64),
-                                                                            logits.device)
-        return sample_temperature(logits, batch.temperature.view(-1), batch.greedy, seeds)
+        temperature = batch.temperature.view(-1)
+        if not batch.seeded:
+            return sample_temperature(logits, temperature, batch.greedy, draw_key=self.draw_key)
+        seeds = torch.arange(batch.num_rows, dtype=torch.int64, device=logits.device) + self.draw_key
+        rows, keys = zip(*((row, seed_for_position(seed, pos)) for row, seed, pos in batch.seeded))
+        seeds[to_device(torch.tensor(rows), logits.device)] = to_device(torch.tensor(keys, dtype=torch.int64),
+                                                                        logits.device)
+        self.draw_key += KEY_STRIDE
+        return sample_temperature(logits, temperature, batch.greedy, seeds)
 
     def _race_noise(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)

@@ -20,6 +20,11 @@ H200); here it is one read of the bf16 logits.
 Random numbers are Philox (``tl.rand4x``, four per call) keyed by a per-row seed and
 counted by vocabulary position, so a row's draw depends on its seed alone: not on its
 place in the batch, on the other rows or on the number of splits.
+
+A row's seed is either given (``seeds``, one per row) or the draw's key plus the row's index:
+``draw_key`` is an int64 tensor of one element on the device, which the pick kernel advances
+by ``KEY_STRIDE`` once every row has read it. The key never visits the host, so a CUDA graph
+that samples draws a new key at every replay, and the host neither computes nor copies one.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from twinplane.kernels.device import launch_pdl, sm_count
 
 BLOCK = 1024
+KEY_STRIDE = 1 << 16  # a draw with draw_key: at most this many rows, keys draw_key + row
 
 
 @triton.jit
@@ -61,14 +67,18 @@ def _score(logits_row, cols, end, temperature, u):
 
 @triton.jit(do_not_specialize=["stride_row", "vocab", "per_split", "num_splits"])
 def _partial_kernel(logits_ptr, stride_row, temperature_ptr, greedy_ptr, seeds_ptr, best_score_ptr,
-                    best_index_ptr, vocab, per_split, num_splits, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                    best_index_ptr, vocab, per_split, num_splits, ROW_SEEDS: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     row = tl.program_id(0)
     split = tl.program_id(1)
     temperature = tl.where(tl.load(greedy_ptr + row), 0.0, tl.load(temperature_ptr + row))
-    seed = tl.load(seeds_ptr + row)
+    if ROW_SEEDS:
+        seed = tl.load(seeds_ptr + row)
+    else:  # the draw's key (advanced by the pick kernel, which runs once this one is done)
+        seed = tl.load(seeds_ptr) + row
     logits_row = logits_ptr + row.to(tl.int64) * stride_row
     start = split * per_split
     end = tl.minimum(start + per_split, vocab)
@@ -100,10 +110,14 @@ def _partial_kernel(logits_ptr, stride_row, temperature_ptr, greedy_ptr, seeds_p
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _pick_kernel(best_score_ptr, best_index_ptr, out_ptr, num_splits, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+def _pick_kernel(best_score_ptr, best_index_ptr, out_ptr, num_splits, key_ptr, ADVANCE: tl.constexpr,
+                 STRIDE: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
     row = tl.program_id(0)
+    if ADVANCE:
+        if row == 0:
+            tl.store(key_ptr, tl.load(key_ptr) + STRIDE)
     lane = tl.arange(0, BLOCK_S)
     best_score = tl.full([BLOCK_S], -float("inf"), tl.float32)
     best_index = tl.full([BLOCK_S], 2**31 - 1, tl.int32)
@@ -121,14 +135,20 @@ def vocab_splits(num_rows: int, vocab: int, device: torch.device) -> int:
     return max(1, min(-(-4 * sms // max(num_rows, 1)), -(-vocab // (4 * BLOCK))))
 
 
-def sample_temperature(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, seeds: torch.Tensor,
-                       num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def sample_temperature(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
+                       seeds: torch.Tensor | None = None, num_splits: int | None = None, out: torch.Tensor | None = None,
+                       draw_key: torch.Tensor | None = None) -> torch.Tensor:
     """logits [n, vocab] (any float dtype, unit stride on vocab), temperature float32 [n],
-    greedy bool [n] (argmax rows), seeds int64 [n] (one Philox key per row) -> token ids [n]:
+    greedy bool [n] (argmax rows), and either seeds int64 [n] (one Philox key per row) or
+    draw_key int64 [1] (row i's key is draw_key + i; advanced by KEY_STRIDE) -> token ids [n]:
     ``out`` (int32 or int64, contiguous) if given, else a new int64 tensor."""
     num_rows, vocab = logits.shape
-    assert logits.stride(-1) == 1 and seeds.shape == greedy.shape == temperature.shape == (num_rows,)
+    assert (seeds is None) != (draw_key is None), "give either seeds or draw_key"
+    keys = seeds if draw_key is None else draw_key
+    assert logits.stride(-1) == 1 and greedy.shape == temperature.shape == (num_rows,)
+    assert keys.dtype == torch.int64 and keys.shape == ((num_rows,) if draw_key is None else (1,))
     assert vocab < 2**31, "Philox offsets are 32-bit vocabulary indices"
+    assert num_rows <= KEY_STRIDE, f"at most {KEY_STRIDE} rows a draw"
     if out is None:
         out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     assert out.shape == (num_rows,) and out.stride(0) == 1 and out.dtype in (torch.int32, torch.int64)
@@ -139,8 +159,9 @@ def sample_temperature(logits: torch.Tensor, temperature: torch.Tensor, greedy: 
     best_score = torch.empty(num_rows, splits, dtype=torch.float32, device=logits.device)
     best_index = torch.empty(num_rows, splits, dtype=torch.int32, device=logits.device)
     pdl = launch_pdl(logits.device)
-    _partial_kernel[(num_rows, splits)](logits, logits.stride(0), temperature, greedy, seeds, best_score,
-                                        best_index, vocab, per_split, splits, BLOCK=BLOCK, PDL=pdl, num_warps=4,
-                                        launch_pdl=pdl)
-    _pick_kernel[(num_rows,)](best_score, best_index, out, splits, BLOCK_S=64, PDL=pdl, num_warps=2, launch_pdl=pdl)
+    _partial_kernel[(num_rows, splits)](logits, logits.stride(0), temperature, greedy, keys, best_score,
+                                        best_index, vocab, per_split, splits, ROW_SEEDS=draw_key is None, BLOCK=BLOCK,
+                                        PDL=pdl, num_warps=4, launch_pdl=pdl)
+    _pick_kernel[(num_rows,)](best_score, best_index, out, splits, keys, ADVANCE=draw_key is not None,
+                              STRIDE=KEY_STRIDE, BLOCK_S=64, PDL=pdl, num_warps=2, launch_pdl=pdl)
     return out

@@ -76,18 +76,20 @@ runner = ModelRunner(DataPlaneConfig(model=sys.argv[1], block_size=BLOCK, num_kv
                                      max_num_seqs=16, max_num_batched_tokens=64))
 for layer in runner.model.attention_layers():
     layer.backend = LengthsFromTensors()
-graphs = Rerun(runner.model, [1, 2, 4, 8, 16], runner.max_model_len, BLOCK, runner.device, num_steps=4)
+runner.sampler = Sampler(3, runner.device, fused=True)  # the graphs sample with its draw key
+graphs = Rerun(runner.model, runner.sampler.draw_key, [1, 2, 4, 8, 16], runner.max_model_len, BLOCK, num_steps=4)
 graphs.capture()
 assert sorted(graphs.replays) == [(bs, k) for bs in (1, 2, 4, 8) for k in range(4)] + [(16, 0)]
 
 
 def generate(decode_graphs):
     runner.reset()
-    runner.sampler, runner.decode_graphs = Sampler(3, runner.device, fused=True), decode_graphs
+    runner.sampler.reseed(3)
+    runner.decode_graphs = decode_graphs
     builder = PlanBuilder(BLOCK)
     seqs = [builder.new_seq(i, prompt, SamplingParams(temperature=t))
             for (i, prompt), t in zip(PROMPTS.items(), TEMPERATURES)]
-    return builder.generate(runner, seqs, PLANS), runner.sampler.fused_draws
+    return builder.generate(runner, seqs, PLANS), int(runner.sampler.draw_key)
 
 
 looped, looped_draws = generate(None)
@@ -95,7 +97,7 @@ assert Rerun.replays == 0
 replayed, replayed_draws = generate(graphs)
 assert Rerun.replays == 4 + 4, Rerun.replays  # the first two plans
 assert replayed == looped, (replayed, looped)
-assert replayed_draws == looped_draws
+assert replayed_draws == looped_draws  # the key ends where the loop left it: as many draws
 assert [len(t) for t in replayed] == [1 + sum(b[i] for b in PLANS) for i in range(3)]
 assert all(len(set(tokens)) > len(tokens) // 2 for tokens in replayed), "the model should not repeat a token"
 
@@ -104,7 +106,8 @@ def single_steps(decode_graphs, num_seqs, steps=3, special=()):
     """Prefills num_seqs sequences (temperatures cycling; the first ones with the ``special``
     parameters instead), then decodes them one step a plan."""
     runner.reset()
-    runner.sampler, runner.decode_graphs = Sampler(5, runner.device, fused=True), decode_graphs
+    runner.sampler.reseed(5)
+    runner.decode_graphs = decode_graphs
     builder = PlanBuilder(BLOCK)
     prompts = list(PROMPTS.values())
     params = [*special, *(SamplingParams(temperature=TEMPERATURES[i % 3]) for i in range(len(special), num_seqs))]

@@ -187,7 +187,7 @@ def test_decode_attention_from_qkv_matches_the_store_kernel_then_decode_attentio
 
 def test_triton_sampler_on_a_full_vocabulary():
     """Greedy rows of bf16 logits = torch.argmax (ties included); sampled rows follow softmax(logits / T)."""
-    from twinplane.kernels.sampling import sample_temperature, vocab_splits
+    from twinplane.kernels.sampling import KEY_STRIDE, sample_temperature, vocab_splits
 
     torch.manual_seed(0)
     rows, vocab = 256, 151936
@@ -200,6 +200,12 @@ def test_triton_sampler_on_a_full_vocabulary():
     into = torch.full((rows,), -1, dtype=torch.int32, device="cuda")  # int32 tokens, as decode graphs keep them
     sample_temperature(logits, torch.ones(rows, device="cuda"), greedy, seeds, out=into)
     assert torch.equal(into.long(), expected)
+    # a draw key: row i draws as with seed key + i; back to back, each draw reads the key the one before left
+    key, ones, never = torch.tensor([5_000], device="cuda"), torch.ones(rows, device="cuda"), ~greedy
+    first, second = (sample_temperature(logits, ones, never, draw_key=key) for _ in range(2))
+    assert key.item() == 5_000 + 2 * KEY_STRIDE
+    assert torch.equal(first, sample_temperature(logits, ones, never, 5_000 + seeds))
+    assert torch.equal(second, sample_temperature(logits, ones, never, 5_000 + KEY_STRIDE + seeds))
     # 8 likely tokens spread over the vocabulary, the rest far below them
     n, temperature = 8192, 0.7
     hot = torch.tensor([5, 70_000, 151_935, 12, 99_999, 40_000, 1_000, 151_000], device="cuda")
@@ -449,18 +455,18 @@ def test_plans_of_decode_steps_replay_graphs_that_sample_what_the_loop_samples(q
     """Rows that draw with temperature too: graphs that sample (three sequences padded to four)
     draw the tokens of the step-by-step loop, which takes the same keys in the same order."""
     from twinplane.dataplane.plan import SamplingParams
-    from twinplane.dataplane.sampler import Sampler
 
     runner = _runner(qwen3_folder)
     graphs, replayed = runner.decode_graphs, []
     assert graphs is not None
     run = graphs.run
-    graphs.run = lambda inputs, sampler: replayed.append(inputs.decode_steps.num_steps) or run(inputs, sampler)
+    graphs.run = lambda inputs: replayed.append(inputs.decode_steps.num_steps) or run(inputs)
     plans = ((8, 3, 5), (8, 8, 8), (2, 2, 1))
     results = []
     for decode_graphs in (graphs, None):
         runner.reset()
-        runner.sampler, runner.decode_graphs = Sampler(7, runner.device), decode_graphs
+        runner.sampler.reseed(7)  # the graphs hold its draw key
+        runner.decode_graphs = decode_graphs
         builder = PlanBuilder(16)
         seqs = [builder.new_seq(i, p, SamplingParams(temperature=t))
                 for i, (p, t) in enumerate(zip(_prompts(3, seed=4), (0.0, 0.7, 1.2)))]
@@ -476,17 +482,17 @@ def test_single_decode_steps_replay_graphs_that_sample_what_the_step_path_sample
     above the batch sizes of plans of several steps): a graph that samples draws the tokens of the forward
     graph followed by the logits GEMM and the sampler, queued op by op."""
     from twinplane.dataplane.plan import SamplingParams
-    from twinplane.dataplane.sampler import Sampler
 
     runner = _runner(qwen3_folder)
     graphs, replayed = runner.decode_graphs, []
     run = graphs.run
-    graphs.run = lambda inputs, sampler: replayed.append(len(inputs.input_ids)) or run(inputs, sampler)
+    graphs.run = lambda inputs: replayed.append(len(inputs.input_ids)) or run(inputs)
     for num_seqs in (3, 12):
         results = []
         for decode_graphs in (graphs, None):
             runner.reset()
-            runner.sampler, runner.decode_graphs = Sampler(11, runner.device), decode_graphs
+            runner.sampler.reseed(11)
+            runner.decode_graphs = decode_graphs
             builder = PlanBuilder(16)
             seqs = [builder.new_seq(i, p, SamplingParams(temperature=(0.0, 0.8, 1.1)[i % 3]))
                     for i, p in enumerate(_prompts(num_seqs, seed=9))]

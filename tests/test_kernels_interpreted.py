@@ -158,7 +158,7 @@ import torch
 from twinplane.dataplane.plan import SamplingParams
 from twinplane.dataplane.sampler import Sampler
 from twinplane.dataplane.sampling_batch import SamplingRow, build_sampling_batch
-from twinplane.kernels.sampling import sample_temperature
+from twinplane.kernels.sampling import KEY_STRIDE, sample_temperature
 
 torch.manual_seed(0)
 # Greedy: the first maximum, as torch.argmax, however the vocabulary is split (integer logits tie often).
@@ -176,6 +176,12 @@ never = torch.zeros(40, dtype=torch.bool)
 wide, seeds = torch.randn(40, 3000), torch.arange(40)
 assert torch.equal(sample_temperature(wide, torch.ones(40), never, seeds, num_splits=1),
                    sample_temperature(wide, torch.ones(40), never, seeds, num_splits=4)), "splits changed draws"
+# A draw key: row i draws as with seed key + i, and the key moves on by KEY_STRIDE once all rows read it.
+key = torch.tensor([123_456_789])
+by_key = sample_temperature(wide, torch.ones(40), never, num_splits=2, draw_key=key)
+assert key.item() == 123_456_789 + KEY_STRIDE, key
+assert torch.equal(by_key, sample_temperature(wide, torch.ones(40), never, 123_456_789 + seeds, num_splits=3))
+assert not torch.equal(by_key, sample_temperature(wide, torch.ones(40), never, num_splits=2, draw_key=key))
 n, temperature = 1500, 0.8
 base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 1.5, -3.0, 0.2])
 drawn = sample_temperature(base.repeat(n, 1), torch.full((n,), temperature), torch.zeros(n, dtype=torch.bool),
@@ -201,6 +207,8 @@ assert alone[0] == mixed[3], "a seeded row's draw moved with its place in the ba
 first = Sampler(1, cpu, fused=True)
 a, b = sample(first, [other] * 8), sample(first, [other] * 8)
 assert a == sample(Sampler(1, cpu, fused=True), [other] * 8) and a != b
+first.reseed(1)  # starts its draws over
+assert sample(first, [other] * 8) == a
 print("sampling ok")
 '''
 
