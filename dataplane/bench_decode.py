@@ -225,10 +225,11 @@ def main() -> None:
             else:
                 print(time_plans(runner, batch, args.context, args.plan_steps, args.plans), flush=True)
                 if runner.decode_graphs is not None:  # the same plans, queued step by step
-                    graphs, runner.decode_graphs = runner.decode_graphs, None
+                    graphs = runner.decode_graphs
+                    runner.use_decode_graphs(None)
                     print("  step by step: " + time_plans(runner, batch, args.context, args.plan_steps, args.plans),
                           flush=True)
-                    runner.decode_graphs = graphs
+                    runner.use_decode_graphs(graphs)
         runner.close()
         return
     rows = []

@@ -5,8 +5,9 @@ A plan of K decode steps feeds each step's sampled tokens to the next one on the
 few sequences a step needs about 0.7 ms of GPU time (Qwen3-0.6B on an H200), and queueing it
 step by step from the host (the forward graph's replay, the logits GEMM, the sampler's
 kernels, the token store) cost nearly as much: the GPU waited on the host. Here step k of a
-plan at padded batch size b is one graph, whose tokens step k + 1 reads. A plan copies its
-inputs into the graphs' buffers in one call and replays K graphs.
+plan at padded batch size b is one graph, whose tokens step k + 1 reads. ``InputBatch`` stages
+such a plan straight into the graphs' input buffer (``GraphInputs``): one host-to-device copy,
+no copies between device buffers; the plan then replays K graphs.
 
 A plan of one decode step at any batch size replays step 0's graph the same way. Queued
 op by op, its logits and sampling cost the host ~0.6 ms (an H200's host, ~30-45 sequences)
@@ -21,18 +22,21 @@ batches that sample with temperature only, with no seeded rows and no log-probab
 other plans take the loop.
 
 Padding sequences (a batch below its bucket) have context 0 and slot -1 in every step: they
-store nothing and attend to nothing, and the tokens they sample are never read back.
+store nothing and attend to nothing, and the tokens they sample are never read back. The
+plan's staging writes those too, on the host.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from twinplane.dataplane.attention_backends.base import AttentionMetadata
 from twinplane.dataplane.cuda_graphs import bucket
-from twinplane.dataplane.input_batch import StepInputs
 from twinplane.dataplane.models.decoder import DecoderForCausalLM
 
 MAX_BATCH = 8  # plans of several steps are for a few sequences; larger ones take the loop
@@ -40,6 +44,65 @@ MAX_BATCH = 8  # plans of several steps are for a few sequences; larger ones tak
 # MAX_DECODE_STEPS (64); one graph per (batch size, step) for all of those would be 256 captures
 # at every start-up, so longer plans take the loop.
 MAX_STEPS = 8
+
+
+@dataclass
+class InputViews:
+    """The parts of a GraphInputs buffer (device) or of its mirror on the host (numpy)."""
+
+    first_ids: Any  # [width]: step 0's tokens
+    rows: Any  # [width]: each sequence's batch row (where its last token is kept)
+    order: Any  # [width]: decode order, longest context first
+    last: Any  # [MAX_BATCH]: where each sequence's last token lands in the [K, n] tokens, flattened
+    temperature: Any  # float32 [width]
+    greedy: Any  # bool [width]
+    positions: list  # a [rows] view a step
+    slots: list
+    context_lens: list
+    block_tables: Any  # [width, max_blocks]
+
+
+class GraphInputs:
+    """What the graphs read, in one int32 buffer: per row (``width`` rows, the largest batch size)
+    the first step's token, the sequence's batch row, the decode order, the temperature (float32
+    bits) and the greedy flag (a byte); step 0's positions, slots and context lengths; those of
+    steps 1 .. K-1 (plans of several steps: MAX_BATCH rows); where each sequence's last token
+    lands in the [K, n] tokens; and the block tables (width x max_blocks) last, so that a plan of
+    n sequences copies only the first ``end(n)`` entries. The host stages a plan in a mirror of
+    this layout (``views`` of its pinned staging buffer) and copies it over in one call."""
+
+    def __init__(self, batch_sizes: list[int], num_steps: int, max_blocks: int, device: torch.device) -> None:
+        self.batch_sizes, self.num_steps, self.max_blocks = batch_sizes, num_steps, max_blocks
+        self.width = w = batch_sizes[-1]
+        sizes = {"first_ids": w, "rows": w, "order": w, "temperature": w, "greedy": -(-w // 4), "step0": 3 * w,
+                 "later": 3 * (num_steps - 1) * MAX_BATCH, "last": MAX_BATCH, "block_tables": w * max_blocks}
+        self._spans, end = {}, 0
+        for name, size in sizes.items():  # each part 16-byte aligned
+            self._spans[name], end = (end, size), end + -(-size // 4) * 4
+        self.size = end
+        self.buffer = torch.zeros(self.size, dtype=torch.int32, device=device)
+        self.parts = self.views(self.buffer)
+
+    def takes(self, num_seqs: int, num_steps: int) -> bool:
+        """Whether graphs are held for a plan of this many sequences and decode steps."""
+        return num_seqs <= self.width and (num_steps == 1 or (num_seqs <= MAX_BATCH and num_steps <= self.num_steps))
+
+    def end(self, num_seqs: int) -> int:
+        """How much of the buffer a plan of num_seqs sequences fills (the rest is padding or unread)."""
+        return self._spans["block_tables"][0] + num_seqs * self.max_blocks
+
+    def views(self, buffer) -> InputViews:
+        """The parts of ``buffer``, a torch tensor or a numpy array of this layout."""
+        numpy = isinstance(buffer, np.ndarray)
+        part = {name: buffer[start:start + size] for name, (start, size) in self._spans.items()}
+        as_bytes = part["greedy"].view(np.uint8 if numpy else torch.uint8)[:self.width]
+        step0 = part["step0"].reshape(3, self.width)
+        later = part["later"].reshape(self.num_steps - 1, 3, MAX_BATCH)
+        steps = [step0] + [later[k] for k in range(self.num_steps - 1)]
+        return InputViews(part["first_ids"], part["rows"], part["order"], part["last"],
+                          part["temperature"].view(np.float32 if numpy else torch.float32),
+                          as_bytes.view(bool if numpy else torch.bool), [s[0] for s in steps], [s[1] for s in steps],
+                          [s[2] for s in steps], part["block_tables"].reshape(self.width, self.max_blocks))
 
 
 class SampledDecodeGraphs:
@@ -52,50 +115,28 @@ class SampledDecodeGraphs:
         self.model, self.num_steps, self.max_model_len, self.pool = model, num_steps, max_model_len, pool
         self.draw_key, device = draw_key, draw_key.device
         self.batch_sizes = batch_sizes
-        width, k = self.batch_sizes[-1], num_steps
-        i32 = dict(dtype=torch.int32, device=device)
-        self.first_ids = torch.zeros(width, **i32)  # step 0's inputs; step k > 0 reads tokens[k - 1]
-        self.positions = torch.zeros(k, width, **i32)
-        self.slots = torch.full((k, width), -1, **i32)
-        self.context_lens = torch.zeros(k, width, **i32)
-        self.block_tables = torch.zeros(width, -(-max_model_len // block_size), **i32)
-        self.cu_seqlens_q = torch.arange(width + 1, **i32)
-        self.rows = torch.arange(width, **i32)
-        self.order = torch.arange(width, **i32)
-        self.temperature = torch.ones(width, dtype=torch.float32, device=device)
-        self.greedy = torch.ones(width, dtype=torch.bool, device=device)
-        self.tokens = torch.zeros(k, width, **i32)
+        self.inputs = GraphInputs(batch_sizes, num_steps, -(-max_model_len // block_size), device)
+        width = self.inputs.width
+        self.cu_seqlens_q = torch.arange(width + 1, dtype=torch.int32, device=device)
+        self.tokens = torch.zeros(num_steps, width, dtype=torch.int32, device=device)
         self.replays: dict[tuple[int, int], Callable[[], None]] = {}
 
-    def fits(self, inputs: StepInputs) -> bool:
-        """Whether this plan can replay the graphs: sampling with temperature only, and either a plan
-        of several decode steps of few enough sequences and steps (InputBatch admits those only of
-        sequences without seeds, log-probabilities or penalties), or one decode step in which every
-        sequence samples, without seeds or log-probabilities."""
-        sampling, n, steps = inputs.sampling, inputs.input_ids.shape[0], inputs.decode_steps
-        if sampling is None or not sampling.temperature_only:
-            return False
-        if steps is not None:
-            return n <= MAX_BATCH and steps.num_steps <= self.num_steps
-        return (inputs.metadata.max_seqlen_q == 1 and inputs.sample_indices.shape[0] == n <= self.batch_sizes[-1]
-                and not sampling.seeded and sampling.max_num_logprobs < 0)
-
     def _metadata(self, k: int, bs: int) -> AttentionMetadata:
-        cu = self.cu_seqlens_q[:bs + 1]
+        cu, i = self.cu_seqlens_q[:bs + 1], self.inputs.parts
         return AttentionMetadata(
-            cu_seqlens_q=cu, cu_seqlens_k=cu, context_lens=self.context_lens[k, :bs], max_seqlen_q=1,
-            max_seqlen_k=self.max_model_len, slot_mapping=self.slots[k, :bs], block_tables=self.block_tables[:bs],
-            query_lens_host=[1] * bs, context_lens_host=[1] * bs, decode_order=self.order[:bs])
+            cu_seqlens_q=cu, cu_seqlens_k=cu, context_lens=i.context_lens[k][:bs], max_seqlen_q=1,
+            max_seqlen_k=self.max_model_len, slot_mapping=i.slots[k][:bs], block_tables=i.block_tables[:bs],
+            query_lens_host=[1] * bs, context_lens_host=[1] * bs, decode_order=i.order[:bs])
 
     def _step(self, k: int, bs: int) -> None:
         """Step k at batch bs, on the buffers (what each graph holds)."""
         from twinplane.kernels.sampling import sample_temperature
 
-        ids = self.first_ids[:bs] if k == 0 else self.tokens[k - 1, :bs]
-        hidden = self.model(ids, self.positions[k, :bs], self._metadata(k, bs))
+        i = self.inputs.parts
+        ids = i.first_ids[:bs] if k == 0 else self.tokens[k - 1, :bs]
+        hidden = self.model(ids, i.positions[k][:bs], self._metadata(k, bs))
         logits = self.model.compute_logits(hidden)
-        sample_temperature(logits, self.temperature[:bs], self.greedy[:bs], out=self.tokens[k, :bs],
-                           draw_key=self.draw_key)
+        sample_temperature(logits, i.temperature[:bs], i.greedy[:bs], out=self.tokens[k, :bs], draw_key=self.draw_key)
 
     def _record(self, step: Callable[[], None]) -> Callable[[], None]:
         """Runs ``step`` once (kernels compile, allocations settle), captures it; returns its replay."""
@@ -111,8 +152,11 @@ class SampledDecodeGraphs:
     def capture(self) -> None:
         """Records every (batch size, step); the warm-up lengths are 1 and slots -1 (nothing stored).
         The draw key is put back as it was: recording draws."""
-        key = self.draw_key.clone()
-        self.context_lens.fill_(1)
+        key, i = self.draw_key.clone(), self.inputs.parts
+        for k in range(self.num_steps):
+            i.context_lens[k].fill_(1)
+            i.slots[k].fill_(-1)
+        i.order.copy_(torch.arange(len(i.order), device=i.order.device))
         for bs in reversed(self.batch_sizes):
             for k in range(self.num_steps if bs <= MAX_BATCH else 1):
                 self.replays[(bs, k)] = self._record(lambda k=k, bs=bs: self._step(k, bs))
@@ -120,27 +164,10 @@ class SampledDecodeGraphs:
         if key.is_cuda:
             torch.cuda.synchronize(key.device)
 
-    def run(self, inputs: StepInputs) -> torch.Tensor:
-        """Replays the plan's steps (``fits`` holds). Returns the sampled
-        tokens, int32 [K, n] (a view of the graphs' buffer)."""
-        steps, metadata, sampling = inputs.decode_steps, inputs.metadata, inputs.sampling
-        n = inputs.input_ids.shape[0]
-        if steps is None:  # one step
-            k, per_step = 1, [t.view(1, n) for t in (inputs.positions, metadata.slot_mapping, metadata.context_lens)]
-        else:
-            k, per_step = steps.num_steps, [steps.positions, steps.slot_mapping, steps.context_lens]
-        bs, width = bucket(self.batch_sizes, n), metadata.block_tables.shape[1]
-        targets = [self.first_ids[:n], self.positions[:k, :n], self.slots[:k, :n], self.context_lens[:k, :n],
-                   self.block_tables[:n, :width], self.order[:n], self.temperature[:n], self.greedy[:n]]
-        sources = [inputs.input_ids, *per_step, metadata.block_tables, metadata.decode_order,
-                   sampling.temperature.view(-1), sampling.greedy]
-        if n < bs:  # padding sequences start last
-            targets.append(self.order[n:bs])
-            sources.append(self.rows[n:bs])
-        torch._foreach_copy_(targets, sources)
-        if n < bs:
-            self.slots[:k, n:bs] = -1
-            self.context_lens[:k, n:bs] = 0
-        for step in range(k):
+    def replay(self, num_seqs: int, num_steps: int) -> torch.Tensor:
+        """Replays the steps of a plan staged in ``inputs`` (``GraphInputs.takes`` holds). Returns the
+        sampled tokens, int32 [num_steps, num_seqs] (a view of the graphs' buffer)."""
+        bs = bucket(self.batch_sizes, num_seqs)
+        for step in range(num_steps):
             self.replays[(bs, step)]()
-        return self.tokens[:k, :n]
+        return self.tokens[:num_steps, :num_seqs]

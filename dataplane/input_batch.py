@@ -18,19 +18,28 @@ A plan of K decode steps (``StepPlan.num_steps``) gets, besides the first step's
 positions, slots and context lengths of all K steps, computed here from the block tables: a
 sequence whose budget ends before K keeps its last position and stores nothing more, so
 only the tokens fed back from one step to the next are left to the device.
+
+A decode plan that the runner's graphs that sample can replay (``decode_graphs.py``: every
+sequence samples with temperature only, few enough sequences and steps) is staged straight in
+the layout of their input buffer instead, and copied there: ``GraphStep``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from twinplane.dataplane.attention_backends.base import AttentionMetadata
 from twinplane.dataplane.plan import MAX_DECODE_STEPS, PlanColumns, SamplingParams, SequenceInit, StepPlan
-from twinplane.dataplane.sampling_batch import SamplingBatch, SamplingRow, build_sampling_batch, plain_columns
+from twinplane.dataplane.sampling_batch import (SamplingBatch, SamplingRow, build_sampling_batch, plain_columns,
+                                                temperature_only)
+
+if TYPE_CHECKING:
+    from twinplane.dataplane.decode_graphs import GraphInputs
 
 PENDING = -1  # a decode token the data plane sampled in the previous plan
 # the arrays of a plan of several decode steps, in the order _decode_steps returns them
@@ -79,6 +88,17 @@ class DecodeSteps:
     @property
     def num_steps(self) -> int:
         return len(self.context_lens_host)
+
+
+@dataclass
+class GraphStep:
+    """A decode plan staged in the graphs' input buffer (``GraphInputs``): what replaying it needs."""
+
+    num_seqs: int
+    num_steps: int
+    sample_rows: torch.Tensor  # int32 [n] on the device: each sequence's batch row
+    budget: np.ndarray | None = None  # a plan of several steps: tokens each sequence samples
+    last: torch.Tensor | None = None  # ... and where its last one lands in the [K, n] tokens, flattened
 
 
 @dataclass
@@ -141,13 +161,28 @@ class InputBatch:
         staging += 4 * MAX_DECODE_STEPS * (limits.max_num_seqs + 1)  # the inputs of several decode steps
         staging += 4 * limits.max_num_seqs + limits.max_num_seqs // 4 + 1  # plain sampling values and flags
         staging += 4 * len(STAGED_PARTS)  # each staged array starts 16-byte aligned
+        self._allocate_staging(staging)
         pinned = device.type == "cuda"
-        # two staging buffers, alternating: one may still be copying while the next plan is prepared
-        self._staging = [torch.empty(staging, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
         self._staging_copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
         # the stream steps run on, found once: looking it up costs more host time than recording an event
         self.stream = torch.cuda.current_stream(device) if pinned else None
+        self.use_graph_inputs(None)
+
+    def _allocate_staging(self, size: int) -> None:
+        """Two staging buffers, alternating: one may still be copying while the next plan is prepared."""
+        pinned = self.device.type == "cuda"
+        self._staging = [torch.empty(size, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
         self._staging_host = [buffer.numpy() for buffer in self._staging]
+
+    def use_graph_inputs(self, graph_inputs: GraphInputs | None) -> None:
+        """Stage the plans that ``graph_inputs`` takes in its layout (None: every plan as a StepInputs)."""
+        if graph_inputs is not None and graph_inputs.size > len(self._staging_host[0]):
+            for copied in self._staging_copied:
+                if copied is not None:
+                    copied.synchronize()
+            self._allocate_staging(graph_inputs.size)
+        self.graph_inputs = graph_inputs
+        self._graph_host = [] if graph_inputs is None else [graph_inputs.views(h) for h in self._staging_host]
 
     def _allocate(self, rows: int) -> None:
         self.free_rows = list(range(rows - 1, -1, -1))
@@ -218,8 +253,9 @@ class InputBatch:
 
     # ---- a step ---------------------------------------------------------------------------
 
-    def prepare(self, plan: StepPlan) -> StepInputs | None:
-        """Checks the plan, updates the rows, and builds the step's tensors (None for an empty plan)."""
+    def prepare(self, plan: StepPlan, graphs: bool = True) -> StepInputs | GraphStep | None:
+        """Checks the plan, updates the rows, and builds the step's tensors (None for an empty plan); with
+        ``graphs``, stages a plan that the graphs take in their buffer instead (GraphStep)."""
         cols = plan.cols()
         self.plan_index += 1
         self.drop(plan.dropped_seq_ids)
@@ -248,6 +284,8 @@ class InputBatch:
         if pending.any() and not self.plain[rows[pending]].all():
             self.wait_for_tokens()  # penalties read the history, PENDING tokens included
         self.sampled_at[rows[cols.sample]] = self.plan_index
+        if graphs and decode and self._graphs_take(cols, rows, plan.num_steps):
+            return self._stage_for_graphs(cols, rows, context, pending, budget if plan.num_steps > 1 else None)
         return self._build(cols, rows, positions, context, pending, budget if plan.num_steps > 1 else None)
 
     def _check_pending(self, cols: PlanColumns, rows: np.ndarray, unknown: np.ndarray, decode: bool) -> np.ndarray:
@@ -453,6 +491,25 @@ class InputBatch:
         """Keeps a step's sampled tokens on the device, as inputs for PENDING tokens of the next plan."""
         self.last_token.index_put_((sample_rows,), token_ids.to(torch.int32))
 
+    def _host_staging(self) -> int:
+        """Which staging buffer this plan fills, once the copy that last read it is done."""
+        k = self.plan_index % 2
+        if self._staging_copied[k] is not None:
+            self._staging_copied[k].synchronize()  # the plan before last may still be reading this buffer
+        return k
+
+    def _send(self, k: int, end: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Queues the copy of staging buffer k's first ``end`` entries to the device (into ``into``,
+        else a new tensor); returns the device copy."""
+        staged = self._staging[k][:end]
+        if into is None:
+            device = staged.to(self.device, non_blocking=True)
+        else:
+            device = into[:end].copy_(staged, non_blocking=True)
+        if self._staging_copied[k] is not None:
+            self._staging_copied[k].record(self.stream)
+        return device
+
     def _to_device(self, parts: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """One host-to-device copy for every int32 array of the step; returns a view of each by name.
 
@@ -460,10 +517,7 @@ class InputBatch:
         alignment, so an odd token count must not shift the next array off it (that would
         compile new kernel variants in the middle of serving).
         """
-        k = self.plan_index % 2
-        staging, copied = self._staging[k], self._staging_copied[k]
-        if copied is not None:
-            copied.synchronize()  # the plan before last may still be reading this buffer
+        k = self._host_staging()
         host, spans, end = self._staging_host[k], {}, 0
         assert len(parts) <= len(STAGED_PARTS), "more staged arrays than the staging buffer allows for"
         for name, part in parts.items():
@@ -472,10 +526,51 @@ class InputBatch:
             spans[name] = (end, size)
             end += -(-size // 4) * 4
         assert end <= len(host), "step inputs exceed the staging buffer"
-        device = staging[:end].to(self.device, non_blocking=True)
-        if copied is not None:
-            copied.record(self.stream)
+        device = self._send(k, end)
         return {name: device[start:start + size] for name, (start, size) in spans.items()}
+
+    def _graphs_take(self, cols: PlanColumns, rows: np.ndarray, num_steps: int) -> bool:
+        """Whether the graphs that sample replay this decode plan: they are held for its size, and
+        every sequence samples with temperature only (no seed, log-probabilities or penalties)."""
+        g = self.graph_inputs
+        return (g is not None and g.takes(len(rows), num_steps) and bool(cols.sample.all())
+                and bool(self.plain[rows].all())
+                and temperature_only(self.sampling_values[rows], self.limits.vocab_size))
+
+    def _stage_for_graphs(self, cols: PlanColumns, rows: np.ndarray, context: np.ndarray, pending: np.ndarray,
+                          budget: np.ndarray | None) -> GraphStep:
+        """Writes a decode plan in the graphs' layout, padding rows up to the batch size included (token
+        0, slot -1, context 0: they store and read nothing), copies it into their buffer, and puts the
+        PENDING tokens in place on the device."""
+        g, n, num_steps = self.graph_inputs, len(rows), 1 if budget is None else int(budget.max())
+        padded = next(size for size in g.batch_sizes if size >= n)
+        k = self._host_staging()
+        h = self._graph_host[k]
+        h.first_ids[:n], h.first_ids[n:padded] = cols.token_ids, 0
+        h.rows[:n] = rows
+        h.order[:n] = np.argsort(-context, kind="stable")
+        h.order[n:padded] = np.arange(n, padded)
+        h.temperature[:n] = self.sampling_values[rows, 0]  # 0: greedy, as the flag says
+        h.greedy[:n] = h.temperature[:n] == 0.0
+        if budget is None:
+            steps = [[cols.start_pos], [cols.slot_mapping], [context]]
+        else:
+            steps = self._decode_steps(rows, cols.start_pos, budget)[:3]
+            h.last[:n] = (budget - 1) * n + np.arange(n)
+        for step in range(num_steps):
+            h.positions[step][:n], h.slots[step][:n], h.context_lens[step][:n] = (a[step] for a in steps)
+            h.positions[step][n:padded], h.slots[step][n:padded], h.context_lens[step][n:padded] = 0, -1, 0
+        final = context if budget is None else context + budget - 1
+        width = int((-(-final // self.limits.block_size)).max())
+        h.block_tables[:n, :width] = self.block_table[rows, :width]
+        self._send(k, g.end(n), into=g.buffer)
+        d = g.parts
+        if pending.all():
+            torch.index_select(self.last_token, 0, d.rows[:n], out=d.first_ids[:n])
+        elif pending.any():
+            ids = d.first_ids[:n]
+            torch.where(ids == PENDING, self.last_token.index_select(0, d.rows[:n]), ids, out=ids)
+        return GraphStep(n, num_steps, d.rows[:n], budget, None if budget is None else d.last[:n])
 
     def _sampling(self, cols: PlanColumns, rows: np.ndarray, context: np.ndarray) -> SamplingBatch:
         """Rows with penalties, seeds, log-probabilities or min_tokens (one row at a time)."""

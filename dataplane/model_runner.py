@@ -40,7 +40,7 @@ from twinplane.dataplane.models.decoder import head_dim_of
 from twinplane.dataplane.plan import MAX_DECODE_STEPS, StepOutput, StepPath, StepPlan
 from twinplane.dataplane.sampler import Sampler, SamplerOutput
 from twinplane.dataplane.sampling_batch import SamplingBatch
-from twinplane.dataplane.input_batch import InputBatch, PlanLimits, SampledRows, StepInputs
+from twinplane.dataplane.input_batch import GraphStep, InputBatch, PlanLimits, SampledRows, StepInputs
 
 MAX_LOGPROBS = 20
 
@@ -192,6 +192,7 @@ class ModelRunner:
             max_num_batched_tokens=config.max_num_batched_tokens, max_logprobs=MAX_LOGPROBS), self.device)
         self.sequences.wait_for_tokens = self._wait_for_last_step
         self.sequences.warm_up()
+        self.use_decode_graphs(self.decode_graphs)
         self._last: LaunchedStep | None = None  # the most recently launched step
         self._last_end: float | None = None  # CPU timing: when the previous step's work ended
 
@@ -267,6 +268,11 @@ class ModelRunner:
                                                  self.max_model_len, self.config.block_size, self.graphs.pool)
         self.decode_graphs.capture()
 
+    def use_decode_graphs(self, graphs: SampledDecodeGraphs | None) -> None:
+        """Replay ``graphs`` for the plans they take (None: the step-by-step path for every plan)."""
+        self.decode_graphs = graphs
+        self.sequences.use_graph_inputs(None if graphs is None else graphs.inputs)
+
     def _logits_input(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """hidden[indices], padded on CUDA to the next row count in ``logit_rows`` (extra rows: stale)."""
         n = indices.shape[0]
@@ -333,7 +339,7 @@ class ModelRunner:
     def launch(self, plan: StepPlan, keep_logits: bool = False) -> LaunchedStep:
         """Checks the plan and queues its forward pass and sampling on the device."""
         started = time.perf_counter()
-        inputs = self.sequences.prepare(plan)
+        inputs = self.sequences.prepare(plan, graphs=not keep_logits)
         prepared = time.perf_counter()
         cuda = self.device.type == "cuda"
         step = LaunchedStep(plan.step_id, int((prepared - started) * 1e6))
@@ -341,11 +347,11 @@ class ModelRunner:
             step.begin, step.done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             step.begin.record(self.sequences.stream)
             step.previous_done = self._last.done if self._last is not None else None
-        if inputs is not None and inputs.decode_steps is not None:
-            self._decode_steps(step, inputs)
-        elif inputs is not None and not keep_logits and self._graphs_fit(inputs):
-            self._sampled_decode_step(step, inputs)
+        if isinstance(inputs, GraphStep):
+            self._graph_step(step, inputs)
             step.forward_us = int((time.perf_counter() - prepared) * 1e6)
+        elif inputs is not None and inputs.decode_steps is not None:
+            self._decode_steps(step, inputs)
         elif inputs is not None:
             hidden, step.path = self._forward(inputs.input_ids, inputs.positions, inputs.metadata)
             forwarded = time.perf_counter()
@@ -403,15 +409,19 @@ class ModelRunner:
             step.record = None if inputs.sampled is None else self.sequences.record_sampled
         self.sequences.set_last_tokens(inputs.sample_rows, token_ids)
 
-    def _graphs_fit(self, inputs: StepInputs) -> bool:
-        """Whether the plan replays graphs that sample (``decode_graphs.py``)."""
-        return self.decode_graphs is not None and self.decode_graphs.fits(inputs)
-
-    def _sampled_decode_step(self, step: LaunchedStep, inputs: StepInputs) -> None:
-        """One decode step as one graph that samples too (``decode_graphs.py``), kept as ``_sample`` keeps it."""
-        token_ids = self.decode_graphs.run(inputs)[0]
-        step.path = StepPath.DECODE_GRAPH
-        self._keep(step, inputs, token_ids, SamplerOutput(token_ids))
+    def _graph_step(self, step: LaunchedStep, plan: GraphStep) -> None:
+        """A decode plan staged in the graphs' buffer: replays its steps (``decode_graphs.py``) and keeps
+        the tokens as ``_keep`` and ``_decode_steps`` keep theirs."""
+        tokens = self.decode_graphs.replay(plan.num_seqs, plan.num_steps)
+        if plan.budget is None:
+            token_ids = tokens[0]
+            step.path, step.sampler_output = StepPath.DECODE_GRAPH, _to_host(SamplerOutput(token_ids), token_ids)
+            self.sequences.set_last_tokens(plan.sample_rows, token_ids)
+            return
+        tokens = tokens.reshape(-1)
+        self.sequences.set_last_tokens(plan.sample_rows, tokens[plan.last.long()])
+        step.path, step.decode_budget = StepPath.MULTI_DECODE, plan.budget
+        step.sampler_output = SamplerOutput(tokens.to("cpu", non_blocking=True))
 
     def _decode_steps(self, step: LaunchedStep, inputs: StepInputs) -> None:
         """Queues K decode steps, each fed the tokens the one before sampled; the host never waits.
@@ -419,20 +429,17 @@ class ModelRunner:
         The token history is not recorded: these sequences use no penalties.
         """
         steps, n = inputs.decode_steps, len(inputs.input_ids)
-        if self._graphs_fit(inputs):
-            tokens, rank0 = self.decode_graphs.run(inputs).reshape(-1), True
-        else:
-            tokens = torch.empty(steps.num_steps, n, dtype=torch.int32, device=self.device)
-            input_ids, metadata = inputs.input_ids, inputs.metadata
-            for k in range(steps.num_steps):
-                context_host = steps.context_lens_host[k]
-                metadata = replace(metadata, slot_mapping=steps.slot_mapping[k], context_lens=steps.context_lens[k],
-                                   cu_seqlens_k=steps.cu_seqlens_k[k], max_seqlen_k=max(context_host),
-                                   context_lens_host=context_host)
-                hidden, _ = self._forward(input_ids, steps.positions[k], metadata)
-                input_ids, sampled, _ = self._draw(inputs, hidden)
-                tokens[k] = input_ids
-            tokens, rank0 = tokens.view(-1), sampled is not None
+        tokens = torch.empty(steps.num_steps, n, dtype=torch.int32, device=self.device)
+        input_ids, metadata = inputs.input_ids, inputs.metadata
+        for k in range(steps.num_steps):
+            context_host = steps.context_lens_host[k]
+            metadata = replace(metadata, slot_mapping=steps.slot_mapping[k], context_lens=steps.context_lens[k],
+                               cu_seqlens_k=steps.cu_seqlens_k[k], max_seqlen_k=max(context_host),
+                               context_lens_host=context_host)
+            hidden, _ = self._forward(input_ids, steps.positions[k], metadata)
+            input_ids, sampled, _ = self._draw(inputs, hidden)
+            tokens[k] = input_ids
+        tokens, rank0 = tokens.view(-1), sampled is not None
         self.sequences.set_last_tokens(inputs.sample_rows, tokens[steps.last.long()])
         step.path = StepPath.MULTI_DECODE
         if rank0:

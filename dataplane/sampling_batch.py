@@ -105,6 +105,13 @@ class SamplingBatch:
         )
 
 
+def temperature_only(values: np.ndarray, vocab_size: int) -> bool:
+    """Whether plain sampling values [n, 4] (temperature, top_p, top_k, min_p) use temperature alone
+    (what ``SamplingBatch.temperature_only`` says of the batch built from them)."""
+    _, top_p, top_k, min_p = values.T
+    return bool((top_p >= 1.0).all() and ((top_k <= 0) | (top_k >= vocab_size)).all() and (min_p <= 0.0).all())
+
+
 def plain_columns(values: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     """What the device needs of plain sampling values [n, 4] (temperature, top_p, top_k, min_p), as two
     int32 arrays to copy with a step's other inputs: the four columns one after another (float32 bits;

@@ -136,8 +136,8 @@ def vocab_splits(num_rows: int, vocab: int, device: torch.device) -> int:
 
 
 def sample_temperature(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
-                       seeds: torch.Tensor | None = None, num_splits: int | None = None, out: torch.Tensor | None = None,
-                       draw_key: torch.Tensor | None = None) -> torch.Tensor:
+                       seeds: torch.Tensor | None = None, num_splits: int | None = None,
+                       out: torch.Tensor | None = None, draw_key: torch.Tensor | None = None) -> torch.Tensor:
     """logits [n, vocab] (any float dtype, unit stride on vocab), temperature float32 [n],
     greedy bool [n] (argmax rows), and either seeds int64 [n] (one Philox key per row) or
     draw_key int64 [1] (row i's key is draw_key + i; advanced by KEY_STRIDE) -> token ids [n]:

@@ -85,7 +85,7 @@ assert sorted(graphs.replays) == [(bs, k) for bs in (1, 2, 4, 8) for k in range(
 def generate(decode_graphs):
     runner.reset()
     runner.sampler.reseed(3)
-    runner.decode_graphs = decode_graphs
+    runner.use_decode_graphs(decode_graphs)
     builder = PlanBuilder(BLOCK)
     seqs = [builder.new_seq(i, prompt, SamplingParams(temperature=t))
             for (i, prompt), t in zip(PROMPTS.items(), TEMPERATURES)]
@@ -102,19 +102,25 @@ assert [len(t) for t in replayed] == [1 + sum(b[i] for b in PLANS) for i in rang
 assert all(len(set(tokens)) > len(tokens) // 2 for tokens in replayed), "the model should not repeat a token"
 
 
-def single_steps(decode_graphs, num_seqs, steps=3, special=()):
+def single_steps(decode_graphs, num_seqs, steps=3, special=(), pending=None):
     """Prefills num_seqs sequences (temperatures cycling; the first ones with the ``special``
-    parameters instead), then decodes them one step a plan."""
+    parameters instead), then decodes them one step a plan; with ``pending`` ("all" or "some"),
+    the decode token of all or every other sequence is sent as PENDING (-1), as the control plane
+    sends it before the previous plan's tokens reach it."""
     runner.reset()
     runner.sampler.reseed(5)
-    runner.decode_graphs = decode_graphs
+    runner.use_decode_graphs(decode_graphs)
     builder = PlanBuilder(BLOCK)
     prompts = list(PROMPTS.values())
     params = [*special, *(SamplingParams(temperature=TEMPERATURES[i % 3]) for i in range(len(special), num_seqs))]
     seqs = [builder.new_seq(i, prompts[i % 3], params[i]) for i in range(num_seqs)]
     paths = []
     for step in range(steps + 1):
-        out = runner.step(StepPlan(step, [builder.schedule(s) for s in seqs]))
+        scheduled = [builder.schedule(s) for s in seqs]
+        for i, planned in enumerate(scheduled if step and pending else []):
+            if pending == "all" or i % 2:
+                planned.token_ids[:] = -1
+        out = runner.step(StepPlan(step, scheduled))
         paths.append(out.path)
         for s, token in zip(seqs, out.sampled_token_ids.tolist()):
             s.tokens.append(token)
@@ -129,6 +135,8 @@ for num_seqs in (3, 10):  # padded to batch sizes 4 (plans of several steps too)
     assert paths[1:] == [StepPath.DECODE_GRAPH] * 3, paths
     assert replayed == looped, (num_seqs, replayed, looped)
     assert num_seqs < 4 or len({tuple(t) for t in replayed[1::3]}) > 1, "rows of one prompt and temperature draw apart"
+    for pending in ("all", "some") if num_seqs > 4 else ():  # first tokens gathered from the last plan's
+        assert single_steps(graphs, num_seqs, pending=pending) == (replayed, paths), pending
 
 # a seeded row or one that asks for log-probabilities: the step path for the whole plan
 for special in ([SamplingParams(temperature=0.8, seed=7)], [SamplingParams(temperature=0.8, num_logprobs=2)]):

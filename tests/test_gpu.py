@@ -459,14 +459,14 @@ def test_plans_of_decode_steps_replay_graphs_that_sample_what_the_loop_samples(q
     runner = _runner(qwen3_folder)
     graphs, replayed = runner.decode_graphs, []
     assert graphs is not None
-    run = graphs.run
-    graphs.run = lambda inputs: replayed.append(inputs.decode_steps.num_steps) or run(inputs)
+    replay = graphs.replay
+    graphs.replay = lambda num_seqs, num_steps: replayed.append(num_steps) or replay(num_seqs, num_steps)
     plans = ((8, 3, 5), (8, 8, 8), (2, 2, 1))
     results = []
     for decode_graphs in (graphs, None):
         runner.reset()
         runner.sampler.reseed(7)  # the graphs hold its draw key
-        runner.decode_graphs = decode_graphs
+        runner.use_decode_graphs(decode_graphs)
         builder = PlanBuilder(16)
         seqs = [builder.new_seq(i, p, SamplingParams(temperature=t))
                 for i, (p, t) in enumerate(zip(_prompts(3, seed=4), (0.0, 0.7, 1.2)))]
@@ -485,14 +485,14 @@ def test_single_decode_steps_replay_graphs_that_sample_what_the_step_path_sample
 
     runner = _runner(qwen3_folder)
     graphs, replayed = runner.decode_graphs, []
-    run = graphs.run
-    graphs.run = lambda inputs: replayed.append(len(inputs.input_ids)) or run(inputs)
+    replay = graphs.replay
+    graphs.replay = lambda num_seqs, num_steps: replayed.append(num_seqs) or replay(num_seqs, num_steps)
     for num_seqs in (3, 12):
         results = []
         for decode_graphs in (graphs, None):
             runner.reset()
             runner.sampler.reseed(11)
-            runner.decode_graphs = decode_graphs
+            runner.use_decode_graphs(decode_graphs)
             builder = PlanBuilder(16)
             seqs = [builder.new_seq(i, p, SamplingParams(temperature=(0.0, 0.8, 1.1)[i % 3]))
                     for i, p in enumerate(_prompts(num_seqs, seed=9))]
