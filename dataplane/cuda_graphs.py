@@ -29,7 +29,9 @@ from twinplane.dataplane.models.decoder import DecoderForCausalLM
 from twinplane.dataplane.plan import StepPath
 
 MIXED_SEQ_BUCKETS = (16, 32, 64, 128, 256)
-MIXED_TOKEN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192)  # and max_num_batched_tokens itself
+# Each bucket at most 1.5x the one before, so padding is at most a third of a replayed graph's tokens
+# (a prompt of 560 tokens beside 45 decodes replays the 768-token graph, not the 1,024 one).
+MIXED_TOKEN_BUCKETS = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)  # and max_num_batched_tokens
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:

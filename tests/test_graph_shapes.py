@@ -21,7 +21,9 @@ def test_mixed_shapes_hold_more_tokens_than_sequences_and_fit_the_limits():
     assert all(s < t for s, t in shapes)  # a step with prefill has more tokens than sequences
     assert [t for _, t in shapes] == sorted(t for _, t in shapes)
     assert mixed_shapes(256, 1024, 4096)[-1][1] == 1024  # never past max_num_batched_tokens
-    assert [t for s, t in mixed_shapes(16, 3000, 4096)] == [256, 512, 1024, 2048, 3000]  # ... and up to it
+    assert [t for s, t in mixed_shapes(16, 3000, 4096)] == [256, 384, 512, 768, 1024, 1536, 2048, 3000]  # ... up to it
+    tokens = sorted({t for _, t in shapes})
+    assert all(b <= 1.5 * a for a, b in zip(tokens, tokens[1:]))  # padding: a third of a graph at most
     assert mixed_shapes(4, 8192, 64) == [(4, 256)]  # 4 sequences of 64 tokens hold at most 256
     assert graph_batch_sizes(256)[:5] == [1, 2, 4, 8, 16] and graph_batch_sizes(256)[-1] == 256
 
@@ -35,9 +37,11 @@ def test_a_step_replays_the_smallest_graph_that_holds_it():
     assert graphs.shape_for(_metadata([1] * 5), 5) == (8, 8)  # decode: batch bucket
     assert graphs.shape_for(_metadata([1] * 256), 256) == (256, 256)
     assert graphs.shape_for(_metadata([1] * 3 + [100]), 103) == (16, 256)  # a prompt chunk beside decodes
-    assert graphs.shape_for(_metadata([1] * 40 + [300]), 340) == (64, 512)
+    assert graphs.shape_for(_metadata([1] * 40 + [300]), 340) == (64, 384)
+    assert graphs.shape_for(_metadata([1] * 45 + [560]), 605) == (64, 768)
     assert graphs.shape_for(_metadata([1] * 200 + [1500]), 1700) == (256, 2048)
-    assert graphs.shape_for(_metadata([3000]), 3000) == (16, 4096)  # a prompt alone
+    assert graphs.shape_for(_metadata([3000]), 3000) == (16, 3072)  # a prompt alone
+    assert graphs.shape_for(_metadata([3100]), 3100) == (16, 4096)
     assert graphs.shape_for(_metadata([4096, 4096]), 8192) == (16, 8192)  # a full step of prompts
     assert graphs.input_ids.shape[0] == 8192  # buffers hold the largest mixed shape
     decode_only = StepGraphs(model=None, hidden_size=8, dtype=torch.float32, device=torch.device("cpu"),
