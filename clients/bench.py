@@ -276,6 +276,8 @@ def report(requests: list[Request], elapsed: float, before: dict, after: dict, i
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
         figures[f"{name}_p50_s"], figures[f"{name}_p99_s"] = np.percentile(values, [50, 99]) if values else (None, None)
     figures["itl_max_s"] = max(itl, default=0.0)
+    # the gaps a p99 is made of: how many exceed twice the median
+    figures["itl_over_2x_p50"] = float(np.mean(np.asarray(itl) > 2 * figures["itl_p50_s"])) if itl else 0.0
     by_step = workload_step_roofline(requests, info, args)
     figures.update(step_roofline_s=by_step.seconds, step_roofline_fraction=by_step.seconds / elapsed,
                    step_roofline_steps=by_step.num_steps, compute_bound_steps=by_step.compute_bound_steps)
@@ -305,7 +307,8 @@ def report(requests: list[Request], elapsed: float, before: dict, after: dict, i
           f"{100 * figures['full_decode_idle_fraction']:.1f}% of step time")
     print(f"steps by path: {_paths(before, after)}")
     print(f"TTFT {_percentiles(figures, 'ttft')}; inter-token latency {_percentiles(figures, 'itl')}, max "
-          f"{figures['itl_max_s'] * 1e3:.1f} ms; time per output token {_percentiles(figures, 'tpot')}")
+          f"{figures['itl_max_s'] * 1e3:.1f} ms, {100 * figures['itl_over_2x_p50']:.2f}% of gaps over 2x p50; "
+          f"time per output token {_percentiles(figures, 'tpot')}")
     if client_cpu:
         print(f"benchmark client: {len(client_cpu)} process(es), {args.channels} channel(s) each, CPU time "
               + " / ".join(f"{seconds:.2f}" for seconds in client_cpu) + " s")

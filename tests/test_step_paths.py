@@ -144,8 +144,10 @@ def test_bench_reports_each_requests_pace_beside_the_gaps_between_tokens(control
     assert figures["ttft_p50_s"] == pytest.approx(0.015)
     assert figures["tpot_p50_s"] == pytest.approx((0.002 + 0.003) / 2)  # (0.032 - 0.020) / 4 = 3 ms
     assert figures["itl_p50_s"] == pytest.approx(0.002) and figures["itl_max_s"] == pytest.approx(0.006)
+    assert figures["itl_over_2x_p50"] == pytest.approx(2 / 7)  # gaps 2, 2, 2 and 0, 6, 0, 6 ms: two over 4 ms
     out = capsys.readouterr().out
-    assert "inter-token latency p50 2.0 ms, p99 6.0 ms, max 6.0 ms; time per output token p50 2.5 ms" in out
+    assert ("inter-token latency p50 2.0 ms, p99 6.0 ms, max 6.0 ms, 28.57% of gaps over 2x p50; "
+            "time per output token p50 2.5 ms") in out
 
 
 def test_bench_saves_every_tokens_arrival_time_beside_the_figures(control_plane, tmp_path, capsys):
