@@ -46,6 +46,7 @@ import numpy as np
 
 from twinplane.clients.roofline import ModelCost, StepLimits, StepRoofline, step_roofline
 from twinplane.controlplane.event_loop import freeze_heap
+from twinplane.controlplane.event_loop import run as run_loop  # uvloop, as the server's processes
 from twinplane.proto import step_path_names
 
 H200_BANDWIDTH_GBS = 4800.0  # HBM3e, per GPU, datasheet
@@ -229,7 +230,7 @@ def _client_process(target: str, requests: list[Request], args, barrier, results
                 await _send(target, client, requests, args, none)
 
     cpu_before = time.process_time()
-    asyncio.run(run())
+    run_loop(run())
     outcomes = [(r.sent, r.token_times, r.error) for r in requests]
     results.put((index, outcomes, time.process_time() - cpu_before))
 
@@ -387,7 +388,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.kill_dataplane_after is not None and server is not None:
         chaos = lambda: _kill_a_dataplane(server, args.kill_dataplane_after)  # noqa: E731
     try:
-        elapsed, before, after, info, cpu = asyncio.run(_drive(target, requests, args, chaos))
+        elapsed, before, after, info, cpu = run_loop(_drive(target, requests, args, chaos))
     finally:
         if server is not None:
             server.terminate()
