@@ -45,8 +45,7 @@ from functools import partial
 import numpy as np
 
 from twinplane.clients.roofline import ModelCost, StepLimits, StepRoofline, step_roofline
-from twinplane.controlplane.event_loop import freeze_heap
-from twinplane.controlplane.event_loop import run as run_loop  # uvloop, as the server's processes
+from twinplane.controlplane.event_loop import freeze_heap, run as run_loop  # run: uvloop, as the server's
 from twinplane.proto import step_path_names
 
 H200_BANDWIDTH_GBS = 4800.0  # HBM3e, per GPU, datasheet
