@@ -8,9 +8,9 @@ seeded row's noise comes from a generator seeded by (seed, output position) alon
 draws do not depend on batching or recomputation; other rows share one generator.
 Log-probabilities are the log_softmax of the raw model logits.
 
-Batches whose rows use only temperature (the common case) take one Triton kernel on CUDA
-(``kernels/sampling.py``: Gumbel-max, the same distribution) instead of about ten passes
-over a float32 copy of the logits. There a row's noise is Philox keyed by
+Batches whose rows use only temperature (the common case) take two Triton kernels on CUDA
+(``kernels/sampling.py``: an inverse-CDF draw, the same distribution) instead of about ten
+passes over a float32 copy of the logits. There a row's uniform number is Philox keyed by
 seed_for_position(seed, output position) for seeded rows, and for the others by the draw's key plus the
 row's index: the sampler's ``draw_key``, kept on the device, which each draw advances there.
 """

@@ -1,25 +1,29 @@
-"""Triton sampling for rows that use only temperature: one pass over the logits.
+"""Triton sampling for rows that use only temperature: one pass over the logits, then a pick.
 
-A temperature-only draw is the Gumbel-max trick: argmax over the vocabulary of
-``logit / T + g`` with ``g = -log(-log(u))`` and ``u`` uniform, which picks token i with
-probability softmax(logit / T)_i (the same distribution as the exponential race of the
-general sampler). Greedy rows (T = 0) take the plain argmax, the first one on ties, as
-``torch.argmax`` does. Done with torch ops, that is about ten passes over a float32 copy
-of the [rows, vocab] logits (0.8 ms per step at 256 rows of Qwen's 151,936 tokens on an
-H200); here it is one read of the bf16 logits.
+A temperature draw is an inverse-CDF draw from softmax(logit / T): one uniform ``u`` per row,
+and the token where the cumulative probability first passes ``u``. The vocabulary is cut into
+tiles of ``BLOCK`` logits, and two kernels share the work:
 
-- ``_partial_kernel``: one program per (row, vocabulary split); it keeps the best score
-  and its index over its range and writes them out. Splits keep the GPU busy when there
-  are few rows. Sizes are runtime arguments, so one compiled kernel serves every batch.
-- ``_pick_kernel``: one program per row takes the index of its best split (the first on ties,
-  as ``argmax``) and stores it in the caller's output, in its dtype (a CUDA graph of decode
-  steps stores int32 tokens where the next step reads them).
+- ``_partial_kernel``: one program per (row, vocabulary split). For a sampled row it writes
+  each of its tiles' max ``m`` of logit / T and sum of exp(logit / T - m) (the split holding
+  tile 0 also writes the row's ``u``); for a greedy row (T = 0) the best logit of its range
+  and its index. That is one read of the bf16 logits and one exponential a logit: the pass is
+  bound by memory, where a Gumbel-max draw (a Philox number and two logarithms a logit) was
+  bound by arithmetic. Splits keep the GPU busy when there are few rows. Sizes are runtime
+  arguments, so one compiled kernel serves every batch.
+- ``_pick_kernel``: one program per row. A sampled row weighs its tiles by their sums
+  (rescaled to the row's max), takes the tile where the cumulative weight passes ``u`` times
+  the total, and then the token inside that tile the same way, reading only that tile's
+  logits again. A greedy row takes the index of its best split (the first on ties, as
+  ``torch.argmax``). Either stores into the caller's output in its dtype (a CUDA graph of
+  decode steps stores int32 tokens where the next step reads them).
 - On sm_90 and newer both are launched with programmatic dependent launch: each launches while
   the kernel ahead of it runs and waits for it before reading anything.
 
-Random numbers are Philox (``tl.rand4x``, four per call) keyed by a per-row seed and
-counted by vocabulary position, so a row's draw depends on its seed alone: not on its
-place in the batch, on the other rows or on the number of splits.
+The tiles start at multiples of ``BLOCK`` whatever the split count, and the pick adds them up
+in one fixed order, so a row's draw depends on its logits and its seed alone: not on its place
+in the batch, on the other rows or on the number of splits. ``u`` is Philox keyed by the
+row's seed.
 
 A row's seed is either given (``seeds``, one per row) or the draw's key plus the row's index:
 ``draw_key`` is an int64 tensor of one element on the device, which the pick kernel advances
@@ -37,7 +41,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from twinplane.kernels.device import launch_pdl, sm_count
 
 BLOCK = 1024
+TILES = 4  # tiles a sampled row's program reads at once
 KEY_STRIDE = 1 << 16  # a draw with draw_key: at most this many rows, keys draw_key + row
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -56,83 +62,122 @@ def _first_best(best_score, best_index):
 
 
 @triton.jit
-def _score(logits_row, cols, end, temperature, u):
-    """Gumbel-max score of the logits at cols (-inf past end); plain logits when temperature is 0."""
-    x = tl.load(logits_row + cols, mask=cols < end, other=-float("inf")).to(tl.float32)
-    if temperature > 0:
-        # rand4x can round to 1.0 in float32, whose Gumbel noise is +inf: cap it just below.
-        x = x / temperature - tl.log(-tl.log(tl.minimum(u, 0.99999994)))
-    return tl.where(cols < end, x, -float("inf"))
+def _scaled(logits_row, cols, vocab, temperature):
+    """logit / T at cols, -inf past the vocabulary (the partial and the pick kernel compute it alike)."""
+    x = tl.load(logits_row + cols, mask=cols < vocab, other=-float("inf")).to(tl.float32)
+    return x / temperature
 
 
-@triton.jit(do_not_specialize=["stride_row", "vocab", "per_split", "num_splits"])
+@triton.jit
+def _tile_weights(x, top):
+    """exp(x - top) for each x; 0 where x is -inf (everywhere, in a tile that has no finite x)."""
+    shift = tl.where(top > -float("inf"), top, 0.0)
+    return tl.where(x > -float("inf"), tl.exp2((x - shift) * LOG2E), 0.0)
+
+
+@triton.jit
+def _first_past(cumulative, weights, target, index):
+    """The first index whose cumulative weight passes target; where rounding leaves none, the last
+    index of nonzero weight; 0 where no weight is above 0 (NaN logits, or a temperature so small
+    that logit / T overflows: the padding rows of a graph hold whatever was left there)."""
+    past = tl.min(tl.where(cumulative > target, index, 2**31 - 1), axis=0)
+    return tl.maximum(tl.minimum(past, tl.max(tl.where(weights > 0, index, -1), axis=0)), 0)
+
+
+@triton.jit(do_not_specialize=["stride_row", "vocab", "per_split", "num_splits", "num_tiles"])
 def _partial_kernel(logits_ptr, stride_row, temperature_ptr, greedy_ptr, seeds_ptr, best_score_ptr,
-                    best_index_ptr, vocab, per_split, num_splits, ROW_SEEDS: tl.constexpr, BLOCK: tl.constexpr,
-                    PDL: tl.constexpr):
+                    best_index_ptr, tile_max_ptr, tile_sum_ptr, u_ptr, vocab, per_split, num_splits, num_tiles,
+                    ROW_SEEDS: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     row = tl.program_id(0)
     split = tl.program_id(1)
     temperature = tl.where(tl.load(greedy_ptr + row), 0.0, tl.load(temperature_ptr + row))
-    if ROW_SEEDS:
-        seed = tl.load(seeds_ptr + row)
-    else:  # the draw's key (advanced by the pick kernel, which runs once this one is done)
-        seed = tl.load(seeds_ptr) + row
     logits_row = logits_ptr + row.to(tl.int64) * stride_row
     start = split * per_split
     end = tl.minimum(start + per_split, vocab)
-    QUARTER: tl.constexpr = BLOCK // 4
-    lane = tl.arange(0, QUARTER)
-    best_score = tl.full([QUARTER], -float("inf"), tl.float32)
-    best_index = tl.full([QUARTER], 2**31 - 1, tl.int32)
-    for tile in range(start, end, BLOCK):  # tiles start at multiples of BLOCK (per_split is one)
-        # One Philox call gives four numbers: quarter i of the tile takes the i-th, and
-        # column tile + i * QUARTER + lane always gets the same one.
-        u0, u1, u2, u3 = tl.rand4x(seed, tile // 4 + lane)
-        for_cols = tile + lane
-        best_score, best_index = _keep_best(_score(logits_row, for_cols, end, temperature, u0), for_cols,
-                                            best_score, best_index)
-        for_cols += QUARTER
-        best_score, best_index = _keep_best(_score(logits_row, for_cols, end, temperature, u1), for_cols,
-                                            best_score, best_index)
-        for_cols += QUARTER
-        best_score, best_index = _keep_best(_score(logits_row, for_cols, end, temperature, u2), for_cols,
-                                            best_score, best_index)
-        for_cols += QUARTER
-        best_score, best_index = _keep_best(_score(logits_row, for_cols, end, temperature, u3), for_cols,
-                                            best_score, best_index)
-    # One reduction at the end: the best score, and the first column that has it (a split
-    # whose scores are all -inf reports its first column, as a lone argmax would).
-    top, first = _first_best(best_score, best_index)
-    tl.store(best_score_ptr + row * num_splits + split, top)
-    tl.store(best_index_ptr + row * num_splits + split, tl.where(first == 2**31 - 1, start, first))
+    lane = tl.arange(0, BLOCK)
+    if temperature > 0:
+        if split == 0:
+            if ROW_SEEDS:
+                seed = tl.load(seeds_ptr + row)
+            else:  # the draw's key (advanced by the pick kernel, which runs once this one is done)
+                seed = tl.load(seeds_ptr) + row
+            pair = tl.arange(0, 2)
+            tl.store(u_ptr + row, tl.sum(tl.where(pair == 0, tl.rand(seed, pair), 0.0), axis=0))
+        tiles = tl.arange(0, TILES)
+        for tile in range(start // BLOCK, tl.cdiv(end, BLOCK), TILES):  # per_split is whole tiles
+            cols = (tile + tiles)[:, None] * BLOCK + lane[None, :]
+            x = _scaled(logits_row, cols, end, temperature)
+            top = tl.max(x, axis=1)
+            total = tl.sum(_tile_weights(x, top[:, None]), axis=1)
+            ours = (tile + tiles) * BLOCK < end
+            tl.store(tile_max_ptr + row * num_tiles + tile + tiles, top, mask=ours)
+            tl.store(tile_sum_ptr + row * num_tiles + tile + tiles, total, mask=ours)
+    else:
+        best_score = tl.full([BLOCK], -float("inf"), tl.float32)
+        best_index = tl.full([BLOCK], 2**31 - 1, tl.int32)
+        for tile in range(start, end, BLOCK):
+            x = tl.load(logits_row + tile + lane, mask=tile + lane < end, other=-float("inf")).to(tl.float32)
+            best_score, best_index = _keep_best(x, tile + lane, best_score, best_index)
+        # The best score, and the first column that has it (a split whose logits are all -inf
+        # reports its first column, as a lone argmax would).
+        top, first = _first_best(best_score, best_index)
+        tl.store(best_score_ptr + row * num_splits + split, top)
+        tl.store(best_index_ptr + row * num_splits + split, tl.where(first == 2**31 - 1, start, first))
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _pick_kernel(best_score_ptr, best_index_ptr, out_ptr, num_splits, key_ptr, ADVANCE: tl.constexpr,
-                 STRIDE: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["stride_row", "vocab", "num_splits", "num_tiles"])
+def _pick_kernel(logits_ptr, stride_row, temperature_ptr, greedy_ptr, best_score_ptr, best_index_ptr, tile_max_ptr,
+                 tile_sum_ptr, u_ptr, out_ptr, vocab, num_splits, num_tiles, key_ptr, ADVANCE: tl.constexpr,
+                 STRIDE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, TILES_PAD: tl.constexpr,
+                 PDL: tl.constexpr):
     if PDL:
         gdc_wait()
     row = tl.program_id(0)
     if ADVANCE:
         if row == 0:
             tl.store(key_ptr, tl.load(key_ptr) + STRIDE)
-    lane = tl.arange(0, BLOCK_S)
-    best_score = tl.full([BLOCK_S], -float("inf"), tl.float32)
-    best_index = tl.full([BLOCK_S], 2**31 - 1, tl.int32)
-    for start in range(0, num_splits, BLOCK_S):  # a lane sees its splits, so their first columns, in order
-        splits = start + lane
-        score = tl.load(best_score_ptr + row * num_splits + splits, mask=splits < num_splits, other=-float("inf"))
-        index = tl.load(best_index_ptr + row * num_splits + splits, mask=splits < num_splits, other=2**31 - 1)
-        best_score, best_index = _keep_best(score, index, best_score, best_index)
-    tl.store(out_ptr + row, _first_best(best_score, best_index)[1])
+    temperature = tl.where(tl.load(greedy_ptr + row), 0.0, tl.load(temperature_ptr + row))
+    if temperature > 0:
+        tiles = tl.arange(0, TILES_PAD)
+        stats = row * num_tiles + tiles
+        top = tl.load(tile_max_ptr + stats, mask=tiles < num_tiles, other=-float("inf"))
+        total = tl.load(tile_sum_ptr + stats, mask=tiles < num_tiles, other=0.0)
+        row_top = tl.max(top, axis=0)
+        scale = _tile_weights(top, row_top)  # each tile's sums in units of exp(row_top)
+        weights = total * scale
+        cumulative = tl.cumsum(weights, axis=0)
+        target = tl.load(u_ptr + row) * tl.sum(weights, axis=0)
+        tile = _first_past(cumulative, weights, target, tiles)
+        chosen = tiles == tile
+        # what is left of the target inside the chosen tile, in that tile's own units
+        rest = (target - tl.sum(tl.where(chosen, cumulative - weights, 0.0), axis=0)) / tl.sum(
+            tl.where(chosen, scale, 0.0), axis=0)
+        cols = tl.arange(0, BLOCK)
+        x = _scaled(logits_ptr + row.to(tl.int64) * stride_row, tile * BLOCK + cols, vocab, temperature)
+        probs = _tile_weights(x, tl.sum(tl.where(chosen, top, 0.0), axis=0))
+        token = tile * BLOCK + _first_past(tl.cumsum(probs, axis=0), probs, rest, cols)
+    else:
+        lane = tl.arange(0, BLOCK_S)
+        best_score = tl.full([BLOCK_S], -float("inf"), tl.float32)
+        best_index = tl.full([BLOCK_S], 2**31 - 1, tl.int32)
+        for start in range(0, num_splits, BLOCK_S):  # a lane sees its splits, so their first columns, in order
+            splits = start + lane
+            score = tl.load(best_score_ptr + row * num_splits + splits, mask=splits < num_splits,
+                            other=-float("inf"))
+            index = tl.load(best_index_ptr + row * num_splits + splits, mask=splits < num_splits, other=2**31 - 1)
+            best_score, best_index = _keep_best(score, index, best_score, best_index)
+        token = _first_best(best_score, best_index)[1]
+        token = tl.where(token == 2**31 - 1, 0, token)  # no logit above -inf (or NaN only): 0, as argmax
+    tl.store(out_ptr + row, token)
 
 
 def vocab_splits(num_rows: int, vocab: int, device: torch.device) -> int:
-    """Splits per row so that there are about four programs per SM (at least one tile each)."""
+    """Splits per row so that there are about four programs per SM (at least TILES tiles each)."""
     sms = sm_count(device)
-    return max(1, min(-(-4 * sms // max(num_rows, 1)), -(-vocab // (4 * BLOCK))))
+    return max(1, min(-(-4 * sms // max(num_rows, 1)), -(-vocab // (TILES * BLOCK))))
 
 
 def sample_temperature(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
@@ -147,7 +192,7 @@ def sample_temperature(logits: torch.Tensor, temperature: torch.Tensor, greedy: 
     keys = seeds if draw_key is None else draw_key
     assert logits.stride(-1) == 1 and greedy.shape == temperature.shape == (num_rows,)
     assert keys.dtype == torch.int64 and keys.shape == ((num_rows,) if draw_key is None else (1,))
-    assert vocab < 2**31, "Philox offsets are 32-bit vocabulary indices"
+    assert vocab < 2**31, "vocabulary indices are 32-bit"
     assert num_rows <= KEY_STRIDE, f"at most {KEY_STRIDE} rows a draw"
     if out is None:
         out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
@@ -155,13 +200,21 @@ def sample_temperature(logits: torch.Tensor, temperature: torch.Tensor, greedy: 
     if num_rows == 0:
         return out
     splits = num_splits or vocab_splits(num_rows, vocab, logits.device)
-    per_split = -(-vocab // (splits * BLOCK)) * BLOCK  # whole tiles: the noise of a column never moves
+    num_tiles = -(-vocab // BLOCK)
+    per_split = -(-num_tiles // splits) * BLOCK  # whole tiles, so a tile's sums never depend on the splits
     best_score = torch.empty(num_rows, splits, dtype=torch.float32, device=logits.device)
     best_index = torch.empty(num_rows, splits, dtype=torch.int32, device=logits.device)
+    tile_max = torch.empty(num_rows, num_tiles, dtype=torch.float32, device=logits.device)
+    tile_sum = torch.empty_like(tile_max)
+    u = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
     pdl = launch_pdl(logits.device)
     _partial_kernel[(num_rows, splits)](logits, logits.stride(0), temperature, greedy, keys, best_score,
-                                        best_index, vocab, per_split, splits, ROW_SEEDS=draw_key is None, BLOCK=BLOCK,
-                                        PDL=pdl, num_warps=4, launch_pdl=pdl)
-    _pick_kernel[(num_rows,)](best_score, best_index, out, splits, keys, ADVANCE=draw_key is not None,
-                              STRIDE=KEY_STRIDE, BLOCK_S=64, PDL=pdl, num_warps=2, launch_pdl=pdl)
+                                        best_index, tile_max, tile_sum, u, vocab, per_split, splits, num_tiles,
+                                        ROW_SEEDS=draw_key is None, BLOCK=BLOCK, TILES=TILES, PDL=pdl, num_warps=4,
+                                        launch_pdl=pdl)
+    _pick_kernel[(num_rows,)](logits, logits.stride(0), temperature, greedy, best_score, best_index, tile_max,
+                              tile_sum, u, out, vocab, splits, num_tiles, keys, ADVANCE=draw_key is not None,
+                              STRIDE=KEY_STRIDE, BLOCK=BLOCK, BLOCK_S=64,
+                              TILES_PAD=max(16, triton.next_power_of_2(num_tiles)), PDL=pdl, num_warps=4,
+                              launch_pdl=pdl)
     return out

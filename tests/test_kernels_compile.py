@@ -105,9 +105,11 @@ def test_kv_writer_silu_mul_and_sampler_compile():
         ptx = _compile(_silu_mul_kernel, dict(D=3072, BLOCK=1024, PDL=pdl), {})
         assert ("griddepcontrol.wait" in ptx) == pdl
     for pdl in (False, True):
-        _compile(_partial_kernel, dict(BLOCK=1024, PDL=pdl), {"temperature_ptr": "fp32", "greedy_ptr": "i1",
-                                                              "seeds_ptr": "i64", "best_score_ptr": "fp32",
-                                                              "best_index_ptr": "i32"})
-        for out in ("i32", "i64"):
-            _compile(_pick_kernel, dict(BLOCK_S=64, PDL=pdl), {"best_score_ptr": "fp32", "best_index_ptr": "i32",
-                                                               "out_ptr": out})
+        stats = {"temperature_ptr": "fp32", "greedy_ptr": "i1", "best_score_ptr": "fp32", "best_index_ptr": "i32",
+                 "tile_max_ptr": "fp32", "tile_sum_ptr": "fp32", "u_ptr": "fp32"}
+        for row_seeds in (False, True):
+            _compile(_partial_kernel, dict(ROW_SEEDS=row_seeds, BLOCK=1024, TILES=4, PDL=pdl),
+                     {**stats, "seeds_ptr": "i64"})
+        for out, advance in (("i32", True), ("i64", False)):
+            _compile(_pick_kernel, dict(ADVANCE=advance, STRIDE=1 << 16, BLOCK=1024, BLOCK_S=64, TILES_PAD=256,
+                                        PDL=pdl), {**stats, "out_ptr": out, "key_ptr": "i64"})

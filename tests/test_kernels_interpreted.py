@@ -190,6 +190,25 @@ frequencies = torch.bincount(drawn, minlength=len(base)).float() / n
 expected = (base / temperature).softmax(-1)
 gap = (frequencies - expected).abs().max().item()
 assert gap < 0.04, f"sample frequencies {frequencies.tolist()} vs softmax {expected.tolist()}"  # 3 sigma
+# Mass in four tiles of 1,024 logits, each with its own maximum: the draw picks a tile by its share,
+# then a token inside it (two in a tile below the top one). Every other token has p < 1e-9.
+n, spread = 1000, torch.full((5000,), -20.0)
+hot = torch.tensor([3, 1500, 1501, 3100, 3101, 4999])
+spread[hot] = torch.tensor([1.0, 0.0, 2.0, 1.5, 1.2, -0.5])
+drawn = sample_temperature(spread.repeat(n, 1), torch.full((n,), temperature), torch.zeros(n, dtype=torch.bool),
+                           torch.arange(5000, 5000 + n), num_splits=2)
+counts = torch.bincount(drawn, minlength=len(spread)).float()
+assert counts[hot].sum() == n, "a token of p < 1e-9 was drawn"
+gap = (counts[hot] / n - (spread / temperature).softmax(-1)[hot]).abs().max().item()
+assert gap < 0.05, f"sample frequencies {(counts[hot] / n).tolist()}"  # 3 sigma at n = 1,000
+
+# Rows with no finite weight still get a token of the vocabulary (a graph's padding rows feed theirs to the
+# next step's embedding): NaN logits, sampled and greedy, and a temperature under which logit / T overflows.
+odd = torch.randn(3, 3000)
+odd[:2] = float("nan")
+drawn = sample_temperature(odd, torch.tensor([1.0, 1.0, 1e-45]), torch.tensor([False, True, False]),
+                           torch.arange(3), num_splits=2)
+assert ((drawn >= 0) & (drawn < 3000)).all(), drawn
 
 # Inside the Sampler: a seeded row draws the same token wherever it sits in the batch;
 # unseeded rows follow the sampler's seed and draw anew at every batch.
