@@ -1,5 +1,6 @@
 """GPU data plane (skipped without CUDA): KV writer, decode attention, fused norm/RoPE/store,
 sampling and skinny projection kernels (alone and chained with programmatic dependent launch),
+quack's GEMM for projections of one wave,
 FlashAttention logits vs transformers, CUDA graphs vs eager, prefix-cache hit
 vs miss, the real SmolLM2, and TP=2 vs TP=1.
 
@@ -270,6 +271,64 @@ def test_skinny_projections_match_the_layers_they_fold(rows):
             assert error <= 2 * unfused + 1e-3, (n, k, glu, res is None, b is None, error, unfused)
 
 
+def _captured(fn):
+    """(a CUDA graph of fn, its output): fn runs once on a side stream first, so kernels compile
+    and allocations settle before the capture."""
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def test_wave_gemm_matches_cublas_and_takes_outputs_of_one_wave_only():
+    """Projections of Qwen3-0.6B's shapes at 5-256 rows through ``linear``: where the output's
+    64 x 64 tiles fit on the SMs at once quack's GEMM takes them, with errors against float32
+    within 2x cuBLAS's own; past one wave cuBLAS does. A chain of them captured in a CUDA graph
+    (as decode steps run) replays bit for bit as it ran eagerly."""
+    import torch.nn.functional as F
+
+    from twinplane.dataplane.layers.linear import linear
+    from twinplane.kernels import wave_gemm
+
+    if torch.cuda.get_device_capability() != (9, 0) or wave_gemm._gemm() is None:
+        pytest.skip("quack's GEMM runs on sm_90 with quack-kernels installed")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    torch.manual_seed(0)
+    taken = 0
+    for rows in (5, 16, 64, 100, 128, 256):
+        for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            assert wave_gemm.supports(x, weight) == wave_gemm.one_wave(rows, n, sms), (rows, n)
+            taken += wave_gemm.supports(x, weight)
+            expected = F.linear(x.float(), weight.float())
+            cublas = (F.linear(x, weight).float() - expected).abs().max().item()
+            error = (linear(x, weight).float() - expected).abs().max().item()
+            assert error <= 2 * cublas + 1e-3, (rows, n, k, error, cublas)
+    assert taken >= 12 and not wave_gemm._failed
+
+    layers = [(torch.randn(3072, 1024, device="cuda", dtype=torch.bfloat16) * 0.03,
+               torch.randn(1024, 3072, device="cuda", dtype=torch.bfloat16) * 0.03) for _ in range(6)]
+    x0 = torch.randn(32, 1024, device="cuda", dtype=torch.bfloat16)
+
+    def chain():
+        hidden = x0
+        for up, down in layers:
+            hidden = linear(F.silu(linear(hidden, up)), down)
+        return hidden
+
+    expected = chain()
+    graph, out = _captured(chain)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+
+
 def test_skinny_kernels_chained_in_a_cuda_graph_wait_for_each_other():
     """A chain of 24 dependent projections launched with programmatic dependent launch, each
     loading its weights before it waits for the one ahead: replays of its CUDA graph agree with
@@ -297,13 +356,7 @@ def test_skinny_kernels_chained_in_a_cuda_graph_wait_for_each_other():
         torch.cuda.synchronize()
     expected = hidden + residual
     assert torch.equal(chain(), expected)  # launched back to back
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        chain()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain()
+    graph, out = _captured(chain)
     results = []
     for _ in range(5):
         graph.replay()

@@ -364,3 +364,16 @@ def test_decode_splits_cover_the_sms_and_split_sparse_batches(monkeypatch):
             assert splits == 2 or seqs * 8 * splits // 2 < 132, (seqs, splits)  # no more than that
     counts = (1, 4, 8, 16, 32, 49, 50, 99)
     assert [decode_attention.decode_splits(n, 8, device) for n in counts] == [16, 8, 4, 2, 2, 2, 1, 1]
+
+
+def test_wave_gemm_takes_outputs_of_one_wave_on_cuda_only():
+    """On an H200's 132 SMs, Qwen3-0.6B's o and down projections (1,024 features) go to quack's
+    GEMM up to 512 rows, q/k/v (4,096) up to 128, gate/up (6,144) up to 64; CPU tensors never."""
+    import torch
+
+    from twinplane.kernels.wave_gemm import one_wave, supports
+
+    for features, most_rows in ((1024, 512), (4096, 128), (6144, 64)):
+        assert one_wave(most_rows, features, 132) and not one_wave(most_rows + 1, features, 132)
+    x, weight = torch.zeros(8, 1024, dtype=torch.bfloat16), torch.zeros(1024, 1024, dtype=torch.bfloat16)
+    assert not supports(x, weight)

@@ -19,12 +19,16 @@ from twinplane.dataplane.distributed import tp_rank, tp_world_size
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias); 1-4 rows on CUDA take the skinny Triton kernel (``kernels/skinny_gemm.py``)."""
+    """x @ weight.T (+ bias) on cuBLAS, but on CUDA 1-4 rows take the skinny Triton kernel
+    (``kernels/skinny_gemm.py``) and outputs of one wave of tiles without bias quack's GEMM
+    (``kernels/wave_gemm.py``)."""
     if x.is_cuda:
-        from twinplane.kernels import skinny_gemm  # imports triton
+        from twinplane.kernels import skinny_gemm, wave_gemm  # imports triton
 
         if skinny_gemm.supports(x, weight):
             return skinny_gemm.skinny_linear(x, weight, bias)
+        if bias is None and wave_gemm.supports(x, weight):
+            return wave_gemm.wave_linear(x, weight)
     return F.linear(x, weight, bias)
 
 
