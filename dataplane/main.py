@@ -30,6 +30,13 @@ def check_config(config: DataPlaneConfig) -> DataPlaneConfig:
     return config
 
 
+def _projections(runner) -> str:
+    """The start-up line's note on projections: quack's GEMM takes those of one wave, where it runs."""
+    from twinplane.kernels import wave_gemm
+
+    return ", quack's GEMM for projections of one wave" if wave_gemm.in_use(runner.device, runner.dtype) else ""
+
+
 def serve(config: DataPlaneConfig, listen: str, token: str | None = None, credentials=None,
           health_listen: str | None = None) -> None:
     """Serves until SIGTERM or SIGINT (over TLS with grpc.ServerCredentials, and health alone in
@@ -49,9 +56,9 @@ def serve(config: DataPlaneConfig, listen: str, token: str | None = None, creden
     for each in servers:
         each.start()
     desc = runner.describe()
-    log.info("data plane ready on %s%s: %s, %s, %d KV blocks of %d tokens, attention %s",
+    log.info("data plane ready on %s%s: %s, %s, %d KV blocks of %d tokens, attention %s%s",
              listen, " (TLS)" if credentials is not None else "", desc.model, desc.dtype, desc.num_kv_blocks,
-             desc.block_size, desc.attention_backend)
+             desc.block_size, desc.attention_backend, _projections(runner))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -53,14 +53,20 @@ def _gemm():
     return functools.partial(gemm_tuned.fn, config=config)
 
 
+def in_use(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether projections of this device and dtype go to quack where they fit one wave: bf16 on
+    sm_90 with quack-kernels importable, and no call of it has failed."""
+    return (not _failed and device.type == "cuda" and dtype == torch.bfloat16
+            and _capability(device.index or 0) == (9, 0) and _gemm() is not None)
+
+
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x @ weight.T goes to quack: bf16 on sm_90, both contiguous with rows of a multiple of
-    16 bytes (TMA), and an output of one wave."""
-    return (not _failed and x.is_cuda and x.dim() == 2 and x.shape[0] > 0 and x.is_contiguous()
-            and weight.is_contiguous() and x.dtype == weight.dtype == torch.bfloat16
-            and x.shape[1] == weight.shape[1] and x.shape[1] % 8 == 0 and weight.shape[0] % 8 == 0
-            and _capability(x.device.index or 0) == (9, 0)
-            and one_wave(x.shape[0], weight.shape[0], sm_count(x.device)) and _gemm() is not None)
+    """Whether x @ weight.T goes to quack: ``in_use`` for x, both contiguous with rows of a multiple
+    of 16 bytes (TMA), and an output of one wave."""
+    return (x.dim() == 2 and x.shape[0] > 0 and x.is_contiguous() and weight.is_contiguous()
+            and x.dtype == weight.dtype and x.shape[1] == weight.shape[1] and x.shape[1] % 8 == 0
+            and weight.shape[0] % 8 == 0 and one_wave(x.shape[0], weight.shape[0], sm_count(x.device))
+            and in_use(x.device, x.dtype))
 
 
 def wave_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

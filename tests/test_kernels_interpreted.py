@@ -371,9 +371,9 @@ def test_wave_gemm_takes_outputs_of_one_wave_on_cuda_only():
     GEMM up to 512 rows, q/k/v (4,096) up to 128, gate/up (6,144) up to 64; CPU tensors never."""
     import torch
 
-    from twinplane.kernels.wave_gemm import one_wave, supports
+    from twinplane.kernels.wave_gemm import in_use, one_wave, supports
 
     for features, most_rows in ((1024, 512), (4096, 128), (6144, 64)):
         assert one_wave(most_rows, features, 132) and not one_wave(most_rows + 1, features, 132)
     x, weight = torch.zeros(8, 1024, dtype=torch.bfloat16), torch.zeros(1024, 1024, dtype=torch.bfloat16)
-    assert not supports(x, weight)
+    assert not supports(x, weight) and not in_use(x.device, x.dtype)
