@@ -19,11 +19,12 @@ def sm_count(device: torch.device) -> int:
 
 
 @functools.cache
-def _has_pdl(device_index: int) -> bool:
-    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
+def capability(device_index: int) -> tuple[int, int]:
+    """Compute capability of CUDA device ``device_index`` (asked once per device)."""
+    return torch.cuda.get_device_capability(device_index)
 
 
 def launch_pdl(device: torch.device) -> bool:
     """Whether kernels on ``device`` are launched with programmatic dependent launch: NVIDIA GPUs
     of sm_90 and newer (not ROCm, and never Triton's interpreter, whose tensors are on the CPU)."""
-    return device.type == "cuda" and _has_pdl(device.index or 0)
+    return device.type == "cuda" and torch.version.hip is None and capability(device.index or 0)[0] >= 9

@@ -22,7 +22,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from twinplane.kernels.device import sm_count
+from twinplane.kernels.device import capability, sm_count
 
 TILE = 64  # output features and rows a tile
 log = logging.getLogger(__name__)
@@ -32,11 +32,6 @@ _failed = False  # quack's GEMM raised once: cuBLAS from then on
 def one_wave(rows: int, features: int, sms: int) -> bool:
     """Whether the output's 64 x 64 tiles fit on the SMs at once."""
     return -(-rows // TILE) * -(-features // TILE) <= sms
-
-
-@functools.cache
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
 
 
 @functools.cache
@@ -57,7 +52,7 @@ def in_use(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether projections of this device and dtype go to quack where they fit one wave: bf16 on
     sm_90 with quack-kernels importable, and no call of it has failed."""
     return (not _failed and device.type == "cuda" and dtype == torch.bfloat16
-            and _capability(device.index or 0) == (9, 0) and _gemm() is not None)
+            and capability(device.index or 0) == (9, 0) and _gemm() is not None)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
