@@ -3,8 +3,8 @@
     python -m twinplane.kernels.bench_skinny [--rows 1 2 4 8] [--layers 28]
 
 Random weights in Qwen3-0.6B's shapes for every layer (together far more than the L2 cache
-holds, as a step reads them once), and per layer: norm + q/k/v, the output projection (of the
-q part: no attention), norm + gate/up + SiLU-and-mul, down. The chain is timed in a CUDA graph
+holds, as a step reads them once), and per layer: norm + q/k/v, the output projection (of a
+stand-in attention output: no attention), norm + gate/up + SiLU-and-mul, down. The chain is timed in a CUDA graph
 (``triton.testing.do_bench_cudagraph``) three ways:
 
 - ``layers``: what steps of more rows run (the norm kernel, cuBLAS, the SiLU-and-mul kernel);
@@ -43,19 +43,22 @@ def make_layers(count: int, device: torch.device) -> list[dict[str, torch.Tensor
                  down=weight(HIDDEN, INTERMEDIATE), input_norm=norm(), post_norm=norm()) for _ in range(count)]
 
 
-def layers_chain(layers: list[dict], hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+def layers_chain(layers: list[dict], hidden: torch.Tensor, residual: torch.Tensor, attn: torch.Tensor,
+                 project: Callable = F.linear) -> torch.Tensor:
+    """The chain as steps of more rows run it, each projection through ``project`` (cuBLAS, or
+    the model's own dispatch). ``attn`` [rows, Q] stands in for the attention output."""
     for p in layers:
         x, residual = add_rms_norm(hidden, residual, p["input_norm"], EPS)
-        qkv = F.linear(x, p["qkv"])
-        x, residual = add_rms_norm(F.linear(qkv[:, :Q], p["o"]), residual, p["post_norm"], EPS)
-        hidden = F.linear(silu_mul(F.linear(x, p["gate_up"])), p["down"])
+        project(x, p["qkv"])
+        x, residual = add_rms_norm(project(attn, p["o"]), residual, p["post_norm"], EPS)
+        hidden = project(silu_mul(project(x, p["gate_up"])), p["down"])
     return hidden + residual
 
 
-def skinny_chain(layers: list[dict], hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+def skinny_chain(layers: list[dict], hidden: torch.Tensor, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     for p in layers:
-        qkv, residual = skinny_gemm.skinny_norm_linear(hidden, residual, p["input_norm"], EPS, p["qkv"])
-        o = skinny_gemm.skinny_linear(qkv[:, :Q], p["o"])
+        _, residual = skinny_gemm.skinny_norm_linear(hidden, residual, p["input_norm"], EPS, p["qkv"])
+        o = skinny_gemm.skinny_linear(attn, p["o"])
         act, residual = skinny_gemm.skinny_norm_linear(o, residual, p["post_norm"], EPS, p["gate_up"], glu=True)
         hidden = skinny_gemm.skinny_linear(act, p["down"])
     return hidden + residual
@@ -89,9 +92,10 @@ def main() -> None:
     for rows in args.rows:
         hidden = torch.randn(rows, HIDDEN, device=device, dtype=torch.bfloat16)
         residual = torch.randn_like(hidden)
-        base, expected = graph_us(lambda: layers_chain(layers, hidden, residual))
-        plain, _ = graph_us(lambda: skinny_chain(layers, hidden, residual), pdl=False)
-        pdl, got = graph_us(lambda: skinny_chain(layers, hidden, residual))
+        attn = torch.randn(rows, Q, device=device, dtype=torch.bfloat16)
+        base, expected = graph_us(lambda: layers_chain(layers, hidden, residual, attn))
+        plain, _ = graph_us(lambda: skinny_chain(layers, hidden, residual, attn), pdl=False)
+        pdl, got = graph_us(lambda: skinny_chain(layers, hidden, residual, attn))
         diff = ((got.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
         cells = "".join(f" {t:9.1f} ({t / args.layers:4.1f})" for t in (base, plain, pdl))
         print(f"{rows:>4}{cells}  {base / pdl:7.2f}x  {diff:.1e}")
