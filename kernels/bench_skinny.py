@@ -4,8 +4,8 @@
 
 Random weights in Qwen3-0.6B's shapes for every layer (together far more than the L2 cache
 holds, as a step reads them once), and per layer: norm + q/k/v, the output projection (of a
-stand-in attention output: no attention), norm + gate/up + SiLU-and-mul, down. The chain is timed in a CUDA graph
-(``triton.testing.do_bench_cudagraph``) three ways:
+stand-in attention output: no attention), norm + gate/up + SiLU-and-mul, down. The chain is
+timed in a CUDA graph (``triton.testing.do_bench_cudagraph``) three ways:
 
 - ``layers``: what steps of more rows run (the norm kernel, cuBLAS, the SiLU-and-mul kernel);
 - ``skinny``: ``kernels/skinny_gemm.py`` launched without programmatic dependent launch;

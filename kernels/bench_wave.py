@@ -7,7 +7,8 @@ Random weights in Qwen3-0.6B's shapes for every layer (``bench_skinny``'s), time
 
 - each projection (q/k/v, o, gate/up, down) as a chain of one call per layer's weights, cuBLAS
   against ``wave_gemm.wave_linear`` whether or not its output fits one wave; ``*`` marks the one
-  that ``linear`` takes for that shape (quack where the 64 x 64 tiles fit on the SMs at once);
+  that ``linear`` takes for that shape (quack where the 64 x 64 tiles fit on the SMs at once;
+  1-4 rows go to the skinny kernel instead, so the default rows start at 8);
 - a decoder layer's chain (``bench_skinny.layers_chain``: norms, the four projections, SiLU-and-mul)
   with cuBLAS against the model's own dispatch (``dataplane.layers.linear.linear``).
 
