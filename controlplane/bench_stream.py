@@ -1,6 +1,7 @@
 """The control plane's own ceiling: the bench workload against a data plane that computes nothing.
 
-    python -m twinplane.controlplane.bench_stream [--api-server-count N] [--device-step-ms MS [--launch-ms MS]]
+    python -m twinplane.controlplane.bench_stream [--api-server-count N] [--device-step-ms MS [--launch-ms MS]
+                                                  [--prompt-token-us US] [--context-us-per-1k US]]
                                                   [--max-steps-in-flight N] [--decode-steps K]
                                                   [--decode-steps-max-seqs N] [--log-level LEVEL]
                                                   [twinplane bench options]
@@ -21,7 +22,12 @@ threads and gRPC stream) over an emulated device instead: each step takes MS of 
 The idle time the benchmark then reports is what a device that fast would wait for the
 hosts, so pacing by the host shows up without a GPU. ``--launch-ms MS`` makes each launch take
 MS of host time first, holding the GIL as a real launch's Python and torch calls do (a GPU
-host's data plane spent ~1.7 ms launching a small decode step).
+host's data plane spent ~1.7 ms launching a small decode step). A step's device time can follow
+what it computes, so that scheduling choices show in the figures as on a GPU: ``--prompt-token-us``
+for each token of a prompt chunk (a sequence with more than one token in the step) and
+``--context-us-per-1k`` for every 1,000 tokens of context the step's sequences read. Qwen3-0.6B
+on an H200 is about ``--device-step-ms 1.0 --prompt-token-us 2 --context-us-per-1k 28`` (the KV of
+1,000 tokens is 115 MB, read at ~4.1 TB/s; a prompt step of 8,192 tokens takes ~18 ms).
 """
 
 from __future__ import annotations
@@ -85,13 +91,27 @@ class _EmulatedStep:
 
 class EmulatedDevice:
     """A runner for the data-plane server that computes nothing but keeps a device queue: a plan
-    of K steps takes K * ``step_ms`` of device time from when it is launched or when the step
-    before it ends, whichever is later; the time in between is its idle time. Each launch first
-    spends ``launch_ms`` of host time in Python (the GIL held). Token 1 for every sampled token."""
+    of K steps takes K * ``step_ms`` of device time, plus ``prompt_token_us`` for each token of its
+    prompt chunks and ``context_us_per_1k`` for each 1,000 tokens of context its steps read, from
+    when it is launched or when the step before it ends, whichever is later; the time in between
+    is its idle time. Each launch first spends ``launch_ms`` of host time in Python (the GIL held).
+    Token 1 for every sampled token."""
 
-    def __init__(self, step_ms: float, launch_ms: float = 0.0) -> None:
+    def __init__(self, step_ms: float, launch_ms: float = 0.0, prompt_token_us: float = 0.0,
+                 context_us_per_1k: float = 0.0) -> None:
         self.step_s, self.launch_s = step_ms / 1e3, launch_ms / 1e3
+        self.prompt_token_s, self.context_token_s = prompt_token_us / 1e6, context_us_per_1k / 1e9
         self.free_at: float | None = None  # when the last launched step ends
+
+    def device_seconds(self, plan: StepPlan) -> float:
+        """The plan's device time: each sequence's context in step k of K is its start_pos +
+        num_tokens, grown by one token a step while its decode budget lasts."""
+        cols = plan.cols()
+        prompt = int(cols.num_tokens[cols.num_tokens > 1].sum())
+        context = int((cols.start_pos.astype(np.int64) + cols.num_tokens).sum()) * plan.num_steps
+        if plan.num_steps > 1:
+            context += int(np.minimum(np.arange(plan.num_steps)[:, None], cols.decode_budget[None, :] - 1).sum())
+        return self.step_s * plan.num_steps + self.prompt_token_s * prompt + self.context_token_s * context
 
     def launch(self, plan: StepPlan) -> _EmulatedStep:
         started = time.perf_counter()
@@ -102,7 +122,7 @@ class EmulatedDevice:
         launch_us = round((now - started) * 1e6)
         begin = now if self.free_at is None else max(now, self.free_at)
         idle = 0.0 if self.free_at is None else begin - self.free_at
-        busy = self.step_s * plan.num_steps
+        busy = self.device_seconds(plan)
         self.free_at = end = begin + busy
         tokens = int(cols.decode_budget.sum()) if plan.num_steps > 1 else int(cols.sample.sum())
         path = StepPath.MULTI_DECODE if plan.num_steps > 1 else StepPath.EAGER
@@ -120,8 +140,9 @@ class EmulatedDevice:
 class EmulatedDataPlane(DataPlaneServicer):
     """The data-plane server over an ``EmulatedDevice``, describing itself as Qwen3-0.6B."""
 
-    def __init__(self, step_ms: float, launch_ms: float = 0.0) -> None:
-        super().__init__(EmulatedDevice(step_ms, launch_ms))
+    def __init__(self, step_ms: float, launch_ms: float = 0.0, prompt_token_us: float = 0.0,
+                 context_us_per_1k: float = 0.0) -> None:
+        super().__init__(EmulatedDevice(step_ms, launch_ms, prompt_token_us, context_us_per_1k))
 
     def Describe(self, request, context):
         described = dp.DescribeResponse()
@@ -198,19 +219,24 @@ def _control_plane_cpu(pid: int) -> str:
 
 # Control-plane options this tool passes on to the control plane it starts (not to the client).
 CONTROL_PLANE_OPTIONS = ("--max-steps-in-flight", "--decode-steps", "--decode-steps-max-seqs")
+# ... and those it passes on to both (the client's step roofline reads the prompt cap too).
+SHARED_OPTIONS = ("--max-prefill-tokens-with-decode",)
+DEVICE_OPTIONS = ("--launch-ms", "--prompt-token-us", "--context-us-per-1k")
 
 
 def main() -> int:
     args = sys.argv[1:]
-    step_ms, launch_ms = float(_take(args, "--device-step-ms", "0")), float(_take(args, "--launch-ms", "0"))
-    if launch_ms and not step_ms:
-        sys.exit("--launch-ms needs --device-step-ms")
-    stand_in = EmulatedDataPlane(step_ms, launch_ms) if step_ms > 0 else NullDataPlane()
+    step_ms = float(_take(args, "--device-step-ms", "0"))
+    device = [float(_take(args, name, "0")) for name in DEVICE_OPTIONS]
+    if any(device) and not step_ms:
+        sys.exit(f"{', '.join(DEVICE_OPTIONS)} need --device-step-ms")
+    stand_in = EmulatedDataPlane(step_ms, *device) if step_ms > 0 else NullDataPlane()
     server, dp_address, api = serve_stand_in(stand_in)
     cli = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", _take(args, "--log-level", "WARNING")]
     interval = _option(args, "--stream-interval", "1")
     frontends = _take(args, "--api-server-count", "1")
     passed = [item for name in CONTROL_PLANE_OPTIONS if name in args for item in (name, _take(args, name, ""))]
+    passed += [item for name in SHARED_OPTIONS if name in args for item in (name, _option(args, name, ""))]
     if frontends != "1":  # frontends share a TCP port; a unix socket cannot be shared
         api = f"127.0.0.1:{_free_loopback_port()}"
     control = subprocess.Popen([*cli, "controlplane", "--dataplane", dp_address, "--listen", api,

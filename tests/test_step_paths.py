@@ -264,6 +264,21 @@ def test_emulated_device_queues_steps_behind_each_other_and_counts_its_idle_time
     assert quick.launch(_decode_plan(2)).output.idle_us >= 45_000  # launched long after the device went idle
 
 
+def test_emulated_device_time_follows_prompt_tokens_and_the_context_read():
+    device = EmulatedDevice(step_ms=1, prompt_token_us=2, context_us_per_1k=30)
+    none = np.empty(0, np.int32)
+    # sequence 0 decodes at position 10 (context 11); sequence 1 computes a prompt chunk of 4 tokens (context 4)
+    mixed = StepPlan(1, [ScheduledSeq(0, np.array([5], np.int32), 10, np.array([10], np.int32), none, sample=True),
+                         ScheduledSeq(1, np.full(4, 5, np.int32), 0, np.arange(16, 20, dtype=np.int32), none,
+                                      sample=True)])
+    assert device.device_seconds(mixed) == pytest.approx(1e-3 + 4 * 2e-6 + (11 + 4) * 30e-9)
+    # two decode steps at context 11: sequence 0 grows to 12 in the second, sequence 1 (budget 1) stays
+    several = _decode_plan(2, num_steps=2, budgets=(2, 1))
+    assert device.device_seconds(several) == pytest.approx(2e-3 + (11 + 11 + 12 + 11) * 30e-9)
+    assert device.launch(several).output.execute_us == round(device.device_seconds(several) * 1e6)
+    assert EmulatedDevice(step_ms=1).device_seconds(mixed) == pytest.approx(1e-3)  # the plain model: a fixed time
+
+
 def test_emulated_launch_takes_host_time_before_the_device_work_is_queued():
     import time
 
