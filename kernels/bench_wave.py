@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from twinplane.dataplane.layers.linear import linear
 from twinplane.kernels import wave_gemm
 from twinplane.kernels.bench_skinny import HIDDEN, Q, graph_us, layers_chain, make_layers
-from twinplane.kernels.device import sm_count
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
@@ -46,7 +45,6 @@ def main() -> None:
         raise SystemExit("quack's GEMM is not in use here (needs sm_90 and quack-kernels)")
     torch.manual_seed(0)
     layers = make_layers(args.layers, device)
-    sms = sm_count(device)
     print(f"{args.layers} layers of Qwen3-0.6B's projections; us a call, cuBLAS / quack (* what `linear` takes), "
           f"then a layer's chain")
     shapes = "".join(f" {name + ' ' + 'x'.join(map(str, layers[0][name].shape)):>22}" for name in PROJECTIONS)
@@ -64,7 +62,7 @@ def main() -> None:
                 raise SystemExit(f"quack's {name} at {rows} rows differs from cuBLAS by {diff}")
             cublas = projection_us(layers, name, x, F.linear)
             quack = projection_us(layers, name, x, wave_gemm.wave_linear)
-            wave = wave_gemm.one_wave(rows, weight.shape[0], sms)
+            wave = wave_gemm.supports(x, weight)
             cells.append(f"{cublas:6.2f}{'' if wave else '*'} / {quack:6.2f}{'*' if wave else ''}")
         hidden = torch.randn(rows, HIDDEN, device=device, dtype=torch.bfloat16)
         residual, attn = torch.randn_like(hidden), torch.randn(rows, Q, device=device, dtype=torch.bfloat16)

@@ -293,12 +293,13 @@ def test_wave_gemm_matches_cublas_and_takes_outputs_of_one_wave_only():
 
     from twinplane.dataplane.layers.linear import linear
     from twinplane.kernels import wave_gemm
+    from twinplane.kernels.device import sm_count
 
     if torch.cuda.get_device_capability() != (9, 0) or wave_gemm._gemm() is None:
         pytest.skip("quack's GEMM runs on sm_90 with quack-kernels installed")
     assert wave_gemm.in_use(torch.device("cuda"), torch.bfloat16)
     assert not wave_gemm.in_use(torch.device("cuda"), torch.float16)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = sm_count(torch.device("cuda"))
     torch.manual_seed(0)
     taken = 0
     for rows in (5, 16, 64, 100, 128, 256):
