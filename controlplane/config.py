@@ -51,6 +51,9 @@ class ControlPlaneConfig:
     # Frontend processes (gRPC and HTTP servers, tokenizing, streaming) sharing the listening ports and
     # one engine core (frontends.py); the request limits above are split evenly between them.
     api_server_count: int = 1
+    # The names clients may ask for the model by (OpenAI's "model"); the first is the one reported.
+    # Empty: the data plane's own name for it.
+    served_model_names: tuple[str, ...] = ()
 
     @property
     def dataplanes(self) -> tuple[str, ...]:
@@ -87,6 +90,9 @@ class ControlPlaneConfig:
         if self.max_prompt_bytes is not None and self.max_prompt_bytes <= 0:
             raise ValueError(f"max_prompt_bytes must be > 0, got {self.max_prompt_bytes}")
         self._check_api_server_count()
+        names = self.served_model_names
+        if any(not name.strip() for name in names) or len(set(names)) != len(names):
+            raise ValueError(f"served_model_names must be distinct and not blank, got {list(names)}")
         if self.max_logprobs < 0:
             raise ValueError("max_logprobs must be >= 0")
         if not self.shutdown_grace >= 0:

@@ -156,6 +156,12 @@ class Engine:
             case _:
                 raise AssertionError(f"unexpected message for a frontend: {message!r}")
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names clients may ask for the model by, the one reported first: the configured ones,
+        else the data plane's (once one has connected)."""
+        return self.config.served_model_names or (self.describe.model,)
+
     def connected(self, desc: dp.DescribeResponse, snapshot: CoreSnapshot) -> None:
         if self.describe is None:
             folder = self.config.tokenizer or desc.tokenizer_path

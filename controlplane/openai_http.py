@@ -97,10 +97,10 @@ class OpenAIService:
         if self.expected is not None and not hmac.compare_digest(sent, self.expected):
             raise Unauthenticated(API_KEY_MESSAGE.replace("metadata", "header"))
 
-    def _model_id(self) -> str:
+    def _model_names(self) -> tuple[str, ...]:
         if self.engine.describe is None:
             raise NotReady("no data plane is connected yet; retry later")
-        return self.engine.describe.model
+        return self.engine.model_names
 
     async def health(self, request: Request) -> Response:
         ready = self.engine.ready.is_set() and self.engine.accepting
@@ -109,22 +109,22 @@ class OpenAIService:
     async def models(self, request: Request) -> Response:
         try:
             self._authorize(request)
-            return JSONResponse({"object": "list", "data": [self._model_object()]})
+            return JSONResponse({"object": "list", "data": [self._model_object(name) for name in self._model_names()]})
         except Exception as exc:  # noqa: BLE001 -- every error becomes an OpenAI error object
             return response_of(exc)
 
     async def model(self, request: Request) -> Response:
-        """GET /v1/models/{id}: the served model, or 404 for any other id."""
+        """GET /v1/models/{id}: the served model under that name, or 404 for any other id."""
         try:
             self._authorize(request)
-            self._check_model({"model": request.path_params["model"]})
-            return JSONResponse(self._model_object())
+            return JSONResponse(self._model_object(self._check_model({"model": request.path_params["model"]})))
         except Exception as exc:  # noqa: BLE001 -- every error becomes an OpenAI error object
             return response_of(exc)
 
-    def _model_object(self) -> dict:
-        return {"id": self._model_id(), "object": "model", "created": 0, "owned_by": "twinplane",
-                "max_model_len": self.engine.describe.max_model_len}
+    def _model_object(self, name: str) -> dict:
+        d = self.engine.describe
+        return {"id": name, "object": "model", "created": 0, "owned_by": "twinplane", "root": d.model,
+                "max_model_len": d.max_model_len}
 
     async def tokenize(self, request: Request) -> Response:
         """A prompt's token ids, as the completion endpoints would see it (vLLM's /tokenize)."""
@@ -178,11 +178,15 @@ class OpenAIService:
         return body
 
     def _check_model(self, body: dict) -> str:
-        served, asked = self._model_id(), body.get("model")
-        if asked is not None and asked != served:
-            raise NotFound(f"the model {str(asked)[:256]!r} does not exist; this server serves {served!r}",
+        """The name the request asks for the model by (the first served name when it names none)."""
+        served, asked = self._model_names(), body.get("model")
+        if asked is None:
+            return served[0]
+        if asked not in served:
+            names = ", ".join(repr(name) for name in served)
+            raise NotFound(f"the model {str(asked)[:256]!r} does not exist; this server serves {names}",
                            "model_not_found")
-        return served
+        return asked
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         try:

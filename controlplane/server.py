@@ -148,7 +148,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         d, limits = self.engine.describe, self.engine.limits
         tok = self.engine.tokenizer
         return pb.ModelInfo(
-            model=d.model, architecture=d.architecture, vocab_size=d.vocab_size, max_model_len=d.max_model_len,
+            model=self.engine.model_names[0], architecture=d.architecture, vocab_size=d.vocab_size,
+            max_model_len=d.max_model_len,
             dtype=d.dtype, block_size=d.block_size, num_kv_blocks=d.num_kv_blocks,
             tensor_parallel_size=d.tensor_parallel_size, attention_backend=d.attention_backend,
             eos_token_ids=list(d.eos_token_ids), max_logprobs=limits.max_logprobs,

@@ -25,6 +25,7 @@ class DataPlaneConfig:
     enforce_eager: bool = False  # no CUDA graphs
     attention_backend: str = "auto"
     seed: int = 0  # seeds random weights of dummy models and unseeded sampling
+    model_name: str = ""  # what Describe calls the model; default: model as given (embedded.model_name)
 
     def __post_init__(self) -> None:
         checks = [

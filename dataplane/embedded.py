@@ -87,6 +87,12 @@ def is_prepared(folder: Path) -> bool:
     return all((folder / name).is_file() for name in REQUIRED_FILES)
 
 
+def model_name(name: str) -> str:
+    """The name a data plane reports for the model it was given: the embedded model's own for the
+    default name and its aliases, any other name or path as given."""
+    return MODEL_DIR_NAME if is_default_model(name) else name
+
+
 def resolve_model(name: str, progress: bool = True) -> str:
     """Maps a model name to something the data plane can load.
 

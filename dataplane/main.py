@@ -10,19 +10,20 @@ from pathlib import Path
 
 from twinplane.controlplane.event_loop import freeze_heap
 from twinplane.dataplane.config import DataPlaneConfig
-from twinplane.dataplane.embedded import resolve_model
+from twinplane.dataplane.embedded import model_name, resolve_model
 from twinplane.dataplane.server import create_health_server, create_server
 
 log = logging.getLogger("twinplane.dataplane")
 
 
 def check_config(config: DataPlaneConfig) -> DataPlaneConfig:
-    """The config with its model resolved to a folder (or dummy name), after checking that the
-    model's config loads, that a folder holds weights, and that the model splits over the
-    tensor-parallel ranks; ValueError says what is wrong."""
+    """The config with its model resolved to a folder (or dummy name) and named as given, after
+    checking that the model's config loads, that a folder holds weights, and that the model splits
+    over the tensor-parallel ranks; ValueError says what is wrong."""
     from twinplane.dataplane.loader import check_tensor_parallel, is_dummy, load_hf_config  # imports torch
 
-    config = dataclasses.replace(config, model=resolve_model(config.model))
+    config = dataclasses.replace(config, model=resolve_model(config.model),
+                                 model_name=config.model_name or model_name(config.model))
     hf_config = load_hf_config(config.model)
     if not is_dummy(config.model) and not any(Path(config.model).glob("*.safetensors")):
         raise ValueError(f"model {config.model!r} holds no *.safetensors files: its weights are needed")

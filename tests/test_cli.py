@@ -164,6 +164,19 @@ def test_steps_in_flight_flag_reaches_the_config_and_is_checked():
         ControlPlaneConfig(dataplane="x", max_steps_in_flight=0)
 
 
+def test_served_model_names_reach_the_config_and_are_checked():
+    from twinplane.clients.cli import _controlplane, build_parser
+    from twinplane.controlplane.config import ControlPlaneConfig
+
+    args = build_parser().parse_args(["serve", "--served-model-name", "org/model", "model"])
+    assert _controlplane(args, "unix:///tmp/dp.sock", None)[0].served_model_names == ("org/model", "model")
+    args = build_parser().parse_args(["controlplane", "--dataplane", "unix:///tmp/dp.sock"])
+    assert _controlplane(args, args.dataplane, None)[0].served_model_names == ()
+    for names in (("a", "a"), ("a", " ")):
+        with pytest.raises(ValueError, match="served_model_names must be distinct and not blank"):
+            ControlPlaneConfig(dataplane="x", served_model_names=names)
+
+
 def test_log_level_on_each_plane_and_passed_on_to_the_data_plane():
     from twinplane.clients.cli import _dataplane_child, build_parser
 

@@ -41,6 +41,17 @@ def test_other_names_are_returned_unchanged() -> None:
         assert resolve_model(name) == name
 
 
+def test_the_data_plane_names_the_model_as_given_and_the_default_by_its_own_name(model_dir: Path) -> None:
+    from twinplane.dataplane.config import DataPlaneConfig
+    from twinplane.dataplane.main import check_config
+
+    for alias in ("default", "SmolLM2-135M-instruct"):
+        config = check_config(DataPlaneConfig(model=alias))
+        assert (config.model, config.model_name) == (str(model_dir), "SmolLM2-135M-Instruct")
+    assert check_config(DataPlaneConfig(model=str(model_dir))).model_name == str(model_dir)
+    assert check_config(DataPlaneConfig(model="dummy:tiny-qwen3", model_name="mine")).model_name == "mine"
+
+
 def test_aliases_are_case_insensitive() -> None:
     assert embedded.is_default_model("default")
     assert embedded.is_default_model("SmolLM2-135M-Instruct")

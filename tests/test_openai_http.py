@@ -17,12 +17,13 @@ from twinplane.controlplane.sequence import FinishReason
 KEY = "sk-test-key"
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one word, then explain."}]
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 8  # several full KV blocks of 16 tokens
+NAMES = ("twinplane/tiny-qwen3", "tiny")  # --served-model-name: the first reported, with a slash in it
 
 
 @pytest.fixture(scope="module")
 def http_planes(tiny_qwen3_dir, tmp_path_factory):
     planes = Planes(tmp_path_factory.mktemp("http"), tiny_qwen3_dir, ("--block-size", "16"),
-                    security=Security(api_key=KEY), http_listen="127.0.0.1:0").start()
+                    security=Security(api_key=KEY), http_listen="127.0.0.1:0", served_model_names=NAMES).start()
     yield planes
     planes.stop()
 
@@ -39,7 +40,7 @@ def client(base_url) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def model(http_planes) -> str:
-    return http_planes.engine.describe.model
+    return NAMES[0]
 
 
 def grpc_text(planes: Planes, **kwargs) -> str:
@@ -47,12 +48,26 @@ def grpc_text(planes: Planes, **kwargs) -> str:
         return grpc_client.generate_text(**kwargs, timeout=60)
 
 
-def test_models_lists_the_served_model(client, model):
-    assert [m.id for m in client.models.list().data] == [model]
-    assert client.models.retrieve(model).id == model  # a folder path: slashes in the id
+def test_models_lists_the_served_model_under_each_name(client, model, http_planes, tiny_qwen3_dir):
+    listed = client.models.list().data
+    assert [m.id for m in listed] == list(NAMES) and {m.root for m in listed} == {str(tiny_qwen3_dir)}
+    assert client.models.retrieve(model).id == model  # a slash in the id
+    assert client.models.retrieve("tiny").id == "tiny"
     with pytest.raises(openai.NotFoundError) as error:
         client.models.retrieve("gpt-4o")
-    assert error.value.code == "model_not_found"
+    assert error.value.code == "model_not_found" and "'twinplane/tiny-qwen3', 'tiny'" in error.value.message
+    with pytest.raises(openai.NotFoundError):  # the data plane's own name is not one of the served names
+        client.chat.completions.create(model=str(tiny_qwen3_dir), messages=QUESTION, max_tokens=1)
+    with http_planes.client(api_key=KEY) as grpc_client:
+        assert grpc_client.model_info().model == model
+
+
+def test_a_response_names_the_model_as_asked(client, base_url):
+    alias = client.completions.create(model="tiny", prompt="Hello", max_tokens=2, temperature=0)
+    assert alias.model == "tiny"
+    unnamed = httpx.post(f"{base_url}/v1/completions", json={"prompt": "Hello", "max_tokens": 2},
+                         headers={"authorization": f"Bearer {KEY}"}, timeout=60)
+    assert unnamed.status_code == 200 and unnamed.json()["model"] == NAMES[0]
 
 
 def test_chat_greedy_text_equals_the_grpc_text(client, model, http_planes):
