@@ -161,10 +161,11 @@ class Client:
         return self.generate(prompt, timeout=timeout, **kwargs).text()
 
     def tokenize(
-        self, text: str | None = None, messages: Iterable[Message] | None = None, *, timeout: float | None = None
+        self, text: str | None = None, messages: Iterable[Message] | None = None, *, timeout: float | None = None,
+        **chat: Any
     ) -> list[int]:
-        """Token ids of text, or of chat messages rendered with the chat template."""
-        request = build_tokenize_request(text, messages)
+        """Token ids of text, or of chat messages rendered with the chat template (chat: chat_input's options)."""
+        request = build_tokenize_request(text, messages, **chat)
         return list(self._stub.Tokenize(request, timeout=timeout, metadata=self._metadata).token_ids)
 
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:
@@ -286,10 +287,11 @@ class AsyncClient:
         return await self.generate(prompt, timeout=timeout, **kwargs).text()
 
     async def tokenize(
-        self, text: str | None = None, messages: Iterable[Message] | None = None, *, timeout: float | None = None
+        self, text: str | None = None, messages: Iterable[Message] | None = None, *, timeout: float | None = None,
+        **chat: Any
     ) -> list[int]:
-        """Token ids of text, or of chat messages rendered with the chat template."""
-        request = build_tokenize_request(text, messages)
+        """Token ids of text, or of chat messages rendered with the chat template (chat: chat_input's options)."""
+        request = build_tokenize_request(text, messages, **chat)
         reply = await self._stub.Tokenize(request, timeout=timeout, metadata=self._metadata)
         return list(reply.token_ids)
 

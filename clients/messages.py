@@ -115,13 +115,17 @@ def build_request(
     skip_special_tokens: bool | None = None,
     logit_bias: dict[int, float] | None = None,
     include_stop_str_in_output: bool = False,
+    **chat: Any,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from exactly one of prompt, token_ids and messages.
 
-    None leaves an optional field unset (the server's default applies). Raises
-    ValueError unless exactly one input is given or when messages are malformed.
+    None leaves an optional field unset (the server's default applies); chat: chat_input's
+    options for messages. Raises ValueError unless exactly one input is given or when messages
+    are malformed.
     """
     _check_one_input(prompt=prompt, token_ids=token_ids, messages=messages)
+    if chat and messages is None:
+        raise TypeError(f"{', '.join(sorted(chat))}: options of chat messages, given without messages")
     sampling = pb.SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
@@ -141,26 +145,31 @@ def build_request(
     elif token_ids is not None:
         request.token_ids.ids.extend(_token_ids(token_ids))
     else:
-        request.chat.CopyFrom(chat_input(messages or ()))
+        request.chat.CopyFrom(chat_input(messages or (), **chat))
     return request
 
 
 def build_tokenize_request(
-    text: str | None = None, messages: Iterable[Message] | None = None
+    text: str | None = None, messages: Iterable[Message] | None = None, **chat: Any
 ) -> pb.TokenizeRequest:
-    """A TokenizeRequest from exactly one of text and messages (else ValueError)."""
+    """A TokenizeRequest from exactly one of text and messages (else ValueError); chat: chat_input's options."""
     _check_one_input(text=text, messages=messages)
     if text is not None:
         return pb.TokenizeRequest(text=text)
-    return pb.TokenizeRequest(chat=chat_input(messages or ()))
+    return pb.TokenizeRequest(chat=chat_input(messages or (), **chat))
 
 
-def chat_input(messages: Iterable[Message]) -> pb.ChatInput:
-    """Chat messages, each {"role", "content"} or (role, content), as a ChatInput."""
-    chat = pb.ChatInput()
+def chat_input(messages: Iterable[Message], *, add_generation_prompt: bool | None = None,
+               continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None
+               ) -> pb.ChatInput:
+    """Chat messages, each {"role", "content"} or (role, content), as a ChatInput; the options as
+    the proto documents them (None: the server's default)."""
+    chat = pb.ChatInput(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
     for message in messages:
         role, content = _role_and_content(message)
         chat.messages.add(role=role, content=content)
+    if chat_template_kwargs:
+        chat.chat_template_kwargs.update(chat_template_kwargs)
     return chat
 
 

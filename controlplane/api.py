@@ -6,6 +6,7 @@ what is allowed. Nothing past this module handles generated protobuf classes.
 
 from __future__ import annotations
 
+import json
 import math
 import string
 import struct
@@ -15,7 +16,9 @@ from dataclasses import dataclass, field
 
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.sequence import FinishReason, RequestParams, SamplingOptions
-from twinplane.controlplane.tokenizer import CHAT_ROLES
+from google.protobuf import json_format
+
+from twinplane.controlplane.tokenizer import CHAT_ROLES, SERVER_TEMPLATE_NAMES, ChatOptions
 from twinplane.proto import generation_pb2 as pb
 
 MAX_REQUEST_ID_LEN = 256
@@ -45,6 +48,7 @@ class Prompt:
     token_ids: list[int] | None = None
     messages: list[dict[str, str]] | None = None
     messages_name: str = "chat.messages"  # what the client's API calls the messages, for error messages
+    chat_options: ChatOptions = ChatOptions()  # how the messages are rendered
 
 
 @dataclass(frozen=True)
@@ -164,14 +168,35 @@ def token_prompt(ids: list[int], limits: Limits, name: str = "token_ids.ids") ->
     return Prompt(token_ids=ids)
 
 
-def chat_prompt(messages: list[dict[str, str]], limits: Limits, name: str = "chat.messages") -> Prompt:
+def chat_prompt(messages: list[dict[str, str]], limits: Limits, name: str = "chat.messages",
+                options: ChatOptions = ChatOptions()) -> Prompt:
     check_chat_count(len(messages), limits, name)
     for i, m in enumerate(messages):
         _check(m["role"] in CHAT_ROLES, f"{name}[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
                                         f"got {m['role']!r}")
     size = sum(_utf8_size(f"{name}[{i}].content", m["content"]) for i, m in enumerate(messages))
-    _check_bytes(f"{name} (content, all together)", size, limits)
-    return Prompt(messages=messages, messages_name=name)
+    what = f"{name} (content, all together)"
+    if options.template_kwargs:
+        size += len(json.dumps(options.template_kwargs, ensure_ascii=False).encode())
+        what = f"{name} content and chat_template_kwargs, all together,"
+    _check_bytes(what, size, limits)
+    return Prompt(messages=messages, messages_name=name, chat_options=options)
+
+
+def chat_options(add_generation_prompt: bool, continue_final_message: bool, template_kwargs: dict,
+                 prefix: str = "chat.") -> ChatOptions:
+    """Checked options of a chat prompt; prefix goes before each field name in error messages."""
+    _check(not (add_generation_prompt and continue_final_message),
+           f"{prefix}continue_final_message needs {prefix}add_generation_prompt false: the last message is "
+           "either continued or answered")
+    taken = [name for name in SERVER_TEMPLATE_NAMES if name in template_kwargs]
+    _check(not taken, f"{prefix}chat_template_kwargs may not set {', '.join(taken)}: the server sets these "
+                      f"itself (the generation prompt: {prefix}add_generation_prompt)")
+    try:
+        json.dumps(template_kwargs, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"{prefix}chat_template_kwargs is not valid Unicode: it holds a lone surrogate") from None
+    return ChatOptions(add_generation_prompt, continue_final_message, template_kwargs)
 
 
 def check_chat_count(count: int, limits: Limits, name: str = "chat.messages") -> None:
@@ -188,8 +213,23 @@ def prompt_from_pb(req: pb.GenerateRequest | pb.TokenizeRequest, limits: Limits)
     if kind == "token_ids":
         return token_prompt(list(req.token_ids.ids), limits)
     if kind == "chat":
-        return chat_prompt([{"role": m.role, "content": m.content} for m in req.chat.messages], limits)
+        chat = req.chat
+        generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        options = chat_options(generation_prompt, chat.continue_final_message,
+                               _plain(json_format.MessageToDict(chat.chat_template_kwargs)))
+        return chat_prompt([{"role": m.role, "content": m.content} for m in chat.messages], limits, options=options)
     raise InvalidRequest("input is required: set one of text, token_ids or chat")
+
+
+def _plain(value):
+    """A protobuf Struct's values as JSON would give them: whole numbers as ints (Struct holds doubles)."""
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 53:
+        return int(value)
+    return value
 
 
 def _utf8_size(name: str, text: str) -> int:

@@ -277,7 +277,8 @@ class Engine:
             raise InvalidRequest("this model has no tokenizer: send the prompt as token ids, "
                                  "not as text or chat messages")
         if prompt.messages is not None:
-            return await self.in_tokenizer_pool(self.tokenizer.encode_chat, prompt.messages, prompt.messages_name)
+            return await self.in_tokenizer_pool(self.tokenizer.encode_chat, prompt.messages, prompt.messages_name,
+                                                prompt.chat_options)
         return await self.in_tokenizer_pool(self.tokenizer.encode, prompt.text)
 
     async def in_tokenizer_pool(self, function, *args):

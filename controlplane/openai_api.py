@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import xxhash
 
 from twinplane.controlplane.api import (SAMPLING_FIELDS, GenerateCall, Limits, Prompt, RequestOutput, TokenLogprobs,
-                                        chat_prompt, check_chat_count, check_truncation, request_params,
+                                        chat_options, chat_prompt, check_chat_count, check_truncation, request_params,
                                         sampling_options, text_prompt, token_prompt)
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.sequence import FinishReason
@@ -21,12 +21,13 @@ from twinplane.controlplane.tokenizer import Tokenizer
 MAX_CHOICES = 16  # most sequences (n) one request may ask for
 MAX_BATCH_PROMPTS = 32  # most prompts in one completion request (each gets n choices)
 UNSUPPORTED = ("tools", "functions", "suffix", "audio", "prediction")  # refused unless null/empty
+CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 _INTS = ("top_k", "seed", "n", "max_tokens", "max_completion_tokens", "min_tokens", "top_logprobs",
          "truncate_prompt_tokens")
 # request fields an error message may start with: an error's "param"
 PARAMS = frozenset((*SAMPLING_FIELDS, *_INTS, "messages", "prompt", "stop", "stop_token_ids", "logprobs", "logit_bias",
                     "skip_special_tokens", "stream_options", "response_format", "echo", "include_stop_str_in_output",
-                    "tokens", *UNSUPPORTED))
+                    "tokens", *CHAT_OPTIONS, *UNSUPPORTED))
 FINISH_REASONS = {FinishReason.STOP_TOKEN: "stop", FinishReason.STOP_STRING: "stop",
                   FinishReason.LENGTH: "length", FinishReason.ABORTED: "abort"}
 
@@ -138,7 +139,12 @@ def _messages(body: dict, limits: Limits) -> Prompt:
             _fail(f"messages[{i}] must be an object with a string role")
         role = "system" if m["role"] == "developer" else m["role"]
         out.append({"role": role, "content": _content(m.get("content"), f"messages[{i}]")})
-    return chat_prompt(out, limits, name="messages")
+    generation_prompt = _typed(body, "add_generation_prompt", (bool,), "true or false")
+    kwargs = _typed(body, "chat_template_kwargs", (dict,), "an object of template variables")
+    options = chat_options(True if generation_prompt is None else generation_prompt,
+                           bool(_typed(body, "continue_final_message", (bool,), "true or false")), kwargs or {},
+                           prefix="")
+    return chat_prompt(out, limits, name="messages", options=options)
 
 
 def _prompts(body: dict, limits: Limits) -> list[Prompt]:
@@ -162,7 +168,7 @@ def _one_prompt(value, limits: Limits, name: str) -> Prompt:
 
 
 def tokenize_prompt(body: dict, limits: Limits) -> Prompt:
-    """/tokenize: chat messages (rendered with the chat template and a generation prompt) or a text prompt."""
+    """/tokenize: chat messages (rendered with the chat template and the request's chat options) or a text prompt."""
     if "messages" in body:
         return _messages(body, limits)
     if not isinstance(body.get("prompt"), str):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -21,6 +22,20 @@ from tokenizers import Tokenizer as HFTokenizer
 from twinplane.controlplane.errors import InvalidRequest, TemplateBroken
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# template variables the server sets itself, which a request's template kwargs may not replace
+SERVER_TEMPLATE_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception",
+                         "strftime_now")
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How chat messages become a prompt: followed by the template's generation prompt (the
+    opening of an assistant turn), or with the last message left open for the model to continue
+    (a reply begun for it); and extra variables for the template, e.g. Qwen3's enable_thinking."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict = field(default_factory=dict)
 
 
 class TemplateError(InvalidRequest):
@@ -29,6 +44,21 @@ class TemplateError(InvalidRequest):
 
 def _raise_exception(message: str) -> None:
     raise TemplateError(f"the chat template refused the messages: {message}")
+
+
+# appended to the last message's content when it is to be continued; the render is cut where it lands
+_OPEN_END = "<twinplane: the last message stops here> "
+
+
+def _cut_at_open_end(text: str) -> str:
+    """The rendered chat up to the end of the last message's content (marked with _OPEN_END), as
+    transformers' continue_final_message cuts it: where the template trims the content's trailing
+    whitespace, so is the cut."""
+    at = text.rfind(_OPEN_END.strip())
+    if at < 0:
+        raise InvalidRequest("continue_final_message: the chat template leaves out the last message's content, "
+                             "so there is nothing to continue")
+    return text[:at] if text.startswith(_OPEN_END, at) else text[:at].rstrip()
 
 
 def _token_text(value: object) -> str | None:
@@ -83,22 +113,30 @@ class Tokenizer:
         """Each token's own text, special tokens included."""
         return self._tok.decode_batch([[i] for i in token_ids], skip_special_tokens=False)
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The template's text for messages: InvalidRequest when the template refuses them,
-        TemplateBroken when the template itself fails."""
+    def render_chat(self, messages: list[dict[str, str]], options: ChatOptions = ChatOptions()) -> str:
+        """The template's text for messages: InvalidRequest when the template refuses them (or fails
+        with the request's template kwargs), TemplateBroken when the template itself fails."""
         if self._template_error:
             raise TemplateBroken(self._template_error)
         if self._template is None:
             raise InvalidRequest("this model has no chat template; send text or token ids instead")
+        if options.continue_final_message:
+            messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _OPEN_END}]
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            text = self._template.render(**options.template_kwargs, messages=messages,
+                                         add_generation_prompt=options.add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except TemplateError:
             raise
         except Exception as exc:  # noqa: BLE001 -- whatever a template raises, the template is at fault
-            raise TemplateBroken(f"the server's chat template failed: {type(exc).__name__}: {exc}") from exc
+            failed = f"chat template failed: {type(exc).__name__}: {exc}"
+            if options.template_kwargs:  # the request's values may be what it cannot take
+                raise InvalidRequest(f"the {failed} (with the request's chat_template_kwargs)") from exc
+            raise TemplateBroken(f"the server's {failed}") from exc
+        return _cut_at_open_end(text) if options.continue_final_message else text
 
-    def encode_chat(self, messages: list[dict[str, str]], name: str = "chat.messages") -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], name: str = "chat.messages",
+                    options: ChatOptions = ChatOptions()) -> list[int]:
         """Token ids of the rendered messages; content may not spell out special tokens, which only the
         template places (else a message could forge turns, e.g. end its own and start the system's).
         ``name``: what the client's API calls the messages."""
@@ -107,7 +145,7 @@ class Tokenizer:
             if found:
                 raise InvalidRequest(f"{name}[{i}].content holds {found.group()!r}, a special token of this "
                                      "model that only the chat template may place; remove it or send text")
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, options), add_special_tokens=False)
 
     @staticmethod
     def _compile(template: str) -> jinja2.Template:

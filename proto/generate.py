@@ -23,6 +23,8 @@ SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
 def generate(out_dir: Path) -> list[Path]:
     """Compiles every .proto into out_dir; returns the generated files."""
+    from importlib import resources
+
     from grpc_tools import protoc  # only needed here, not at run time
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -36,6 +38,7 @@ def generate(out_dir: Path) -> list[Path]:
         args = [
             "protoc",
             f"-I{src}",
+            f"-I{resources.files('grpc_tools') / '_proto'}",  # google/protobuf/*.proto
             f"--python_out={gen}",
             f"--pyi_out={gen}",
             f"--grpc_python_out={gen}",

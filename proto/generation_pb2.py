@@ -22,9 +22,10 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n twinplane/proto/generation.proto\x12\x0ctwinplane.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\tChatInput\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.twinplane.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd2\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seed\"\xd0\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.twinplane.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.twinplane.v1.ChatInputH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.twinplane.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x07 \x01(\r\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x02\x88\x01\x01\x12\x1e\n\x16truncate_prompt_tokens\x18\x0c \x01(\r\x12 \n\x13skip_special_tokens\x18\r \x01(\x08H\x03\x88\x01\x01\x12@\n\nlogit_bias\x18\x0e \x03(\x0b\x32,.twinplane.v1.GenerateRequest.LogitBiasEntry\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"h\n\x10PositionLogprobs\x12+\n\x07sampled\x18\x01 \x01(\x0b\x32\x1a.twinplane.v1.TokenLogprob\x12\'\n\x03top\x18\x02 \x03(\x0b\x32\x1a.twinplane.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xe6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1e.twinplane.v1.PositionLogprobs\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.twinplane.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.twinplane.v1.Usage\x12\x14\n\x0cmatched_stop\x18\x07 \x01(\t\"S\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.twinplane.v1.ChatInputH\x00\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\x9f\x04\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\t \x01(\t\x12\x15\n\reos_token_ids\x18\n \x03(\r\x12\x14\n\x0cmax_logprobs\x18\x0b \x01(\r\x12\x19\n\x11has_chat_template\x18\x0c \x01(\x08\x12\x14\n\x0cweight_bytes\x18\r \x01(\x04\x12\x1a\n\x12kv_bytes_per_token\x18\x0e \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x0f \x01(\t\x12\x1a\n\x12\x64\x61ta_parallel_size\x18\x10 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x11 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x12 \x01(\r\x12\x13\n\x0bhidden_size\x18\x13 \x01(\r\x12\x19\n\x11num_hidden_layers\x18\x14 \x01(\r\x12\x1b\n\x13num_attention_heads\x18\x15 \x01(\r\x12\x10\n\x08head_dim\x18\x16 \x01(\r\x12\x14\n\x0clayer_params\x18\x17 \x01(\x04\"\x11\n\x0fGetStatsRequest\"\xe0\x04\n\x0bServerStats\x12\r\n\x05steps\x18\x01 \x01(\x04\x12\x12\n\nexecute_us\x18\x02 \x01(\x04\x12\x0f\n\x07idle_us\x18\x03 \x01(\x04\x12\x13\n\x0bpreemptions\x18\x04 \x01(\x04\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x07 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x08 \x01(\x04\x12\x1a\n\x12\x64\x65\x63ode_graph_steps\x18\t \x01(\x04\x12\x1f\n\x17\x64\x65\x63ode_graph_execute_us\x18\n \x01(\x04\x12\x19\n\x11mixed_graph_steps\x18\x0b \x01(\x04\x12\x1e\n\x16mixed_graph_execute_us\x18\x0c \x01(\x04\x12\x19\n\x11\x66ull_decode_steps\x18\r \x01(\x04\x12\x1e\n\x16\x66ull_decode_execute_us\x18\x0e \x01(\x04\x12\x1b\n\x13\x66ull_decode_idle_us\x18\x0f \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x10 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x11 \x01(\x04\x12\x30\n\ndataplanes\x18\x12 \x03(\x0b\x32\x1c.twinplane.v1.DataPlaneStats\x12\x10\n\x08\x66rontend\x18\x13 \x01(\r\x12\x18\n\x10\x61pi_server_count\x18\x14 \x01(\r\x12\x1a\n\x12multi_decode_steps\x18\x15 \x01(\x04\x12\x1f\n\x17multi_decode_execute_us\x18\x16 \x01(\x04\x12\x11\n\tlaunch_us\x18\x17 \x01(\x04\"\xfa\x01\n\x0e\x44\x61taPlaneStats\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\r\n\x05steps\x18\x07 \x01(\x04\x12\x17\n\x0f\x63omputed_tokens\x18\x08 \x01(\x04\x12\x13\n\x0bpreemptions\x18\t \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\n \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0b \x01(\x04*\x9f\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x01\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x04\x32\xb6\x02\n\nGeneration\x12K\n\x08Generate\x12\x1d.twinplane.v1.GenerateRequest\x1a\x1e.twinplane.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.twinplane.v1.TokenizeRequest\x1a\x1e.twinplane.v1.TokenizeResponse\x12J\n\x0cGetModelInfo\x12!.twinplane.v1.GetModelInfoRequest\x1a\x17.twinplane.v1.ModelInfo\x12\x44\n\x08GetStats\x12\x1d.twinplane.v1.GetStatsRequest\x1a\x19.twinplane.v1.ServerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n twinplane/proto/generation.proto\x12\x0ctwinplane.v1\x1a\x1cgoogle/protobuf/struct.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xcd\x01\n\tChatInput\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.twinplane.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12\x35\n\x14\x63hat_template_kwargs\x18\x04 \x01(\x0b\x32\x17.google.protobuf.StructB\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd2\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seed\"\xd0\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.twinplane.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.twinplane.v1.ChatInputH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.twinplane.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x07 \x01(\r\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x02\x88\x01\x01\x12\x1e\n\x16truncate_prompt_tokens\x18\x0c \x01(\r\x12 \n\x13skip_special_tokens\x18\r \x01(\x08H\x03\x88\x01\x01\x12@\n\nlogit_bias\x18\x0e \x03(\x0b\x32,.twinplane.v1.GenerateRequest.LogitBiasEntry\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"h\n\x10PositionLogprobs\x12+\n\x07sampled\x18\x01 \x01(\x0b\x32\x1a.twinplane.v1.TokenLogprob\x12\'\n\x03top\x18\x02 \x03(\x0b\x32\x1a.twinplane.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xe6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1e.twinplane.v1.PositionLogprobs\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.twinplane.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.twinplane.v1.Usage\x12\x14\n\x0cmatched_stop\x18\x07 \x01(\t\"S\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.twinplane.v1.ChatInputH\x00\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\x9f\x04\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\t \x01(\t\x12\x15\n\reos_token_ids\x18\n \x03(\r\x12\x14\n\x0cmax_logprobs\x18\x0b \x01(\r\x12\x19\n\x11has_chat_template\x18\x0c \x01(\x08\x12\x14\n\x0cweight_bytes\x18\r \x01(\x04\x12\x1a\n\x12kv_bytes_per_token\x18\x0e \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x0f \x01(\t\x12\x1a\n\x12\x64\x61ta_parallel_size\x18\x10 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x11 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x12 \x01(\r\x12\x13\n\x0bhidden_size\x18\x13 \x01(\r\x12\x19\n\x11num_hidden_layers\x18\x14 \x01(\r\x12\x1b\n\x13num_attention_heads\x18\x15 \x01(\r\x12\x10\n\x08head_dim\x18\x16 \x01(\r\x12\x14\n\x0clayer_params\x18\x17 \x01(\x04\"\x11\n\x0fGetStatsRequest\"\xe0\x04\n\x0bServerStats\x12\r\n\x05steps\x18\x01 \x01(\x04\x12\x12\n\nexecute_us\x18\x02 \x01(\x04\x12\x0f\n\x07idle_us\x18\x03 \x01(\x04\x12\x13\n\x0bpreemptions\x18\x04 \x01(\x04\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x07 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x08 \x01(\x04\x12\x1a\n\x12\x64\x65\x63ode_graph_steps\x18\t \x01(\x04\x12\x1f\n\x17\x64\x65\x63ode_graph_execute_us\x18\n \x01(\x04\x12\x19\n\x11mixed_graph_steps\x18\x0b \x01(\x04\x12\x1e\n\x16mixed_graph_execute_us\x18\x0c \x01(\x04\x12\x19\n\x11\x66ull_decode_steps\x18\r \x01(\x04\x12\x1e\n\x16\x66ull_decode_execute_us\x18\x0e \x01(\x04\x12\x1b\n\x13\x66ull_decode_idle_us\x18\x0f \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x10 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x11 \x01(\x04\x12\x30\n\ndataplanes\x18\x12 \x03(\x0b\x32\x1c.twinplane.v1.DataPlaneStats\x12\x10\n\x08\x66rontend\x18\x13 \x01(\r\x12\x18\n\x10\x61pi_server_count\x18\x14 \x01(\r\x12\x1a\n\x12multi_decode_steps\x18\x15 \x01(\x04\x12\x1f\n\x17multi_decode_execute_us\x18\x16 \x01(\x04\x12\x11\n\tlaunch_us\x18\x17 \x01(\x04\"\xfa\x01\n\x0e\x44\x61taPlaneStats\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\r\n\x05steps\x18\x07 \x01(\x04\x12\x17\n\x0f\x63omputed_tokens\x18\x08 \x01(\x04\x12\x13\n\x0bpreemptions\x18\t \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\n \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0b \x01(\x04*\x9f\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x01\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x04\x32\xb6\x02\n\nGeneration\x12K\n\x08Generate\x12\x1d.twinplane.v1.GenerateRequest\x1a\x1e.twinplane.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.twinplane.v1.TokenizeRequest\x1a\x1e.twinplane.v1.TokenizeResponse\x12J\n\x0cGetModelInfo\x12!.twinplane.v1.GetModelInfoRequest\x1a\x17.twinplane.v1.ModelInfo\x12\x44\n\x08GetStats\x12\x1d.twinplane.v1.GetStatsRequest\x1a\x19.twinplane.v1.ServerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,42 +34,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=3187
-  _globals['_FINISHREASON']._serialized_end=3346
-  _globals['_CHATMESSAGE']._serialized_start=50
-  _globals['_CHATMESSAGE']._serialized_end=94
-  _globals['_CHATINPUT']._serialized_start=96
-  _globals['_CHATINPUT']._serialized_end=152
-  _globals['_TOKENIDS']._serialized_start=154
-  _globals['_TOKENIDS']._serialized_end=177
-  _globals['_SAMPLINGPARAMS']._serialized_start=180
-  _globals['_SAMPLINGPARAMS']._serialized_end=518
-  _globals['_GENERATEREQUEST']._serialized_start=521
-  _globals['_GENERATEREQUEST']._serialized_end=1113
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=1004
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1052
-  _globals['_TOKENLOGPROB']._serialized_start=1115
-  _globals['_TOKENLOGPROB']._serialized_end=1164
-  _globals['_POSITIONLOGPROBS']._serialized_start=1166
-  _globals['_POSITIONLOGPROBS']._serialized_end=1270
-  _globals['_USAGE']._serialized_start=1272
-  _globals['_USAGE']._serialized_end=1359
-  _globals['_GENERATERESPONSE']._serialized_start=1362
-  _globals['_GENERATERESPONSE']._serialized_end=1592
-  _globals['_TOKENIZEREQUEST']._serialized_start=1594
-  _globals['_TOKENIZEREQUEST']._serialized_end=1677
-  _globals['_TOKENIZERESPONSE']._serialized_start=1679
-  _globals['_TOKENIZERESPONSE']._serialized_end=1732
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1734
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1755
-  _globals['_MODELINFO']._serialized_start=1758
-  _globals['_MODELINFO']._serialized_end=2301
-  _globals['_GETSTATSREQUEST']._serialized_start=2303
-  _globals['_GETSTATSREQUEST']._serialized_end=2320
-  _globals['_SERVERSTATS']._serialized_start=2323
-  _globals['_SERVERSTATS']._serialized_end=2931
-  _globals['_DATAPLANESTATS']._serialized_start=2934
-  _globals['_DATAPLANESTATS']._serialized_end=3184
-  _globals['_GENERATION']._serialized_start=3349
-  _globals['_GENERATION']._serialized_end=3659
+  _globals['_FINISHREASON']._serialized_start=3367
+  _globals['_FINISHREASON']._serialized_end=3526
+  _globals['_CHATMESSAGE']._serialized_start=80
+  _globals['_CHATMESSAGE']._serialized_end=124
+  _globals['_CHATINPUT']._serialized_start=127
+  _globals['_CHATINPUT']._serialized_end=332
+  _globals['_TOKENIDS']._serialized_start=334
+  _globals['_TOKENIDS']._serialized_end=357
+  _globals['_SAMPLINGPARAMS']._serialized_start=360
+  _globals['_SAMPLINGPARAMS']._serialized_end=698
+  _globals['_GENERATEREQUEST']._serialized_start=701
+  _globals['_GENERATEREQUEST']._serialized_end=1293
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=1184
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1232
+  _globals['_TOKENLOGPROB']._serialized_start=1295
+  _globals['_TOKENLOGPROB']._serialized_end=1344
+  _globals['_POSITIONLOGPROBS']._serialized_start=1346
+  _globals['_POSITIONLOGPROBS']._serialized_end=1450
+  _globals['_USAGE']._serialized_start=1452
+  _globals['_USAGE']._serialized_end=1539
+  _globals['_GENERATERESPONSE']._serialized_start=1542
+  _globals['_GENERATERESPONSE']._serialized_end=1772
+  _globals['_TOKENIZEREQUEST']._serialized_start=1774
+  _globals['_TOKENIZEREQUEST']._serialized_end=1857
+  _globals['_TOKENIZERESPONSE']._serialized_start=1859
+  _globals['_TOKENIZERESPONSE']._serialized_end=1912
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1914
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1935
+  _globals['_MODELINFO']._serialized_start=1938
+  _globals['_MODELINFO']._serialized_end=2481
+  _globals['_GETSTATSREQUEST']._serialized_start=2483
+  _globals['_GETSTATSREQUEST']._serialized_end=2500
+  _globals['_SERVERSTATS']._serialized_start=2503
+  _globals['_SERVERSTATS']._serialized_end=3111
+  _globals['_DATAPLANESTATS']._serialized_start=3114
+  _globals['_DATAPLANESTATS']._serialized_end=3364
+  _globals['_GENERATION']._serialized_start=3529
+  _globals['_GENERATION']._serialized_end=3839
 # @@protoc_insertion_point(module_scope)

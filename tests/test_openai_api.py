@@ -8,9 +8,10 @@ import pytest
 
 from twinplane.controlplane.api import Limits
 from twinplane.controlplane.errors import InvalidRequest, NotReady, Overloaded, StepFailed
-from twinplane.controlplane.openai_api import parse_request
+from twinplane.controlplane.openai_api import parse_request, tokenize_prompt
 from twinplane.controlplane.openai_http import NotFound, Unauthenticated, response_of
 from twinplane.controlplane.tls import parse_listen
+from twinplane.controlplane.tokenizer import ChatOptions
 
 LIMITS = Limits(vocab_size=1000, max_model_len=512)
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
@@ -32,6 +33,14 @@ def test_fields_map_onto_request_params():
     assert (s.presence_penalty, s.frequency_penalty) == (0.5, -0.5)
     assert req.stream and req.include_usage and req.logprobs and req.chat
     assert call.request_id == "rid"
+
+
+def test_chat_options_reach_the_prompt():
+    (call,) = parse({**CHAT, "add_generation_prompt": False, "continue_final_message": True,
+                     "chat_template_kwargs": {"enable_thinking": False, "n": 2}}).calls
+    assert call.prompt.chat_options == ChatOptions(False, True, {"enable_thinking": False, "n": 2})
+    assert parse(CHAT).calls[0].prompt.chat_options == ChatOptions()
+    assert tokenize_prompt({**CHAT, "add_generation_prompt": False}, LIMITS).chat_options == ChatOptions(False)
 
 
 def test_content_parts_and_developer_role():
@@ -107,6 +116,11 @@ def test_prompt_forms():
     ({**CHAT, "logit_bias": {"1000": 1}}, True, "logit_bias token ids must be in [0, 1000); got [1000]"),
     ({**CHAT, "logit_bias": {"-3": 1}}, True, "logit_bias token ids must be in [0, 1000); got [-3]"),
     ({**CHAT, "logit_bias": {str(i): 1 for i in range(1025)}}, True, "logit_bias may hold at most 1024"),
+    ({**CHAT, "add_generation_prompt": 0}, True, "add_generation_prompt must be true or false, got int"),
+    ({**CHAT, "continue_final_message": True}, True, "continue_final_message needs add_generation_prompt false"),
+    ({**CHAT, "chat_template_kwargs": ["x"]}, True, "chat_template_kwargs must be an object of template variables"),
+    ({**CHAT, "chat_template_kwargs": {"messages": []}}, True, "chat_template_kwargs may not set messages"),
+    ({**CHAT, "chat_template_kwargs": {"x": "\ud800"}}, True, "chat_template_kwargs is not valid Unicode"),
 ])
 def test_invalid_fields_name_the_field(body, chat, words):
     with pytest.raises(InvalidRequest) as error:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import ssl
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -13,6 +14,7 @@ from tests.conftest import Planes
 from tests.reliability import all_blocks_free, wait_until
 from twinplane.controlplane.main import Security
 from twinplane.controlplane.sequence import FinishReason
+from twinplane.controlplane.tokenizer import ChatOptions, Tokenizer
 
 KEY = "sk-test-key"
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one word, then explain."}]
@@ -251,6 +253,39 @@ def test_logit_bias_forces_bans_and_leaves_logprobs_alone(client, model, http_pl
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model=model, prompt="Hi", logit_bias={"123": 500})
     assert "logit_bias[123] must be in [-100.0, 100.0]" in error.value.message and error.value.param == "logit_bias"
+
+
+def test_chat_template_options_over_both_apis(client, base_url, model, http_planes, tiny_qwen3_dir):
+    """add_generation_prompt and continue_final_message (a reply begun for the model) reach the chat
+    template through HTTP and gRPC alike, in /tokenize and in completions; the ids are the local
+    tokenizer's for the same options, and the two flags together are refused."""
+    tok = Tokenizer(tiny_qwen3_dir)
+    begun = [*QUESTION, {"role": "assistant", "content": "Paris. It is"}]
+    cases = [({"add_generation_prompt": False}, QUESTION),
+             ({"chat_template_kwargs": {"enable_thinking": False}}, QUESTION),
+             ({"add_generation_prompt": False, "continue_final_message": True}, begun)]
+    with httpx.Client(base_url=base_url, headers={"authorization": f"Bearer {KEY}"}, timeout=30) as http:
+        with http_planes.client(api_key=KEY) as grpc_client:
+            for options, messages in cases:
+                expected = tok.encode_chat(messages, options=ChatOptions(
+                    options.get("add_generation_prompt", True), options.get("continue_final_message", False),
+                    options.get("chat_template_kwargs", {})))
+                assert http.post("/tokenize", json={"messages": messages, **options}).json()["tokens"] == expected
+                assert grpc_client.tokenize(messages=messages, **options) == expected
+            assert expected[-3:] != tok.encode_chat(begun)[-3:]  # continued: no closed turn, no new one
+    continued = {"add_generation_prompt": False, "continue_final_message": True}
+    answer = client.chat.completions.create(model=model, messages=begun, max_tokens=8, temperature=0,
+                                            extra_body=continued)
+    assert answer.choices[0].message.content == grpc_text(http_planes, messages=begun, max_tokens=8, temperature=0,
+                                                          **continued)
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=model, messages=begun, max_tokens=1,
+                                       extra_body={"continue_final_message": True})
+    assert error.value.param == "continue_final_message" and "add_generation_prompt false" in error.value.message
+    with pytest.raises(grpc.RpcError) as failed:
+        grpc_text(http_planes, messages=QUESTION, max_tokens=1, chat_template_kwargs={"eos_token": "x"})
+    assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "chat.chat_template_kwargs may not set eos_token" in failed.value.details()
 
 
 def test_tokenize_and_detokenize_as_vllm_serves_them(base_url, model, http_planes):
