@@ -24,16 +24,21 @@ NODE_CLIENT = Path(__file__).resolve().parents[1] / "clients" / "node"
 SUMMARY = re.compile(r"^\[(\w+); prompt (\d+) tokens, completion (\d+), cached (\d+)\]$", re.M)
 PROMPT = "The quick brown fox"
 
-# prints the replies of Tokenize (text and chat) and GetModelInfo as JSON; argv: module, address
+# prints the replies of Tokenize (text, chat, and chat left open with options) and GetModelInfo as JSON;
+# argv: module, address
 INFO_SCRIPT = """
 const { Client } = require(process.argv[1]);
 (async () => {
   const client = new Client(process.argv[2]);
   const text = await client.tokenize({ text: 'Hello world' });
   const chat = await client.tokenize({ messages: [['user', 'Hi!']] });
+  const open = await client.tokenize({
+    messages: [['user', 'Hi!'], ['assistant', 'Hello, I']], addGenerationPrompt: false, continueFinalMessage: true,
+    chatTemplateKwargs: { enable_thinking: false, n: [2] },
+  });
   const info = await client.modelInfo();
   client.close();
-  console.log(JSON.stringify({ text, chat, info }));
+  console.log(JSON.stringify({ text, chat, open, info }));
 })();
 """
 
@@ -97,6 +102,10 @@ def test_node_tokenize_and_model_info_match_the_python_client(node, loopback_pla
     with loopback_planes.client() as client:
         assert replies["text"]["tokenIds"] == client.tokenize("Hello world")
         assert replies["chat"]["tokenIds"] == client.tokenize(messages=[("user", "Hi!")])
+        begun = [("user", "Hi!"), ("assistant", "Hello, I")]
+        open_turn = client.tokenize(messages=begun, add_generation_prompt=False, continue_final_message=True,
+                                    chat_template_kwargs={"enable_thinking": False, "n": [2]})
+        assert replies["open"]["tokenIds"] == open_turn != client.tokenize(messages=begun)
         model = client.model_info()
     assert len(replies["text"]["tokens"]) == len(replies["text"]["tokenIds"])
     info = replies["info"]

@@ -32,28 +32,59 @@ const SAMPLING_FIELDS = fieldNames('SamplingParams');
 const INPUT_FIELDS = new Set(['text', 'tokenIds', 'chat', 'sampling']); // set from the options below
 const REQUEST_FIELDS = new Set([...fieldNames('GenerateRequest')].filter((name) => !INPUT_FIELDS.has(name)));
 
-/** Chat messages as {role, content} objects or [role, content] pairs, as a ChatInput. */
-function chatInput(messages) {
-  return { messages: messages.map((m) => (Array.isArray(m) ? { role: m[0], content: m[1] } : m)) };
+/** A JSON value as a google.protobuf.Value. */
+function valueOf(value) {
+  if (value === null) return { nullValue: 'NULL_VALUE' };
+  if (Array.isArray(value)) return { listValue: { values: value.map(valueOf) } };
+  switch (typeof value) {
+    case 'boolean': return { boolValue: value };
+    case 'number': return { numberValue: value };
+    case 'string': return { stringValue: value };
+    case 'object': return { structValue: structOf(value) };
+    default: throw new TypeError(`chatTemplateKwargs: ${typeof value} is no JSON value`);
+  }
 }
 
-/** The prompt of a request: exactly one of `prompt` (text), `tokenIds` or `messages` (chat). */
-function inputOf({ prompt, tokenIds, messages }) {
-  const given = [prompt, tokenIds, messages].filter((value) => value !== undefined);
-  if (given.length !== 1) throw new TypeError('give exactly one of prompt, tokenIds or messages');
-  if (prompt !== undefined) return { text: prompt };
-  if (tokenIds !== undefined) return { tokenIds: { ids: tokenIds } };
-  return { chat: chatInput(messages) };
+/** A plain object as a google.protobuf.Struct. */
+function structOf(object) {
+  return { fields: Object.fromEntries(Object.entries(object).map(([key, value]) => [key, valueOf(value)])) };
 }
 
 /**
- * A GenerateRequest from flat options: the prompt (see inputOf), any SamplingParams field
+ * Chat messages as {role, content} objects or [role, content] pairs, as a ChatInput, with the
+ * chat options: addGenerationPrompt, continueFinalMessage and chatTemplateKwargs (an object of
+ * template variables, e.g. { enable_thinking: false }); undefined leaves the server's default.
+ */
+function chatInput(messages, { addGenerationPrompt, continueFinalMessage, chatTemplateKwargs } = {}) {
+  const chat = { messages: messages.map((m) => (Array.isArray(m) ? { role: m[0], content: m[1] } : m)) };
+  if (addGenerationPrompt !== undefined) chat.addGenerationPrompt = addGenerationPrompt;
+  if (continueFinalMessage !== undefined) chat.continueFinalMessage = continueFinalMessage;
+  if (chatTemplateKwargs !== undefined) chat.chatTemplateKwargs = structOf(chatTemplateKwargs);
+  return chat;
+}
+
+/** The prompt of a request: exactly one of `prompt` (text), `tokenIds` or `messages` (chat, with its options). */
+function inputOf({ prompt, tokenIds, messages, ...chatOptions }) {
+  const given = [prompt, tokenIds, messages].filter((value) => value !== undefined);
+  if (given.length !== 1) throw new TypeError('give exactly one of prompt, tokenIds or messages');
+  if (messages === undefined && Object.values(chatOptions).some((value) => value !== undefined)) {
+    throw new TypeError('addGenerationPrompt, continueFinalMessage and chatTemplateKwargs go with messages');
+  }
+  if (prompt !== undefined) return { text: prompt };
+  if (tokenIds !== undefined) return { tokenIds: { ids: tokenIds } };
+  return { chat: chatInput(messages, chatOptions) };
+}
+
+/**
+ * A GenerateRequest from flat options: the prompt and chat options (see inputOf), any SamplingParams field
  * (temperature, topP, topK, minP, seed, ...) and any other GenerateRequest field (maxTokens,
  * stop, ignoreEos, ...). Undefined or null leaves a field unset, so the server's default applies.
  */
 function buildRequest(options) {
-  const { prompt, tokenIds, messages, ...rest } = options;
-  const request = { ...inputOf({ prompt, tokenIds, messages }), sampling: {} };
+  const { prompt, tokenIds, messages, addGenerationPrompt, continueFinalMessage, chatTemplateKwargs,
+    ...rest } = options;
+  const input = { prompt, tokenIds, messages, addGenerationPrompt, continueFinalMessage, chatTemplateKwargs };
+  const request = { ...inputOf(input), sampling: {} };
   for (const [key, value] of Object.entries(rest)) {
     if (value === undefined || value === null) continue;
     if (SAMPLING_FIELDS.has(key)) request.sampling[key] = value;
@@ -134,9 +165,12 @@ class Client {
     return new GenerateStream(this.stub.generate(buildRequest(options), this.metadata));
   }
 
-  /** Token ids (and the text of each) of `text`, or of chat `messages` rendered with the chat template. */
-  tokenize({ text, messages }) {
-    const request = messages === undefined ? { text } : { chat: chatInput(messages) };
+  /**
+   * Token ids (and the text of each) of `text`, or of chat `messages` rendered with the chat
+   * template (with chatInput's options).
+   */
+  tokenize({ text, messages, ...chatOptions }) {
+    const request = messages === undefined ? { text } : { chat: chatInput(messages, chatOptions) };
     return this.unary('tokenize', request);
   }
 
