@@ -14,10 +14,10 @@ import urllib.parse
 import uuid
 from dataclasses import dataclass, field
 
-from twinplane.controlplane.errors import InvalidRequest
-from twinplane.controlplane.sequence import FinishReason, RequestParams, SamplingOptions
 from google.protobuf import json_format
 
+from twinplane.controlplane.errors import InvalidRequest
+from twinplane.controlplane.sequence import FinishReason, RequestParams, SamplingOptions
 from twinplane.controlplane.tokenizer import CHAT_ROLES, SERVER_TEMPLATE_NAMES, ChatOptions
 from twinplane.proto import generation_pb2 as pb
 

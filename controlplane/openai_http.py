@@ -13,7 +13,6 @@ import json
 import logging
 import re
 import socket
-import uuid
 from contextlib import contextmanager
 
 import uvicorn

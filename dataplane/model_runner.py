@@ -39,7 +39,6 @@ from twinplane.dataplane.loader import load_model
 from twinplane.dataplane.models.decoder import head_dim_of
 from twinplane.dataplane.plan import MAX_DECODE_STEPS, StepOutput, StepPath, StepPlan
 from twinplane.dataplane.sampler import Sampler, SamplerOutput
-from twinplane.dataplane.sampling_batch import SamplingBatch
 from twinplane.dataplane.input_batch import GraphStep, InputBatch, PlanLimits, SampledRows, StepInputs
 
 MAX_LOGPROBS = 20

@@ -11,10 +11,8 @@ import socket
 import subprocess
 import sys
 
-import grpc
 import pytest
 
-from tests.reliability import wait_until
 from twinplane.controlplane.api import TokenLogprobs
 from twinplane.controlplane.ipc import Channel
 from twinplane.controlplane.messages import Abort, AddRequest, CoreSnapshot, StepOutputs, TokenOutput

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.reliability import GREEDY, all_blocks_free, wait_until
+from tests.reliability import all_blocks_free, wait_until
 from twinplane.proto import generation_pb2 as pb
 from twinplane.proto import generation_pb2_grpc as pb_grpc
 

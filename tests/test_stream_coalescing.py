@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-import pytest
 
 from twinplane.controlplane.api import RequestOutput
 from twinplane.controlplane.engine import Engine
