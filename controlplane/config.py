@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from twinplane.controlplane.reasoning import REASONING_PARSERS
 from twinplane.controlplane.router import ROUTING_POLICIES
 from twinplane.controlplane.tls import DataPlaneTls, check_listen, parse_listen
 
@@ -54,6 +55,8 @@ class ControlPlaneConfig:
     # The names clients may ask for the model by (OpenAI's "model"); the first is the one reported.
     # Empty: the data plane's own name for it.
     served_model_names: tuple[str, ...] = ()
+    # Chat completions' text split into reasoning_content and content (reasoning.py); None: off.
+    reasoning_parser: str | None = None
 
     @property
     def dataplanes(self) -> tuple[str, ...]:
@@ -66,6 +69,9 @@ class ControlPlaneConfig:
         check_listen(self.listen)
         if self.http_listen is not None:
             parse_listen(self.http_listen)
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_tokens_with_decode"):

@@ -204,7 +204,8 @@ class OpenAIService:
         except Exception as exc:  # noqa: BLE001 -- every error becomes an OpenAI error object
             return response_of(exc)
         prefix = "chatcmpl-" if chat else "cmpl-"
-        builder = ResponseBuilder(parsed, prefix + request_id, model, self.engine.tokenizer)
+        builder = ResponseBuilder(parsed, prefix + request_id, model, self.engine.tokenizer,
+                                  self.engine.config.reasoning_parser)
         headers = {REQUEST_ID_HEADER: request_id_header_value(request_id)}
         if parsed.stream:
             # the background task also aborts a stream the client left before its first chunk

@@ -21,6 +21,7 @@ from twinplane.controlplane.api import GenerateCall, RequestOutput
 from twinplane.controlplane.engine import Engine
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.openai_api import OpenAIRequest, finish_reason, logprobs_json, usage_json
+from twinplane.controlplane.reasoning import ReasoningSplitter, split_reasoning
 from twinplane.controlplane.request_state import RequestState
 
 
@@ -109,11 +110,15 @@ class Choices:
 class ResponseBuilder:
     """OpenAI JSON for one request: stream chunks as outputs come, or the whole response at the end."""
 
-    def __init__(self, request: OpenAIRequest, response_id: str, model: str, tokenizer):
+    def __init__(self, request: OpenAIRequest, response_id: str, model: str, tokenizer,
+                 reasoning_parser: str | None = None):
+        """reasoning_parser: split chat text into reasoning_content and content (``reasoning.py``)."""
         self.request = request
         self.id, self.model, self.tokenizer = response_id, model, tokenizer
         self.created = int(time.time())
         n = len(request.calls)
+        self.parser = reasoning_parser if request.chat else None
+        self.splitters = [ReasoningSplitter(self.parser) for _ in range(n)] if self.parser else None
         self.texts = [""] * n
         self.logprobs: list[list] = [[] for _ in range(n)]
         self.reasons: list[str | None] = [None] * n
@@ -137,9 +142,15 @@ class ResponseBuilder:
         """The stream chunk of one output of choice index."""
         choice = {"index": index, "logprobs": self._logprobs(index, out), "finish_reason": finish_reason(out)}
         if self.request.chat:
-            choice["delta"] = {"content": out.text}
-            if not self.started[index]:
-                choice["delta"] = {"role": "assistant", "content": out.text}
+            choice["delta"] = {"role": "assistant"} if not self.started[index] else {}
+            if self.splitters is None:
+                choice["delta"]["content"] = out.text
+            else:
+                reasoning, content = self.splitters[index].feed(out.text, final=out.finish_reason is not None)
+                if reasoning:
+                    choice["delta"]["reasoning_content"] = reasoning
+                if content or not reasoning:
+                    choice["delta"]["content"] = content
         else:
             choice["text"] = out.text
         self.started[index] = True
@@ -164,7 +175,10 @@ class ResponseBuilder:
             if self.request.logprobs:
                 logprobs = logprobs_json(self.request.chat, self.logprobs[i], self.tokenizer)
             choice = {"index": i, "logprobs": logprobs, "finish_reason": self.reasons[i]}
-            if self.request.chat:
+            if self.parser:
+                reasoning, content = split_reasoning(self.parser, text)
+                choice["message"] = {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
+            elif self.request.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text

@@ -177,6 +177,18 @@ def test_served_model_names_reach_the_config_and_are_checked():
             ControlPlaneConfig(dataplane="x", served_model_names=names)
 
 
+def test_reasoning_parser_reaches_the_config_and_is_checked():
+    from twinplane.clients.cli import _controlplane, build_parser
+    from twinplane.controlplane.config import ControlPlaneConfig
+
+    args = build_parser().parse_args(["serve", "--reasoning-parser", "qwen3"])
+    assert _controlplane(args, "unix:///tmp/dp.sock", None)[0].reasoning_parser == "qwen3"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--reasoning-parser", "nope"])
+    with pytest.raises(ValueError, match="reasoning_parser must be one of qwen3, deepseek_r1"):
+        ControlPlaneConfig(dataplane="x", reasoning_parser="nope")
+
+
 def test_log_level_on_each_plane_and_passed_on_to_the_data_plane():
     from twinplane.clients.cli import _dataplane_child, build_parser
 

@@ -1,0 +1,111 @@
+"""--reasoning-parser: a chat completion's <think>...</think> text apart from its answer, whole or
+streamed in pieces cut anywhere, and through the HTTP API."""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import openai
+import pytest
+
+from twinplane.controlplane.api import Limits, RequestOutput
+from twinplane.controlplane.openai_api import parse_request
+from twinplane.controlplane.openai_stream import ResponseBuilder
+from twinplane.controlplane.reasoning import ReasoningSplitter, split_reasoning
+from twinplane.controlplane.sequence import FinishReason
+
+WHOLE = [  # parser, text, (reasoning, content)
+    ("qwen3", "<think>\nLet me see.\n</think>\n\nParis.", ("\nLet me see.\n", "\n\nParis.")),
+    ("qwen3", "Paris.", ("", "Paris.")),  # no thinking (enable_thinking false)
+    ("qwen3", " \n<think>a</think>b", ("a", "b")),  # whitespace before the tag is dropped
+    ("qwen3", "x<think>a</think>b", ("", "x<think>a</think>b")),  # not an opening: all answer
+    ("qwen3", "<think>cut short by max_tokens", ("cut short by max_tokens", "")),
+    ("qwen3", "<thin", ("", "<thin")),  # ended inside what might have been the tag
+    ("qwen3", "<think>a</think>b</think>c", ("a", "b</think>c")),  # only the first close counts
+    ("qwen3", "", ("", "")),
+    ("deepseek_r1", "Let me see.</think>Paris.", ("Let me see.", "Paris.")),
+    ("deepseek_r1", "<think>a</think>b", ("a", "b")),  # the model opened it again
+    ("deepseek_r1", "never closed", ("never closed", "")),
+    ("deepseek_r1", "a</thin", ("a</thin", "")),
+]
+
+
+@pytest.mark.parametrize("parser, text, expected", WHOLE)
+def test_whole_text_splits(parser, text, expected):
+    assert split_reasoning(parser, text) == expected
+
+
+def _streamed(parser: str, pieces: list[str]) -> tuple[str, str]:
+    splitter, reasoning, content = ReasoningSplitter(parser), "", ""
+    for i, piece in enumerate(pieces):
+        r, c = splitter.feed(piece, final=i == len(pieces) - 1)
+        reasoning, content = reasoning + r, content + c
+    return reasoning, content
+
+
+@pytest.mark.parametrize("parser, text, expected", WHOLE)
+def test_pieces_cut_anywhere_join_to_the_whole_split(parser, text, expected):
+    for cut in range(len(text) + 1):  # every cut into two, an empty piece included
+        assert _streamed(parser, [text[:cut], text[cut:]]) == expected, cut
+    assert _streamed(parser, list(text) + [""]) == expected  # a character a piece, then the end
+
+
+def test_random_texts_in_random_pieces():
+    rng = random.Random(0)
+    alphabet = ["<think>", "</think>", "<", "/", "think", ">", "a", " ", "\n", "</thi", "<th"]
+    for _ in range(2000):
+        text = "".join(rng.choices(alphabet, k=rng.randint(0, 8)))
+        cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 4))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        for parser in ("qwen3", "deepseek_r1"):
+            assert _streamed(parser, pieces) == split_reasoning(parser, text), (parser, pieces)
+
+
+def _outputs(pieces: list[str]) -> list[RequestOutput]:
+    outs = [RequestOutput("r", text=piece) for piece in pieces]
+    outs[-1].finish_reason = FinishReason.LENGTH
+    return outs
+
+
+def test_chat_chunks_and_message_carry_reasoning_content_apart():
+    request = parse_request({"messages": [{"role": "user", "content": "hi"}]}, Limits(100, 64), "r", chat=True)
+    pieces = ["<think>", "hmm</th", "ink>\n\nPar", "is."]
+    builder = ResponseBuilder(request, "chatcmpl-r", "m", None, reasoning_parser="qwen3")
+    deltas = [builder.chunk(0, out)["choices"][0]["delta"] for out in _outputs(pieces)]
+    assert deltas == [{"role": "assistant", "content": ""}, {"reasoning_content": "hmm"},
+                      {"content": "\n\nPar"}, {"content": "is."}]
+    for out in _outputs(pieces):
+        builder.add(0, out)
+    message = builder.response({})["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "\n\nParis.", "reasoning_content": "hmm"}
+    plain = ResponseBuilder(request, "chatcmpl-r", "m", None)  # no parser: the text as it came
+    assert plain.chunk(0, _outputs(["<think>a</think>b"])[0])["choices"][0]["delta"] == {
+        "role": "assistant", "content": "<think>a</think>b"}
+    completion = parse_request({"prompt": "hi"}, Limits(100, 64), "r", chat=False)
+    text = ResponseBuilder(completion, "cmpl-r", "m", None, reasoning_parser="qwen3")
+    assert text.chunk(0, _outputs(["<think>a"])[0])["choices"][0]["text"] == "<think>a"  # completions: untouched
+
+
+def test_the_http_api_returns_reasoning_content(tiny_qwen3_dir, planes_factory):
+    """deepseek_r1 takes text with no </think> as all reasoning: the tiny model's greedy answer comes back
+    as reasoning_content (streamed and whole), equal to the gRPC text, and content is empty."""
+    planes = planes_factory(tiny_qwen3_dir, "--block-size", "16", http_listen="127.0.0.1:0",
+                            reasoning_parser="deepseek_r1")
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    with planes.client() as grpc_client:
+        expected = grpc_client.generate_text(messages=question, max_tokens=12, temperature=0, ignore_eos=True)
+    assert expected and "</think>" not in expected
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{planes.plane.http_port}/v1", api_key="x", max_retries=0)
+    whole = client.chat.completions.create(model=None, messages=question, max_tokens=12, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    message = whole.choices[0].message
+    assert (message.reasoning_content, message.content) == (expected, "")
+    streamed = client.chat.completions.create(model=None, messages=question, max_tokens=12, temperature=0,
+                                              stream=True, extra_body={"ignore_eos": True})
+    deltas = [chunk.choices[0].delta for chunk in streamed]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == expected
+    assert "".join(d.content or "" for d in deltas) == ""
+    reply = httpx.post(f"http://127.0.0.1:{planes.plane.http_port}/v1/completions", timeout=60,
+                       json={"prompt": "Hi", "max_tokens": 2})
+    assert "reasoning_content" not in reply.text  # completions keep their text
