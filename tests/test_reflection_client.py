@@ -96,21 +96,24 @@ def test_readme_grpcurl_commands_work_through_reflection(loopback_planes):
                 results["list"] = client.services()
                 continue
             body = json.loads(argv[argv.index("-d") + 1]) if "-d" in argv else {}
-            results[argv[-1]] = client.call(argv[-1], body)
+            results.setdefault(argv[-1], []).append((body, client.call(argv[-1], body)))  # a method may come twice
 
     assert set(results) == {"list", "twinplane.v1.Generation/Generate", "twinplane.v1.Generation/Tokenize",
                             "twinplane.v1.Generation/GetModelInfo", "twinplane.v1.Generation/GetStats",
                             "grpc.health.v1.Health/Check"}
     assert "twinplane.v1.Generation" in results["list"]
-    generated = results["twinplane.v1.Generation/Generate"]
+    (_, generated), = results["twinplane.v1.Generation/Generate"]
     assert generated[-1]["finish_reason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_STOP_TOKEN")
     assert 0 < generated[-1]["usage"]["completion_tokens"] <= 32
     with loopback_planes.client() as python_client:
-        assert [int(t) for t in results["twinplane.v1.Generation/Tokenize"][0]["token_ids"]] == (
-            python_client.tokenize("Hello world"))
-    assert results["twinplane.v1.Generation/GetModelInfo"][0]["vocab_size"] == 49152
-    assert results["grpc.health.v1.Health/Check"] == [{"status": "SERVING"}]
-    assert int(results["twinplane.v1.Generation/GetStats"][0]["steps"]) > 0
+        (text, ids), (chat, chat_ids) = results["twinplane.v1.Generation/Tokenize"]
+        assert [int(t) for t in ids[0]["token_ids"]] == python_client.tokenize(text["text"])
+        kwargs = chat["chat"]["chat_template_kwargs"]  # a Struct, built from JSON through reflection
+        assert [int(t) for t in chat_ids[0]["token_ids"]] == python_client.tokenize(
+            messages=chat["chat"]["messages"], chat_template_kwargs=kwargs) and kwargs == {"enable_thinking": False}
+    assert results["twinplane.v1.Generation/GetModelInfo"][0][1][0]["vocab_size"] == 49152
+    assert results["grpc.health.v1.Health/Check"][0][1] == [{"status": "SERVING"}]
+    assert int(results["twinplane.v1.Generation/GetStats"][0][1][0]["steps"]) > 0
 
 
 REFLECTION_VERSIONS = ("grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection")
