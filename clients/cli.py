@@ -135,6 +135,10 @@ def _add_controlplane_args(p: argparse.ArgumentParser, listen_default: str = DEF
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the names clients may ask for the model by; the first is the one reported "
                         "(default: the data plane's model as given to it)")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="which waiting request runs first: first come first served, or the lowest 'priority' value "
+                        "(then the earliest); with priority, the running request preempted for KV blocks is the "
+                        "one with the highest value")
     g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                    help="return a chat completion's <think>...</think> text as reasoning_content, apart from "
                         "content: qwen3 when the text opens with <think>, deepseek_r1 from the start (default: off)")
@@ -167,7 +171,7 @@ def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None, d
             stall_timeout=args.stall_timeout, dataplane_timeout=args.dataplane_timeout, core_timeout=args.core_timeout,
             metrics_api_key=not args.metrics_no_auth, http_listen=args.http_listen,
             api_server_count=args.api_server_count, served_model_names=tuple(args.served_model_name or ()),
-            reasoning_parser=args.reasoning_parser)
+            reasoning_parser=args.reasoning_parser, scheduling_policy=args.scheduling_policy)
     except ValueError as exc:  # a flag out of range or an unusable file: say which, without a traceback
         raise SystemExit(f"twinplane {args.command}: {exc}") from None
     return config, security

@@ -115,6 +115,7 @@ def build_request(
     skip_special_tokens: bool | None = None,
     logit_bias: dict[int, float] | None = None,
     include_stop_str_in_output: bool = False,
+    priority: int = 0,
     **chat: Any,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from exactly one of prompt, token_ids and messages.
@@ -136,7 +137,7 @@ def build_request(
         stop=[stop] if isinstance(stop, str) else list(stop), stop_token_ids=list(stop_token_ids),
         ignore_eos=ignore_eos, logprobs=logprobs, truncate_prompt_tokens=truncate_prompt_tokens,
         skip_special_tokens=skip_special_tokens, logit_bias=logit_bias or {},
-        include_stop_str_in_output=include_stop_str_in_output,
+        include_stop_str_in_output=include_stop_str_in_output, priority=priority,
     )
     if sampling.ListFields():
         request.sampling.CopyFrom(sampling)

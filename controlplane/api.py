@@ -38,6 +38,7 @@ class Limits:
     max_prompt_bytes: int = 1 << 20  # UTF-8 bytes of text, or of every chat message's role and content
     max_chat_messages: int = 1024
     max_logit_bias: int = 1024  # entries of logit_bias
+    by_priority: bool = False  # requests may set a priority (--scheduling-policy priority)
 
 
 @dataclass(frozen=True)
@@ -270,7 +271,7 @@ def request_id_header_value(request_id: str) -> str:
 def request_params(limits: Limits, sampling: SamplingOptions, *, max_tokens: int | None = None, min_tokens: int = 0,
                    stop: tuple[str, ...] = (), stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False,
                    logprobs: int | None = None, skip_special_tokens: bool = True, logit_bias: dict | None = None,
-                   include_stop_str_in_output: bool = False, logprobs_name: str = "logprobs",
+                   include_stop_str_in_output: bool = False, priority: int = 0, logprobs_name: str = "logprobs",
                    max_tokens_name: str = "max_tokens") -> RequestParams:
     """Validated RequestParams from plain values; max_tokens None means as many as fit. logit_bias maps
     token ids (ints) to biases."""
@@ -291,11 +292,14 @@ def request_params(limits: Limits, sampling: SamplingOptions, *, max_tokens: int
     _check(len(stop_token_ids) <= 64, f"stop_token_ids may hold at most 64 ids, got {len(stop_token_ids)}")
     _check(logprobs is None or 0 <= logprobs <= limits.max_logprobs,
            f"{logprobs_name} must be in [0, {limits.max_logprobs}], got {logprobs}")
+    _check(priority == 0 or limits.by_priority,
+           f"priority {priority} needs a server started with --scheduling-policy priority; leave it 0 here")
+    _check(-2 ** 31 <= priority < 2 ** 31, f"priority must be in [-2147483648, 2147483647], got {priority}")
     return RequestParams(max_tokens=max_tokens or 0, sampling=sampling, min_tokens=min_tokens, stop=stop,
                          stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
                          skip_special_tokens=skip_special_tokens,
                          logit_bias=checked_logit_bias(logit_bias or {}, limits),
-                         include_stop_str_in_output=include_stop_str_in_output)
+                         include_stop_str_in_output=include_stop_str_in_output, priority=priority)
 
 
 def checked_logit_bias(bias: dict, limits: Limits) -> tuple[tuple[int, float], ...]:
@@ -332,6 +336,7 @@ def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, header_reques
         skip_special_tokens=req.skip_special_tokens if req.HasField("skip_special_tokens") else True,
         logit_bias=dict(req.logit_bias),
         include_stop_str_in_output=req.include_stop_str_in_output,
+        priority=req.priority,
     )
     return GenerateCall(request_id, prompt, params, req.truncate_prompt_tokens)
 

@@ -8,6 +8,7 @@ from twinplane.controlplane.reasoning import REASONING_PARSERS
 from twinplane.controlplane.router import ROUTING_POLICIES
 from twinplane.controlplane.tls import DataPlaneTls, check_listen, parse_listen
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
 BYTES_PER_TOKEN = 64  # default max_prompt_bytes per token of max_model_len (generous: room for truncation)
 
 
@@ -57,6 +58,8 @@ class ControlPlaneConfig:
     served_model_names: tuple[str, ...] = ()
     # Chat completions' text split into reasoning_content and content (reasoning.py); None: off.
     reasoning_parser: str | None = None
+    # "fcfs": first come, first served; "priority": by each request's priority (lower first), then arrival.
+    scheduling_policy: str = "fcfs"
 
     @property
     def dataplanes(self) -> tuple[str, ...]:
@@ -72,6 +75,9 @@ class ControlPlaneConfig:
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_tokens_with_decode"):

@@ -172,7 +172,7 @@ class Engine:
                              max_logprobs=min(c.max_logprobs, desc.max_logprobs),
                              max_stop_strings=c.max_stop_strings, max_stop_string_len=c.max_stop_string_len,
                              max_prompt_bytes=c.max_prompt_bytes or BYTES_PER_TOKEN * desc.max_model_len,
-                             max_chat_messages=c.max_chat_messages)
+                             max_chat_messages=c.max_chat_messages, by_priority=c.scheduling_policy == "priority")
         self.snapshot(snapshot)
         if self._replay:
             self._replay = False

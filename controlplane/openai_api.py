@@ -23,7 +23,7 @@ MAX_BATCH_PROMPTS = 32  # most prompts in one completion request (each gets n ch
 UNSUPPORTED = ("tools", "functions", "suffix", "audio", "prediction")  # refused unless null/empty
 CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 _INTS = ("top_k", "seed", "n", "max_tokens", "max_completion_tokens", "min_tokens", "top_logprobs",
-         "truncate_prompt_tokens")
+         "truncate_prompt_tokens", "priority")
 # request fields an error message may start with: an error's "param"
 PARAMS = frozenset((*SAMPLING_FIELDS, *_INTS, "messages", "prompt", "stop", "stop_token_ids", "logprobs", "logit_bias",
                     "skip_special_tokens", "stream_options", "response_format", "echo", "include_stop_str_in_output",
@@ -238,7 +238,7 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool) -> Op
         stop=_stop(body), stop_token_ids=_int_list(body, "stop_token_ids"), ignore_eos=_bool(body, "ignore_eos"),
         logprobs=top, skip_special_tokens=_typed(body, "skip_special_tokens", (bool,), "true or false") is not False,
         logit_bias=_logit_bias(body), include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
-        logprobs_name="top_logprobs" if chat else "logprobs",
+        priority=_int(body, "priority") or 0, logprobs_name="top_logprobs" if chat else "logprobs",
         max_tokens_name=max_tokens_name)
     truncate = _int(body, "truncate_prompt_tokens") or 0
     check_truncation(truncate, limits)

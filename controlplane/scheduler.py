@@ -2,10 +2,11 @@
 
 Every step first gives each running sequence in decode its next token, then
 spends what is left of the token budget on prefill chunks: running sequences
-still in prefill first, then newly admitted ones (first come, first served).
-So a long prompt never stalls running streams, and steps mix prefill and
-decode freely. When KV blocks run out, the newest running sequence is
-preempted: its blocks are freed and it is recomputed later.
+still in prefill first, then newly admitted ones (first come, first served, or
+by priority: ``by_priority``). So a long prompt never stalls running streams, and
+steps mix prefill and decode freely. When KV blocks run out, the newest running
+sequence (by priority: the one of the highest priority value) is preempted: its
+blocks are freed and it is recomputed later.
 
 A step may be planned while the previous one is still in flight: scheduling advances
 each sequence at once, and a sequence whose token is still being sampled decodes that
@@ -19,6 +20,7 @@ hears back, so a small batch pays the round trip once per several tokens.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -39,6 +41,10 @@ class SchedulerConfig:
     # step per plan), and the most sequences such a plan takes.
     decode_steps: int = 1
     decode_steps_max_seqs: int = 4
+    # Scheduling by priority (RequestParams.priority, then arrival) instead of first come first
+    # served: the waiting queue is kept in that order, and the sequence preempted for blocks is the
+    # running one that comes last in it.
+    by_priority: bool = False
 
 
 @dataclass(slots=True)
@@ -106,7 +112,17 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         assert seq.status is SequenceStatus.WAITING, f"cannot add {seq}"
-        self.waiting.append(seq)
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence, preempted: bool = False) -> None:
+        """Into the waiting queue: in priority order, else at the back (a preempted sequence at the front)."""
+        if self.config.by_priority:
+            keys = [s.priority_key for s in self.waiting]
+            self.waiting.insert(bisect.bisect(keys, seq.priority_key), seq)
+        elif preempted:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Removes a sequence (finished or aborted) and frees its blocks."""
@@ -174,7 +190,7 @@ class Scheduler:
         return budget
 
     def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
-        """3. Waiting sequences, first come first served (not one preempted in this very step)."""
+        """3. Waiting sequences in queue order (not one preempted in this very step)."""
         block_size = self.block_manager.block_size
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -330,7 +346,10 @@ class Scheduler:
         Returns False when seq itself had to be preempted.
         """
         while not self.block_manager.can_append(seq, num_tokens):
-            victim = self.running[-1]
+            if self.config.by_priority:
+                victim = max(self.running, key=lambda s: s.priority_key)
+            else:
+                victim = self.running[-1]  # the newest admitted
             self._preempt(victim)
             if victim is seq:
                 return False
@@ -344,7 +363,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, preempted=True)
 
     def _release(self, seq: Sequence) -> None:
         if seq.mirrored:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass
 
 # Stands in the token list for a token a step in flight is sampling; the data plane feeds
 # that step's sampled token back as the next input, and the result replaces it here.
 PENDING = -1
+_ARRIVALS = itertools.count()  # the order sequences are created in: first come, first served
 
 
 class SequenceStatus(enum.Enum):
@@ -51,6 +53,7 @@ class RequestParams:
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ascending ids
     include_stop_str_in_output: bool = False  # the stop string that ends the text stays in it
+    priority: int = 0  # with scheduling by priority: lower runs first
 
     @property
     def plain_sampling(self) -> bool:
@@ -87,6 +90,12 @@ class Sequence:
         self.mirrored = False  # whether the data plane holds a mirror of this sequence
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
+        self.arrival = next(_ARRIVALS)
+
+    @property
+    def priority_key(self) -> tuple[int, int]:
+        """Scheduling by priority: the lower, the sooner (priority, then arrival)."""
+        return self.params.priority, self.arrival
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "

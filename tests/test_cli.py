@@ -177,6 +177,17 @@ def test_served_model_names_reach_the_config_and_are_checked():
             ControlPlaneConfig(dataplane="x", served_model_names=names)
 
 
+def test_scheduling_policy_reaches_the_config_and_is_checked():
+    from twinplane.clients.cli import _controlplane, build_parser
+    from twinplane.controlplane.config import ControlPlaneConfig
+
+    args = build_parser().parse_args(["serve", "--scheduling-policy", "priority"])
+    assert _controlplane(args, "unix:///tmp/dp.sock", None)[0].scheduling_policy == "priority"
+    assert ControlPlaneConfig(dataplane="x").scheduling_policy == "fcfs"
+    with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority"):
+        ControlPlaneConfig(dataplane="x", scheduling_policy="lifo")
+
+
 def test_reasoning_parser_reaches_the_config_and_is_checked():
     from twinplane.clients.cli import _controlplane, build_parser
     from twinplane.controlplane.config import ControlPlaneConfig

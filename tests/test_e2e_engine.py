@@ -5,8 +5,10 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
 import pytest
 
+from tests.reliability import wait_until
 from tests.test_e2e_reference import random_prompts
 
 
@@ -109,6 +111,37 @@ def test_stop_string_ends_and_is_never_emitted(smollm2_dir, planes_factory):
     # the frontend found the stop string; the engine core stopped the sequence and freed its blocks
     wait_until(lambda: all_blocks_free(planes), 5, "every KV block to be free")
     assert planes.engine.core_snapshot.stats["computed_tokens"] - computed_before < 150
+
+
+def test_scheduling_by_priority_admits_the_lowest_value_first(tiny_qwen3_dir, planes_factory):
+    """One sequence at a time: while a long request runs, a request of priority 5 and then one of
+    priority -5 wait; the second is admitted first. Without the policy a priority is refused."""
+    planes = planes_factory(tiny_qwen3_dir, "--block-size", "16", scheduling_policy="priority", max_num_seqs=1)
+    first_token: dict[str, float] = {}
+
+    def run(name: str, max_tokens: int, priority: int) -> None:
+        for _ in client.generate(token_ids=[5, 6, 7, 8], max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                                 priority=priority):
+            first_token.setdefault(name, time.perf_counter())
+
+    with planes.client() as client:
+        long = threading.Thread(target=run, args=("long", 400, 0))
+        long.start()
+        wait_until(lambda: "long" in first_token, 30, "the long request's first token")
+        waiting = [threading.Thread(target=run, args=(name, 4, priority)) for name, priority in (("late", 5),
+                                                                                                 ("urgent", -5))]
+        for thread in waiting:
+            thread.start()
+            wait_until(lambda: len(planes.engine.requests) > waiting.index(thread) + 1, 10, "the request queued")
+        assert long.is_alive(), "the long request ended before the others queued: the test proves nothing"
+        for thread in (long, *waiting):
+            thread.join(120)
+    assert first_token["long"] < first_token["urgent"] < first_token["late"]
+    fcfs = planes_factory(tiny_qwen3_dir, "--block-size", "16")
+    with fcfs.client() as client, pytest.raises(grpc.RpcError) as error:
+        client.generate_text(token_ids=[5, 6], max_tokens=2, priority=1)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--scheduling-policy priority" in (
+        error.value.details())
 
 
 def test_cancelled_stream_frees_its_blocks(qwen3_planes):

@@ -35,6 +35,14 @@ def test_fields_map_onto_request_params():
     assert call.request_id == "rid"
 
 
+def test_priority_reaches_the_params_where_the_policy_allows_it():
+    by_priority = Limits(vocab_size=1000, max_model_len=512, by_priority=True)
+    (call,) = parse_request({**CHAT, "priority": -5}, by_priority, "rid", True).calls
+    assert call.params.priority == -5 and parse(CHAT).calls[0].params.priority == 0
+    with pytest.raises(InvalidRequest, match=r"priority must be in \[-2147483648, 2147483647\], got 2147483648"):
+        parse_request({**CHAT, "priority": 2 ** 31}, by_priority, "rid", True)
+
+
 def test_chat_options_reach_the_prompt():
     (call,) = parse({**CHAT, "add_generation_prompt": False, "continue_final_message": True,
                      "chat_template_kwargs": {"enable_thinking": False, "n": 2}}).calls
@@ -116,6 +124,8 @@ def test_prompt_forms():
     ({**CHAT, "logit_bias": {"1000": 1}}, True, "logit_bias token ids must be in [0, 1000); got [1000]"),
     ({**CHAT, "logit_bias": {"-3": 1}}, True, "logit_bias token ids must be in [0, 1000); got [-3]"),
     ({**CHAT, "logit_bias": {str(i): 1 for i in range(1025)}}, True, "logit_bias may hold at most 1024"),
+    ({**CHAT, "priority": 2}, True, "priority 2 needs a server started with --scheduling-policy priority"),
+    ({**CHAT, "priority": "high"}, True, "priority must be an integer"),
     ({**CHAT, "add_generation_prompt": 0}, True, "add_generation_prompt must be true or false, got int"),
     ({**CHAT, "continue_final_message": True}, True, "continue_final_message needs add_generation_prompt false"),
     ({**CHAT, "chat_template_kwargs": ["x"]}, True, "chat_template_kwargs must be an object of template variables"),

@@ -73,6 +73,11 @@ BAD_REQUESTS = [
     ("logit-bias-above-100", request(logit_bias={3: 100.5}), "logit_bias[3]"),
     ("logit-bias-nan", request(logit_bias={3: math.nan}), "logit_bias[3]"),
     ("too-many-logit-biases", request(logit_bias={i: 1.0 for i in range(1025)}), "logit_bias"),
+    ("priority-without-the-policy", request(priority=-1), "priority -1 needs a server started with "
+                                                          "--scheduling-policy priority"),
+    ("continue-and-generation-prompt", request(None, chat=pb.ChatInput(
+        messages=[pb.ChatMessage(role="user", content="hi")], continue_final_message=True)),
+     "chat.continue_final_message needs chat.add_generation_prompt false"),
     ("request-id-too-long", request(request_id="r" * 257), "request_id"),
     ("text-over-max-prompt-bytes", request(None, text="é" * (16 << 10) + "a"), "max_prompt_bytes"),  # 64 per token
     ("too-many-chat-messages", request(None, chat=chat(*["user"] * 1025)), "max_chat_messages"),

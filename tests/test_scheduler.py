@@ -201,3 +201,48 @@ def test_preempted_while_in_flight_keeps_its_token_and_evict_all_forgets_pending
     assert sched.evict_all() == [a, b]  # the data plane was lost with two steps in flight: running first
     assert a.token_ids == [0, 1, 2, 3, 5] and a.num_computed_tokens == 0 and a.block_table == []
     assert a.status is b.status is SequenceStatus.WAITING and not sched.has_work()
+
+
+def make_by_priority(**kwargs) -> Scheduler:
+    sched = make(**kwargs)
+    sched.config = SchedulerConfig(**{**sched.config.__dict__, "by_priority": True})
+    return sched
+
+
+def add_with_priority(sched: Scheduler, seq_id: int, num_tokens: int, priority: int, first_token: int = 0):
+    s = Sequence(seq_id, str(seq_id), list(range(first_token, first_token + num_tokens)),
+                 RequestParams(max_tokens=100, priority=priority))
+    sched.add(s)
+    return s
+
+
+def test_by_priority_the_lowest_value_is_admitted_first_then_the_earliest():
+    sched = make_by_priority(max_num_seqs=1)
+    for seq_id, priority in [(1, 5), (2, 0), (3, -1), (4, 0)]:
+        add_with_priority(sched, seq_id, 2, priority)
+    assert [s.seq_id for s in sched.waiting] == [3, 2, 4, 1]
+    admitted = []
+    while sched.waiting:
+        out = step(sched)
+        admitted.append(out.chunks[0].seq.seq_id)
+        sched.finish(out.chunks[0].seq)
+    assert admitted == [3, 2, 4, 1]
+    fcfs = make(max_num_seqs=1)  # the default ignores priorities
+    for seq_id, priority in [(1, 5), (2, 0), (3, -1)]:
+        add_with_priority(fcfs, seq_id, 2, priority)
+    assert [s.seq_id for s in fcfs.waiting] == [1, 2, 3]
+
+
+def test_by_priority_the_highest_value_is_preempted_and_goes_back_in_its_place():
+    sched = make_by_priority(num_blocks=4, block_size=2, max_num_batched_tokens=16)
+    a = add_with_priority(sched, 1, 3, priority=9)  # arrives first, but the lowest priority
+    b = add_with_priority(sched, 2, 3, priority=1, first_token=10)
+    assert summary(step(sched)) == [(2, 0, 3, [0, 1], True), (1, 0, 3, [2, 3], True)]
+    step(sched)
+    out = step(sched)  # each needs a third block, none is free: a goes, whatever the order of arrival
+    assert a.status is SequenceStatus.WAITING and b.status is SequenceStatus.RUNNING
+    assert summary(out) == [(2, 4, 1, [3], True)] and out.dropped_seq_ids == [1]
+    c = add_with_priority(sched, 3, 2, priority=0, first_token=20)
+    later = add_with_priority(sched, 4, 2, priority=9, first_token=30)
+    assert list(sched.waiting) == [c, a, later]  # the preempted one keeps its place among equals
+
