@@ -22,6 +22,7 @@ from twinplane.controlplane.tokenizer import CHAT_ROLES, SERVER_TEMPLATE_NAMES, 
 from twinplane.proto import generation_pb2 as pb
 
 MAX_REQUEST_ID_LEN = 256
+MAX_TEMPLATE_NESTING = 16  # levels of objects and lists in chat_template_kwargs (the top object included)
 REQUEST_ID_HEADER = "x-request-id"  # metadata a client may send its request id in; echoed back
 _PERCENT_ENCODE_SAFE = "".join(c for c in string.printable if c not in string.whitespace and c != "%")
 
@@ -193,6 +194,8 @@ def chat_options(add_generation_prompt: bool, continue_final_message: bool, temp
     taken = [name for name in SERVER_TEMPLATE_NAMES if name in template_kwargs]
     _check(not taken, f"{prefix}chat_template_kwargs may not set {', '.join(taken)}: the server sets these "
                       f"itself (the generation prompt: {prefix}add_generation_prompt)")
+    _check(_nesting(template_kwargs) <= MAX_TEMPLATE_NESTING,
+           f"{prefix}chat_template_kwargs nests objects and lists more than {MAX_TEMPLATE_NESTING} levels deep")
     try:
         json.dumps(template_kwargs, ensure_ascii=False).encode()
     except UnicodeEncodeError:
@@ -220,6 +223,18 @@ def prompt_from_pb(req: pb.GenerateRequest | pb.TokenizeRequest, limits: Limits)
                                _plain(json_format.MessageToDict(chat.chat_template_kwargs)))
         return chat_prompt([{"role": m.role, "content": m.content} for m in chat.messages], limits, options=options)
     raise InvalidRequest("input is required: set one of text, token_ids or chat")
+
+
+def _nesting(value) -> int:
+    """How many objects and lists deep a JSON value goes (found without recursion)."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth + 1)
+            if depth + 1 <= MAX_TEMPLATE_NESTING:  # deeper than that is refused: no need to look further
+                stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def _plain(value):

@@ -49,6 +49,8 @@ def test_chat_options_reach_the_prompt():
     assert call.prompt.chat_options == ChatOptions(False, True, {"enable_thinking": False, "n": 2})
     assert parse(CHAT).calls[0].prompt.chat_options == ChatOptions()
     assert tokenize_prompt({**CHAT, "add_generation_prompt": False}, LIMITS).chat_options == ChatOptions(False)
+    deepest = {"x": json.loads("[" * 15 + "]" * 15)}  # 16 levels with the top object: allowed
+    assert parse({**CHAT, "chat_template_kwargs": deepest}).calls[0].prompt.chat_options.template_kwargs == deepest
 
 
 def test_content_parts_and_developer_role():
@@ -131,6 +133,8 @@ def test_prompt_forms():
     ({**CHAT, "chat_template_kwargs": ["x"]}, True, "chat_template_kwargs must be an object of template variables"),
     ({**CHAT, "chat_template_kwargs": {"messages": []}}, True, "chat_template_kwargs may not set messages"),
     ({**CHAT, "chat_template_kwargs": {"x": "\ud800"}}, True, "chat_template_kwargs is not valid Unicode"),
+    ({**CHAT, "chat_template_kwargs": {"x": json.loads("[" * 16 + "]" * 16)}}, True,
+     "chat_template_kwargs nests objects and lists more than 16 levels deep"),
 ])
 def test_invalid_fields_name_the_field(body, chat, words):
     with pytest.raises(InvalidRequest) as error:
