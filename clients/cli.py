@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import sys
@@ -345,7 +346,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with Client(args.server, api_key=args.api_key or os.environ.get("TWINPLANE_API_KEY")) as client:
         chat = args.chat if args.chat is not None else client.model_info().has_chat_template
         prompt = {"messages": [{"role": "user", "content": args.prompt}]} if chat else {"prompt": args.prompt}
-        return _stream_to_terminal(client.generate(**prompt, **_sampling_kwargs(args)))
+        if args.chat_template_kwargs is not None:
+            if not chat:
+                raise SystemExit("twinplane generate: --chat-template-kwargs is for chat prompts; leave out --no-chat")
+            prompt["chat_template_kwargs"] = args.chat_template_kwargs
+        return _stream_to_terminal(client.generate(**prompt, priority=args.priority, **_sampling_kwargs(args)))
 
 
 def cmd_health(args: argparse.Namespace) -> int:
@@ -515,7 +520,22 @@ def _add_generate_command(sub) -> None:
     chat.add_argument("--no-chat", dest="chat", action="store_false", help="send the prompt as plain text")
     p.add_argument("--api-key", default=None,
                    help="the key of a server started with --api-key (default: $TWINPLANE_API_KEY if set)")
+    p.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                   help='extra variables for the chat template, e.g. \'{"enable_thinking": false}\' (chat only)')
+    p.add_argument("--priority", type=int, default=0,
+                   help="the request's priority on a server started with --scheduling-policy priority (lower first)")
     _add_sampling_args(p)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, e.g. '{{\"enable_thinking\": false}}', "
+                                         f"got {text!r}")
+    return value
 
 
 def _add_health_command(sub) -> None:

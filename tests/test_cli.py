@@ -67,6 +67,16 @@ def test_serve_then_generate_streams_text(smollm2_dir, tmp_path):
         bad = _generate(address, "hi", "--top-p", "5")
         assert bad.returncode == 1 and bad.stderr.startswith("error: INVALID_ARGUMENT: "), bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1 and "top_p" in bad.stderr
+        kwargs = _generate(address, "hi", "--chat-template-kwargs", '{"enable_thinking": false}', "--max-tokens", "2")
+        assert kwargs.returncode == 0, kwargs.stderr
+        taken = _generate(address, "hi", "--chat-template-kwargs", '{"messages": []}')  # the server sets that one
+        assert taken.returncode == 1 and "chat.chat_template_kwargs may not set messages" in taken.stderr
+        unordered = _generate(address, "hi", "--priority", "3")  # this server schedules first come, first served
+        assert unordered.returncode == 1 and "--scheduling-policy priority" in unordered.stderr
+        for args, words in ((["--chat-template-kwargs", "[1]"], "a JSON object is needed"),
+                            (["--no-chat", "--chat-template-kwargs", "{}"], "is for chat prompts")):
+            refused = _generate(address, "hi", *args)
+            assert refused.returncode != 0 and words in refused.stderr, refused.stderr
     finally:
         server.terminate()
         start = time.time()
