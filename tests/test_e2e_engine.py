@@ -125,7 +125,7 @@ def test_scheduling_by_priority_admits_the_lowest_value_first(tiny_qwen3_dir, pl
             first_token.setdefault(name, time.perf_counter())
 
     with planes.client() as client:
-        long = threading.Thread(target=run, args=("long", 400, 0))
+        long = threading.Thread(target=run, args=("long", 1500, 0))
         long.start()
         wait_until(lambda: "long" in first_token, 30, "the long request's first token")
         waiting = [threading.Thread(target=run, args=(name, 4, priority)) for name, priority in (("late", 5),
