@@ -521,7 +521,8 @@ def _add_generate_command(sub) -> None:
     p.add_argument("--api-key", default=None,
                    help="the key of a server started with --api-key (default: $TWINPLANE_API_KEY if set)")
     p.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
-                   help='extra variables for the chat template, e.g. \'{"enable_thinking": false}\' (chat only)')
+                   help='extra variables for the chat template, e.g. \'{"enable_thinking": false}\' (chat only; '
+                        'default: none)')
     p.add_argument("--priority", type=int, default=0,
                    help="the request's priority on a server started with --scheduling-policy priority (lower first)")
     _add_sampling_args(p)
