@@ -178,8 +178,9 @@ def chat_prompt(messages: list[dict[str, str]], limits: Limits, name: str = "cha
                                         f"got {m['role']!r}")
     size = sum(_utf8_size(f"{name}[{i}].content", m["content"]) for i, m in enumerate(messages))
     what = f"{name} (content, all together)"
-    if options.template_kwargs:
-        size += len(json.dumps(options.template_kwargs, ensure_ascii=False).encode())
+    if options.template_kwargs:  # their JSON: "chat.chat_template_kwargs" beside "chat.messages"
+        kwargs_name = name.removesuffix("messages") + "chat_template_kwargs"
+        size += _utf8_size(kwargs_name, json.dumps(options.template_kwargs, ensure_ascii=False))
         what = f"{name} content and chat_template_kwargs, all together,"
     _check_bytes(what, size, limits)
     return Prompt(messages=messages, messages_name=name, chat_options=options)
@@ -196,10 +197,6 @@ def chat_options(add_generation_prompt: bool, continue_final_message: bool, temp
                       f"itself (the generation prompt: {prefix}add_generation_prompt)")
     _check(_nesting(template_kwargs) <= MAX_TEMPLATE_NESTING,
            f"{prefix}chat_template_kwargs nests objects and lists more than {MAX_TEMPLATE_NESTING} levels deep")
-    try:
-        json.dumps(template_kwargs, ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        raise InvalidRequest(f"{prefix}chat_template_kwargs is not valid Unicode: it holds a lone surrogate") from None
     return ChatOptions(add_generation_prompt, continue_final_message, template_kwargs)
 
 

@@ -117,8 +117,8 @@ class Scheduler:
     def _enqueue(self, seq: Sequence, preempted: bool = False) -> None:
         """Into the waiting queue: in priority order, else at the back (a preempted sequence at the front)."""
         if self.config.by_priority:
-            keys = [s.priority_key for s in self.waiting]
-            self.waiting.insert(bisect.bisect(keys, seq.priority_key), seq)
+            at = bisect.bisect(self.waiting, seq.priority_key, key=lambda s: s.priority_key)
+            self.waiting.insert(at, seq)
         elif preempted:
             self.waiting.appendleft(seq)
         else:

@@ -286,7 +286,8 @@ class ModelRunner:
         c = self.config
         device = "cpu" if self.device.type == "cpu" else f"{torch.cuda.get_device_name(self.device)} x{c.tensor_parallel_size}"
         return DataPlaneDescription(
-            model=c.model_name or c.model, tokenizer_path=self.loaded.tokenizer_path, architecture=self.loaded.architecture,
+            model=c.model_name or c.model, tokenizer_path=self.loaded.tokenizer_path,
+            architecture=self.loaded.architecture,
             dtype=str(self.dtype).removeprefix("torch."), block_size=c.block_size, num_kv_blocks=self.num_kv_blocks,
             max_model_len=self.max_model_len, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens, tensor_parallel_size=c.tensor_parallel_size,
