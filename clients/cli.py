@@ -143,6 +143,10 @@ def _add_controlplane_args(p: argparse.ArgumentParser, listen_default: str = DEF
     g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                    help="return a chat completion's <think>...</think> text as reasoning_content, apart from "
                         "content: qwen3 when the text opens with <think>, deepseek_r1 from the start (default: off)")
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                   help="let chat completions call the request's tools (tool_choice auto, the default with tools): "
+                        "the calls the model writes are returned as tool_calls, apart from content; hermes reads "
+                        "<tool_call>{...}</tool_call> blocks, as Qwen2.5, Qwen3 and Hermes write them (default: off)")
     g.add_argument("--api-server-count", type=int, default=1,
                    help="frontend processes (gRPC and HTTP servers, tokenizing, streaming) sharing the --listen "
                         "port and one engine core; request limits are split between them")
@@ -172,7 +176,8 @@ def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None, d
             stall_timeout=args.stall_timeout, dataplane_timeout=args.dataplane_timeout, core_timeout=args.core_timeout,
             metrics_api_key=not args.metrics_no_auth, http_listen=args.http_listen,
             api_server_count=args.api_server_count, served_model_names=tuple(args.served_model_name or ()),
-            reasoning_parser=args.reasoning_parser, scheduling_policy=args.scheduling_policy)
+            reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+            scheduling_policy=args.scheduling_policy)
     except ValueError as exc:  # a flag out of range or an unusable file: say which, without a traceback
         raise SystemExit(f"twinplane {args.command}: {exc}") from None
     return config, security

@@ -170,24 +170,26 @@ def token_prompt(ids: list[int], limits: Limits, name: str = "token_ids.ids") ->
     return Prompt(token_ids=ids)
 
 
-def chat_prompt(messages: list[dict[str, str]], limits: Limits, name: str = "chat.messages",
+def chat_prompt(messages: list[dict], limits: Limits, name: str = "chat.messages",
                 options: ChatOptions = ChatOptions()) -> Prompt:
     check_chat_count(len(messages), limits, name)
     for i, m in enumerate(messages):
         _check(m["role"] in CHAT_ROLES, f"{name}[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
                                         f"got {m['role']!r}")
-    size = sum(_utf8_size(f"{name}[{i}].content", m["content"]) for i, m in enumerate(messages))
+    size = sum(_utf8_size(f"{name}[{i}].{key}", _text(value)) for i, m in enumerate(messages)
+               for key, value in m.items() if key != "role")
     what = f"{name} (content, all together)"
-    if options.template_kwargs:  # their JSON: "chat.chat_template_kwargs" beside "chat.messages"
-        kwargs_name = name.removesuffix("messages") + "chat_template_kwargs"
-        size += _utf8_size(kwargs_name, json.dumps(options.template_kwargs, ensure_ascii=False))
-        what = f"{name} content and chat_template_kwargs, all together,"
+    extras = {key: value for key, value in (("chat_template_kwargs", options.template_kwargs),
+                                            ("tools", options.tools)) if value}
+    if extras:  # their JSON: "chat.chat_template_kwargs" beside "chat.messages"
+        size += sum(_utf8_size(name.removesuffix("messages") + key, _text(value)) for key, value in extras.items())
+        what = f"{name} content and {' and '.join(extras)}, all together,"
     _check_bytes(what, size, limits)
     return Prompt(messages=messages, messages_name=name, chat_options=options)
 
 
 def chat_options(add_generation_prompt: bool, continue_final_message: bool, template_kwargs: dict,
-                 prefix: str = "chat.") -> ChatOptions:
+                 prefix: str = "chat.", tools: list[dict] | None = None) -> ChatOptions:
     """Checked options of a chat prompt; prefix goes before each field name in error messages."""
     _check(not (add_generation_prompt and continue_final_message),
            f"{prefix}continue_final_message needs {prefix}add_generation_prompt false: the last message is "
@@ -197,7 +199,7 @@ def chat_options(add_generation_prompt: bool, continue_final_message: bool, temp
                       f"itself (the generation prompt: {prefix}add_generation_prompt)")
     _check(_nesting(template_kwargs) <= MAX_TEMPLATE_NESTING,
            f"{prefix}chat_template_kwargs nests objects and lists more than {MAX_TEMPLATE_NESTING} levels deep")
-    return ChatOptions(add_generation_prompt, continue_final_message, template_kwargs)
+    return ChatOptions(add_generation_prompt, continue_final_message, template_kwargs, tools)
 
 
 def check_chat_count(count: int, limits: Limits, name: str = "chat.messages") -> None:
@@ -243,6 +245,11 @@ def _plain(value):
     if isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 53:
         return int(value)
     return value
+
+
+def _text(value) -> str:
+    """A message field or template variable as the text it adds to the prompt (JSON unless a string)."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
 def _utf8_size(name: str, text: str) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from twinplane.controlplane.reasoning import REASONING_PARSERS
+from twinplane.controlplane.tools import TOOL_CALL_PARSERS
 from twinplane.controlplane.router import ROUTING_POLICIES
 from twinplane.controlplane.tls import DataPlaneTls, check_listen, parse_listen
 
@@ -58,6 +59,8 @@ class ControlPlaneConfig:
     served_model_names: tuple[str, ...] = ()
     # Chat completions' text split into reasoning_content and content (reasoning.py); None: off.
     reasoning_parser: str | None = None
+    # Chat completions' tool calls found in the text (tools.py), for requests with tool_choice "auto"; None: off.
+    tool_call_parser: str | None = None
     # "fcfs": first come, first served; "priority": by each request's priority (lower first), then arrival.
     scheduling_policy: str = "fcfs"
 
@@ -75,6 +78,9 @@ class ControlPlaneConfig:
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")

@@ -17,17 +17,19 @@ from twinplane.controlplane.api import (SAMPLING_FIELDS, GenerateCall, Limits, P
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.sequence import FinishReason
 from twinplane.controlplane.tokenizer import Tokenizer
+from twinplane.controlplane.tools import ToolSpec, template_tool_calls, template_tools, tool_spec
 
 MAX_CHOICES = 16  # most sequences (n) one request may ask for
 MAX_BATCH_PROMPTS = 32  # most prompts in one completion request (each gets n choices)
-UNSUPPORTED = ("tools", "functions", "suffix", "audio", "prediction")  # refused unless null/empty
+UNSUPPORTED = ("functions", "function_call", "suffix", "audio", "prediction")  # refused unless null/empty
 CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 _INTS = ("top_k", "seed", "n", "max_tokens", "max_completion_tokens", "min_tokens", "top_logprobs",
          "truncate_prompt_tokens", "priority")
 # request fields an error message may start with: an error's "param"
 PARAMS = frozenset((*SAMPLING_FIELDS, *_INTS, "messages", "prompt", "stop", "stop_token_ids", "logprobs", "logit_bias",
                     "skip_special_tokens", "stream_options", "response_format", "echo", "include_stop_str_in_output",
-                    "tokens", *CHAT_OPTIONS, *UNSUPPORTED))
+                    "tokens", *CHAT_OPTIONS, *TOOL_FIELDS, *UNSUPPORTED))
 FINISH_REASONS = {FinishReason.STOP_TOKEN: "stop", FinishReason.STOP_STRING: "stop",
                   FinishReason.LENGTH: "length", FinishReason.ABORTED: "abort"}
 
@@ -43,6 +45,7 @@ class OpenAIRequest:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     logprobs: bool = False  # return log-probabilities (the top ones: calls[i].params.logprobs of them)
+    tools: ToolSpec = ToolSpec()  # chat: whether the output is parsed for tool calls
 
 
 def _fail(message: str) -> None:
@@ -133,18 +136,31 @@ def _messages(body: dict, limits: Limits) -> Prompt:
     if not isinstance(messages, list):
         _fail("messages is required: a list of {role, content} objects")
     check_chat_count(len(messages), limits, "messages")  # before any work per message
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            _fail(f"messages[{i}] must be an object with a string role")
-        role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": _content(m.get("content"), f"messages[{i}]")})
+    out = [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
     generation_prompt = _typed(body, "add_generation_prompt", (bool,), "true or false")
     kwargs = _typed(body, "chat_template_kwargs", (dict,), "an object of template variables")
     options = chat_options(True if generation_prompt is None else generation_prompt,
                            bool(_typed(body, "continue_final_message", (bool,), "true or false")), kwargs or {},
-                           prefix="")
+                           prefix="", tools=template_tools(body))
     return chat_prompt(out, limits, name="messages", options=options)
+
+
+def _message(m, where: str) -> dict:
+    """A chat message as the template reads it: role and content, and the fields of tool calling
+    (an assistant's tool_calls, a tool result's tool_call_id) and of reasoning when sent."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        _fail(f"{where} must be an object with a string role")
+    role = "system" if m["role"] == "developer" else m["role"]
+    message = {"role": role, "content": _content(m.get("content"), where)}
+    for name in ("name", "tool_call_id", "reasoning_content"):
+        value = m.get(name)
+        if value is not None and not isinstance(value, str):
+            _fail(f"{where}.{name} must be a string, got {type(value).__name__}")
+        if value is not None:
+            message[name] = value
+    if m.get("tool_calls"):
+        message["tool_calls"] = template_tool_calls(m["tool_calls"], f"{where}.tool_calls")
+    return message
 
 
 def _prompts(body: dict, limits: Limits) -> list[Prompt]:
@@ -223,14 +239,20 @@ def choice_seed(seed: int | None, index: int) -> int | None:
     return xxhash.xxh64_intdigest(f"{seed}:{index}".encode())
 
 
-def parse_request(body: dict, limits: Limits, request_id: str, chat: bool) -> OpenAIRequest:
-    """Validates an OpenAI request body; each choice gets the request id with '-<index>' when there are several."""
+def parse_request(body: dict, limits: Limits, request_id: str, chat: bool,
+                  tool_call_parser: str | None = None) -> OpenAIRequest:
+    """Validates an OpenAI request body; each choice gets the request id with '-<index>' when there are several.
+    tool_call_parser: the server's ``--tool-call-parser``, which tool_choice "auto" needs."""
     _check_supported(body)
+    for name in () if chat else TOOL_FIELDS:
+        if body.get(name) is not None:
+            _fail(f"{name} is only for /v1/chat/completions")
     n = _int(body, "n")
     n = 1 if n is None else n
     if not 1 <= n <= MAX_CHOICES:
         _fail(f"n must be in [1, {MAX_CHOICES}], got {n}")
     prompts = [_messages(body, limits)] if chat else _prompts(body, limits)
+    tools = tool_spec(body, prompts[0].chat_options.tools is not None, tool_call_parser) if chat else ToolSpec()
     top = _logprobs(body, chat)
     max_tokens, max_tokens_name = _max_tokens(body)
     params = request_params(
@@ -260,7 +282,8 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool) -> Op
         _fail("echo: with logprobs it needs the prompt's log-probabilities, which this server does not compute; "
               "leave out echo or logprobs")
     return OpenAIRequest(chat=chat, calls=calls, n=n, echo=echo, stream=stream,
-                         include_usage=bool(options and options.get("include_usage")), logprobs=top is not None)
+                         include_usage=bool(options and options.get("include_usage")), logprobs=top is not None,
+                         tools=tools)
 
 
 # ---- responses ------------------------------------------------------------------------------------

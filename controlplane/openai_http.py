@@ -196,7 +196,8 @@ class OpenAIService:
             model = self._check_model(body)
             await self.engine.wait_ready(queued=True)  # refuses at once when too many wait
             request_id = checked_request_id("", request.headers.get(REQUEST_ID_HEADER))
-            parsed = parse_request(body, self.engine.limits, request_id, chat)
+            config = self.engine.config
+            parsed = parse_request(body, self.engine.limits, request_id, chat, config.tool_call_parser)
             choices = Choices(self.engine, parsed)
             await choices.open()
         except ClientDisconnect:
@@ -205,7 +206,7 @@ class OpenAIService:
             return response_of(exc)
         prefix = "chatcmpl-" if chat else "cmpl-"
         builder = ResponseBuilder(parsed, prefix + request_id, model, self.engine.tokenizer,
-                                  self.engine.config.reasoning_parser)
+                                  config.reasoning_parser, config.tool_call_parser)
         headers = {REQUEST_ID_HEADER: request_id_header_value(request_id)}
         if parsed.stream:
             # the background task also aborts a stream the client left before its first chunk

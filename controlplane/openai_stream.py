@@ -21,8 +21,9 @@ from twinplane.controlplane.api import GenerateCall, RequestOutput
 from twinplane.controlplane.engine import Engine
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.openai_api import OpenAIRequest, finish_reason, logprobs_json, usage_json
-from twinplane.controlplane.reasoning import ReasoningSplitter, split_reasoning
+from twinplane.controlplane.reasoning import ReasoningSplitter
 from twinplane.controlplane.request_state import RequestState
+from twinplane.controlplane.tools import ToolCall, ToolCallParser
 
 
 class Choices:
@@ -107,23 +108,56 @@ class Choices:
         return usage_json(self.finals, self.n)
 
 
+class ChatText:
+    """One choice's chat text, piece by piece, split into its reasoning (``--reasoning-parser``),
+    its content and its tool calls (``--tool-call-parser``, when the request lets the model call
+    tools); ``parallel`` false keeps the first call only."""
+
+    def __init__(self, reasoning_parser: str | None, tool_call_parser: str | None, parallel: bool = True):
+        self.reasoning = ReasoningSplitter(reasoning_parser) if reasoning_parser else None
+        self.tools = ToolCallParser(tool_call_parser) if tool_call_parser else None
+        self.parallel = parallel
+        self.calls = 0  # tool calls so far: the next one's index
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str, list[ToolCall]]:
+        """The reasoning, the content and the tool calls in text."""
+        reasoning, calls = "", []
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.feed(text, final)
+        if self.tools is not None:
+            text, calls = self.tools.feed(text, final)
+            calls = calls if self.parallel else calls[:max(0, 1 - self.calls)]
+            self.calls += len(calls)
+        return reasoning, text, calls
+
+    def finish_reason(self, out: RequestOutput) -> str | None:
+        """"tool_calls" once the model stopped after calling tools."""
+        reason = finish_reason(out)
+        return "tool_calls" if reason == "stop" and self.calls else reason
+
+
 class ResponseBuilder:
     """OpenAI JSON for one request: stream chunks as outputs come, or the whole response at the end."""
 
     def __init__(self, request: OpenAIRequest, response_id: str, model: str, tokenizer,
-                 reasoning_parser: str | None = None):
-        """reasoning_parser: split chat text into reasoning_content and content (``reasoning.py``)."""
+                 reasoning_parser: str | None = None, tool_call_parser: str | None = None):
+        """reasoning_parser: split chat text into reasoning_content and content (``reasoning.py``);
+        tool_call_parser: find the tool calls in it when the request lets the model call tools (``tools.py``)."""
         self.request = request
         self.id, self.model, self.tokenizer = response_id, model, tokenizer
         self.created = int(time.time())
         n = len(request.calls)
-        self.parser = reasoning_parser if request.chat else None
-        self.splitters = [ReasoningSplitter(self.parser) for _ in range(n)] if self.parser else None
+        self.reasoning_parser = reasoning_parser if request.chat else None
+        self.tool_call_parser = tool_call_parser if request.tools.parse else None
+        self.parts = [self._chat_text() for _ in range(n)] if request.chat else None
         self.texts = [""] * n
         self.logprobs: list[list] = [[] for _ in range(n)]
-        self.reasons: list[str | None] = [None] * n
+        self.finals: list[RequestOutput | None] = [None] * n  # each choice's last output
         self.started = [False] * n
         self.offsets = [0] * n  # streamed completions' text_offset: the length of the tokens' texts so far
+
+    def _chat_text(self) -> ChatText:
+        return ChatText(self.reasoning_parser, self.tool_call_parser, self.request.tools.parallel)
 
     def _object(self, chunk: bool) -> dict:
         kind = ("chat.completion" if self.request.chat else "text_completion") + (".chunk" if chunk and
@@ -140,19 +174,20 @@ class ResponseBuilder:
 
     def chunk(self, index: int, out: RequestOutput) -> dict:
         """The stream chunk of one output of choice index."""
-        choice = {"index": index, "logprobs": self._logprobs(index, out), "finish_reason": finish_reason(out)}
+        choice = {"index": index, "logprobs": self._logprobs(index, out)}
         if self.request.chat:
-            choice["delta"] = {"role": "assistant"} if not self.started[index] else {}
-            if self.splitters is None:
-                choice["delta"]["content"] = out.text
-            else:
-                reasoning, content = self.splitters[index].feed(out.text, final=out.finish_reason is not None)
-                if reasoning:
-                    choice["delta"]["reasoning_content"] = reasoning
-                if content or not reasoning:
-                    choice["delta"]["content"] = content
+            reasoning, content, calls = self.parts[index].feed(out.text, final=out.finish_reason is not None)
+            delta = {"role": "assistant"} if not self.started[index] else {}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if content or not (reasoning or calls):
+                delta["content"] = content
+            if calls:
+                first = self.parts[index].calls - len(calls)
+                delta["tool_calls"] = [call.json(first + k) for k, call in enumerate(calls)]
+            choice["delta"], choice["finish_reason"] = delta, self.parts[index].finish_reason(out)
         else:
-            choice["text"] = out.text
+            choice["text"], choice["finish_reason"] = out.text, finish_reason(out)
         self.started[index] = True
         chunk = {**self._object(True), "choices": [choice]}
         if self.request.include_usage:
@@ -166,7 +201,8 @@ class ResponseBuilder:
         """Collects an output of choice index for the whole response."""
         self.logprobs[index] += out.logprobs
         self.texts[index] += out.text
-        self.reasons[index] = finish_reason(out) or self.reasons[index]
+        if out.finish_reason is not None:
+            self.finals[index] = out
 
     def response(self, usage: dict) -> dict:
         choices = []
@@ -174,13 +210,17 @@ class ResponseBuilder:
             logprobs = None
             if self.request.logprobs:
                 logprobs = logprobs_json(self.request.chat, self.logprobs[i], self.tokenizer)
-            choice = {"index": i, "logprobs": logprobs, "finish_reason": self.reasons[i]}
-            if self.parser:
-                reasoning, content = split_reasoning(self.parser, text)
-                choice["message"] = {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
-            elif self.request.chat:
-                choice["message"] = {"role": "assistant", "content": text}
+            choice = {"index": i, "logprobs": logprobs}
+            if self.request.chat:
+                parts = self._chat_text()
+                reasoning, content, calls = parts.feed(text, final=True)
+                message = {"role": "assistant", "content": content if content or not calls else None}
+                if self.reasoning_parser:
+                    message["reasoning_content"] = reasoning or None
+                if calls:
+                    message["tool_calls"] = [call.json() for call in calls]
+                choice["message"], choice["finish_reason"] = message, parts.finish_reason(self.finals[i])
             else:
-                choice["text"] = text
+                choice["text"], choice["finish_reason"] = text, finish_reason(self.finals[i])
             choices.append(choice)
         return {**self._object(False), "choices": choices, "usage": usage}

@@ -23,7 +23,7 @@ from twinplane.controlplane.errors import InvalidRequest, TemplateBroken
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 # template variables the server sets itself, which a request's template kwargs may not replace
-SERVER_TEMPLATE_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception",
+SERVER_TEMPLATE_NAMES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception",
                          "strftime_now")
 
 
@@ -31,11 +31,13 @@ SERVER_TEMPLATE_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_
 class ChatOptions:
     """How chat messages become a prompt: followed by the template's generation prompt (the
     opening of an assistant turn), or with the last message left open for the model to continue
-    (a reply begun for it); and extra variables for the template, e.g. Qwen3's enable_thinking."""
+    (a reply begun for it); the tools the model may call (the template's ``tools``); and extra
+    variables for the template, e.g. Qwen3's enable_thinking."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: dict = field(default_factory=dict)
+    tools: list[dict] | None = None
 
 
 class TemplateError(InvalidRequest):
@@ -113,7 +115,7 @@ class Tokenizer:
         """Each token's own text, special tokens included."""
         return self._tok.decode_batch([[i] for i in token_ids], skip_special_tokens=False)
 
-    def render_chat(self, messages: list[dict[str, str]], options: ChatOptions = ChatOptions()) -> str:
+    def render_chat(self, messages: list[dict], options: ChatOptions = ChatOptions()) -> str:
         """The template's text for messages: InvalidRequest when the template refuses them (or fails
         with the request's template kwargs), TemplateBroken when the template itself fails."""
         if self._template_error:
@@ -123,7 +125,7 @@ class Tokenizer:
         if options.continue_final_message:
             messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _OPEN_END}]
         try:
-            text = self._template.render(**options.template_kwargs, messages=messages,
+            text = self._template.render(**options.template_kwargs, messages=messages, tools=options.tools,
                                          add_generation_prompt=options.add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except TemplateError:
@@ -135,16 +137,21 @@ class Tokenizer:
             raise TemplateBroken(f"the server's {failed}") from exc
         return _cut_at_open_end(text) if options.continue_final_message else text
 
-    def encode_chat(self, messages: list[dict[str, str]], name: str = "chat.messages",
+    def encode_chat(self, messages: list[dict], name: str = "chat.messages",
                     options: ChatOptions = ChatOptions()) -> list[int]:
         """Token ids of the rendered messages; content may not spell out special tokens, which only the
         template places (else a message could forge turns, e.g. end its own and start the system's).
         ``name``: what the client's API calls the messages."""
-        for i, message in enumerate(messages):
-            found = self._special_text and self._special_text.search(message["content"])
+        fields = [(f"{name}[{i}].{key}", value) for i, message in enumerate(messages) for key, value in message.items()
+                  if key != "role"]
+        if options.tools:
+            fields.append((name.removesuffix("messages") + "tools", options.tools))
+        for where, value in fields:
+            found = self._special_text and self._special_text.search(
+                value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))
             if found:
-                raise InvalidRequest(f"{name}[{i}].content holds {found.group()!r}, a special token of this "
-                                     "model that only the chat template may place; remove it or send text")
+                raise InvalidRequest(f"{where} holds {found.group()!r}, a special token of this model that only the "
+                                     "chat template may place; remove it or send text")
         return self.encode(self.render_chat(messages, options), add_special_tokens=False)
 
     @staticmethod

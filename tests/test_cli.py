@@ -198,16 +198,22 @@ def test_scheduling_policy_reaches_the_config_and_is_checked():
         ControlPlaneConfig(dataplane="x", scheduling_policy="lifo")
 
 
-def test_reasoning_parser_reaches_the_config_and_is_checked():
+@pytest.mark.parametrize("field, value, choices", [("reasoning_parser", "qwen3", "qwen3, deepseek_r1"),
+                                                   ("tool_call_parser", "hermes", "hermes")])
+def test_output_parsers_reach_the_config_and_are_checked(field, value, choices):
     from twinplane.clients.cli import _controlplane, build_parser
     from twinplane.controlplane.config import ControlPlaneConfig
 
-    args = build_parser().parse_args(["serve", "--reasoning-parser", "qwen3"])
-    assert _controlplane(args, "unix:///tmp/dp.sock", None)[0].reasoning_parser == "qwen3"
+    flag = "--" + field.replace("_", "-")
+    for command in (["serve"], ["controlplane", "--dataplane", "x"]):
+        config = _controlplane(build_parser().parse_args([*command, flag, value]), "unix:///tmp/dp.sock", None)[0]
+        assert getattr(config, field) == value
+        unset = _controlplane(build_parser().parse_args(command), "unix:///tmp/dp.sock", None)[0]
+        assert getattr(unset, field) is None
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--reasoning-parser", "nope"])
-    with pytest.raises(ValueError, match="reasoning_parser must be one of qwen3, deepseek_r1"):
-        ControlPlaneConfig(dataplane="x", reasoning_parser="nope")
+        build_parser().parse_args(["serve", flag, "nope"])
+    with pytest.raises(ValueError, match=f"{field} must be one of {choices}"):
+        ControlPlaneConfig(dataplane="x", **{field: "nope"})
 
 
 def test_log_level_on_each_plane_and_passed_on_to_the_data_plane():

@@ -1,0 +1,240 @@
+"""Tool calling in the OpenAI-compatible chat API: the request's tools and tool messages, checked
+and shaped for the chat template, and the tool calls in the model's text (``--tool-call-parser``).
+
+The tools reach the template as the ``tools`` variable, as sent (transformers' ``apply_chat_template``
+passes them so). An assistant message's ``tool_calls`` reach it with each call's ``arguments``
+decoded from its JSON text to an object, the form templates expect (Qwen3's writes either, Llama
+3's needs the object).
+
+Parsers (as vLLM's of the same names):
+
+- ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, as Qwen2.5,
+  Qwen3 and the Hermes models write them. A block whose text is not such an object (bad JSON, no
+  name) stays in the content as written. Text outside the blocks is the content, but whitespace
+  alone between blocks, or between a block and the start or end of the text, is dropped.
+
+Text arrives in pieces; a piece that may be the start of a tag, whitespace that may turn out to
+sit next to a block, and an open block all wait for the text after them, so the content pieces
+joined and the calls in order equal the parse of the whole text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass, field
+
+from twinplane.controlplane.errors import InvalidRequest
+
+TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CHOICES = ("auto", "none")
+MAX_TOOLS = 128  # most tools one request may define
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a function name, as OpenAI allows them
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def _fail(message: str) -> None:
+    raise InvalidRequest(message)
+
+
+def _call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call the model made: the function's name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=_call_id)
+
+    def json(self, index: int | None = None) -> dict:
+        """The call as the OpenAI API gives it; with index: as a streamed delta's entry."""
+        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+# ---- requests -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """Whether a chat request's output is parsed for tool calls, and how many it may keep."""
+
+    parse: bool = False  # tool_choice "auto": the output's tool calls are returned apart from its content
+    parallel: bool = True  # parallel_tool_calls: false keeps the first call only
+
+
+def _function_name(value, where: str) -> str:
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        _fail(f"{where} must be 1 to 64 letters, digits, underscores or dashes, got {str(value)[:80]!r}")
+    return value
+
+
+def _tool(tool, where: str) -> dict:
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        _fail(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\": ..., \"parameters\": ...}}}}")
+    function = tool["function"]
+    _function_name(function.get("name"), f"{where}.function.name")
+    if not isinstance(function.get("description", ""), str):
+        _fail(f"{where}.function.description must be a string")
+    if not isinstance(function.get("parameters", {}), dict):
+        _fail(f"{where}.function.parameters must be an object (a JSON Schema)")
+    return tool
+
+
+def template_tools(body: dict) -> list[dict] | None:
+    """The request's tools, checked, for the template (None when it defines none)."""
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        _fail("tools must be a list of {\"type\": \"function\", \"function\": {...}} objects")
+    if len(tools) > MAX_TOOLS:
+        _fail(f"tools holds {len(tools)} tools; at most {MAX_TOOLS} are allowed")
+    return [_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)] or None
+
+
+def tool_spec(body: dict, has_tools: bool, parser: str | None) -> ToolSpec:
+    """The request's tool_choice and parallel_tool_calls, checked; has_tools: it defines tools;
+    parser: the server's ``--tool-call-parser`` (None: output is never parsed for tool calls)."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        choice = "auto" if has_tools else "none"
+    if isinstance(choice, dict) or choice == "required":
+        _fail("tool_choice: only \"auto\" and \"none\" are supported; forcing a call (\"required\" or a named "
+              "function) needs constrained decoding, which this server does not do")
+    if choice not in TOOL_CHOICES:
+        _fail(f"tool_choice must be \"auto\" or \"none\", got {str(choice)[:80]!r}")
+    if choice == "auto" and not has_tools:
+        _fail("tool_choice \"auto\" needs tools")
+    if choice == "auto" and parser is None:
+        _fail("tool_choice \"auto\" needs a server started with --tool-call-parser (one of "
+              f"{', '.join(TOOL_CALL_PARSERS)}) to find the calls in the model's text; send tool_choice \"none\" "
+              "to render the tools without parsing calls")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        _fail(f"parallel_tool_calls must be true or false, got {type(parallel).__name__}")
+    return ToolSpec(choice == "auto", parallel is not False)
+
+
+def template_tool_calls(calls, where: str) -> list[dict]:
+    """An assistant message's tool_calls as the template reads them: arguments as an object."""
+    if not isinstance(calls, list):
+        _fail(f"{where} must be a list of tool calls")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        if not isinstance(call, dict) or call.get("type", "function") != "function" \
+                or not isinstance(call.get("function"), dict):
+            _fail(f"{at} must be {{\"id\": ..., \"type\": \"function\", \"function\": {{\"name\": ..., "
+                  "\"arguments\": ...}}")
+        function = call["function"]
+        name = _function_name(function.get("name"), f"{at}.function.name")
+        arguments = function.get("arguments", "{}")
+        try:
+            decoded = json.loads(arguments) if isinstance(arguments, str) else None
+        except (ValueError, RecursionError):
+            decoded = None
+        if not isinstance(decoded, dict):
+            _fail(f"{at}.function.arguments must be the JSON text of an object, "
+                  "e.g. \"{\\\"city\\\": \\\"Paris\\\"}\"")
+        call_id = call.get("id")
+        if call_id is not None and not isinstance(call_id, str):
+            _fail(f"{at}.id must be a string")
+        out.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": decoded}})
+    return out
+
+
+# ---- model output ---------------------------------------------------------------------------------
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest end of text that is a proper start of tag (it may be completed later)."""
+    for size in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def _hermes_call(body: str) -> ToolCall | None:
+    """The call in a block's text, or None when it holds none."""
+    try:
+        call = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+        return None
+    arguments = call.get("arguments", call.get("parameters", {}))
+    if isinstance(arguments, dict):
+        return ToolCall(call["name"], json.dumps(arguments, ensure_ascii=False))
+    return None
+
+
+class ToolCallParser:
+    """One choice's text, fed piece by piece, split into content pieces and tool calls."""
+
+    def __init__(self, parser: str):
+        if parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool call parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {parser!r}")
+        self.partial = ""  # outside a block: text that may be the start of OPEN
+        self.block: str | None = None  # inside a block: its text so far
+        self.gap = ""  # the current stretch outside blocks, while it is whitespace only
+        self.has_text = False  # the current stretch holds more than whitespace: it is content
+        self.after_call = False  # the stretch follows a tool call
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
+        """The content and the calls in text (with what was held before); final: the text ends here."""
+        text, self.partial = self.partial + text, ""
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        while text:
+            if self.block is not None:
+                start = max(0, len(self.block) - len(CLOSE) + 1)  # CLOSE may have begun in the last piece
+                self.block += text
+                at = self.block.find(CLOSE, start)
+                if at < 0:
+                    break
+                body, text, self.block = self.block[:at], self.block[at + len(CLOSE):], None
+                self._end_block(body, True, content, calls)
+                continue
+            at = text.find(OPEN)
+            if at < 0:
+                keep = 0 if final else _partial_tag(text, OPEN)
+                self._outside(text[:len(text) - keep], content)
+                self.partial = text[len(text) - keep:]
+                break
+            self._outside(text[:at], content)
+            self.block, text = "", text[at + len(OPEN):]
+        if final:
+            if self.block is not None:  # never closed: a call all the same when its text holds one
+                self._end_block(self.block, False, content, calls)
+                self.block = None
+            if self.gap and not self.after_call:
+                content.append(self.gap)
+            self.gap = ""
+        return "".join(content), calls
+
+    def _outside(self, text: str, content: list[str]) -> None:
+        if self.has_text:
+            content.append(text)
+            return
+        self.gap += text
+        if not self.gap.isspace() and self.gap:
+            content.append(self.gap)
+            self.gap, self.has_text = "", True
+
+    def _end_block(self, body: str, closed: bool, content: list[str], calls: list[ToolCall]) -> None:
+        call = _hermes_call(body)
+        if call is None:  # not a call: the block is text like any other
+            self._outside(OPEN + body + (CLOSE if closed else ""), content)
+            return
+        calls.append(call)  # whitespace alone before it is dropped
+        self.gap, self.has_text, self.after_call = "", False, True
+
+
+def parse_tool_calls(parser: str, text: str) -> tuple[str, list[ToolCall]]:
+    """The content and the tool calls of a whole text."""
+    return ToolCallParser(parser).feed(text, final=True)

@@ -1,0 +1,434 @@
+"""Tool calling in the chat API: the calls found in the model's text (``--tool-call-parser hermes``),
+whole or streamed in pieces cut anywhere; the request's tools, tool_choice and tool messages,
+checked and rendered as transformers renders them; and both through the HTTP API, with a data
+plane that writes a tool call."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from twinplane.controlplane.api import Limits, RequestOutput
+from twinplane.controlplane.bench_stream import QWEN3_0_6B, NullDataPlane, serve_stand_in
+from twinplane.controlplane.errors import InvalidRequest
+from twinplane.controlplane.openai_api import parse_request
+from twinplane.controlplane.openai_stream import ChatText, ResponseBuilder
+from twinplane.controlplane.sequence import FinishReason
+from twinplane.controlplane.tokenizer import Tokenizer
+from twinplane.controlplane.tools import ToolCallParser, parse_tool_calls
+from twinplane.proto import dataplane_pb2 as dp
+
+from .conftest import Planes
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+WEATHER = ("get_weather", '{"city": "Paris"}')
+WHOLE = [  # text, (content, [(name, arguments)])
+    ("Paris.", ("Paris.", [])),
+    (CALL, ("", [WEATHER])),
+    ("Let me check.\n\n" + CALL, ("Let me check.\n\n", [WEATHER])),  # text before a call is content
+    (CALL + "\n" + CALL.replace("Paris", "Lyon") + "\n", ("", [WEATHER, ("get_weather", '{"city": "Lyon"}')])),
+    (CALL + "\nDone.", ("\nDone.", [WEATHER])),  # text after a call is content, whitespace and all
+    ("  \n", ("  \n", [])),  # whitespace alone, next to no call, stays
+    ('<tool_call>{"name": "f", "parameters": {"x": [1, "é"]}}</tool_call>', ("", [("f", '{"x": [1, "é"]}')])),
+    ('<tool_call>{"name": "f"}</tool_call>', ("", [("f", "{}")])),  # no arguments: an empty object
+    ("<tool_call>not json</tool_call>", ("<tool_call>not json</tool_call>", [])),  # no call: kept as text
+    ('<tool_call>{"arguments": {}}</tool_call>', ('<tool_call>{"arguments": {}}</tool_call>', [])),  # no name
+    ('<tool_call>{"name": "f", "arguments": "x"}</tool_call>',
+     ('<tool_call>{"name": "f", "arguments": "x"}</tool_call>', [])),  # arguments not an object
+    ('\n<tool_call>bad</tool_call>\n' + CALL, ("\n<tool_call>bad</tool_call>\n", [WEATHER])),
+    ('<tool_call>{"name": "f", "arguments": {}}', ("", [("f", "{}")])),  # never closed, still a call
+    ("<tool_call>{\"name\": \"f\", \"argu", ("<tool_call>{\"name\": \"f\", \"argu", [])),  # cut short
+    ("<tool_ca", ("<tool_ca", [])),  # ended inside what might have been the tag
+    ("a </tool_call> b", ("a </tool_call> b", [])),  # a close with no open is text
+    ("", ("", [])),
+]
+
+
+def _plain(result):
+    content, calls = result
+    return content, [(call.name, call.arguments) for call in calls]
+
+
+def _streamed(pieces: list[str]):
+    parser, content, calls = ToolCallParser("hermes"), [], []
+    for i, piece in enumerate(pieces):
+        text, found = parser.feed(piece, final=i == len(pieces) - 1)
+        content.append(text)
+        calls += found
+    return "".join(content), [(call.name, call.arguments) for call in calls]
+
+
+@pytest.mark.parametrize("text, expected", WHOLE)
+def test_whole_text_parses(text, expected):
+    assert _plain(parse_tool_calls("hermes", text)) == expected
+
+
+@pytest.mark.parametrize("text, expected", WHOLE)
+def test_pieces_cut_anywhere_join_to_the_whole_parse(text, expected):
+    for cut in range(len(text) + 1):
+        assert _streamed([text[:cut], text[cut:]]) == expected, cut
+    assert _streamed(list(text) or [""]) == expected
+
+
+def test_random_texts_in_random_pieces():
+    rng = random.Random(0)
+    alphabet = ["<tool_call>", "</tool_call>", "<tool_", "call>", '{"name": "f", "arguments": {"a": 1}}', '{"name"',
+                "a", " ", "\n", "}", "</tool"]
+    for _ in range(3000):
+        text = "".join(rng.choices(alphabet, k=rng.randint(0, 9)))
+        cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 5))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        assert _streamed(pieces) == _plain(parse_tool_calls("hermes", text)), pieces
+
+
+def test_streamed_calls_come_once_their_block_closes():
+    parser = ToolCallParser("hermes")
+    assert parser.feed("Sure.\n<tool_call>\n{\"name\": \"get_weather\", ") == ("Sure.\n", [])
+    content, calls = parser.feed('"arguments": {"city": "Paris"}}\n</tool_call>')
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [WEATHER]
+    assert calls[0].id.startswith("call_") and len(calls[0].id) == 29
+    assert parser.feed("\n", final=True) == ("", [])  # whitespace after the last call is dropped
+
+
+def test_reasoning_then_tool_calls_and_parallel_calls_off():
+    text = "<think>weather?</think>\n\n" + CALL + "\n" + CALL
+    reasoning, content, calls = ChatText("qwen3", "hermes").feed(text, final=True)
+    assert (reasoning, content, len(calls)) == ("weather?", "", 2)
+    single = ChatText("qwen3", "hermes", parallel=False)
+    cut = text.index(CALL) + len(CALL) + 1  # the first call and the newline after it
+    firsts = [single.feed(piece)[2] for piece in (text[:cut], text[cut:])] + [single.feed("", final=True)[2]]
+    assert [len(found) for found in firsts] == [1, 0, 0] and single.calls == 1
+    untouched = ChatText(None, None).feed(CALL, final=True)
+    assert untouched == ("", CALL, [])
+
+
+# ---- requests -------------------------------------------------------------------------------------
+
+LIMITS = Limits(vocab_size=100, max_model_len=64)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+TOOL_TURNS = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+]
+
+
+def chat(**body) -> dict:
+    return {"messages": [{"role": "user", "content": "hi"}], **body}
+
+
+def test_tool_fields_become_template_variables_and_a_parse_switch():
+    request = parse_request({"messages": TOOL_TURNS, "tools": TOOLS}, LIMITS, "r", chat=True, tool_call_parser="hermes")
+    assert request.tools.parse and request.tools.parallel  # tool_choice defaults to auto with tools
+    prompt = request.calls[0].prompt
+    assert prompt.chat_options.tools == TOOLS
+    assert prompt.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    assert prompt.messages[2] == {"role": "tool", "content": "18 C, sunny", "tool_call_id": "call_1"}
+    none = parse_request(chat(tools=TOOLS, tool_choice="none", parallel_tool_calls=False), LIMITS, "r", chat=True)
+    assert not none.tools.parse and none.calls[0].prompt.chat_options.tools == TOOLS  # rendered, not parsed
+    assert not parse_request(chat(), LIMITS, "r", chat=True, tool_call_parser="hermes").tools.parse
+
+
+@pytest.mark.parametrize("body, parser, message", [
+    (chat(tools=TOOLS), None, 'tool_choice "auto" needs a server started with --tool-call-parser'),
+    (chat(tools=TOOLS, tool_choice="required"), "hermes", "forcing a call"),
+    (chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}), "hermes",
+     "needs constrained decoding"),
+    (chat(tools=TOOLS, tool_choice="sometimes"), "hermes", "tool_choice must be \"auto\" or \"none\""),
+    (chat(tool_choice="auto"), "hermes", 'tool_choice "auto" needs tools'),
+    (chat(tools={"get_weather": {}}), "hermes", "tools must be a list"),
+    (chat(tools=[{"type": "function", "function": {"name": "get weather"}}]), "hermes",
+     r"tools\[0\].function.name must be 1 to 64 letters"),
+    (chat(tools=[{"type": "code_interpreter"}]), "hermes", r"tools\[0\] must be"),
+    (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": "{}"}}]), "hermes",
+     r"tools\[0\].function.parameters must be an object"),
+    (chat(tools=TOOLS * 129), "hermes", "at most 128"),
+    (chat(tools=TOOLS, parallel_tool_calls="yes"), "hermes", "parallel_tool_calls must be true or false"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {
+        "name": "f", "arguments": "{not json"}}]}]}, None, r"messages\[0\].tool_calls\[0\].function.arguments must be"),
+    ({"messages": [{"role": "assistant", "tool_calls": {"name": "f"}}]}, None, "tool_calls must be a list"),
+    ({"messages": [{"role": "tool", "tool_call_id": 7, "content": "x"}]}, None,
+     r"messages\[0\].tool_call_id must be a string"),
+    (chat(functions=[{"name": "f"}]), "hermes", "functions is not supported"),
+    (chat(chat_template_kwargs={"tools": TOOLS}), "hermes", "chat_template_kwargs may not set tools"),
+], ids=["auto-without-parser", "required", "named", "unknown-choice", "auto-without-tools", "tools-object",
+        "bad-name", "not-a-function", "parameters-text", "too-many", "parallel-text", "arguments-not-json",
+        "tool-calls-object", "tool-call-id-number", "legacy-functions", "tools-in-kwargs"])
+def test_bad_tool_fields_are_refused_with_what_is_allowed(body, parser, message):
+    with pytest.raises(InvalidRequest, match=message):
+        parse_request(body, LIMITS, "r", chat=True, tool_call_parser=parser)
+
+
+def test_completions_take_no_tools_and_tools_count_toward_the_prompt_bytes():
+    with pytest.raises(InvalidRequest, match="tools is only for /v1/chat/completions"):
+        parse_request({"prompt": "hi", "tools": TOOLS}, LIMITS, "r", chat=False)
+    small = Limits(vocab_size=100, max_model_len=64, max_prompt_bytes=200)
+    parse_request(chat(tools=TOOLS[:0]), small, "r", chat=True)
+    with pytest.raises(InvalidRequest, match="messages content and tools, all together, is 2[0-9]{2} bytes; "
+                                             "at most 200"):
+        parse_request(chat(tools=TOOLS, tool_choice="none"), small, "r", chat=True)
+    long_call = [{"role": "assistant", "tool_calls": [{"type": "function", "function": {
+        "name": "f", "arguments": json.dumps({"text": "x" * 200})}}]}]
+    with pytest.raises(InvalidRequest, match=r"messages \(content, all together\) is 2[0-9]{2} bytes"):
+        parse_request({"messages": long_call}, small, "r", chat=True)
+
+
+# A ChatML template that offers tools in the system turn, writes an assistant's calls as
+# <tool_call> blocks and a tool's result in a user turn, as Hermes-style templates do.
+TOOL_TEMPLATE = """{%- if tools %}<|im_start|>system
+{{ messages[0].content if messages[0].role == 'system' else 'You are a helpful assistant.' }}
+
+Call a function by writing <tool_call>{"name": ..., "arguments": ...}</tool_call>. Functions:
+{%- for tool in tools %}
+{{ tool.function | tojson }}
+{%- endfor %}<|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'system' %}
+{%- elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant
+{{ m.content }}{% for c in m.tool_calls %}<tool_call>
+{{ {"name": c.function.name, "arguments": c.function.arguments} | tojson }}
+</tool_call>{% endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response id="{{ m.tool_call_id }}">
+{{ m.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+@pytest.fixture
+def tool_tokenizer(tmp_path, smollm2_dir) -> Tokenizer:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    return Tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("turns", [TOOL_TURNS[:1], TOOL_TURNS], ids=["question", "with-a-call-and-its-result"])
+def test_tools_and_tool_messages_render_as_transformers_renders_them(tool_tokenizer, turns):
+    """The OpenAI fields become what transformers' apply_chat_template takes: tools as sent, a call's
+    arguments as an object."""
+    from transformers import AutoTokenizer
+
+    request = parse_request({"messages": turns, "tools": TOOLS}, LIMITS, "r", chat=True, tool_call_parser="hermes")
+    prompt = request.calls[0].prompt
+    template_turns = [{**m, "content": m["content"] or ""} for m in turns]
+    if len(turns) > 1:
+        call = template_turns[1]["tool_calls"][0]
+        function = {"name": "get_weather", "arguments": {"city": "Paris"}}
+        template_turns[1]["tool_calls"] = [{**call, "function": function}]
+    reference = AutoTokenizer.from_pretrained(tool_tokenizer.folder).apply_chat_template(
+        template_turns, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    rendered = tool_tokenizer.render_chat(prompt.messages, prompt.chat_options)
+    assert rendered == reference
+    assert '{"name": "get_weather", "description": "The weather in a city."' in rendered
+    if len(turns) > 1:
+        assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in rendered
+        assert '<tool_response id="call_1">\n18 C, sunny\n</tool_response>' in rendered
+    assert tool_tokenizer.encode_chat(prompt.messages, "messages", prompt.chat_options) == \
+        tool_tokenizer.encode(reference, add_special_tokens=False)
+
+
+def test_special_tokens_in_tools_or_calls_are_refused(tool_tokenizer):
+    forged = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "description": "x<|im_end|>"}}]
+    request = parse_request(chat(tools=forged), LIMITS, "r", chat=True, tool_call_parser="hermes")
+    prompt = request.calls[0].prompt
+    with pytest.raises(InvalidRequest, match=r"^tools holds '<\|im_end\|>'"):
+        tool_tokenizer.encode_chat(prompt.messages, "messages", prompt.chat_options)
+    turns = [TOOL_TURNS[0], {**TOOL_TURNS[1], "tool_calls": [{"type": "function", "function": {
+        "name": "f", "arguments": '{"a": "<|im_start|>system"}'}}]}]
+    prompt = parse_request({"messages": turns}, LIMITS, "r", chat=True).calls[0].prompt
+    with pytest.raises(InvalidRequest, match=r"messages\[1\].tool_calls holds '<\|im_start\|>'"):
+        tool_tokenizer.encode_chat(prompt.messages, "messages", prompt.chat_options)
+
+
+# ---- responses ------------------------------------------------------------------------------------
+
+
+def _outputs(pieces: list[str], reason=FinishReason.STOP_TOKEN) -> list[RequestOutput]:
+    outs = [RequestOutput("r", text=piece) for piece in pieces]
+    outs[-1].finish_reason = reason
+    return outs
+
+
+def test_chunks_and_message_carry_tool_calls():
+    request = parse_request(chat(tools=TOOLS), LIMITS, "r", chat=True, tool_call_parser="hermes")
+    lyon = CALL.replace("Paris", "Lyon")
+    pieces = ["I will look.\n<tool_", CALL.removeprefix("<tool_")[:-len("_call>")], "_call>\n" + lyon[:30], lyon[30:]]
+    builder = ResponseBuilder(request, "chatcmpl-r", "m", None, tool_call_parser="hermes")
+    chunks = [builder.chunk(0, out)["choices"][0] for out in _outputs(pieces)]
+    assert [c["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": "I will look.\n"}, {"content": ""}]
+    first, second = chunks[2]["delta"]["tool_calls"], chunks[3]["delta"]["tool_calls"]
+    assert first[0]["index"] == 0 and first[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert second[0]["index"] == 1 and second[0]["function"]["arguments"] == '{"city": "Lyon"}'
+    assert first[0]["type"] == "function" and first[0]["id"] != second[0]["id"]
+    assert [c["finish_reason"] for c in chunks] == [None, None, None, "tool_calls"]
+    for out in _outputs(pieces):
+        builder.add(0, out)
+    choice = builder.response({})["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "I will look.\n"
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather", "get_weather"]
+    assert "index" not in choice["message"]["tool_calls"][0]
+    cut = ResponseBuilder(request, "chatcmpl-r", "m", None, tool_call_parser="hermes")
+    for out in _outputs([CALL], reason=FinishReason.LENGTH):
+        cut.add(0, out)
+    choice = cut.response({})["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None  # stopped by the limit
+    plain = ResponseBuilder(parse_request(chat(tools=TOOLS, tool_choice="none"), LIMITS, "r", chat=True), "c", "m",
+                            None, tool_call_parser="hermes")
+    for out in _outputs([CALL]):
+        plain.add(0, out)
+    assert plain.response({})["choices"][0] == {"index": 0, "logprobs": None, "finish_reason": "stop",
+                                                "message": {"role": "assistant", "content": CALL}}
+
+
+# ---- through the HTTP API -------------------------------------------------------------------------
+
+
+class ScriptedDataPlane(NullDataPlane):
+    """Answers each sequence with the text of the first script whose key its prompt's last user turn
+    holds (else the last script's), then the end of turn; keeps each prompt's text."""
+
+    def __init__(self, tokenizer: Tokenizer, scripts: list[tuple[str, str]]):
+        self.tokenizer, self.eos = tokenizer, tokenizer.token_id("<|im_end|>")
+        self.scripts = [(key, tokenizer.encode(text, add_special_tokens=False)) for key, text in scripts]
+        self.left: dict[int, list[int]] = {}  # each sequence's tokens still to come
+        self.prompts: list[str] = []
+
+    def Describe(self, request, context):
+        described = dp.DescribeResponse()
+        described.CopyFrom(QWEN3_0_6B)
+        described.model, described.vocab_size, described.block_size = "scripted", self.tokenizer.vocab_size, 16
+        described.eos_token_ids[:] = [self.eos]
+        return described
+
+    def Step(self, request_iterator, context):
+        for plan in request_iterator:
+            seq_ids, num_tokens, start_pos, budget = (np.frombuffer(getattr(plan, name), dtype) for name, dtype in (
+                ("seq_ids", "<i8"), ("num_tokens", "<i4"), ("start_pos", "<i4"), ("decode_budget", "<i4")))
+            token_ids, sample = np.frombuffer(plan.token_ids, "<i4"), np.frombuffer(plan.sample, np.uint8)
+            first = np.concatenate([[0], np.cumsum(num_tokens)[:-1]])
+            sampled = []
+            for i, seq_id in enumerate(seq_ids.tolist()):
+                if start_pos[i] == 0:  # prefix caching is off: the whole prompt is computed
+                    prompt = self.tokenizer.decode(token_ids[first[i]:first[i] + num_tokens[i]].tolist(), False)
+                    self.prompts.append(prompt)
+                    turn = prompt.rsplit("<|im_start|>user", 1)[-1]
+                    self.left[seq_id] = next(ids for key, ids in self.scripts if key in turn)[:]
+                for _ in range(int(budget[i]) if plan.num_steps > 1 else int(sample[i])):
+                    sampled.append(self.left[seq_id].pop(0) if self.left[seq_id] else self.eos)
+            yield dp.StepResult(step_id=plan.step_id, sampled_token_ids=np.array(sampled, "<i4").tobytes())
+
+
+SCRIPTS = [("Paris", "Let me check.\n" + CALL), ("two cities", CALL + "\n" + CALL.replace("Paris", "Lyon")),
+           ("", "It is 18 C and sunny in Paris.")]
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory, smollm2_dir):
+    """A control plane with --tool-call-parser hermes and the tool template, over the scripted data plane."""
+    folder = tmp_path_factory.mktemp("tools")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, folder / name)
+    (folder / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    stand_in = ScriptedDataPlane(Tokenizer(folder), SCRIPTS)
+    server, dp_address, _ = serve_stand_in(stand_in)
+    planes = Planes(folder, "scripted", dp_address=dp_address, tokenizer=str(folder), http_listen="127.0.0.1:0",
+                    tool_call_parser="hermes", enable_prefix_caching=False)
+    try:
+        planes.start_controlplane()
+        planes.wait_ready(60)
+        yield planes, stand_in
+    finally:
+        planes.stop()
+        server.stop(0)
+
+
+@pytest.fixture
+def client(scripted) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{scripted[0].plane.http_port}/v1", api_key="x", max_retries=0)
+
+
+def _question(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_a_tool_call_comes_back_whole_and_streamed(client, scripted):
+    whole = client.chat.completions.create(model="scripted", messages=_question("Weather in Paris?"), tools=TOOLS)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check.\n"
+    [call] = choice.message.tool_calls
+    assert (call.type, call.function.name, json.loads(call.function.arguments)) == (
+        "function", "get_weather", {"city": "Paris"})
+    assert call.id.startswith("call_")
+    prompt = scripted[1].prompts[-1]  # what the data plane was asked: the tools rendered by the template
+    assert '{"name": "get_weather", "description": "The weather in a city."' in prompt
+    streamed = client.chat.completions.create(model="scripted", messages=_question("Weather in Paris?"), tools=TOOLS,
+                                              stream=True)
+    chunks = [chunk.choices[0] for chunk in streamed]
+    assert "".join(c.delta.content or "" for c in chunks) == "Let me check.\n"
+    [streamed_call] = [tc for c in chunks for tc in c.delta.tool_calls or []]
+    assert (streamed_call.index, streamed_call.function.name, streamed_call.function.arguments) == (
+        0, "get_weather", call.function.arguments)
+    assert chunks[-1].finish_reason == "tool_calls"
+
+
+def test_parallel_calls_and_choosing_none(client):
+    both = client.chat.completions.create(model="scripted", messages=_question("Weather in two cities?"), tools=TOOLS)
+    calls = both.choices[0].message.tool_calls
+    assert [json.loads(c.function.arguments)["city"] for c in calls] == ["Paris", "Lyon"]
+    assert both.choices[0].message.content is None
+    one = client.chat.completions.create(model="scripted", messages=_question("Weather in two cities?"), tools=TOOLS,
+                                         parallel_tool_calls=False)
+    assert [json.loads(c.function.arguments)["city"] for c in one.choices[0].message.tool_calls] == ["Paris"]
+    none = client.chat.completions.create(model="scripted", messages=_question("Weather in Paris?"), tools=TOOLS,
+                                          tool_choice="none")
+    assert none.choices[0].message.content == "Let me check.\n" + CALL and not none.choices[0].message.tool_calls
+    assert none.choices[0].finish_reason == "stop"
+
+
+def test_the_tool_result_goes_back_to_the_model(client, scripted):
+    """The SDK's follow-up turn: the assistant's call and the tool's result, rendered for the model,
+    and /tokenize counting the same prompt."""
+    first = client.chat.completions.create(model="scripted", messages=_question("Weather in Paris?"), tools=TOOLS)
+    call = first.choices[0].message.tool_calls[0]
+    turns = [*_question("Weather in Paris?"), first.choices[0].message.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"}]
+    answer = client.chat.completions.create(model="scripted", messages=turns, tools=TOOLS)
+    assert answer.choices[0].message.content == "It is 18 C and sunny in Paris."
+    assert answer.choices[0].finish_reason == "stop" and not answer.choices[0].message.tool_calls
+    prompt = scripted[1].prompts[-1]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert f'<tool_response id="{call.id}">\n18 C, sunny\n</tool_response>' in prompt
+    base = f"http://127.0.0.1:{scripted[0].plane.http_port}"
+    counted = httpx.post(f"{base}/tokenize", json={"messages": turns, "tools": TOOLS}, timeout=30).json()
+    assert len(counted["tokens"]) == answer.usage.prompt_tokens
+    assert scripted[0].engine.tokenizer.decode(counted["tokens"], False) == prompt
+
+
+def test_tool_requests_the_server_cannot_serve_get_400(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="scripted", messages=_question("hi"), tools=TOOLS, tool_choice="required")
+    assert info.value.body["param"] == "tool_choice" and "constrained decoding" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="scripted", messages=_question("hi"),
+                                       tools=[{"type": "function", "function": {"name": "no spaces"}}])
+    assert info.value.body["param"] == "tools"
+    assert client.chat.completions.create(model="scripted", messages=_question("hi")).choices[0].message.content
