@@ -9,6 +9,7 @@ the plain dataclasses below. No generated message class leaves this module and
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Union
@@ -16,7 +17,7 @@ from typing import Any, Union
 from twinplane.proto import generation_pb2 as pb
 
 
-Message = Union[Mapping[str, str], tuple[str, str]]  # {"role", "content"} or (role, content)
+Message = Union[Mapping[str, Any], tuple[str, str]]  # {"role", "content", ...} or (role, content)
 ChannelOptions = Sequence[tuple[str, Any]]
 
 FINISH_REASONS: dict[int, str | None] = {
@@ -161,14 +162,22 @@ def build_tokenize_request(
 
 
 def chat_input(messages: Iterable[Message], *, add_generation_prompt: bool | None = None,
-               continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None
-               ) -> pb.ChatInput:
+               continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
+               tools: Iterable[Mapping[str, Any]] = ()) -> pb.ChatInput:
     """Chat messages, each {"role", "content"} or (role, content), as a ChatInput; the options as
-    the proto documents them (None: the server's default)."""
+    the proto documents them (None: the server's default). A message dict may also hold the
+    OpenAI API's tool_calls ([{"id", "function": {"name", "arguments"}}]), tool_call_id, name and
+    reasoning_content; tools are OpenAI's ({"type": "function", "function": {...}}) or the
+    functions alone ({"name", "description", "parameters"})."""
     chat = pb.ChatInput(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
     for message in messages:
-        role, content = _role_and_content(message)
-        chat.messages.add(role=role, content=content)
+        chat.messages.append(_chat_message(message))
+    for tool in tools:
+        function = tool.get("function", tool)
+        added = chat.tools.add(name=function["name"], description=function.get("description") or "")
+        if function.get("parameters") is not None:
+            parameters = function["parameters"]
+            added.parameters = parameters if isinstance(parameters, str) else json.dumps(parameters)
     if chat_template_kwargs:
         chat.chat_template_kwargs.update(chat_template_kwargs)
     return chat
@@ -181,18 +190,24 @@ def _check_one_input(**inputs: object) -> None:
         raise ValueError(f"give exactly one of {names}; got {', '.join(given) or 'none'}")
 
 
-def _role_and_content(message: Message) -> tuple[str, str]:
+def _chat_message(message: Message) -> pb.ChatMessage:
+    extra: dict[str, Any] = {}
     if isinstance(message, Mapping):
-        if "role" not in message or "content" not in message:
+        calls = message.get("tool_calls") or ()
+        if "role" not in message or ("content" not in message and not calls):
             raise ValueError(f"a chat message needs 'role' and 'content', got keys {sorted(message)}")
-        role, content = message["role"], message["content"]
+        role, content = message["role"], message.get("content")
+        content = "" if content is None and calls else content
+        extra = {name: message[name] for name in ("tool_call_id", "name", "reasoning_content") if message.get(name)}
+        extra["tool_calls"] = [pb.ToolCall(id=call.get("id") or "", name=call["function"]["name"],
+                                           arguments=call["function"].get("arguments", "{}")) for call in calls]
     elif isinstance(message, tuple) and len(message) == 2:
         role, content = message
     else:
         raise ValueError(f"a chat message is a dict or a (role, content) tuple, got {message!r}")
     if not isinstance(role, str) or not isinstance(content, str):
         raise ValueError(f"chat role and content must be strings, got {message!r}")
-    return role, content
+    return pb.ChatMessage(role=role, content=content, **extra)
 
 
 def _token_ids(ids: Iterable[int]) -> list[int]:

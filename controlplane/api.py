@@ -19,6 +19,7 @@ from google.protobuf import json_format
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.sequence import FinishReason, RequestParams, SamplingOptions
 from twinplane.controlplane.tokenizer import CHAT_ROLES, SERVER_TEMPLATE_NAMES, ChatOptions
+from twinplane.controlplane.tools import check_tool_count, function_name, json_object, template_tool_call
 from twinplane.proto import generation_pb2 as pb
 
 MAX_REQUEST_ID_LEN = 256
@@ -218,10 +219,36 @@ def prompt_from_pb(req: pb.GenerateRequest | pb.TokenizeRequest, limits: Limits)
     if kind == "chat":
         chat = req.chat
         generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        check_chat_count(len(chat.messages), limits)  # before any work per message
+        check_tool_count(len(chat.tools), "chat.tools")
+        tools = [_tool_from_pb(tool, f"chat.tools[{i}]") for i, tool in enumerate(chat.tools)]
         options = chat_options(generation_prompt, chat.continue_final_message,
-                               _plain(json_format.MessageToDict(chat.chat_template_kwargs)))
-        return chat_prompt([{"role": m.role, "content": m.content} for m in chat.messages], limits, options=options)
+                               _plain(json_format.MessageToDict(chat.chat_template_kwargs)), tools=tools or None)
+        messages = [_message_from_pb(m, f"chat.messages[{i}]") for i, m in enumerate(chat.messages)]
+        return chat_prompt(messages, limits, options=options)
     raise InvalidRequest("input is required: set one of text, token_ids or chat")
+
+
+def _message_from_pb(m: pb.ChatMessage, where: str) -> dict:
+    """A message as the template reads it (as the OpenAI API's: fields left empty are left out)."""
+    message = {"role": m.role, "content": m.content}
+    for name in ("name", "tool_call_id", "reasoning_content"):
+        if getattr(m, name):
+            message[name] = getattr(m, name)
+    if m.tool_calls:
+        message["tool_calls"] = [template_tool_call(call.id or None, call.name, call.arguments or "{}",
+                                                    f"{where}.tool_calls[{j}].") for j, call in enumerate(m.tool_calls)]
+    return message
+
+
+def _tool_from_pb(tool: pb.Tool, where: str) -> dict:
+    """A tool as the template reads it: the OpenAI API's {"type": "function", "function": {...}}."""
+    function = {"name": function_name(tool.name, f"{where}.name")}
+    if tool.description:
+        function["description"] = tool.description
+    if tool.parameters:
+        function["parameters"] = json_object(tool.parameters, f"{where}.parameters")
+    return {"type": "function", "function": function}
 
 
 def _nesting(value) -> int:

@@ -67,7 +67,8 @@ class ToolSpec:
     parallel: bool = True  # parallel_tool_calls: false keeps the first call only
 
 
-def _function_name(value, where: str) -> str:
+def function_name(value, where: str) -> str:
+    """A tool's name, checked."""
     if not isinstance(value, str) or not _NAME.fullmatch(value):
         _fail(f"{where} must be 1 to 64 letters, digits, underscores or dashes, got {str(value)[:80]!r}")
     return value
@@ -77,7 +78,7 @@ def _tool(tool, where: str) -> dict:
     if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
         _fail(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\": ..., \"parameters\": ...}}}}")
     function = tool["function"]
-    _function_name(function.get("name"), f"{where}.function.name")
+    function_name(function.get("name"), f"{where}.function.name")
     if not isinstance(function.get("description", ""), str):
         _fail(f"{where}.function.description must be a string")
     if not isinstance(function.get("parameters", {}), dict):
@@ -92,9 +93,13 @@ def template_tools(body: dict) -> list[dict] | None:
         return None
     if not isinstance(tools, list):
         _fail("tools must be a list of {\"type\": \"function\", \"function\": {...}} objects")
-    if len(tools) > MAX_TOOLS:
-        _fail(f"tools holds {len(tools)} tools; at most {MAX_TOOLS} are allowed")
+    check_tool_count(len(tools), "tools")
     return [_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)] or None
+
+
+def check_tool_count(count: int, where: str) -> None:
+    if count > MAX_TOOLS:
+        _fail(f"{where} holds {count} tools; at most {MAX_TOOLS} are allowed")
 
 
 def tool_spec(body: dict, has_tools: bool, parser: str | None) -> ToolSpec:
@@ -121,7 +126,7 @@ def tool_spec(body: dict, has_tools: bool, parser: str | None) -> ToolSpec:
 
 
 def template_tool_calls(calls, where: str) -> list[dict]:
-    """An assistant message's tool_calls as the template reads them: arguments as an object."""
+    """An assistant message's tool_calls (OpenAI's JSON) as the template reads them."""
     if not isinstance(calls, list):
         _fail(f"{where} must be a list of tool calls")
     out = []
@@ -131,21 +136,31 @@ def template_tool_calls(calls, where: str) -> list[dict]:
                 or not isinstance(call.get("function"), dict):
             _fail(f"{at} must be {{\"id\": ..., \"type\": \"function\", \"function\": {{\"name\": ..., "
                   "\"arguments\": ...}}")
-        function = call["function"]
-        name = _function_name(function.get("name"), f"{at}.function.name")
-        arguments = function.get("arguments", "{}")
-        try:
-            decoded = json.loads(arguments) if isinstance(arguments, str) else None
-        except (ValueError, RecursionError):
-            decoded = None
-        if not isinstance(decoded, dict):
-            _fail(f"{at}.function.arguments must be the JSON text of an object, "
-                  "e.g. \"{\\\"city\\\": \\\"Paris\\\"}\"")
-        call_id = call.get("id")
-        if call_id is not None and not isinstance(call_id, str):
+        if call.get("id") is not None and not isinstance(call["id"], str):
             _fail(f"{at}.id must be a string")
-        out.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": decoded}})
+        function = call["function"]
+        out.append(template_tool_call(call.get("id"), function.get("name"), function.get("arguments", "{}"),
+                                      f"{at}.function."))
     return out
+
+
+def template_tool_call(call_id: str | None, name, arguments, where: str) -> dict:
+    """One call as the template reads it: arguments decoded from JSON text to an object. where:
+    what the client's API calls the call's fields, up to their names."""
+    function_name(name, f"{where}name")
+    return {"id": call_id, "type": "function",
+            "function": {"name": name, "arguments": json_object(arguments, f"{where}arguments")}}
+
+
+def json_object(text, where: str) -> dict:
+    """The object that text holds as JSON."""
+    try:
+        decoded = json.loads(text) if isinstance(text, str) else None
+    except (ValueError, RecursionError):
+        decoded = None
+    if not isinstance(decoded, dict):
+        _fail(f"{where} must be the JSON text of an object, e.g. \"{{\\\"city\\\": \\\"Paris\\\"}}\"")
+    return decoded
 
 
 # ---- model output ---------------------------------------------------------------------------------

@@ -22,24 +22,54 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORTED: FinishReason
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REASONING_CONTENT_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    name: str
+    reasoning_content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ..., reasoning_content: _Optional[str] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+
+class Tool(_message.Message):
+    __slots__ = ("name", "description", "parameters")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters: _Optional[str] = ...) -> None: ...
 
 class ChatInput(_message.Message):
-    __slots__ = ("messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+    __slots__ = ("messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     add_generation_prompt: bool
     continue_final_message: bool
     chat_template_kwargs: _struct_pb2.Struct
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    tools: _containers.RepeatedCompositeFieldContainer[Tool]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

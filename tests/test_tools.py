@@ -9,6 +9,7 @@ import json
 import random
 import shutil
 
+import grpc
 import httpx
 import numpy as np
 import openai
@@ -432,3 +433,25 @@ def test_tool_requests_the_server_cannot_serve_get_400(client):
                                        tools=[{"type": "function", "function": {"name": "no spaces"}}])
     assert info.value.body["param"] == "tools"
     assert client.chat.completions.create(model="scripted", messages=_question("hi")).choices[0].message.content
+
+
+def test_grpc_renders_the_same_tools_and_calls_and_returns_the_text_as_written(client, scripted):
+    planes = scripted[0]
+    first = client.chat.completions.create(model="scripted", messages=_question("Weather in Paris?"), tools=TOOLS)
+    turns = [*_question("Weather in Paris?"), first.choices[0].message.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": first.choices[0].message.tool_calls[0].id, "content": "18 C, sunny"}]
+    base = f"http://127.0.0.1:{planes.plane.http_port}"
+    over_http = httpx.post(f"{base}/tokenize", json={"messages": turns, "tools": TOOLS}, timeout=30).json()["tokens"]
+    with planes.client() as grpc_client:
+        assert grpc_client.tokenize(messages=turns, tools=TOOLS) == over_http
+        assert grpc_client.tokenize(messages=turns, tools=[TOOLS[0]["function"]]) == over_http  # the function alone
+        assert grpc_client.generate_text(messages=_question("Weather in Paris?"), tools=TOOLS) == \
+            "Let me check.\n" + CALL  # gRPC returns the text; the client reads the calls in it
+        bad_call = [turns[0], {**turns[1], "tool_calls": [{"function": {"name": "get_weather", "arguments": "[1]"}}]}]
+        for messages, tools, words in [
+                (turns, [{"name": "get weather"}], "chat.tools[0].name must be 1 to 64 letters"),
+                (bad_call, TOOLS, "chat.messages[1].tool_calls[0].arguments must be the JSON text of an object"),
+                (turns, TOOLS * 129, "chat.tools holds 129 tools; at most 128")]:
+            with pytest.raises(grpc.RpcError) as info:
+                grpc_client.tokenize(messages=messages, tools=tools)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.details()
