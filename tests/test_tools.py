@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import subprocess
 
 import grpc
 import httpx
@@ -26,6 +27,7 @@ from twinplane.controlplane.tools import ToolCallParser, parse_tool_calls
 from twinplane.proto import dataplane_pb2 as dp
 
 from .conftest import Planes
+from .test_node_client import NODE_CLIENT, node  # noqa: F401 -- node: a fixture
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 WEATHER = ("get_weather", '{"city": "Paris"}')
@@ -455,3 +457,31 @@ def test_grpc_renders_the_same_tools_and_calls_and_returns_the_text_as_written(c
             with pytest.raises(grpc.RpcError) as info:
                 grpc_client.tokenize(messages=messages, tools=tools)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.details()
+
+
+# tokenizes a conversation with a tool call and its result, the tools given as the OpenAI API's;
+# argv: module, address, the conversation's messages (the proto's, as JSON), the tools (JSON)
+NODE_SCRIPT = """
+const { Client } = require(process.argv[1]);
+(async () => {
+  const client = new Client(process.argv[2]);
+  const reply = await client.tokenize({ messages: JSON.parse(process.argv[3]), tools: JSON.parse(process.argv[4]) });
+  client.close();
+  console.log(JSON.stringify(reply.tokenIds));
+})();
+"""
+
+
+def test_the_node_client_sends_tools_and_tool_messages(node, scripted):
+    planes = scripted[0]
+    call = {"id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    node_turns = [TOOL_TURNS[0], {"role": "assistant", "toolCalls": [call]}, {"role": "tool", "toolCallId": "call_1", "content": "18 C, sunny"}]
+    result = subprocess.run([node, "-e", NODE_SCRIPT, str(NODE_CLIENT / "twinplane.js"), planes.address,
+                             json.dumps(node_turns), json.dumps(TOOLS)],
+                            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr
+    with planes.client() as grpc_client:
+        expected = grpc_client.tokenize(messages=TOOL_TURNS, tools=TOOLS)
+    assert json.loads(result.stdout) == expected
+    text = planes.engine.tokenizer.decode(expected, False)
+    assert '<tool_response id="call_1">' in text and '"description": "The weather in a city."' in text

@@ -50,16 +50,26 @@ function structOf(object) {
   return { fields: Object.fromEntries(Object.entries(object).map(([key, value]) => [key, valueOf(value)])) };
 }
 
+/** A tool as the proto's Tool: from the OpenAI API's {type: 'function', function} or the function alone. */
+function toolOf(tool) {
+  const fn = tool.function ?? tool;
+  const { parameters } = fn;
+  return { name: fn.name, description: fn.description ?? '',
+    parameters: parameters === undefined || typeof parameters === 'string' ? parameters : JSON.stringify(parameters) };
+}
+
 /**
- * Chat messages as {role, content} objects or [role, content] pairs, as a ChatInput, with the
- * chat options: addGenerationPrompt, continueFinalMessage and chatTemplateKwargs (an object of
- * template variables, e.g. { enable_thinking: false }); undefined leaves the server's default.
+ * Chat messages as {role, content} objects (with toolCalls [{id, name, arguments}], toolCallId, name,
+ * reasoningContent when needed) or [role, content] pairs, as a ChatInput, with the chat options:
+ * addGenerationPrompt, continueFinalMessage, chatTemplateKwargs (an object of template variables,
+ * e.g. { enable_thinking: false }) and tools (see toolOf); undefined leaves the server's default.
  */
-function chatInput(messages, { addGenerationPrompt, continueFinalMessage, chatTemplateKwargs } = {}) {
+function chatInput(messages, { addGenerationPrompt, continueFinalMessage, chatTemplateKwargs, tools } = {}) {
   const chat = { messages: messages.map((m) => (Array.isArray(m) ? { role: m[0], content: m[1] } : m)) };
   if (addGenerationPrompt !== undefined) chat.addGenerationPrompt = addGenerationPrompt;
   if (continueFinalMessage !== undefined) chat.continueFinalMessage = continueFinalMessage;
   if (chatTemplateKwargs !== undefined) chat.chatTemplateKwargs = structOf(chatTemplateKwargs);
+  if (tools !== undefined) chat.tools = tools.map(toolOf);
   return chat;
 }
 
@@ -68,7 +78,7 @@ function inputOf({ prompt, tokenIds, messages, ...chatOptions }) {
   const given = [prompt, tokenIds, messages].filter((value) => value !== undefined);
   if (given.length !== 1) throw new TypeError('give exactly one of prompt, tokenIds or messages');
   if (messages === undefined && Object.values(chatOptions).some((value) => value !== undefined)) {
-    throw new TypeError('addGenerationPrompt, continueFinalMessage and chatTemplateKwargs go with messages');
+    throw new TypeError('addGenerationPrompt, continueFinalMessage, chatTemplateKwargs and tools go with messages');
   }
   if (prompt !== undefined) return { text: prompt };
   if (tokenIds !== undefined) return { tokenIds: { ids: tokenIds } };
@@ -81,9 +91,9 @@ function inputOf({ prompt, tokenIds, messages, ...chatOptions }) {
  * stop, ignoreEos, ...). Undefined or null leaves a field unset, so the server's default applies.
  */
 function buildRequest(options) {
-  const { prompt, tokenIds, messages, addGenerationPrompt, continueFinalMessage, chatTemplateKwargs,
+  const { prompt, tokenIds, messages, addGenerationPrompt, continueFinalMessage, chatTemplateKwargs, tools,
     ...rest } = options;
-  const input = { prompt, tokenIds, messages, addGenerationPrompt, continueFinalMessage, chatTemplateKwargs };
+  const input = { prompt, tokenIds, messages, addGenerationPrompt, continueFinalMessage, chatTemplateKwargs, tools };
   const request = { ...inputOf(input), sampling: {} };
   for (const [key, value] of Object.entries(rest)) {
     if (value === undefined || value === null) continue;
