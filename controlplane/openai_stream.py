@@ -23,7 +23,7 @@ from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.openai_api import OpenAIRequest, finish_reason, logprobs_json, usage_json
 from twinplane.controlplane.reasoning import ReasoningSplitter
 from twinplane.controlplane.request_state import RequestState
-from twinplane.controlplane.tools import ToolCall, ToolCallParser
+from twinplane.controlplane.tools import ToolCall, parser_for
 
 
 class Choices:
@@ -115,7 +115,7 @@ class ChatText:
 
     def __init__(self, reasoning_parser: str | None, tool_call_parser: str | None, parallel: bool = True):
         self.reasoning = ReasoningSplitter(reasoning_parser) if reasoning_parser else None
-        self.tools = ToolCallParser(tool_call_parser) if tool_call_parser else None
+        self.tools = parser_for(tool_call_parser) if tool_call_parser else None
         self.parallel = parallel
         self.calls = 0  # tool calls so far: the next one's index
 

@@ -12,10 +12,14 @@ Parsers (as vLLM's of the same names):
   Qwen3 and the Hermes models write them. A block whose text is not such an object (bad JSON, no
   name) stays in the content as written. Text outside the blocks is the content, but whitespace
   alone between blocks, or between a block and the start or end of the text, is dropped.
+- ``llama3_json``: a text that is nothing but JSON objects ``{"name": ..., "parameters": {...}}``
+  (``arguments`` taken too), separated by ``;`` and optionally after ``<|python_tag|>``, as Llama
+  3.1 to 3.3 write calls, is calls; any other text is content, as written.
 
 Text arrives in pieces; a piece that may be the start of a tag, whitespace that may turn out to
-sit next to a block, and an open block all wait for the text after them, so the content pieces
-joined and the calls in order equal the parse of the whole text.
+sit next to a block, and an open block (with ``llama3_json``: a text that opens with ``{``) all
+wait for the text after them, so the content pieces joined and the calls in order equal the parse
+of the whole text.
 """
 
 from __future__ import annotations
@@ -27,11 +31,11 @@ from dataclasses import dataclass, field
 
 from twinplane.controlplane.errors import InvalidRequest
 
-TOOL_CALL_PARSERS = ("hermes",)
 TOOL_CHOICES = ("auto", "none")
 MAX_TOOLS = 128  # most tools one request may define
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a function name, as OpenAI allows them
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
 
 
 def _fail(message: str) -> None:
@@ -174,26 +178,26 @@ def _partial_tag(text: str, tag: str) -> int:
     return 0
 
 
+def _call(value) -> ToolCall | None:
+    """The call a decoded JSON value stands for ({"name", "arguments" or "parameters"}), or None."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False)) if isinstance(arguments, dict) else None
+
+
 def _hermes_call(body: str) -> ToolCall | None:
     """The call in a block's text, or None when it holds none."""
     try:
-        call = json.loads(body)
+        return _call(json.loads(body))
     except (ValueError, RecursionError):
         return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
-        return None
-    arguments = call.get("arguments", call.get("parameters", {}))
-    if isinstance(arguments, dict):
-        return ToolCall(call["name"], json.dumps(arguments, ensure_ascii=False))
-    return None
 
 
-class ToolCallParser:
+class HermesParser:
     """One choice's text, fed piece by piece, split into content pieces and tool calls."""
 
-    def __init__(self, parser: str):
-        if parser not in TOOL_CALL_PARSERS:
-            raise ValueError(f"tool call parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {parser!r}")
+    def __init__(self):
         self.partial = ""  # outside a block: text that may be the start of OPEN
         self.block: str | None = None  # inside a block: its text so far
         self.gap = ""  # the current stretch outside blocks, while it is whitespace only
@@ -250,6 +254,65 @@ class ToolCallParser:
         self.gap, self.has_text, self.after_call = "", False, True
 
 
+def _llama3_calls(text: str) -> list[ToolCall] | None:
+    """The calls in a text of JSON objects separated by ";", or None when it is anything else."""
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while True:
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            return None
+        calls.append(_call(value))
+        rest = text[at:].lstrip()
+        if not rest:
+            return None if None in calls else calls
+        if not rest.startswith(";"):
+            return None
+        at = len(text) - len(rest[1:].lstrip())
+
+
+class Llama3JsonParser:
+    """One choice's text, fed piece by piece: content as it comes, unless it opens as JSON, which
+    waits for the end of the text to be read as calls (or, when it holds none, as content)."""
+
+    def __init__(self):
+        self.held = ""
+        self.state = "opening"  # until the first text past whitespace (and the python tag) shows which
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
+        """The content and the calls in text (with what was held before); final: the text ends here."""
+        if self.state == "content":
+            return text, []
+        self.held += text
+        if self.state == "opening":
+            start = self.held.lstrip()
+            if start.startswith(PYTHON_TAG):
+                start = start[len(PYTHON_TAG):].lstrip()
+            if start.startswith("{"):
+                self.state = "json"
+            elif (not start or PYTHON_TAG.startswith(start)) and not final:
+                return "", []
+            else:
+                self.state, held, self.held = "content", self.held, ""
+                return held, []
+        if not final:
+            return "", []
+        body = self.held.lstrip().removeprefix(PYTHON_TAG)
+        calls = _llama3_calls(body.strip())
+        return ("", calls) if calls else (self.held, [])
+
+
+PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+TOOL_CALL_PARSERS = tuple(PARSERS)
+
+
+def parser_for(name: str) -> HermesParser | Llama3JsonParser:
+    """A parser for one choice's text."""
+    if name not in PARSERS:
+        raise ValueError(f"tool call parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {name!r}")
+    return PARSERS[name]()
+
+
 def parse_tool_calls(parser: str, text: str) -> tuple[str, list[ToolCall]]:
     """The content and the tool calls of a whole text."""
-    return ToolCallParser(parser).feed(text, final=True)
+    return parser_for(parser).feed(text, final=True)

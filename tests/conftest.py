@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from twinplane.clients.client import Client
 from twinplane.controlplane.config import ControlPlaneConfig
 from twinplane.controlplane.main import ControlPlane, Security
 
+NODE_CLIENT = Path(__file__).resolve().parents[1] / "clients" / "node"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, vocab_size=49152, max_position_embeddings=4096,
@@ -172,3 +174,19 @@ def loopback_planes(tiny_qwen3_dir, tmp_path_factory):
                     listen="127.0.0.1:0").start()
     yield planes
     planes.stop()
+
+
+@pytest.fixture(scope="session")  # session: checked before the planes start
+def node() -> str:
+    """The node executable, once the client's packages are installed."""
+    node = shutil.which("node")
+    missing = [what for what, there in (("node", node),
+                                        ("clients/node/node_modules (npm ci --prefix clients/node)",
+                                         (NODE_CLIENT / "node_modules" / "@grpc" / "grpc-js").is_dir()))
+               if not there]
+    if missing:
+        reason = f"the Node.js client needs {' and '.join(missing)}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return node

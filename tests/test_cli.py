@@ -199,7 +199,7 @@ def test_scheduling_policy_reaches_the_config_and_is_checked():
 
 
 @pytest.mark.parametrize("field, value, choices", [("reasoning_parser", "qwen3", "qwen3, deepseek_r1"),
-                                                   ("tool_call_parser", "hermes", "hermes")])
+                                                   ("tool_call_parser", "llama3_json", "hermes, llama3_json")])
 def test_output_parsers_reach_the_config_and_are_checked(field, value, choices):
     from twinplane.clients.cli import _controlplane, build_parser
     from twinplane.controlplane.config import ControlPlaneConfig

@@ -7,20 +7,17 @@ them the tests skip, except under CI=true, where they fail.
 from __future__ import annotations
 
 import json
-import os
 import re
 import select
-import shutil
 import signal
 import subprocess
-from pathlib import Path
 
 import grpc
 import pytest
 
+from tests.conftest import NODE_CLIENT
 from tests.reliability import all_blocks_free, wait_until
 
-NODE_CLIENT = Path(__file__).resolve().parents[1] / "clients" / "node"
 SUMMARY = re.compile(r"^\[(\w+); prompt (\d+) tokens, completion (\d+), cached (\d+)\]$", re.M)
 PROMPT = "The quick brown fox"
 
@@ -43,20 +40,6 @@ const { Client } = require(process.argv[1]);
 """
 
 
-@pytest.fixture(scope="session")  # session: checked before the planes start
-def node() -> str:
-    """The node executable, once the client's packages are installed."""
-    node = shutil.which("node")
-    missing = [what for what, there in (("node", node),
-                                        ("clients/node/node_modules (npm ci --prefix clients/node)",
-                                         (NODE_CLIENT / "node_modules" / "@grpc" / "grpc-js").is_dir()))
-               if not there]
-    if missing:
-        reason = f"the Node.js client needs {' and '.join(missing)}"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    return node
 
 
 def generate_js(node: str, address: str, *args: str) -> subprocess.CompletedProcess:

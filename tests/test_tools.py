@@ -23,19 +23,18 @@ from twinplane.controlplane.openai_api import parse_request
 from twinplane.controlplane.openai_stream import ChatText, ResponseBuilder
 from twinplane.controlplane.sequence import FinishReason
 from twinplane.controlplane.tokenizer import Tokenizer
-from twinplane.controlplane.tools import ToolCallParser, parse_tool_calls
+from twinplane.controlplane.tools import parse_tool_calls, parser_for
 from twinplane.proto import dataplane_pb2 as dp
 
-from .conftest import Planes
-from .test_node_client import NODE_CLIENT, node  # noqa: F401 -- node: a fixture
+from .conftest import NODE_CLIENT, Planes
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-WEATHER = ("get_weather", '{"city": "Paris"}')
+WEATHER, LYON = ("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Lyon"}')
 WHOLE = [  # text, (content, [(name, arguments)])
     ("Paris.", ("Paris.", [])),
     (CALL, ("", [WEATHER])),
     ("Let me check.\n\n" + CALL, ("Let me check.\n\n", [WEATHER])),  # text before a call is content
-    (CALL + "\n" + CALL.replace("Paris", "Lyon") + "\n", ("", [WEATHER, ("get_weather", '{"city": "Lyon"}')])),
+    (CALL + "\n" + CALL.replace("Paris", "Lyon") + "\n", ("", [WEATHER, LYON])),
     (CALL + "\nDone.", ("\nDone.", [WEATHER])),  # text after a call is content, whitespace and all
     ("  \n", ("  \n", [])),  # whitespace alone, next to no call, stays
     ('<tool_call>{"name": "f", "parameters": {"x": [1, "é"]}}</tool_call>', ("", [("f", '{"x": [1, "é"]}')])),
@@ -51,6 +50,23 @@ WHOLE = [  # text, (content, [(name, arguments)])
     ("a </tool_call> b", ("a </tool_call> b", [])),  # a close with no open is text
     ("", ("", [])),
 ]
+LLAMA = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+LLAMA_WHOLE = [
+    (LLAMA, ("", [WEATHER])),
+    ("<|python_tag|>" + LLAMA, ("", [WEATHER])),
+    ("\n " + LLAMA + "; " + LLAMA.replace("Paris", "Lyon") + "\n", ("", [WEATHER, LYON])),
+    ('{"name": "f", "arguments": {"x": 1}}', ("", [("f", '{"x": 1}')])),
+    ("It is sunny.", ("It is sunny.", [])),
+    ("  It is {sunny}.", ("  It is {sunny}.", [])),
+    ('{"city": "Paris"}', ('{"city": "Paris"}', [])),  # JSON, but no call
+    (LLAMA + " and more", (LLAMA + " and more", [])),
+    (LLAMA + "; {bad", (LLAMA + "; {bad", [])),
+    ('{"name": "get_weather", "parameters": {"ci', ('{"name": "get_weather", "parameters": {"ci', [])),  # cut short
+    ("<|python", ("<|python", [])),
+    ("", ("", [])),
+]
+CASES = [("hermes", text, expected) for text, expected in WHOLE] + [
+    ("llama3_json", text, expected) for text, expected in LLAMA_WHOLE]
 
 
 def _plain(result):
@@ -58,8 +74,8 @@ def _plain(result):
     return content, [(call.name, call.arguments) for call in calls]
 
 
-def _streamed(pieces: list[str]):
-    parser, content, calls = ToolCallParser("hermes"), [], []
+def _streamed(pieces: list[str], name: str = "hermes"):
+    parser, content, calls = parser_for(name), [], []
     for i, piece in enumerate(pieces):
         text, found = parser.feed(piece, final=i == len(pieces) - 1)
         content.append(text)
@@ -67,31 +83,44 @@ def _streamed(pieces: list[str]):
     return "".join(content), [(call.name, call.arguments) for call in calls]
 
 
-@pytest.mark.parametrize("text, expected", WHOLE)
-def test_whole_text_parses(text, expected):
-    assert _plain(parse_tool_calls("hermes", text)) == expected
+@pytest.mark.parametrize("parser, text, expected", CASES)
+def test_whole_text_parses(parser, text, expected):
+    assert _plain(parse_tool_calls(parser, text)) == expected
 
 
-@pytest.mark.parametrize("text, expected", WHOLE)
-def test_pieces_cut_anywhere_join_to_the_whole_parse(text, expected):
+@pytest.mark.parametrize("parser, text, expected", CASES)
+def test_pieces_cut_anywhere_join_to_the_whole_parse(parser, text, expected):
     for cut in range(len(text) + 1):
-        assert _streamed([text[:cut], text[cut:]]) == expected, cut
-    assert _streamed(list(text) or [""]) == expected
+        assert _streamed([text[:cut], text[cut:]], parser) == expected, cut
+    assert _streamed(list(text) or [""], parser) == expected
 
 
-def test_random_texts_in_random_pieces():
+@pytest.mark.parametrize("parser, alphabet", [
+    ("hermes", ["<tool_call>", "</tool_call>", "<tool_", "call>", '{"name": "f", "arguments": {"a": 1}}', '{"name"',
+                "a", " ", "\n", "}", "</tool"]),
+    ("llama3_json", ['{"name": "f", "parameters": {"a": 1}}', "; ", "<|python_tag|>", "<|py", "{", "}", "a", " ",
+                     "\n"]),
+])
+def test_random_texts_in_random_pieces(parser, alphabet):
     rng = random.Random(0)
-    alphabet = ["<tool_call>", "</tool_call>", "<tool_", "call>", '{"name": "f", "arguments": {"a": 1}}', '{"name"',
-                "a", " ", "\n", "}", "</tool"]
     for _ in range(3000):
         text = "".join(rng.choices(alphabet, k=rng.randint(0, 9)))
         cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 5))))
         pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-        assert _streamed(pieces) == _plain(parse_tool_calls("hermes", text)), pieces
+        assert _streamed(pieces, parser) == _plain(parse_tool_calls(parser, text)), pieces
+
+
+def test_llama3_json_streams_content_at_once_and_holds_json_to_the_end():
+    parser = parser_for("llama3_json")
+    assert parser.feed("  ") == ("", []) and parser.feed("It is") == ("  It is", []) and parser.feed(" 18 C") == (
+        " 18 C", [])
+    calls = parser_for("llama3_json")
+    assert calls.feed(LLAMA[:20]) == ("", []) and calls.feed(LLAMA[20:]) == ("", [])
+    assert _plain(calls.feed("", final=True)) == ("", [WEATHER])
 
 
 def test_streamed_calls_come_once_their_block_closes():
-    parser = ToolCallParser("hermes")
+    parser = parser_for("hermes")
     assert parser.feed("Sure.\n<tool_call>\n{\"name\": \"get_weather\", ") == ("Sure.\n", [])
     content, calls = parser.feed('"arguments": {"city": "Paris"}}\n</tool_call>')
     assert content == "" and [(c.name, c.arguments) for c in calls] == [WEATHER]
@@ -302,6 +331,16 @@ def test_chunks_and_message_carry_tool_calls():
                                                 "message": {"role": "assistant", "content": CALL}}
 
 
+def test_llama3_json_calls_come_in_the_last_chunk():
+    request = parse_request(chat(tools=TOOLS), LIMITS, "r", chat=True, tool_call_parser="llama3_json")
+    builder = ResponseBuilder(request, "chatcmpl-r", "m", None, tool_call_parser="llama3_json")
+    chunks = [builder.chunk(0, out)["choices"][0] for out in _outputs([LLAMA[:25], LLAMA[25:]])]
+    assert chunks[0]["delta"] == {"role": "assistant", "content": ""} and chunks[0]["finish_reason"] is None
+    [call] = chunks[1]["delta"]["tool_calls"]
+    assert (call["index"], call["function"]["arguments"], chunks[1]["finish_reason"]) == (
+        0, '{"city": "Paris"}', "tool_calls")
+
+
 # ---- through the HTTP API -------------------------------------------------------------------------
 
 
@@ -475,7 +514,8 @@ const { Client } = require(process.argv[1]);
 def test_the_node_client_sends_tools_and_tool_messages(node, scripted):
     planes = scripted[0]
     call = {"id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
-    node_turns = [TOOL_TURNS[0], {"role": "assistant", "toolCalls": [call]}, {"role": "tool", "toolCallId": "call_1", "content": "18 C, sunny"}]
+    node_turns = [TOOL_TURNS[0], {"role": "assistant", "toolCalls": [call]},
+                  {"role": "tool", "toolCallId": "call_1", "content": "18 C, sunny"}]
     result = subprocess.run([node, "-e", NODE_SCRIPT, str(NODE_CLIENT / "twinplane.js"), planes.address,
                              json.dumps(node_turns), json.dumps(TOOLS)],
                             capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
