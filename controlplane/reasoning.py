@@ -22,7 +22,7 @@ OPEN, CLOSE = "<think>", "</think>"
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 
-def _partial_tag(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """Length of the longest end of text that is a proper start of tag (it may be completed later)."""
     for size in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-size:]):
@@ -58,7 +58,7 @@ class ReasoningSplitter:
             if closed:
                 reasoning, text, self.state = before, after, "content"
             else:
-                keep = 0 if final else _partial_tag(text, CLOSE)
+                keep = 0 if final else partial_tag(text, CLOSE)
                 reasoning, self.held, text = text[:len(text) - keep], text[len(text) - keep:], ""
         if self.state == "content":
             content = text

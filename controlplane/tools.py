@@ -30,6 +30,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from twinplane.controlplane.errors import InvalidRequest
+from twinplane.controlplane.reasoning import partial_tag
 
 TOOL_CHOICES = ("auto", "none")
 MAX_TOOLS = 128  # most tools one request may define
@@ -170,14 +171,6 @@ def json_object(text, where: str) -> dict:
 # ---- model output ---------------------------------------------------------------------------------
 
 
-def _partial_tag(text: str, tag: str) -> int:
-    """Length of the longest end of text that is a proper start of tag (it may be completed later)."""
-    for size in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0
-
-
 def _call(value) -> ToolCall | None:
     """The call a decoded JSON value stands for ({"name", "arguments" or "parameters"}), or None."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
@@ -195,7 +188,8 @@ def _hermes_call(body: str) -> ToolCall | None:
 
 
 class HermesParser:
-    """One choice's text, fed piece by piece, split into content pieces and tool calls."""
+    """One choice's text, fed piece by piece, split into content pieces and the calls in its
+    <tool_call> blocks."""
 
     def __init__(self):
         self.partial = ""  # outside a block: text that may be the start of OPEN
@@ -221,7 +215,7 @@ class HermesParser:
                 continue
             at = text.find(OPEN)
             if at < 0:
-                keep = 0 if final else _partial_tag(text, OPEN)
+                keep = 0 if final else partial_tag(text, OPEN)
                 self._outside(text[:len(text) - keep], content)
                 self.partial = text[len(text) - keep:]
                 break
