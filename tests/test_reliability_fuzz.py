@@ -6,6 +6,7 @@ clean status; afterwards nothing is left in flight and every KV block is free.
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 
@@ -41,8 +42,16 @@ def float_field(low: float, high: float) -> st.SearchStrategy[float | None]:
 text = st.text(max_size=120)
 token_ids = mostly(st.lists(st.integers(3, 49151), min_size=1, max_size=100),
                    st.lists(st.integers(0, UINT32), max_size=600))
-messages = mostly(st.lists(st.builds(pb.ChatMessage, role=st.sampled_from(CHAT_ROLES), content=text), min_size=1,
-                           max_size=3),
+# tools and tool calls: names and JSON objects as the API allows them, or anything
+names = mostly(st.from_regex(r"[a-z_]{1,12}", fullmatch=True), st.text(max_size=70))
+json_objects = mostly(st.dictionaries(st.text(max_size=5), st.integers() | text, max_size=3).map(json.dumps),
+                      st.text(max_size=40))
+tool_calls = mostly(st.just([]), st.lists(st.builds(pb.ToolCall, id=st.text(max_size=10), name=names,
+                                                    arguments=json_objects), max_size=2))
+tools = mostly(st.lists(st.builds(pb.Tool, name=names, description=text, parameters=json_objects), max_size=2),
+               st.lists(st.builds(pb.Tool, name=names), min_size=120, max_size=130))
+messages = mostly(st.lists(st.builds(pb.ChatMessage, role=st.sampled_from(CHAT_ROLES), content=text,
+                                     tool_calls=tool_calls, tool_call_id=st.text(max_size=10)), min_size=1, max_size=3),
                   st.lists(st.builds(pb.ChatMessage, role=st.text(max_size=8), content=text), max_size=4))
 sampling = st.builds(
     pb.SamplingParams,
@@ -76,6 +85,7 @@ def generate_requests(draw) -> pb.GenerateRequest:
         req.token_ids.ids.extend(draw(token_ids))
     elif kind == "chat":
         req.chat.messages.extend(draw(messages))
+        req.chat.tools.extend(draw(tools))
     return req
 
 

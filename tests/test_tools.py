@@ -15,6 +15,8 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from twinplane.controlplane.api import Limits, RequestOutput
 from twinplane.controlplane.bench_stream import QWEN3_0_6B, NullDataPlane, serve_stand_in
@@ -289,6 +291,34 @@ def test_special_tokens_in_tools_or_calls_are_refused(tool_tokenizer):
     prompt = parse_request({"messages": turns}, LIMITS, "r", chat=True).calls[0].prompt
     with pytest.raises(InvalidRequest, match=r"messages\[1\].tool_calls holds '<\|im_start\|>'"):
         tool_tokenizer.encode_chat(prompt.messages, "messages", prompt.chat_options)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=6),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+                    max_leaves=8)
+FUNCTIONS = st.fixed_dictionaries({"name": st.sampled_from(["f", "get_weather", "", "a b"]) | JSON},
+                                  optional={"description": JSON, "parameters": JSON})
+TOOL = st.fixed_dictionaries({"type": st.sampled_from(["function", "x"]), "function": FUNCTIONS | JSON})
+CALLED = st.fixed_dictionaries({"name": st.sampled_from(["f", ""]) | JSON,
+                                "arguments": st.sampled_from(['{"a": 1}', "{", "[]"]) | JSON})
+CALL_JSON = st.fixed_dictionaries({"id": JSON, "type": st.sampled_from(["function", "x"]), "function": CALLED})
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool"])},
+                                optional={"content": st.none() | st.text(max_size=8), "tool_calls": st.lists(
+                                    CALL_JSON, max_size=2) | JSON, "tool_call_id": JSON, "name": JSON})
+
+
+@settings(max_examples=400, deadline=None, database=None)
+@given(body=st.fixed_dictionaries({"messages": st.lists(MESSAGE, min_size=1, max_size=3)}, optional={
+    "tools": st.lists(TOOL, max_size=2) | JSON, "tool_choice": st.sampled_from(["auto", "none", "required"]) | JSON,
+    "parallel_tool_calls": JSON}), parser=st.sampled_from([None, "hermes"]))
+def test_random_tool_fields_are_taken_or_refused_with_a_message(body, parser):
+    try:
+        request = parse_request(body, LIMITS, "r", chat=True, tool_call_parser=parser)
+    except InvalidRequest as exc:
+        assert str(exc)
+        return
+    assert request.tools.parse == (parser is not None and body.get("tool_choice") in (None, "auto")
+                                   and bool(body.get("tools")))
 
 
 # ---- responses ------------------------------------------------------------------------------------
