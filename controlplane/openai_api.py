@@ -24,12 +24,13 @@ MAX_BATCH_PROMPTS = 32  # most prompts in one completion request (each gets n ch
 UNSUPPORTED = ("functions", "function_call", "suffix", "audio", "prediction")  # refused unless null/empty
 CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
-_INTS = ("top_k", "seed", "n", "max_tokens", "max_completion_tokens", "min_tokens", "top_logprobs",
-         "truncate_prompt_tokens", "priority")
+_INTS = ("top_k", "seed", "n", "max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens",
+         "top_logprobs", "truncate_prompt_tokens", "priority")
 # request fields an error message may start with: an error's "param"
 PARAMS = frozenset((*SAMPLING_FIELDS, *_INTS, "messages", "prompt", "stop", "stop_token_ids", "logprobs", "logit_bias",
                     "skip_special_tokens", "stream_options", "response_format", "echo", "include_stop_str_in_output",
-                    "tokens", *CHAT_OPTIONS, *TOOL_FIELDS, *UNSUPPORTED))
+                    "tokens", *CHAT_OPTIONS, *TOOL_FIELDS, *UNSUPPORTED,
+                    "input", "instructions", "text", "previous_response_id", "conversation", "background"))
 FINISH_REASONS = {FinishReason.STOP_TOKEN: "stop", FinishReason.STOP_STRING: "stop",
                   FinishReason.LENGTH: "length", FinishReason.ABORTED: "abort"}
 
@@ -225,10 +226,11 @@ def _check_supported(body: dict) -> None:
 
 
 def _max_tokens(body: dict) -> tuple[int | None, str]:
-    """The most tokens to generate, and the field that gave it."""
-    completion = _int(body, "max_completion_tokens")
-    if completion is not None:
-        return completion, "max_completion_tokens"
+    """The most tokens to generate, and the field that gave it (the Responses API's: max_output_tokens)."""
+    for name in ("max_completion_tokens", "max_output_tokens"):
+        value = _int(body, name)
+        if value is not None:
+            return value, name
     return _int(body, "max_tokens"), "max_tokens"
 
 

@@ -28,6 +28,7 @@ from twinplane.controlplane.auth import MESSAGE as API_KEY_MESSAGE
 from twinplane.controlplane.engine import Engine
 from twinplane.controlplane.errors import InvalidRequest, NotReady, ServiceError
 from twinplane.controlplane.openai_api import PARAMS, detokenize_ids, parse_request, tokenize_prompt
+from twinplane.controlplane.openai_responses import ResponsesBuilder, chat_body
 from twinplane.controlplane.openai_stream import Choices, ResponseBuilder
 from twinplane.controlplane.tls import parse_listen
 
@@ -82,6 +83,7 @@ class OpenAIService:
     def app(self) -> Starlette:
         routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/responses", self.responses, methods=["POST"]),
                   Route("/v1/models", self.models, methods=["GET"]),
                   Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                   Route("/tokenize", self.tokenize, methods=["POST"]),
@@ -153,10 +155,13 @@ class OpenAIService:
             return response_of(exc)
 
     async def chat(self, request: Request) -> Response:
-        return await self._generate(request, chat=True)
+        return await self._generate(request, "chat")
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, chat=False)
+        return await self._generate(request, "completion")
+
+    async def responses(self, request: Request) -> Response:
+        return await self._generate(request, "response")
 
     async def _body(self, request: Request) -> dict:
         data = bytearray()
@@ -187,7 +192,8 @@ class OpenAIService:
                            "model_not_found")
         return asked
 
-    async def _generate(self, request: Request, chat: bool) -> Response:
+    async def _generate(self, request: Request, kind: str) -> Response:
+        """kind: "chat" (completions), "completion" or "response" (the Responses API)."""
         try:
             self._authorize(request)
             body = await self._body(request)
@@ -197,20 +203,27 @@ class OpenAIService:
             await self.engine.wait_ready(queued=True)  # refuses at once when too many wait
             request_id = checked_request_id("", request.headers.get(REQUEST_ID_HEADER))
             config = self.engine.config
-            parsed = parse_request(body, self.engine.limits, request_id, chat, config.tool_call_parser)
+            fields = chat_body(body) if kind == "response" else body
+            chat = kind != "completion"
+            parsed = parse_request(fields, self.engine.limits, request_id, chat, config.tool_call_parser)
             choices = Choices(self.engine, parsed)
             await choices.open()
         except ClientDisconnect:
             return Response(status_code=499)
         except Exception as exc:  # noqa: BLE001 -- every error becomes an OpenAI error object
             return response_of(exc)
-        prefix = "chatcmpl-" if chat else "cmpl-"
-        builder = ResponseBuilder(parsed, prefix + request_id, model, self.engine.tokenizer,
-                                  config.reasoning_parser, config.tool_call_parser)
+        if kind == "response":
+            builder = ResponsesBuilder(parsed, f"resp_{request_id}", model, body, config.reasoning_parser,
+                                       config.tool_call_parser)
+            events = _response_sse(choices, builder)
+        else:
+            builder = ResponseBuilder(parsed, ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id, model,
+                                      self.engine.tokenizer, config.reasoning_parser, config.tool_call_parser)
+            events = _sse(choices, builder)
         headers = {REQUEST_ID_HEADER: request_id_header_value(request_id)}
         if parsed.stream:
             # the background task also aborts a stream the client left before its first chunk
-            return StreamingResponse(_sse(choices, builder), media_type="text/event-stream",
+            return StreamingResponse(events, media_type="text/event-stream",
                                      headers={**headers, "cache-control": "no-cache"},
                                      background=BackgroundTask(choices.close))
         return await _whole(request, choices, builder, headers)
@@ -235,7 +248,29 @@ async def _sse(choices: Choices, builder: ResponseBuilder):
     yield _event("[DONE]")
 
 
-async def _whole(request: Request, choices: Choices, builder: ResponseBuilder, headers: dict) -> Response:
+async def _response_sse(choices: Choices, builder: ResponsesBuilder):
+    """The Responses API's stream: named events, the last one the whole response; an error as an error event."""
+    def named(event: dict) -> bytes:
+        return f"event: {event['type']}\n".encode() + _event(event)
+
+    try:
+        for event in builder.start():
+            yield named(event)
+        async for index, out in choices:
+            for event in builder.add(index, out):
+                yield named(event)
+        for event in builder.finish(choices.usage()):
+            yield named(event)
+    except Exception as exc:  # noqa: BLE001 -- the status line is sent: the error goes as an event
+        error = json.loads(response_of(exc).body)["error"]
+        yield named({"type": "error", "sequence_number": builder.sequence, "code": error["code"],
+                     "message": error["message"], "param": error["param"]})
+    finally:
+        choices.close()
+
+
+async def _whole(request: Request, choices: Choices, builder: ResponseBuilder | ResponsesBuilder,
+                 headers: dict) -> Response:
     """Collects every output; a client that goes away meanwhile aborts the request."""
     async def collect() -> None:
         async for index, out in choices:

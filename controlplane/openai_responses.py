@@ -1,0 +1,256 @@
+"""The OpenAI Responses API (POST /v1/responses) on the chat completions' machinery.
+
+A request becomes a chat completion request: ``instructions`` a system message first, ``input``
+(a string, or items: messages, the function calls of earlier turns and their outputs) the
+messages, function ``tools`` the chat API's, ``max_output_tokens`` the most tokens; sampling
+fields and this server's extensions go as they are. So the same validation, chat template, tool
+call parser and reasoning parser apply. The output is a list of items, in the order the model
+wrote them: its reasoning (with ``--reasoning-parser``), its message, its function calls. Streamed,
+every item is announced, filled and closed with the API's events, each numbered; the last event
+carries the whole response, which is also what a request without ``stream`` gets.
+
+Nothing is stored: ``previous_response_id`` is refused, and a conversation goes on by sending its
+items again (the output items of a response are valid input items).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+from twinplane.controlplane.api import SAMPLING_FIELDS, RequestOutput
+from twinplane.controlplane.errors import InvalidRequest
+from twinplane.controlplane.openai_api import OpenAIRequest
+from twinplane.controlplane.openai_stream import ChatText
+from twinplane.controlplane.sequence import FinishReason
+from twinplane.controlplane.tools import ToolCall
+
+# fields that go to the chat completion request as they are
+PASSED = (*SAMPLING_FIELDS, "stream", "tool_choice", "parallel_tool_calls", "max_output_tokens", "min_tokens",
+          "ignore_eos", "stop", "stop_token_ids", "skip_special_tokens", "logit_bias", "priority",
+          "chat_template_kwargs", "truncate_prompt_tokens", "include_stop_str_in_output")
+REFUSED = {"previous_response_id": "this server stores no responses; send the conversation's items again in input",
+           "conversation": "this server stores no conversations; send the conversation's items in input",
+           "background": "background responses are not supported; stream the response instead",
+           "prompt": "stored prompt templates are not supported; send instructions and input"}
+ROLES = ("user", "assistant", "system", "developer")
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _fail(message: str) -> None:
+    raise InvalidRequest(message)
+
+
+def _text(content, where: str) -> str:
+    """A message's content: a string, or text parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        _fail(f"{where}.content must be a string or a list of input_text parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            _fail(f"{where}.content[{j}] must be a text part ({{\"type\": \"input_text\", \"text\": ...}}); "
+                  "only text input is supported")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _messages(value) -> list[dict]:
+    """The chat messages of input: items in order; a function call joins the assistant message before it."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        _fail("input is required: a string, or a list of items (messages, function calls and their outputs)")
+    messages: list[dict] = []
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            _fail(f"{where} must be an object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            if item.get("role") not in ROLES:
+                _fail(f"{where}.role must be one of {', '.join(ROLES)}, got {str(item.get('role'))[:40]!r}")
+            messages.append({"role": item["role"], "content": _text(item.get("content"), where)})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("output"), str):
+                _fail(f"{where}.output must be a string: the function's result")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": item["output"]})
+        elif kind != "reasoning":  # earlier reasoning is left out, as chat templates leave out past thinking
+            _fail(f"{where}.type must be message, function_call, function_call_output or reasoning, "
+                  f"got {str(kind)[:40]!r}")
+    return messages
+
+
+def _tool(tool, where: str) -> dict:
+    """A Responses function tool ({"type": "function", "name", ...}) as the chat API's."""
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        _fail(f"{where} must be a function tool ({{\"type\": \"function\", \"name\": ..., \"parameters\": ...}}); "
+              "this server runs no built-in tools")
+    return {"type": "function", "function": {key: tool[key] for key in ("name", "description", "parameters")
+                                             if tool.get(key) is not None}}
+
+
+def chat_body(body: dict) -> dict:
+    """The chat completion request body that a Responses request body stands for."""
+    for name, why in REFUSED.items():
+        if body.get(name):
+            _fail(f"{name}: {why}")
+    fmt = body.get("text", {}).get("format") if isinstance(body.get("text"), dict) else body.get("text")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        _fail("text.format: only {\"type\": \"text\"} is supported")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        _fail("instructions must be a string")
+    chat = {name: body[name] for name in PASSED if name in body}
+    chat["messages"] = [{"role": "system", "content": instructions}] * (instructions is not None) + _messages(
+        body.get("input"))
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            _fail("tools must be a list of function tools")
+        chat["tools"] = [_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
+    return chat
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+class ResponsesBuilder:
+    """One request's output as Responses events (``add``), and the response itself (``response``)."""
+
+    def __init__(self, request: OpenAIRequest, response_id: str, model: str, body: dict,
+                 reasoning_parser: str | None = None, tool_call_parser: str | None = None):
+        """body: the Responses request, whose settings the response repeats."""
+        self.id, self.model, self.created = response_id, model, int(time.time())
+        self.text = ChatText(reasoning_parser, tool_call_parser if request.tools.parse else None,
+                             request.tools.parallel)
+        self.items: list[dict] = []  # the output items so far, the open one last
+        self.open: str | None = None  # "reasoning" or "message": the last item's kind while it takes text
+        self.texts: list[str] = []  # the text of each item (function calls: "")
+        self.sequence = 0
+        tools = body.get("tools") or []
+        self.settings = {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+                         "temperature": body.get("temperature"), "top_p": body.get("top_p"), "tools": tools,
+                         "tool_choice": body.get("tool_choice") or ("auto" if tools else "none"),
+                         "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
+                         "metadata": body.get("metadata"), "text": {"format": {"type": "text"}}}
+        self.final: RequestOutput | None = None
+        self.usage: dict | None = None
+
+    def _event(self, kind: str, **fields) -> dict:
+        event = {"type": f"response.{kind}", "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return event
+
+    def start(self) -> list[dict]:
+        """The events before any output."""
+        return [self._event("created", response=self.response()), self._event("in_progress", response=self.response())]
+
+    def add(self, index: int, out: RequestOutput) -> list[dict]:
+        """The events of one output (of the one choice: index 0)."""
+        events: list[dict] = []
+        reasoning, content, calls = self.text.feed(out.text, final=out.finish_reason is not None)
+        if reasoning:
+            events += self._append("reasoning", reasoning)
+        if content:
+            events += self._append("message", content)
+        for call in calls:
+            events += self._close() + self._call(call)
+        if out.finish_reason is not None:
+            self.final = out
+            events += self._close()
+        return events
+
+    def finish(self, usage: dict) -> list[dict]:
+        """The last event: the whole response."""
+        response = self.response(usage)
+        return [self._event("completed" if response["status"] == "completed" else "incomplete", response=response)]
+
+    def _append(self, kind: str, text: str) -> list[dict]:
+        events = [] if self.open == kind else self._close() + self._begin(kind)
+        at = len(self.items) - 1
+        self.texts[at] += text
+        delta = "reasoning_text.delta" if kind == "reasoning" else "output_text.delta"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        return events + [self._event(delta, item_id=self.items[at]["id"], output_index=at, content_index=0,
+                                     delta=text, **extra)]
+
+    def _begin(self, kind: str) -> list[dict]:
+        if kind == "reasoning":
+            item = {"id": _id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
+        else:
+            item = {"id": _id("msg"), "type": "message", "role": "assistant", "content": [], "status": "in_progress"}
+        self.items.append(item)
+        self.texts.append("")
+        self.open = kind
+        at = len(self.items) - 1
+        events = [self._event("output_item.added", output_index=at, item=dict(item))]
+        if kind == "message":
+            events.append(self._event("content_part.added", item_id=item["id"], output_index=at, content_index=0,
+                                      part=_output_text("")))
+        return events
+
+    def _close(self) -> list[dict]:
+        """Ends the open item, when there is one."""
+        if self.open is None:
+            return []
+        at, kind, self.open = len(self.items) - 1, self.open, None
+        item, text = self.items[at], self.texts[at]
+        where = {"item_id": item["id"], "output_index": at, "content_index": 0}
+        if kind == "reasoning":
+            item["content"] = [{"type": "reasoning_text", "text": text}]
+            events = [self._event("reasoning_text.done", **where, text=text)]
+        else:
+            item["content"] = [_output_text(text)]
+            events = [self._event("output_text.done", **where, text=text, logprobs=[]),
+                      self._event("content_part.done", **where, part=_output_text(text))]
+        item["status"] = "completed"
+        return events + [self._event("output_item.done", output_index=at, item=item)]
+
+    def _call(self, call: ToolCall) -> list[dict]:
+        item = {"id": _id("fc"), "type": "function_call", "call_id": call.id, "name": call.name,
+                "arguments": call.arguments, "status": "completed"}
+        self.items.append(item)
+        self.texts.append("")
+        at = len(self.items) - 1
+        where = {"item_id": item["id"], "output_index": at}
+        return [self._event("output_item.added", output_index=at, item={**item, "arguments": "",
+                                                                        "status": "in_progress"}),
+                self._event("function_call_arguments.delta", **where, delta=call.arguments),
+                self._event("function_call_arguments.done", **where, name=call.name, arguments=call.arguments),
+                self._event("output_item.done", output_index=at, item=item)]
+
+    def response(self, usage: dict | None = None) -> dict:
+        """The response as it stands: in progress until the output has ended and usage is given."""
+        status, incomplete = "in_progress", None
+        if self.final is not None and usage is not None:
+            reason = self.final.finish_reason
+            status = {FinishReason.LENGTH: "incomplete", FinishReason.ABORTED: "cancelled"}.get(reason, "completed")
+            incomplete = {"reason": "max_output_tokens"} if reason == FinishReason.LENGTH else None
+        done = [item for item in self.items if item["status"] == "completed"]
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.model,
+                "output": done, "incomplete_details": incomplete, "error": None, **self.settings,
+                "usage": None if usage is None else _usage(usage)}
+
+
+def _output_text(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _usage(usage: dict) -> dict:
+    """The chat API's usage as the Responses API names it; neither the tokens written to the prefix
+    cache nor the reasoning tokens are counted apart (0)."""
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    return {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
+            "total_tokens": usage["total_tokens"],
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0}}

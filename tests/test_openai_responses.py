@@ -1,0 +1,154 @@
+"""The Responses API (POST /v1/responses) through the openai SDK, over a data plane that writes
+scripted replies: text, reasoning and function calls as output items, the stream's events (checked
+against the SDK's types) equal to the whole response, a conversation carried on by sending the
+output items back, and what is refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import typing
+
+import httpx
+import openai
+import pytest
+from openai.types.responses import ResponseStreamEvent
+
+from twinplane.controlplane.bench_stream import serve_stand_in
+from twinplane.controlplane.tokenizer import Tokenizer
+
+from .conftest import Planes
+from .test_tools import CALL, TOOL_TEMPLATE, ScriptedDataPlane
+
+TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city.",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+ANSWER = "It is 18 C and sunny in Paris."
+SCRIPTS = [("Think", "<think>Paris is in France.</think>\n\nLet me check.\n" + CALL), ("Paris", CALL),
+           ("Long", "one two three four five six seven eight nine ten"), ("", ANSWER)]
+# each event type's class in the SDK, to check an event against
+EVENTS = {typing.get_args(cls.model_fields["type"].annotation)[0]: cls
+          for cls in typing.get_args(typing.get_args(ResponseStreamEvent)[0])}
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory, smollm2_dir):
+    """A control plane with the qwen3 reasoning parser and the hermes tool call parser."""
+    folder = tmp_path_factory.mktemp("responses")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, folder / name)
+    (folder / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    stand_in = ScriptedDataPlane(Tokenizer(folder), SCRIPTS)
+    server, dp_address, _ = serve_stand_in(stand_in)
+    planes = Planes(folder, "scripted", dp_address=dp_address, tokenizer=str(folder), http_listen="127.0.0.1:0",
+                    tool_call_parser="hermes", reasoning_parser="qwen3", enable_prefix_caching=False)
+    try:
+        planes.start_controlplane()
+        planes.wait_ready(60)
+        yield planes, stand_in
+    finally:
+        planes.stop()
+        server.stop(0)
+
+
+@pytest.fixture
+def client(scripted) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{scripted[0].plane.http_port}/v1", api_key="x", max_retries=0)
+
+
+def _streamed(client: openai.OpenAI, **request) -> tuple[list, dict]:
+    """The stream's events, each checked against the SDK's types, and the response the last one holds."""
+    url = f"{client.base_url}responses"
+    events = []
+    with httpx.stream("POST", url, json={**request, "stream": True}, timeout=30) as reply:
+        assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in reply.iter_lines() if line]
+    for name, data in zip(lines[::2], lines[1::2]):
+        event = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {event['type']}"
+        EVENTS[event["type"]].model_validate(event)
+        events.append(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
+    return events, events[-1]["response"]
+
+
+def _same(streamed: dict, whole: dict) -> None:
+    """Equal but for the ids and times each response draws."""
+    def plain(response: dict) -> dict:
+        output = [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in response["output"]]
+        return {**{k: v for k, v in response.items() if k not in ("id", "created_at")}, "output": output}
+    assert plain(streamed) == plain(whole)
+
+
+def test_text_whole_and_streamed(client, scripted):
+    whole = client.responses.create(model="scripted", input="Hello!", instructions="Be brief.")
+    assert whole.status == "completed" and whole.output_text == ANSWER
+    [message] = whole.output
+    assert (message.type, message.role, message.content[0].type) == ("message", "assistant", "output_text")
+    assert whole.usage.output_tokens == len(scripted[1].tokenizer.encode(ANSWER, add_special_tokens=False)) + 1
+    assert whole.usage.total_tokens == whole.usage.input_tokens + whole.usage.output_tokens
+    assert whole.instructions == "Be brief." and whole.tool_choice == "none"
+    assert "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello!" in scripted[1].prompts[-1]
+    events, last = _streamed(client, model="scripted", input="Hello!", instructions="Be brief.")
+    assert events[-1]["type"] == "response.completed"
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == ANSWER
+    assert [e["type"] for e in events if "delta" not in e][2:] == [
+        "response.output_item.added", "response.content_part.added", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.completed"]
+    _same(last, whole.model_dump(mode="json", exclude_unset=True))
+
+
+def test_reasoning_message_and_call_items_in_order(client):
+    whole = client.responses.create(model="scripted", input="Think: the weather in Paris?", tools=TOOLS)
+    assert [item.type for item in whole.output] == ["reasoning", "message", "function_call"]
+    reasoning, message, call = whole.output
+    assert reasoning.content[0].text == "Paris is in France." and message.content[0].text == "\n\nLet me check.\n"
+    assert (call.name, json.loads(call.arguments), call.call_id[:5]) == ("get_weather", {"city": "Paris"}, "call_")
+    events, last = _streamed(client, model="scripted", input="Think: the weather in Paris?", tools=TOOLS)
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "Paris is in France."
+    [done] = [e for e in events if e["type"] == "response.function_call_arguments.done"]
+    assert (done["name"], done["arguments"], done["output_index"]) == ("get_weather", call.arguments, 2)
+    added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
+    assert added == ["reasoning", "message", "function_call"]
+    _same(last, whole.model_dump(mode="json", exclude_unset=True))
+
+
+def test_the_output_items_carry_the_conversation_on(client, scripted):
+    first = client.responses.create(model="scripted", input="Weather in Paris?", tools=TOOLS)
+    [call] = first.output
+    conversation = [{"role": "user", "content": "Weather in Paris?"}, *[item.model_dump(exclude_none=True)
+                                                                      for item in first.output],
+                    {"type": "function_call_output", "call_id": call.call_id, "output": "18 C, sunny"}]
+    answer = client.responses.create(model="scripted", input=conversation, tools=TOOLS)
+    assert answer.output_text == ANSWER and [item.type for item in answer.output] == ["message"]
+    prompt = scripted[1].prompts[-1]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert f'<tool_response id="{call.call_id}">\n18 C, sunny\n</tool_response>' in prompt
+
+
+def test_max_output_tokens_leaves_the_response_incomplete(client):
+    cut = client.responses.create(model="scripted", input="Long?", max_output_tokens=3)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.usage.output_tokens == 3 and cut.output_text == "one two three"
+    events, last = _streamed(client, model="scripted", input="Long?", max_output_tokens=3)
+    assert events[-1]["type"] == "response.incomplete" and last["status"] == "incomplete"
+
+
+@pytest.mark.parametrize("request_fields, param, words", [
+    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools", "function tool"),
+    ({"input": [{"type": "input_image", "image_url": "x"}]}, "input", "input[0].type must be message"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input", "only text input"),
+    ({"input": []}, "input", "input is required"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens must be in"),
+    ({"input": "hi", "text": {"format": {"type": "json_object"}}}, "text", "only {\"type\": \"text\"}"),
+    ({"input": "hi", "tools": TOOLS, "tool_choice": "required"}, "tool_choice", "constrained decoding"),
+    ({"input": "hi", "instructions": 3}, "instructions", "instructions must be a string"),
+], ids=["previous-response", "built-in-tool", "image-item", "image-part", "no-input", "max-output-tokens",
+        "json-format", "required-call", "instructions-number"])
+def test_what_the_server_cannot_do_gets_400(client, request_fields, param, words):
+    reply = httpx.post(f"{client.base_url}responses", json={"model": "scripted", **request_fields}, timeout=30)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and words in error["message"], error
