@@ -6,7 +6,6 @@ output items back, and what is refused."""
 from __future__ import annotations
 
 import json
-import shutil
 import typing
 
 import httpx
@@ -14,11 +13,7 @@ import openai
 import pytest
 from openai.types.responses import ResponseStreamEvent
 
-from twinplane.controlplane.bench_stream import serve_stand_in
-from twinplane.controlplane.tokenizer import Tokenizer
-
-from .conftest import Planes
-from .test_tools import CALL, TOOL_TEMPLATE, ScriptedDataPlane
+from .test_tools import CALL, scripted_planes
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city.",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
@@ -33,21 +28,9 @@ EVENTS = {typing.get_args(cls.model_fields["type"].annotation)[0]: cls
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory, smollm2_dir):
     """A control plane with the qwen3 reasoning parser and the hermes tool call parser."""
-    folder = tmp_path_factory.mktemp("responses")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2_dir / name, folder / name)
-    (folder / "chat_template.jinja").write_text(TOOL_TEMPLATE)
-    stand_in = ScriptedDataPlane(Tokenizer(folder), SCRIPTS)
-    server, dp_address, _ = serve_stand_in(stand_in)
-    planes = Planes(folder, "scripted", dp_address=dp_address, tokenizer=str(folder), http_listen="127.0.0.1:0",
-                    tool_call_parser="hermes", reasoning_parser="qwen3", enable_prefix_caching=False)
-    try:
-        planes.start_controlplane()
-        planes.wait_ready(60)
-        yield planes, stand_in
-    finally:
-        planes.stop()
-        server.stop(0)
+    with scripted_planes(tmp_path_factory.mktemp("responses"), smollm2_dir, SCRIPTS, tool_call_parser="hermes",
+                         reasoning_parser="qwen3") as both:
+        yield both
 
 
 @pytest.fixture

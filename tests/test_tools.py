@@ -5,6 +5,7 @@ plane that writes a tool call."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import shutil
@@ -413,17 +414,16 @@ SCRIPTS = [("Paris", "Let me check.\n" + CALL), ("two cities", CALL + "\n" + CAL
            ("", "It is 18 C and sunny in Paris.")]
 
 
-@pytest.fixture(scope="module")
-def scripted(tmp_path_factory, smollm2_dir):
-    """A control plane with --tool-call-parser hermes and the tool template, over the scripted data plane."""
-    folder = tmp_path_factory.mktemp("tools")
+@contextlib.contextmanager
+def scripted_planes(folder, smollm2_dir, scripts: list[tuple[str, str]], **config):
+    """A control plane (the tool template, prefix caching off, config) over a ScriptedDataPlane."""
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(smollm2_dir / name, folder / name)
     (folder / "chat_template.jinja").write_text(TOOL_TEMPLATE)
-    stand_in = ScriptedDataPlane(Tokenizer(folder), SCRIPTS)
+    stand_in = ScriptedDataPlane(Tokenizer(folder), scripts)
     server, dp_address, _ = serve_stand_in(stand_in)
     planes = Planes(folder, "scripted", dp_address=dp_address, tokenizer=str(folder), http_listen="127.0.0.1:0",
-                    tool_call_parser="hermes", enable_prefix_caching=False)
+                    enable_prefix_caching=False, **config)
     try:
         planes.start_controlplane()
         planes.wait_ready(60)
@@ -431,6 +431,13 @@ def scripted(tmp_path_factory, smollm2_dir):
     finally:
         planes.stop()
         server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory, smollm2_dir):
+    """A control plane with --tool-call-parser hermes and the tool template, over the scripted data plane."""
+    with scripted_planes(tmp_path_factory.mktemp("tools"), smollm2_dir, SCRIPTS, tool_call_parser="hermes") as both:
+        yield both
 
 
 @pytest.fixture
