@@ -213,7 +213,8 @@ class ResponsesBuilder:
             item["content"] = [_output_text(text)]
             events = [self._event("output_text.done", **where, text=text, logprobs=[]),
                       self._event("content_part.done", **where, part=_output_text(text))]
-        item["status"] = "completed"
+        cut = self.final is not None and self.final.finish_reason == FinishReason.LENGTH  # by max_output_tokens
+        item["status"] = "incomplete" if cut else "completed"
         return events + [self._event("output_item.done", output_index=at, item=item)]
 
     def _call(self, call: ToolCall) -> list[dict]:
@@ -236,7 +237,7 @@ class ResponsesBuilder:
             reason = self.final.finish_reason
             status = {FinishReason.LENGTH: "incomplete", FinishReason.ABORTED: "cancelled"}.get(reason, "completed")
             incomplete = {"reason": "max_output_tokens"} if reason == FinishReason.LENGTH else None
-        done = [item for item in self.items if item["status"] == "completed"]
+        done = [item for item in self.items if item["status"] != "in_progress"]
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.model,
                 "output": done, "incomplete_details": incomplete, "error": None, **self.settings,
                 "usage": None if usage is None else _usage(usage)}

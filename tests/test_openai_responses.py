@@ -114,6 +114,7 @@ def test_max_output_tokens_leaves_the_response_incomplete(client):
     cut = client.responses.create(model="scripted", input="Long?", max_output_tokens=3)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
     assert cut.usage.output_tokens == 3 and cut.output_text == "one two three"
+    assert cut.output[0].status == "incomplete"  # the message the limit cut short
     events, last = _streamed(client, model="scripted", input="Long?", max_output_tokens=3)
     assert events[-1]["type"] == "response.incomplete" and last["status"] == "incomplete"
 
