@@ -13,13 +13,14 @@ import openai
 import pytest
 from openai.types.responses import ResponseStreamEvent
 
-from .test_tools import CALL, scripted_planes
+from .test_tools import CALL, FAULT, scripted_planes
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city.",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
 ANSWER = "It is 18 C and sunny in Paris."
 SCRIPTS = [("Think", "<think>Paris is in France.</think>\n\nLet me check.\n" + CALL), ("Paris", CALL),
-           ("Long", "one two three four five six seven eight nine ten"), ("", ANSWER)]
+           ("Long", "one two three four five six seven eight nine ten"), ("Broken", "Half an" + FAULT),
+           ("", ANSWER)]
 # each event type's class in the SDK, to check an event against
 EVENTS = {typing.get_args(cls.model_fields["type"].annotation)[0]: cls
           for cls in typing.get_args(typing.get_args(ResponseStreamEvent)[0])}
@@ -38,8 +39,8 @@ def client(scripted) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"http://127.0.0.1:{scripted[0].plane.http_port}/v1", api_key="x", max_retries=0)
 
 
-def _streamed(client: openai.OpenAI, **request) -> tuple[list, dict]:
-    """The stream's events, each checked against the SDK's types, and the response the last one holds."""
+def _events(client: openai.OpenAI, **request) -> list[dict]:
+    """The stream's events, each checked against the SDK's types and numbered in order."""
     url = f"{client.base_url}responses"
     events = []
     with httpx.stream("POST", url, json={**request, "stream": True}, timeout=30) as reply:
@@ -51,6 +52,12 @@ def _streamed(client: openai.OpenAI, **request) -> tuple[list, dict]:
         EVENTS[event["type"]].model_validate(event)
         events.append(event)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
+
+
+def _streamed(client: openai.OpenAI, **request) -> tuple[list, dict]:
+    """The stream's events, and the response the last one holds."""
+    events = _events(client, **request)
     assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
     assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
     return events, events[-1]["response"]
@@ -136,3 +143,13 @@ def test_what_the_server_cannot_do_gets_400(client, request_fields, param, words
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+def test_a_step_that_fails_ends_the_stream_with_an_error_event(client):
+    events = _events(client, model="scripted", input="Broken?")
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Half an"
+    assert events[-1]["type"] == "error" and "a scripted fault" in events[-1]["message"]
+    assert not any(e["type"] in ("response.completed", "response.incomplete") for e in events)
+    with pytest.raises(openai.InternalServerError):
+        client.responses.create(model="scripted", input="Broken?")
+    assert client.responses.create(model="scripted", input="Hello?").output_text == ANSWER  # still serving

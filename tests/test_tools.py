@@ -375,13 +375,18 @@ def test_llama3_json_calls_come_in_the_last_chunk():
 # ---- through the HTTP API -------------------------------------------------------------------------
 
 
+FAULT = "<the step fails here>"
+
+
 class ScriptedDataPlane(NullDataPlane):
     """Answers each sequence with the text of the first script whose key its prompt's last user turn
-    holds (else the last script's), then the end of turn; keeps each prompt's text."""
+    holds (else the last script's), then the end of turn, or fails the step where the text holds
+    FAULT; keeps each prompt's text."""
 
     def __init__(self, tokenizer: Tokenizer, scripts: list[tuple[str, str]]):
         self.tokenizer, self.eos = tokenizer, tokenizer.token_id("<|im_end|>")
-        self.scripts = [(key, tokenizer.encode(text, add_special_tokens=False)) for key, text in scripts]
+        self.scripts = [(key, tokenizer.encode(text.partition(FAULT)[0], add_special_tokens=False)
+                         + [-1] * (FAULT in text)) for key, text in scripts]
         self.left: dict[int, list[int]] = {}  # each sequence's tokens still to come
         self.prompts: list[str] = []
 
@@ -398,7 +403,7 @@ class ScriptedDataPlane(NullDataPlane):
                 ("seq_ids", "<i8"), ("num_tokens", "<i4"), ("start_pos", "<i4"), ("decode_budget", "<i4")))
             token_ids, sample = np.frombuffer(plan.token_ids, "<i4"), np.frombuffer(plan.sample, np.uint8)
             first = np.concatenate([[0], np.cumsum(num_tokens)[:-1]])
-            sampled = []
+            sampled, failed = [], False
             for i, seq_id in enumerate(seq_ids.tolist()):
                 if start_pos[i] == 0:  # prefix caching is off: the whole prompt is computed
                     prompt = self.tokenizer.decode(token_ids[first[i]:first[i] + num_tokens[i]].tolist(), False)
@@ -407,7 +412,11 @@ class ScriptedDataPlane(NullDataPlane):
                     self.left[seq_id] = next(ids for key, ids in self.scripts if key in turn)[:]
                 for _ in range(int(budget[i]) if plan.num_steps > 1 else int(sample[i])):
                     sampled.append(self.left[seq_id].pop(0) if self.left[seq_id] else self.eos)
-            yield dp.StepResult(step_id=plan.step_id, sampled_token_ids=np.array(sampled, "<i4").tobytes())
+                    failed = failed or sampled[-1] < 0
+            if failed:
+                yield dp.StepResult(step_id=plan.step_id, error="a scripted fault")
+            else:
+                yield dp.StepResult(step_id=plan.step_id, sampled_token_ids=np.array(sampled, "<i4").tobytes())
 
 
 SCRIPTS = [("Paris", "Let me check.\n" + CALL), ("two cities", CALL + "\n" + CALL.replace("Paris", "Lyon")),
