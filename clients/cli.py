@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from twinplane.clients.launcher import CONFIG_ERROR_EXIT, TOKEN_ENV, DataPlaneProcess, gpu_groups, new_token
 from twinplane.controlplane.event_loop import run as run_event_loop
@@ -85,6 +86,9 @@ def _add_controlplane_args(p: argparse.ArgumentParser, listen_default: str = DEF
     g.add_argument("--listen", default=listen_default,
                    help="public API address, host:port or unix:///path (loopback unless told otherwise)")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file (or the template itself) in place of the tokenizer's, e.g. one "
+                        "that renders tools (default: the tokenizer's)")
     g.add_argument("--max-waiting-requests", type=int, default=4096,
                    help="most requests waiting; beyond it, RESOURCE_EXHAUSTED")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
@@ -153,6 +157,16 @@ def _add_controlplane_args(p: argparse.ArgumentParser, listen_default: str = DEF
                         "port and one engine core; request limits are split between them")
 
 
+def _chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the template itself (as vLLM's); ValueError for neither."""
+    if value is None or "{{" in value or "{%" in value:
+        return value
+    path = Path(value)
+    if not path.is_file():
+        raise ValueError(f"chat_template: {value!r} is no file, nor a template (no {{{{ or {{%)")
+    return path.read_text()
+
+
 def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None, dataplane_tls=None):
     """The control plane's config and security from args; a bad value or TLS file is a one-line error."""
     from twinplane.controlplane.config import ControlPlaneConfig
@@ -166,7 +180,7 @@ def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None, d
         dataplane_tls.credentials()
         config = ControlPlaneConfig(
             dataplane=dataplane, dataplane_token=token, dataplane_tls=dataplane_tls, listen=args.listen,
-            tokenizer=args.tokenizer,
+            tokenizer=args.tokenizer, chat_template=_chat_template(args.chat_template),
             max_waiting_requests=args.max_waiting_requests, enable_prefix_caching=not args.no_prefix_caching,
             shutdown_grace=args.shutdown_grace, max_prefill_tokens_with_decode=args.max_prefill_tokens_with_decode,
             stream_interval=args.stream_interval, max_steps_in_flight=args.max_steps_in_flight,

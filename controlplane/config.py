@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jinja2
+
 from twinplane.controlplane.reasoning import REASONING_PARSERS
-from twinplane.controlplane.tools import TOOL_CALL_PARSERS
 from twinplane.controlplane.router import ROUTING_POLICIES
 from twinplane.controlplane.tls import DataPlaneTls, check_listen, parse_listen
+from twinplane.controlplane.tokenizer import Tokenizer
+from twinplane.controlplane.tools import TOOL_CALL_PARSERS
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 BYTES_PER_TOKEN = 64  # default max_prompt_bytes per token of max_model_len (generous: room for truncation)
@@ -20,6 +23,7 @@ class ControlPlaneConfig:
     dataplane_tls: DataPlaneTls = DataPlaneTls()  # TLS to data planes on TCP; default: plaintext
     listen: str = "127.0.0.1:50051"  # public API address (loopback unless told otherwise)
     tokenizer: str | None = None  # tokenizer folder; default: the one the data plane reports
+    chat_template: str | None = None  # a chat template's text, in place of the tokenizer's; None: the tokenizer's
     max_num_seqs: int | None = None  # default: the data plane's limit
     max_num_batched_tokens: int | None = None  # default: the data plane's limit
     max_waiting_requests: int = 4096  # beyond this, new requests get RESOURCE_EXHAUSTED
@@ -78,6 +82,11 @@ class ControlPlaneConfig:
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")
+        if self.chat_template is not None:
+            try:
+                Tokenizer.compile_template(self.chat_template)
+            except jinja2.TemplateError as exc:
+                raise ValueError(f"chat_template does not compile: {exc}") from None
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")

@@ -165,7 +165,7 @@ class Engine:
     def connected(self, desc: dp.DescribeResponse, snapshot: CoreSnapshot) -> None:
         if self.describe is None:
             folder = self.config.tokenizer or desc.tokenizer_path
-            self.tokenizer = Tokenizer(folder) if folder else None
+            self.tokenizer = Tokenizer(folder, self.config.chat_template) if folder else None
         self.describe = desc
         c = self.config
         self.limits = Limits(vocab_size=desc.vocab_size, max_model_len=desc.max_model_len,

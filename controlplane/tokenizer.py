@@ -70,7 +70,8 @@ def _token_text(value: object) -> str | None:
 
 
 class Tokenizer:
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, chat_template: str | None = None):
+        """chat_template: a template's text, in place of the folder's."""
         folder = Path(folder)
         self.folder = folder
         if not (folder / "tokenizer.json").is_file():
@@ -85,11 +86,12 @@ class Tokenizer:
         template = template_file.read_text() if template_file.exists() else config.get("chat_template")
         if isinstance(template, list):  # named templates: use "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        template = chat_template if chat_template is not None else template
         self.chat_template: str | None = template
         self._template, self._template_error = None, None
         if template:
             try:
-                self._template = self._compile(template)
+                self._template = self.compile_template(template)
             except jinja2.TemplateError as exc:  # served anyway: text and token ids still work
                 self._template_error = f"the server's chat template does not compile: {exc}"
         special = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
@@ -155,7 +157,8 @@ class Tokenizer:
         return self.encode(self.render_chat(messages, options), add_special_tokens=False)
 
     @staticmethod
-    def _compile(template: str) -> jinja2.Template:
+    def compile_template(template: str) -> jinja2.Template:
+        """The template, compiled as transformers compiles it (jinja2.TemplateError when it cannot be)."""
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)

@@ -432,3 +432,20 @@ def test_bench_refuses_a_workload_it_cannot_draw_and_a_server_that_is_not_there(
     assert "server not ready before the timeout" in result.stderr, result.stderr
     result = _refused("health", "--server", f"unix://{tmp_path}/nobody.sock", "--timeout", "-1")
     assert "--timeout must be > 0 seconds, got -1.0" in result.stderr, result.stderr
+
+
+def test_chat_template_takes_a_file_or_the_template_and_must_compile(tmp_path):
+    from twinplane.clients.cli import _controlplane, build_parser
+
+    def config(*flags: str):
+        return _controlplane(build_parser().parse_args(["serve", *flags]), "unix:///tmp/dp.sock", None)[0]
+
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    (tmp_path / "chat.jinja").write_text(template)
+    assert config("--chat-template", str(tmp_path / "chat.jinja")).chat_template == template
+    assert config("--chat-template", template).chat_template == template
+    assert config().chat_template is None
+    with pytest.raises(SystemExit, match="'nope.jinja' is no file, nor a template"):
+        config("--chat-template", "nope.jinja")
+    with pytest.raises(SystemExit, match="chat_template does not compile"):
+        config("--chat-template", "{% for m in messages %}")

@@ -146,3 +146,10 @@ def test_continuing_the_last_message_cuts_where_transformers_cuts(tmp_path, smol
         conversation, tokenize=False, continue_final_message=True)
     assert tok.render_chat(conversation, ChatOptions(add_generation_prompt=False, continue_final_message=True)) \
         == reference
+
+
+def test_a_template_given_in_place_of_the_folders_renders_the_chat(tmp_path, smollm2_dir):
+    tok = tokenizer_with_template(tmp_path, smollm2_dir, THINKING_TEMPLATE)
+    given = Tokenizer(tmp_path, chat_template="{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}")
+    assert given.render_chat(CONVERSATION) == "[user] Name a colour.[assistant] Blue, or "
+    assert given.chat_template != tok.chat_template and tok.render_chat(CONVERSATION) != given.render_chat(CONVERSATION)

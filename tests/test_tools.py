@@ -29,7 +29,7 @@ from twinplane.controlplane.tokenizer import Tokenizer
 from twinplane.controlplane.tools import parse_tool_calls, parser_for
 from twinplane.proto import dataplane_pb2 as dp
 
-from .conftest import NODE_CLIENT, Planes
+from .conftest import NODE_CLIENT, TOKENIZER_FILES, Planes
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 WEATHER, LYON = ("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Lyon"}')
@@ -425,14 +425,14 @@ SCRIPTS = [("Paris", "Let me check.\n" + CALL), ("two cities", CALL + "\n" + CAL
 
 @contextlib.contextmanager
 def scripted_planes(folder, smollm2_dir, scripts: list[tuple[str, str]], **config):
-    """A control plane (the tool template, prefix caching off, config) over a ScriptedDataPlane."""
-    for name in ("tokenizer.json", "tokenizer_config.json"):
+    """A control plane (SmolLM2's tokenizer, the tool template in place of its own, prefix caching
+    off, config) over a ScriptedDataPlane."""
+    for name in TOKENIZER_FILES:
         shutil.copy(smollm2_dir / name, folder / name)
-    (folder / "chat_template.jinja").write_text(TOOL_TEMPLATE)
     stand_in = ScriptedDataPlane(Tokenizer(folder), scripts)
     server, dp_address, _ = serve_stand_in(stand_in)
-    planes = Planes(folder, "scripted", dp_address=dp_address, tokenizer=str(folder), http_listen="127.0.0.1:0",
-                    enable_prefix_caching=False, **config)
+    planes = Planes(folder, "scripted", dp_address=dp_address, tokenizer=str(folder), chat_template=TOOL_TEMPLATE,
+                    http_listen="127.0.0.1:0", enable_prefix_caching=False, **config)
     try:
         planes.start_controlplane()
         planes.wait_ready(60)
