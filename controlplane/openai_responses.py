@@ -158,7 +158,7 @@ class ResponsesBuilder:
     def add(self, index: int, out: RequestOutput) -> list[dict]:
         """The events of one output (of the one choice: index 0)."""
         events: list[dict] = []
-        reasoning, content, calls = self.text.feed(out.text, final=out.finish_reason is not None)
+        reasoning, content, calls = self.text.feed(out.text, out.finish_reason is not None, len(out.token_ids))
         if reasoning:
             events += self._append("reasoning", reasoning)
         if content:
@@ -240,18 +240,18 @@ class ResponsesBuilder:
         done = [item for item in self.items if item["status"] != "in_progress"]
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.model,
                 "output": done, "incomplete_details": incomplete, "error": None, **self.settings,
-                "usage": None if usage is None else _usage(usage)}
+                "usage": None if usage is None else _usage(usage, self.text.reasoning_tokens)}
 
 
 def _output_text(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def _usage(usage: dict) -> dict:
-    """The chat API's usage as the Responses API names it; neither the tokens written to the prefix
-    cache nor the reasoning tokens are counted apart (0)."""
+def _usage(usage: dict, reasoning_tokens: int) -> dict:
+    """The chat API's usage as the Responses API names it; the tokens written to the prefix cache
+    are not counted apart (0)."""
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     return {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
             "total_tokens": usage["total_tokens"],
             "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-            "output_tokens_details": {"reasoning_tokens": 0}}
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens}}

@@ -118,12 +118,23 @@ class ChatText:
         self.tools = parser_for(tool_call_parser) if tool_call_parser else None
         self.parallel = parallel
         self.calls = 0  # tool calls so far: the next one's index
+        self.reasoning_tokens = 0  # the tokens of the pieces that were reasoning (tags included)
+        self.undecided_tokens = 0  # tokens of pieces held while the text may still open reasoning
 
-    def feed(self, text: str, final: bool = False) -> tuple[str, str, list[ToolCall]]:
-        """The reasoning, the content and the tool calls in text."""
+    def feed(self, text: str, final: bool = False, num_tokens: int = 0) -> tuple[str, str, list[ToolCall]]:
+        """The reasoning, the content and the tool calls in text, the piece of num_tokens tokens. A
+        piece that held both reasoning and content (several tokens at once) counts its tokens
+        toward the reasoning by its share of the characters."""
         reasoning, calls = "", []
         if self.reasoning is not None:
+            was = self.reasoning.state
             reasoning, text = self.reasoning.feed(text, final)
+            num_tokens, self.undecided_tokens = num_tokens + self.undecided_tokens, 0
+            if self.reasoning.state == "opening":
+                self.undecided_tokens = num_tokens
+            elif "reasoning" in (was, self.reasoning.state) or reasoning:
+                share = len(reasoning) / (len(reasoning) + len(text)) if text else 1.0
+                self.reasoning_tokens += round(num_tokens * share)
         if self.tools is not None:
             text, calls = self.tools.feed(text, final)
             calls = calls if self.parallel else calls[:max(0, 1 - self.calls)]
@@ -176,7 +187,8 @@ class ResponseBuilder:
         """The stream chunk of one output of choice index."""
         choice = {"index": index, "logprobs": self._logprobs(index, out)}
         if self.request.chat:
-            reasoning, content, calls = self.parts[index].feed(out.text, final=out.finish_reason is not None)
+            reasoning, content, calls = self.parts[index].feed(out.text, out.finish_reason is not None,
+                                                               len(out.token_ids))
             delta = {"role": "assistant"} if not self.started[index] else {}
             if reasoning:
                 delta["reasoning_content"] = reasoning
@@ -195,12 +207,21 @@ class ResponseBuilder:
         return chunk
 
     def usage_chunk(self, usage: dict) -> dict:
-        return {**self._object(True), "choices": [], "usage": usage}
+        return {**self._object(True), "choices": [], "usage": self._usage(usage)}
+
+    def _usage(self, usage: dict) -> dict:
+        """With a reasoning parser: the completion tokens that were reasoning, all choices together."""
+        if not self.reasoning_parser:
+            return usage
+        return {**usage, "completion_tokens_details": {
+            "reasoning_tokens": sum(part.reasoning_tokens for part in self.parts)}}
 
     def add(self, index: int, out: RequestOutput) -> None:
         """Collects an output of choice index for the whole response."""
         self.logprobs[index] += out.logprobs
         self.texts[index] += out.text
+        if self.reasoning_parser:  # for its count of reasoning tokens
+            self.parts[index].feed(out.text, out.finish_reason is not None, len(out.token_ids))
         if out.finish_reason is not None:
             self.finals[index] = out
 
@@ -223,4 +244,4 @@ class ResponseBuilder:
             else:
                 choice["text"], choice["finish_reason"] = text, finish_reason(self.finals[i])
             choices.append(choice)
-        return {**self._object(False), "choices": choices, "usage": usage}
+        return {**self._object(False), "choices": choices, "usage": self._usage(usage)}

@@ -79,6 +79,7 @@ def test_text_whole_and_streamed(client, scripted):
     assert whole.usage.output_tokens == len(scripted[1].tokenizer.encode(ANSWER, add_special_tokens=False)) + 1
     assert whole.usage.total_tokens == whole.usage.input_tokens + whole.usage.output_tokens
     assert whole.instructions == "Be brief." and whole.tool_choice == "none"
+    assert whole.usage.output_tokens_details.reasoning_tokens == 0
     assert "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello!" in scripted[1].prompts[-1]
     events, last = _streamed(client, model="scripted", input="Hello!", instructions="Be brief.")
     assert events[-1]["type"] == "response.completed"
@@ -89,11 +90,13 @@ def test_text_whole_and_streamed(client, scripted):
     _same(last, whole.model_dump(mode="json", exclude_unset=True))
 
 
-def test_reasoning_message_and_call_items_in_order(client):
+def test_reasoning_message_and_call_items_in_order(client, scripted):
     whole = client.responses.create(model="scripted", input="Think: the weather in Paris?", tools=TOOLS)
     assert [item.type for item in whole.output] == ["reasoning", "message", "function_call"]
     reasoning, message, call = whole.output
     assert reasoning.content[0].text == "Paris is in France." and message.content[0].text == "\n\nLet me check.\n"
+    thought = len(scripted[1].tokenizer.encode("<think>Paris is in France.</think>", add_special_tokens=False))
+    assert abs(whole.usage.output_tokens_details.reasoning_tokens - thought) <= 1  # the tags' tokens too
     assert (call.name, json.loads(call.arguments), call.call_id[:5]) == ("get_weather", {"city": "Paris"}, "call_")
     events, last = _streamed(client, model="scripted", input="Think: the weather in Paris?", tools=TOOLS)
     assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "Paris is in France."

@@ -11,7 +11,7 @@ import pytest
 
 from twinplane.controlplane.api import Limits, RequestOutput
 from twinplane.controlplane.openai_api import parse_request
-from twinplane.controlplane.openai_stream import ResponseBuilder
+from twinplane.controlplane.openai_stream import ChatText, ResponseBuilder
 from twinplane.controlplane.reasoning import ReasoningSplitter, split_reasoning
 from twinplane.controlplane.sequence import FinishReason
 
@@ -68,6 +68,25 @@ def _outputs(pieces: list[str]) -> list[RequestOutput]:
     return outs
 
 
+@pytest.mark.parametrize("parser, pieces, tokens", [
+    ("qwen3", ["<", "think", ">", "a", "b", "</think>", "\n\n", "Par", "is"], 6),  # the tags' tokens count too
+    ("qwen3", ["Paris", "."], 0),
+    ("deepseek_r1", ["hm", "m", "</think>", "x"], 3),
+    ("deepseek_r1", ["never", " closed"], 2),
+])
+def test_reasoning_tokens_are_the_tokens_of_the_reasoning_pieces(parser, pieces, tokens):
+    text = ChatText(parser, None)
+    for i, piece in enumerate(pieces):
+        text.feed(piece, final=i == len(pieces) - 1, num_tokens=1)
+    assert text.reasoning_tokens == tokens
+
+
+def test_a_piece_part_reasoning_counts_its_tokens_by_the_share_of_characters():
+    text = ChatText("qwen3", None)
+    text.feed("<think>ab</think>cd", final=True, num_tokens=10)  # reasoning "ab", content "cd"
+    assert text.reasoning_tokens == 5
+
+
 def test_chat_chunks_and_message_carry_reasoning_content_apart():
     request = parse_request({"messages": [{"role": "user", "content": "hi"}]}, Limits(100, 64), "r", chat=True)
     pieces = ["<think>", "hmm</th", "ink>\n\nPar", "is."]
@@ -101,9 +120,13 @@ def test_the_http_api_returns_reasoning_content(tiny_qwen3_dir, planes_factory):
                                            extra_body={"ignore_eos": True})
     message = whole.choices[0].message
     assert (message.reasoning_content, message.content) == (expected, "")
+    assert whole.usage.completion_tokens_details.reasoning_tokens == 12  # every token was reasoning
     streamed = client.chat.completions.create(model=None, messages=question, max_tokens=12, temperature=0,
-                                              stream=True, extra_body={"ignore_eos": True})
-    deltas = [chunk.choices[0].delta for chunk in streamed]
+                                              stream=True, stream_options={"include_usage": True},
+                                              extra_body={"ignore_eos": True})
+    chunks = list(streamed)
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 12
+    deltas = [chunk.choices[0].delta for chunk in chunks[:-1]]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == expected
     assert "".join(d.content or "" for d in deltas) == ""
     reply = httpx.post(f"http://127.0.0.1:{planes.plane.http_port}/v1/completions", timeout=60,
