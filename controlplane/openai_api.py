@@ -242,9 +242,10 @@ def choice_seed(seed: int | None, index: int) -> int | None:
 
 
 def parse_request(body: dict, limits: Limits, request_id: str, chat: bool,
-                  tool_call_parser: str | None = None) -> OpenAIRequest:
+                  tool_call_parser: str | None = None, special_tool_tags: bool = False) -> OpenAIRequest:
     """Validates an OpenAI request body; each choice gets the request id with '-<index>' when there are several.
-    tool_call_parser: the server's ``--tool-call-parser``, which tool_choice "auto" needs."""
+    tool_call_parser: the server's ``--tool-call-parser``, which tool_choice "auto" needs; special_tool_tags:
+    the tags it reads are special tokens, so a request whose calls it reads keeps special tokens in its text."""
     _check_supported(body)
     for name in () if chat else TOOL_FIELDS:
         if body.get(name) is not None:
@@ -260,7 +261,8 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool,
     params = request_params(
         limits, _sampling(body), max_tokens=max_tokens, min_tokens=_int(body, "min_tokens") or 0,
         stop=_stop(body), stop_token_ids=_int_list(body, "stop_token_ids"), ignore_eos=_bool(body, "ignore_eos"),
-        logprobs=top, skip_special_tokens=_typed(body, "skip_special_tokens", (bool,), "true or false") is not False,
+        logprobs=top, skip_special_tokens=_typed(body, "skip_special_tokens", (bool,), "true or false") is not False
+        and not (tools.parse and special_tool_tags),
         logit_bias=_logit_bias(body), include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
         priority=_int(body, "priority") or 0, logprobs_name="top_logprobs" if chat else "logprobs",
         max_tokens_name=max_tokens_name)

@@ -106,6 +106,10 @@ class Tokenizer:
     def token_id(self, text: str | None) -> int | None:
         return None if text is None else self._tok.token_to_id(text)
 
+    def is_special(self, text: str) -> bool:
+        """Whether text is one special token, which decoding with skip_special_tokens leaves out."""
+        return self.token_id(text) in self.special_ids
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # encode_batch lets other threads run while it works (encode holds the GIL throughout)
         return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids

@@ -298,6 +298,7 @@ class Llama3JsonParser:
 
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
 TOOL_CALL_PARSERS = tuple(PARSERS)
+TAGS = {"hermes": (OPEN, CLOSE), "llama3_json": ()}  # the text each parser needs to see (llama3_json: none)
 
 
 def parser_for(name: str) -> HermesParser | Llama3JsonParser:

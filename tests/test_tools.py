@@ -544,6 +544,31 @@ def test_grpc_renders_the_same_tools_and_calls_and_returns_the_text_as_written(c
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.details()
 
 
+def test_tool_tags_that_are_special_tokens_reach_the_parser(tmp_path_factory, smollm2_dir):
+    """Where <tool_call> and </tool_call> are special tokens (skipped in text by default), a request
+    whose calls are parsed keeps special tokens in its text, so the parser sees the tags."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    source = tmp_path_factory.mktemp("special-tags")
+    for name in TOKENIZER_FILES:
+        shutil.copy(smollm2_dir / name, source / name)
+    hf = HFTokenizer.from_file(str(source / "tokenizer.json"))
+    hf.add_special_tokens([AddedToken("<tool_call>", special=True), AddedToken("</tool_call>", special=True)])
+    hf.save(str(source / "tokenizer.json"))
+    assert Tokenizer(source).is_special("<tool_call>") and not Tokenizer(smollm2_dir).is_special("<tool_call>")
+    with scripted_planes(tmp_path_factory.mktemp("special-planes"), source, SCRIPTS, tool_call_parser="hermes") as (
+            planes, _):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{planes.plane.http_port}/v1", api_key="x", max_retries=0)
+        reply = client.chat.completions.create(model="scripted", messages=_question("Weather in Paris?"), tools=TOOLS)
+        assert reply.choices[0].message.content == "Let me check.\n"
+        assert [call.function.name for call in reply.choices[0].message.tool_calls] == ["get_weather"]
+        plain = client.chat.completions.create(model="scripted", messages=_question("Weather in Paris?"), tools=TOOLS,
+                                               tool_choice="none")
+        assert plain.choices[0].message.content == "Let me check.\n" + CALL.replace("<tool_call>", "").replace(
+            "</tool_call>", "")  # special tokens skipped, as by default
+
+
 # tokenizes a conversation with a tool call and its result, the tools given as the OpenAI API's;
 # argv: module, address, the conversation's messages (the proto's, as JSON), the tools (JSON)
 NODE_SCRIPT = """
