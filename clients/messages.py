@@ -199,8 +199,7 @@ def _chat_message(message: Message) -> pb.ChatMessage:
         role, content = message["role"], message.get("content")
         content = "" if content is None and calls else content
         extra = {name: message[name] for name in ("tool_call_id", "name", "reasoning_content") if message.get(name)}
-        extra["tool_calls"] = [pb.ToolCall(id=call.get("id") or "", name=call["function"]["name"],
-                                           arguments=call["function"].get("arguments", "{}")) for call in calls]
+        extra["tool_calls"] = [_tool_call(call) for call in calls]
     elif isinstance(message, tuple) and len(message) == 2:
         role, content = message
     else:
@@ -208,6 +207,14 @@ def _chat_message(message: Message) -> pb.ChatMessage:
     if not isinstance(role, str) or not isinstance(content, str):
         raise ValueError(f"chat role and content must be strings, got {message!r}")
     return pb.ChatMessage(role=role, content=content, **extra)
+
+
+def _tool_call(call: Any) -> pb.ToolCall:
+    """An assistant's tool call as the OpenAI API gives it: {"id", "function": {"name", "arguments"}}."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or "name" not in function:
+        raise ValueError(f"a tool call is {{'id': ..., 'function': {{'name': ..., 'arguments': ...}}}}, got {call!r}")
+    return pb.ToolCall(id=call.get("id") or "", name=function["name"], arguments=function.get("arguments", "{}"))
 
 
 def _token_ids(ids: Iterable[int]) -> list[int]:

@@ -61,6 +61,19 @@ def test_rejects_malformed_messages(messages: list) -> None:
         build_request(messages=messages)
 
 
+def test_tool_calls_and_tools_take_the_openai_form() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    request = build_request(messages=[{"role": "assistant", "content": None, "tool_calls": [call]},
+                                      {"role": "tool", "tool_call_id": "c1", "content": "ok"}],
+                            tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+    assert request.chat.messages[0].tool_calls[0] == pb.ToolCall(id="c1", name="f", arguments='{"a": 1}')
+    assert (request.chat.messages[0].content, request.chat.messages[1].tool_call_id) == ("", "c1")
+    assert (request.chat.tools[0].name, request.chat.tools[0].parameters) == ("f", '{"type": "object"}')
+    for bad in ({"id": "c1"}, "f", {"function": {"arguments": "{}"}}):
+        with pytest.raises(ValueError, match="a tool call is"):
+            build_request(messages=[{"role": "assistant", "tool_calls": [bad]}])
+
+
 def test_rejects_negative_token_ids() -> None:
     with pytest.raises(ValueError, match=">= 0"):
         build_request(token_ids=[1, -2])
