@@ -19,9 +19,9 @@ import secrets
 import time
 
 from twinplane.controlplane.api import SAMPLING_FIELDS, RequestOutput
+from twinplane.controlplane.chat_text import ChatText
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.openai_api import OpenAIRequest
-from twinplane.controlplane.openai_stream import ChatText
 from twinplane.controlplane.sequence import FinishReason
 from twinplane.controlplane.tools import ToolCall
 

@@ -18,12 +18,11 @@ import time
 from collections.abc import AsyncIterator
 
 from twinplane.controlplane.api import GenerateCall, RequestOutput
+from twinplane.controlplane.chat_text import ChatText
 from twinplane.controlplane.engine import Engine
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.openai_api import OpenAIRequest, finish_reason, logprobs_json, usage_json
-from twinplane.controlplane.reasoning import ReasoningSplitter
 from twinplane.controlplane.request_state import RequestState
-from twinplane.controlplane.tools import ToolCall, parser_for
 
 
 class Choices:
@@ -108,43 +107,10 @@ class Choices:
         return usage_json(self.finals, self.n)
 
 
-class ChatText:
-    """One choice's chat text, piece by piece, split into its reasoning (``--reasoning-parser``),
-    its content and its tool calls (``--tool-call-parser``, when the request lets the model call
-    tools); ``parallel`` false keeps the first call only."""
-
-    def __init__(self, reasoning_parser: str | None, tool_call_parser: str | None, parallel: bool = True):
-        self.reasoning = ReasoningSplitter(reasoning_parser) if reasoning_parser else None
-        self.tools = parser_for(tool_call_parser) if tool_call_parser else None
-        self.parallel = parallel
-        self.calls = 0  # tool calls so far: the next one's index
-        self.reasoning_tokens = 0  # the tokens of the pieces that were reasoning (tags included)
-        self.undecided_tokens = 0  # tokens of pieces held while the text may still open reasoning
-
-    def feed(self, text: str, final: bool = False, num_tokens: int = 0) -> tuple[str, str, list[ToolCall]]:
-        """The reasoning, the content and the tool calls in text, the piece of num_tokens tokens. A
-        piece that held both reasoning and content (several tokens at once) counts its tokens
-        toward the reasoning by its share of the characters."""
-        reasoning, calls = "", []
-        if self.reasoning is not None:
-            was = self.reasoning.state
-            reasoning, text = self.reasoning.feed(text, final)
-            num_tokens, self.undecided_tokens = num_tokens + self.undecided_tokens, 0
-            if self.reasoning.state == "opening":
-                self.undecided_tokens = num_tokens
-            elif "reasoning" in (was, self.reasoning.state) or reasoning:
-                share = len(reasoning) / (len(reasoning) + len(text)) if text else 1.0
-                self.reasoning_tokens += round(num_tokens * share)
-        if self.tools is not None:
-            text, calls = self.tools.feed(text, final)
-            calls = calls if self.parallel else calls[:max(0, 1 - self.calls)]
-            self.calls += len(calls)
-        return reasoning, text, calls
-
-    def finish_reason(self, out: RequestOutput) -> str | None:
-        """"tool_calls" once the model stopped after calling tools."""
-        reason = finish_reason(out)
-        return "tool_calls" if reason == "stop" and self.calls else reason
+def tool_finish_reason(out: RequestOutput, text: ChatText) -> str | None:
+    """"tool_calls" once the model stopped after calling tools."""
+    reason = finish_reason(out)
+    return "tool_calls" if reason == "stop" and text.calls else reason
 
 
 class ResponseBuilder:
@@ -197,7 +163,7 @@ class ResponseBuilder:
             if calls:
                 first = self.parts[index].calls - len(calls)
                 delta["tool_calls"] = [call.json(first + k) for k, call in enumerate(calls)]
-            choice["delta"], choice["finish_reason"] = delta, self.parts[index].finish_reason(out)
+            choice["delta"], choice["finish_reason"] = delta, tool_finish_reason(out, self.parts[index])
         else:
             choice["text"], choice["finish_reason"] = out.text, finish_reason(out)
         self.started[index] = True
@@ -240,7 +206,7 @@ class ResponseBuilder:
                     message["reasoning_content"] = reasoning or None
                 if calls:
                     message["tool_calls"] = [call.json() for call in calls]
-                choice["message"], choice["finish_reason"] = message, parts.finish_reason(self.finals[i])
+                choice["message"], choice["finish_reason"] = message, tool_finish_reason(self.finals[i], parts)
             else:
                 choice["text"], choice["finish_reason"] = text, finish_reason(self.finals[i])
             choices.append(choice)

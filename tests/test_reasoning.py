@@ -10,8 +10,9 @@ import openai
 import pytest
 
 from twinplane.controlplane.api import Limits, RequestOutput
+from twinplane.controlplane.chat_text import ChatText
 from twinplane.controlplane.openai_api import parse_request
-from twinplane.controlplane.openai_stream import ChatText, ResponseBuilder
+from twinplane.controlplane.openai_stream import ResponseBuilder
 from twinplane.controlplane.reasoning import ReasoningSplitter, split_reasoning
 from twinplane.controlplane.sequence import FinishReason
 

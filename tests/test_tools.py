@@ -21,9 +21,10 @@ from hypothesis import strategies as st
 
 from twinplane.controlplane.api import Limits, RequestOutput
 from twinplane.controlplane.bench_stream import QWEN3_0_6B, NullDataPlane, serve_stand_in
+from twinplane.controlplane.chat_text import ChatText
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.openai_api import parse_request
-from twinplane.controlplane.openai_stream import ChatText, ResponseBuilder
+from twinplane.controlplane.openai_stream import ResponseBuilder
 from twinplane.controlplane.sequence import FinishReason
 from twinplane.controlplane.tokenizer import Tokenizer
 from twinplane.controlplane.tools import parse_tool_calls, parser_for
