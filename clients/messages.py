@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Union
 
 from twinplane.proto import generation_pb2 as pb
@@ -48,6 +48,15 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A call of a tool the model made (parse_output): its id, the function, the arguments' JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
 class GenerateChunk:
     """One message of a generation stream: what was generated since the previous one."""
 
@@ -58,6 +67,8 @@ class GenerateChunk:
     finish_reason: str | None  # a FINISH_REASONS value: None while running ("unknown" if newer than us)
     usage: Usage | None  # on the last chunk only
     matched_stop: str  # the stop string that ended the request, else ""
+    reasoning_text: str = ""  # with parse_output: the reasoning since the previous chunk
+    tool_calls: list[ToolCall] = field(default_factory=list)  # with parse_output: the calls completed since then
 
 
 @dataclass(frozen=True)
@@ -117,6 +128,7 @@ def build_request(
     logit_bias: dict[int, float] | None = None,
     include_stop_str_in_output: bool = False,
     priority: int = 0,
+    parse_output: bool = False,
     **chat: Any,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from exactly one of prompt, token_ids and messages.
@@ -138,7 +150,7 @@ def build_request(
         stop=[stop] if isinstance(stop, str) else list(stop), stop_token_ids=list(stop_token_ids),
         ignore_eos=ignore_eos, logprobs=logprobs, truncate_prompt_tokens=truncate_prompt_tokens,
         skip_special_tokens=skip_special_tokens, logit_bias=logit_bias or {},
-        include_stop_str_in_output=include_stop_str_in_output, priority=priority,
+        include_stop_str_in_output=include_stop_str_in_output, priority=priority, parse_output=parse_output,
     )
     if sampling.ListFields():
         request.sampling.CopyFrom(sampling)
@@ -241,6 +253,8 @@ def chunk_from_pb(response: pb.GenerateResponse) -> GenerateChunk:
         finish_reason=FINISH_REASONS.get(response.finish_reason, "unknown"),
         usage=usage,
         matched_stop=response.matched_stop,
+        reasoning_text=response.reasoning_text,
+        tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in response.tool_calls],
     )
 
 

@@ -31,7 +31,7 @@ from twinplane.controlplane.openai_api import PARAMS, detokenize_ids, parse_requ
 from twinplane.controlplane.openai_responses import ResponsesBuilder, chat_body
 from twinplane.controlplane.openai_stream import Choices, ResponseBuilder
 from twinplane.controlplane.tls import parse_listen
-from twinplane.controlplane.tools import TAGS
+from twinplane.controlplane.tools import tags_are_special
 
 log = logging.getLogger("twinplane.controlplane")
 _STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429,
@@ -206,8 +206,8 @@ class OpenAIService:
             config = self.engine.config
             fields = chat_body(body) if kind == "response" else body
             chat, tokenizer, parser = kind != "completion", self.engine.tokenizer, config.tool_call_parser
-            special = bool(parser and tokenizer and any(tokenizer.is_special(tag) for tag in TAGS[parser]))
-            parsed = parse_request(fields, self.engine.limits, request_id, chat, parser, special)
+            parsed = parse_request(fields, self.engine.limits, request_id, chat, parser,
+                                   tags_are_special(parser, tokenizer))
             choices = Choices(self.engine, parsed)
             await choices.open()
         except ClientDisconnect:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+from dataclasses import replace
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
@@ -17,11 +18,13 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from twinplane.controlplane.api import (REQUEST_ID_HEADER, generate_call_from_pb, output_to_pb, prompt_from_pb,
-                                        request_id_header_value)
+from twinplane.controlplane.api import (REQUEST_ID_HEADER, GenerateCall, generate_call_from_pb, output_to_pb,
+                                        prompt_from_pb, request_id_header_value)
+from twinplane.controlplane.chat_text import ChatText
 from twinplane.controlplane.engine import Engine
 from twinplane.controlplane.errors import InvalidRequest, ServiceError
 from twinplane.controlplane.tls import add_port
+from twinplane.controlplane.tools import tags_are_special
 from twinplane.proto import generation_pb2 as pb
 from twinplane.proto import generation_pb2_grpc as pb_grpc
 
@@ -124,13 +127,35 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         engine = self.engine
         await engine.wait_ready(queued=True)
         header = dict(context.invocation_metadata() or ()).get(REQUEST_ID_HEADER)
-        state = await engine.add(generate_call_from_pb(request, engine.limits, header))
+        call = generate_call_from_pb(request, engine.limits, header)
+        call, parts = self._output_parts(request, call) if request.parse_output else (call, None)
+        state = await engine.add(call)
         # cancelled, deadline passed or connection lost: free the blocks now, not when the handler unwinds
         context.add_done_callback(lambda _: engine.abort(state))
         state.end_call = functools.partial(_end_call, context, asyncio.current_task())
         await context.send_initial_metadata(((REQUEST_ID_HEADER, request_id_header_value(state.request_id)),))
         async for out in engine.outputs(state):
-            yield output_to_pb(out)
+            message = output_to_pb(out)
+            if parts is not None:  # the answer in text; the reasoning and the tool calls apart
+                reasoning, message.text, calls = parts.feed(out.text, out.finish_reason is not None,
+                                                            len(out.token_ids))
+                message.reasoning_text = reasoning
+                message.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls)
+            yield message
+
+    def _output_parts(self, request: pb.GenerateRequest, call: GenerateCall) -> tuple[GenerateCall, ChatText]:
+        """parse_output: the splitter of the request's text, with the server's parsers (the tool call
+        parser when the request has tools); the call keeps special tokens when the parser's tags are."""
+        config = self.engine.config
+        if request.WhichOneof("input") != "chat":
+            raise InvalidRequest("parse_output is for chat input: send chat messages, or leave parse_output false")
+        if not (config.reasoning_parser or config.tool_call_parser):
+            raise InvalidRequest("parse_output needs a server started with --reasoning-parser or --tool-call-parser; "
+                                 "this one returns the text as written")
+        parser = config.tool_call_parser if request.chat.tools else None
+        if tags_are_special(parser, self.engine.tokenizer):
+            call = replace(call, params=replace(call.params, skip_special_tokens=False))
+        return call, ChatText(config.reasoning_parser, parser)
 
     @unary_errors
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:

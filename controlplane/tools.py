@@ -301,6 +301,12 @@ TOOL_CALL_PARSERS = tuple(PARSERS)
 TAGS = {"hermes": (OPEN, CLOSE), "llama3_json": ()}  # the text each parser needs to see (llama3_json: none)
 
 
+def tags_are_special(parser: str | None, tokenizer) -> bool:
+    """Whether the tags the parser reads are special tokens of the tokenizer, which decoding with
+    skip_special_tokens leaves out of the text: then a request whose calls are parsed keeps them."""
+    return bool(parser and tokenizer and any(tokenizer.is_special(tag) for tag in TAGS[parser]))
+
+
 def parser_for(name: str) -> HermesParser | Llama3JsonParser:
     """A parser for one choice's text."""
     if name not in PARSERS:

@@ -597,3 +597,30 @@ def test_the_node_client_sends_tools_and_tool_messages(node, scripted):
     assert json.loads(result.stdout) == expected
     text = planes.engine.tokenizer.decode(expected, False)
     assert '<tool_response id="call_1">' in text and '"description": "The weather in a city."' in text
+
+
+def test_grpc_parse_output_splits_reasoning_answer_and_calls(tmp_path_factory, smollm2_dir):
+    thinking = "<think>Paris is in France.</think>\n\nLet me check.\n" + CALL
+    scripts = [("Think", thinking), ("", "Plain.")]
+    question = _question("Think: the weather in Paris?")
+    with scripted_planes(tmp_path_factory.mktemp("parse-output"), smollm2_dir, scripts, tool_call_parser="hermes",
+                         reasoning_parser="qwen3") as (planes, _), planes.client() as client:
+        chunks = list(client.generate(messages=question, tools=TOOLS, parse_output=True))
+        assert "".join(chunk.reasoning_text for chunk in chunks) == "Paris is in France."
+        assert "".join(chunk.text for chunk in chunks) == "\n\nLet me check.\n"
+        [call] = [call for chunk in chunks for call in chunk.tool_calls]
+        assert (call.name, json.loads(call.arguments), call.id[:5]) == ("get_weather", {"city": "Paris"}, "call_")
+        assert sum(len(chunk.token_ids) for chunk in chunks) == chunks[-1].usage.completion_tokens  # every token
+        assert client.generate_text(messages=question, tools=TOOLS) == thinking  # as written without it
+        no_tools = list(client.generate(messages=question, parse_output=True))  # reasoning apart, calls in text
+        assert "".join(chunk.text for chunk in no_tools) == "\n\nLet me check.\n" + CALL
+        assert not any(chunk.tool_calls for chunk in no_tools)
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate_text("Think", parse_output=True)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "parse_output is for chat input" in \
+            info.value.details()
+    with scripted_planes(tmp_path_factory.mktemp("no-parsers"), smollm2_dir, scripts) as (planes, _), \
+            planes.client() as client, pytest.raises(grpc.RpcError) as info:
+        client.generate_text(messages=question, parse_output=True)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "parse_output needs a server started with --reasoning-parser or --tool-call-parser" in info.value.details()
