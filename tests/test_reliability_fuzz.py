@@ -76,6 +76,7 @@ def generate_requests(draw) -> pb.GenerateRequest:
         logprobs=draw(mostly(st.none() | st.integers(0, 20), st.integers(0, UINT32))),
         truncate_prompt_tokens=draw(mostly(st.just(0) | st.integers(1, 500), st.integers(0, UINT32))),
         skip_special_tokens=draw(st.none() | st.booleans()),
+        parse_output=draw(mostly(st.just(False), st.booleans())),
         logit_bias=draw(mostly(st.dictionaries(st.integers(0, 49151), st.floats(-100, 100, width=32), max_size=4),
                                st.dictionaries(st.integers(0, UINT32), any_float, max_size=1100))))
     kind = draw(mostly(st.sampled_from(["text", "token_ids", "chat"]), st.just("none")))
