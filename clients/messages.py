@@ -98,6 +98,8 @@ class ModelInfo:
     num_attention_heads: int = 0
     head_dim: int = 0
     layer_params: int = 0  # decoder-layer matrix weights, all ranks together (0: not reported)
+    reasoning_parser: str = ""  # the server's --reasoning-parser ("" when off)
+    tool_call_parser: str = ""  # the server's --tool-call-parser ("" when off)
 
 
 # ---- protobuf edge: requests --------------------------------------------------------------

@@ -183,7 +183,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             data_parallel_size=len(self.engine.config.dataplanes), max_num_seqs=d.max_num_seqs,
             max_num_batched_tokens=d.max_num_batched_tokens, hidden_size=d.hidden_size,
             num_hidden_layers=d.num_hidden_layers, num_attention_heads=d.num_attention_heads, head_dim=d.head_dim,
-            layer_params=d.layer_params)
+            layer_params=d.layer_params, reasoning_parser=self.engine.config.reasoning_parser or "",
+            tool_call_parser=self.engine.config.tool_call_parser or "")
 
 
     @unary_errors

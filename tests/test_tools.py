@@ -605,6 +605,8 @@ def test_grpc_parse_output_splits_reasoning_answer_and_calls(tmp_path_factory, s
     question = _question("Think: the weather in Paris?")
     with scripted_planes(tmp_path_factory.mktemp("parse-output"), smollm2_dir, scripts, tool_call_parser="hermes",
                          reasoning_parser="qwen3") as (planes, _), planes.client() as client:
+        info = client.model_info()
+        assert (info.reasoning_parser, info.tool_call_parser) == ("qwen3", "hermes")
         chunks = list(client.generate(messages=question, tools=TOOLS, parse_output=True))
         assert "".join(chunk.reasoning_text for chunk in chunks) == "Paris is in France."
         assert "".join(chunk.text for chunk in chunks) == "\n\nLet me check.\n"
@@ -621,6 +623,7 @@ def test_grpc_parse_output_splits_reasoning_answer_and_calls(tmp_path_factory, s
             info.value.details()
     with scripted_planes(tmp_path_factory.mktemp("no-parsers"), smollm2_dir, scripts) as (planes, _), \
             planes.client() as client, pytest.raises(grpc.RpcError) as info:
+        assert (client.model_info().reasoning_parser, client.model_info().tool_call_parser) == ("", "")
         client.generate_text(messages=question, parse_output=True)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "parse_output needs a server started with --reasoning-parser or --tool-call-parser" in info.value.details()
