@@ -6,7 +6,6 @@ what is allowed. Nothing past this module handles generated protobuf classes.
 
 from __future__ import annotations
 
-import json
 import math
 import string
 import struct
@@ -18,7 +17,7 @@ from google.protobuf import json_format
 
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.sequence import FinishReason, RequestParams, SamplingOptions
-from twinplane.controlplane.tokenizer import CHAT_ROLES, SERVER_TEMPLATE_NAMES, ChatOptions
+from twinplane.controlplane.tokenizer import CHAT_ROLES, SERVER_TEMPLATE_NAMES, ChatOptions, chat_texts
 from twinplane.controlplane.tools import check_tool_count, function_name, json_object, template_tool_call
 from twinplane.proto import generation_pb2 as pb
 
@@ -177,14 +176,10 @@ def chat_prompt(messages: list[dict], limits: Limits, name: str = "chat.messages
     for i, m in enumerate(messages):
         _check(m["role"] in CHAT_ROLES, f"{name}[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
                                         f"got {m['role']!r}")
-    size = sum(_utf8_size(f"{name}[{i}].{key}", _text(value)) for i, m in enumerate(messages)
-               for key, value in m.items() if key != "role")
-    what = f"{name} (content, all together)"
-    extras = {key: value for key, value in (("chat_template_kwargs", options.template_kwargs),
-                                            ("tools", options.tools)) if value}
-    if extras:  # their JSON: "chat.chat_template_kwargs" beside "chat.messages"
-        size += sum(_utf8_size(name.removesuffix("messages") + key, _text(value)) for key, value in extras.items())
-        what = f"{name} content and {' and '.join(extras)}, all together,"
+    variables = {"chat_template_kwargs": options.template_kwargs, "tools": options.tools}
+    size = sum(_utf8_size(where, text) for where, text in chat_texts(messages, name, variables))
+    given = [key for key, value in variables.items() if value]
+    what = f"{name} content and {' and '.join(given)}, all together," if given else f"{name} (content, all together)"
     _check_bytes(what, size, limits)
     return Prompt(messages=messages, messages_name=name, chat_options=options)
 
@@ -272,11 +267,6 @@ def _plain(value):
     if isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 53:
         return int(value)
     return value
-
-
-def _text(value) -> str:
-    """A message field or template variable as the text it adds to the prompt (JSON unless a string)."""
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
 def _utf8_size(name: str, text: str) -> int:

@@ -63,6 +63,17 @@ def _cut_at_open_end(text: str) -> str:
     return text[:at] if text.startswith(_OPEN_END, at) else text[:at].rstrip()
 
 
+def chat_texts(messages: list[dict], name: str, variables: dict) -> list[tuple[str, str]]:
+    """What each message field but the role, and each template variable given (a value, or None
+    for none), adds to the prompt as text (JSON unless a string), named as the client's API names
+    it: "chat.messages[0].content", "chat.tools" beside "chat.messages"."""
+    texts = [(f"{name}[{i}].{key}", value) for i, message in enumerate(messages) for key, value in message.items()
+             if key != "role"]
+    texts += [(name.removesuffix("messages") + key, value) for key, value in variables.items() if value]
+    return [(where, value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))
+            for where, value in texts]
+
+
 def _token_text(value: object) -> str | None:
     if isinstance(value, dict):  # {"content": "<s>", ...} in older configs
         return value.get("content")
@@ -148,13 +159,8 @@ class Tokenizer:
         """Token ids of the rendered messages; content may not spell out special tokens, which only the
         template places (else a message could forge turns, e.g. end its own and start the system's).
         ``name``: what the client's API calls the messages."""
-        fields = [(f"{name}[{i}].{key}", value) for i, message in enumerate(messages) for key, value in message.items()
-                  if key != "role"]
-        if options.tools:
-            fields.append((name.removesuffix("messages") + "tools", options.tools))
-        for where, value in fields:
-            found = self._special_text and self._special_text.search(
-                value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))
+        for where, text in chat_texts(messages, name, {"tools": options.tools}) if self._special_text else ():
+            found = self._special_text.search(text)
             if found:
                 raise InvalidRequest(f"{where} holds {found.group()!r}, a special token of this model that only the "
                                      "chat template may place; remove it or send text")
