@@ -23,6 +23,7 @@ from twinplane.controlplane.engine import Engine
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.openai_api import OpenAIRequest, finish_reason, logprobs_json, usage_json
 from twinplane.controlplane.request_state import RequestState
+from twinplane.controlplane.tools import ToolCall
 
 
 class Choices:
@@ -126,15 +127,15 @@ class ResponseBuilder:
         n = len(request.calls)
         self.reasoning_parser = reasoning_parser if request.chat else None
         self.tool_call_parser = tool_call_parser if request.tools.parse else None
-        self.parts = [self._chat_text() for _ in range(n)] if request.chat else None
-        self.texts = [""] * n
+        self.parts = [ChatText(self.reasoning_parser, self.tool_call_parser, request.tools.parallel)
+                      for _ in range(n)] if request.chat else None
+        self.texts = [""] * n  # the whole response's text (chat: its content)
+        self.reasonings = [""] * n  # chat: the whole response's reasoning
+        self.calls: list[list[ToolCall]] = [[] for _ in range(n)]  # chat: the whole response's tool calls
         self.logprobs: list[list] = [[] for _ in range(n)]
         self.finals: list[RequestOutput | None] = [None] * n  # each choice's last output
         self.started = [False] * n
         self.offsets = [0] * n  # streamed completions' text_offset: the length of the tokens' texts so far
-
-    def _chat_text(self) -> ChatText:
-        return ChatText(self.reasoning_parser, self.tool_call_parser, self.request.tools.parallel)
 
     def _object(self, chunk: bool) -> dict:
         kind = ("chat.completion" if self.request.chat else "text_completion") + (".chunk" if chunk and
@@ -183,11 +184,14 @@ class ResponseBuilder:
             "reasoning_tokens": sum(part.reasoning_tokens for part in self.parts)}}
 
     def add(self, index: int, out: RequestOutput) -> None:
-        """Collects an output of choice index for the whole response."""
+        """Collects an output of choice index for the whole response (chat: split as a chunk's is)."""
         self.logprobs[index] += out.logprobs
-        self.texts[index] += out.text
-        if self.reasoning_parser:  # for its count of reasoning tokens
-            self.parts[index].feed(out.text, out.finish_reason is not None, len(out.token_ids))
+        text = out.text
+        if self.request.chat:
+            reasoning, text, calls = self.parts[index].feed(text, out.finish_reason is not None, len(out.token_ids))
+            self.reasonings[index] += reasoning
+            self.calls[index] += calls
+        self.texts[index] += text
         if out.finish_reason is not None:
             self.finals[index] = out
 
@@ -199,14 +203,14 @@ class ResponseBuilder:
                 logprobs = logprobs_json(self.request.chat, self.logprobs[i], self.tokenizer)
             choice = {"index": i, "logprobs": logprobs}
             if self.request.chat:
-                parts = self._chat_text()
-                reasoning, content, calls = parts.feed(text, final=True)
-                message = {"role": "assistant", "content": content if content or not calls else None}
+                calls = self.calls[i]
+                message = {"role": "assistant", "content": text if text or not calls else None}
                 if self.reasoning_parser:
-                    message["reasoning_content"] = reasoning or None
+                    message["reasoning_content"] = self.reasonings[i] or None
                 if calls:
                     message["tool_calls"] = [call.json() for call in calls]
-                choice["message"], choice["finish_reason"] = message, tool_finish_reason(self.finals[i], parts)
+                choice["message"] = message
+                choice["finish_reason"] = tool_finish_reason(self.finals[i], self.parts[i])
             else:
                 choice["text"], choice["finish_reason"] = text, finish_reason(self.finals[i])
             choices.append(choice)

@@ -95,9 +95,10 @@ def test_chat_chunks_and_message_carry_reasoning_content_apart():
     deltas = [builder.chunk(0, out)["choices"][0]["delta"] for out in _outputs(pieces)]
     assert deltas == [{"role": "assistant", "content": ""}, {"reasoning_content": "hmm"},
                       {"content": "\n\nPar"}, {"content": "is."}]
+    whole = ResponseBuilder(request, "chatcmpl-r", "m", None, reasoning_parser="qwen3")  # not streamed
     for out in _outputs(pieces):
-        builder.add(0, out)
-    message = builder.response({})["choices"][0]["message"]
+        whole.add(0, out)
+    message = whole.response({})["choices"][0]["message"]
     assert message == {"role": "assistant", "content": "\n\nParis.", "reasoning_content": "hmm"}
     plain = ResponseBuilder(request, "chatcmpl-r", "m", None)  # no parser: the text as it came
     assert plain.chunk(0, _outputs(["<think>a</think>b"])[0])["choices"][0]["delta"] == {

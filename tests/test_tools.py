@@ -344,9 +344,10 @@ def test_chunks_and_message_carry_tool_calls():
     assert second[0]["index"] == 1 and second[0]["function"]["arguments"] == '{"city": "Lyon"}'
     assert first[0]["type"] == "function" and first[0]["id"] != second[0]["id"]
     assert [c["finish_reason"] for c in chunks] == [None, None, None, "tool_calls"]
+    whole = ResponseBuilder(request, "chatcmpl-r", "m", None, tool_call_parser="hermes")  # not streamed
     for out in _outputs(pieces):
-        builder.add(0, out)
-    choice = builder.response({})["choices"][0]
+        whole.add(0, out)
+    choice = whole.response({})["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "I will look.\n"
     assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather", "get_weather"]
     assert "index" not in choice["message"]["tool_calls"][0]
