@@ -144,7 +144,6 @@ class ResponsesBuilder:
                          "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
                          "metadata": body.get("metadata"), "text": {"format": {"type": "text"}}}
         self.final: RequestOutput | None = None
-        self.usage: dict | None = None
 
     def _event(self, kind: str, **fields) -> dict:
         event = {"type": f"response.{kind}", "sequence_number": self.sequence, **fields}
