@@ -17,7 +17,7 @@ from google.protobuf import json_format
 
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.sequence import FinishReason, RequestParams, SamplingOptions
-from twinplane.controlplane.tokenizer import CHAT_ROLES, SERVER_TEMPLATE_NAMES, ChatOptions, chat_texts
+from twinplane.controlplane.tokenizer import CHAT_ROLES, MESSAGE_FIELDS, SERVER_TEMPLATE_NAMES, ChatOptions, chat_texts
 from twinplane.controlplane.tools import check_tool_count, function_name, json_object, template_tool_call
 from twinplane.proto import generation_pb2 as pb
 
@@ -227,7 +227,7 @@ def prompt_from_pb(req: pb.GenerateRequest | pb.TokenizeRequest, limits: Limits)
 def _message_from_pb(m: pb.ChatMessage, where: str) -> dict:
     """A message as the template reads it (as the OpenAI API's: fields left empty are left out)."""
     message = {"role": m.role, "content": m.content}
-    for name in ("name", "tool_call_id", "reasoning_content"):
+    for name in MESSAGE_FIELDS:
         if getattr(m, name):
             message[name] = getattr(m, name)
     if m.tool_calls:

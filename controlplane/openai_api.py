@@ -16,7 +16,7 @@ from twinplane.controlplane.api import (SAMPLING_FIELDS, GenerateCall, Limits, P
                                         sampling_options, text_prompt, token_prompt)
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.sequence import FinishReason
-from twinplane.controlplane.tokenizer import Tokenizer
+from twinplane.controlplane.tokenizer import MESSAGE_FIELDS, Tokenizer
 from twinplane.controlplane.tools import ToolSpec, template_tool_calls, template_tools, tool_spec
 
 MAX_CHOICES = 16  # most sequences (n) one request may ask for
@@ -153,7 +153,7 @@ def _message(m, where: str) -> dict:
         _fail(f"{where} must be an object with a string role")
     role = "system" if m["role"] == "developer" else m["role"]
     message = {"role": role, "content": _content(m.get("content"), where)}
-    for name in ("name", "tool_call_id", "reasoning_content"):
+    for name in MESSAGE_FIELDS:
         value = m.get(name)
         if value is not None and not isinstance(value, str):
             _fail(f"{where}.{name} must be a string, got {type(value).__name__}")

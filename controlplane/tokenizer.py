@@ -22,6 +22,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from twinplane.controlplane.errors import InvalidRequest, TemplateBroken
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# the text fields of a message beside role, content and an assistant's tool_calls, passed to the template when set
+MESSAGE_FIELDS = ("name", "tool_call_id", "reasoning_content")
 # template variables the server sets itself, which a request's template kwargs may not replace
 SERVER_TEMPLATE_NAMES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception",
                          "strftime_now")
