@@ -9,6 +9,7 @@ in torch and the control plane stays CPU-light.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -82,6 +83,33 @@ def _token_text(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's bytes-to-unicode table, inverted: the byte each character of a byte-level BPE token stands for
+    (printable Latin-1 characters for themselves, the other bytes as U+0100 onwards, in byte order)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {chr(b): b for b in printable}
+    table.update({chr(0x100 + k): b for k, b in enumerate(b for b in range(256) if b not in printable)})
+    return table
+
+
+def _byte_level_bytes(piece: str | None) -> bytes | None:
+    alphabet = _byte_level_alphabet()
+    if piece is None or not all(c in alphabet for c in piece):  # no such id, or not a byte-level piece
+        return None
+    return bytes(alphabet[c] for c in piece)
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _sentencepiece_bytes(piece: str | None) -> bytes | None:
+    if piece is None:
+        return None
+    byte = _BYTE_PIECE.fullmatch(piece)  # byte fallback
+    return bytes([int(byte[1], 16)]) if byte else piece.replace("\u2581", " ").encode()
+
+
 class Tokenizer:
     def __init__(self, folder: str | Path, chat_template: str | None = None):
         """chat_template: a template's text, in place of the folder's."""
@@ -111,6 +139,7 @@ class Tokenizer:
         self.special_ids = set(special)
         longest_first = sorted(special.values(), key=len, reverse=True)
         self._special_text = re.compile("|".join(map(re.escape, longest_first))) if special else None
+        self._token_bytes: list[bytes | None] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -133,6 +162,25 @@ class Tokenizer:
     def token_texts(self, token_ids: list[int]) -> list[str]:
         """Each token's own text, special tokens included."""
         return self._tok.decode_batch([[i] for i in token_ids], skip_special_tokens=False)
+
+    def token_bytes(self) -> list[bytes | None]:
+        """The bytes each token id adds to decoded text (None for special tokens and unused ids), for the
+        masks of structured outputs: byte-level BPE tokens through GPT-2's byte alphabet, SentencePiece
+        ones with "\u2581" as a space and "<0xHH>" as that byte; other added tokens as their UTF-8 text."""
+        if self._token_bytes is None:
+            decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+            kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
+            if "ByteLevel" in kinds:
+                piece_bytes = _byte_level_bytes
+            elif kinds & {"Metaspace", "Replace", "ByteFallback"}:
+                piece_bytes = _sentencepiece_bytes
+            else:
+                raise ValueError(f"token bytes: the tokenizer's decoder ({', '.join(map(str, kinds))}) is neither "
+                                 "byte-level BPE nor SentencePiece")
+            added = self._tok.get_added_tokens_decoder()
+            self._token_bytes = [(None if added[i].special else added[i].content.encode()) if i in added
+                                 else piece_bytes(self._tok.id_to_token(i)) for i in range(self.vocab_size)]
+        return self._token_bytes
 
     def render_chat(self, messages: list[dict], options: ChatOptions = ChatOptions()) -> str:
         """The template's text for messages: InvalidRequest when the template refuses them (or fails
