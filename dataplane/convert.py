@@ -21,7 +21,7 @@ def init_from_pb(init: dp.SequenceInit) -> SequenceInit:
         repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty, seed=s.seed if s.has_seed else None,
         num_logprobs=s.num_logprobs, min_tokens=s.min_tokens, stop_token_ids=tuple(s.stop_token_ids),
-        logit_bias=tuple(zip(s.logit_bias_ids, s.logit_bias_values)),
+        logit_bias=tuple(zip(s.logit_bias_ids, s.logit_bias_values)), masked=s.masked,
     )
     prior = _ints(init.prior_token_ids) if init.prior_token_ids else None
     return SequenceInit(sampling=sampling, num_prompt_tokens=init.num_prompt_tokens, prior_token_ids=prior)
@@ -39,6 +39,7 @@ def plan_from_pb(msg: dp.StepPlan) -> StepPlan:
         sample=_ints(msg.sample, np.uint8).astype(bool),
         inits={i.seq_id: init_from_pb(i) for i in msg.inits},
         decode_budget=_ints(msg.decode_budget) if msg.decode_budget else None,
+        token_masks={m.index: m.allowed for m in msg.token_masks},
     )
     n = len(columns.seq_ids)
     if not (len(columns.num_tokens) == len(columns.start_pos) == len(columns.num_new_blocks)

@@ -143,7 +143,8 @@ def check_sampling(seq_id: int, init: SequenceInit, limits: PlanLimits) -> None:
 
 def _is_plain(p: SamplingParams) -> bool:
     """Temperature, top-k, top-p and min-p only: the vectorized sampling path."""
-    return not p.has_penalties and p.seed is None and p.num_logprobs < 0 and p.min_tokens == 0 and not p.logit_bias
+    return (not p.has_penalties and p.seed is None and p.num_logprobs < 0 and p.min_tokens == 0 and not p.logit_bias
+            and not p.masked)
 
 
 class InputBatch:
@@ -270,6 +271,7 @@ class InputBatch:
                 _fail("a plan of several decode steps takes only sequences sampled with temperature, top-k, "
                       "top-p and min-p (no penalties, seed, log-probabilities, min_tokens or logit bias)")
             pending = self._check_pending(cols, rows, unknown, decode)
+            self._check_masks(cols, rows)
             positions, token_rows = self._apply_blocks_and_check(
                 cols, rows, cols.start_pos + cols.num_tokens + budget - 1, decode)
         except ValueError:
@@ -572,11 +574,24 @@ class InputBatch:
             torch.where(ids == PENDING, self.last_token.index_select(0, d.rows[:n]), ids, out=ids)
         return GraphStep(n, num_steps, d.rows[:n], budget, None if budget is None else d.last[:n])
 
+    def _check_masks(self, cols: PlanColumns, rows: np.ndarray) -> None:
+        """A token mask comes with each sampled sequence that samples by one, and with no other."""
+        needed = [i for i in np.flatnonzero(cols.sample).tolist() if self.params[rows[i]].masked]
+        if sorted(cols.token_masks) != needed:
+            _fail(f"token masks for sequences {sorted(cols.token_masks)[:8]} of the plan; wanted one for each "
+                  f"sampled sequence with a masked sampler, {needed[:8]}")
+        width = -(-self.limits.vocab_size // 8)
+        for i, allowed in cols.token_masks.items():
+            if len(allowed) != width or not any(allowed):
+                _fail(f"seq {cols.seq_ids[i]}: a token mask must be {width} bytes (one bit per token) with a bit "
+                      f"set; got {len(allowed)} bytes{'' if any(allowed) else ', none set'}")
+
     def _sampling(self, cols: PlanColumns, rows: np.ndarray, context: np.ndarray) -> SamplingBatch:
-        """Rows with penalties, seeds, log-probabilities or min_tokens (one row at a time)."""
+        """Rows with penalties, seeds, log-probabilities, min_tokens or token masks (one row at a time)."""
         sampling_rows = []
-        for row, ctx in zip(rows.tolist(), context.tolist()):
+        masks = [cols.token_masks.get(i) for i in np.flatnonzero(cols.sample).tolist()]
+        for row, ctx, allowed in zip(rows.tolist(), context.tolist(), masks):
             prompt_end = min(int(self.num_prompt[row]), ctx)
             sampling_rows.append(SamplingRow(self.params[row], ctx - int(self.num_prompt[row]),
-                                             self.tokens[row, :prompt_end], self.tokens[row, prompt_end:ctx]))
+                                             self.tokens[row, :prompt_end], self.tokens[row, prompt_end:ctx], allowed))
         return build_sampling_batch(sampling_rows, self.limits.vocab_size, self.device)

@@ -31,6 +31,7 @@ class SamplingParams:
     min_tokens: int = 0  # stop_token_ids are masked while fewer outputs exist
     stop_token_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit before penalties)
+    masked: bool = False  # structured output: each plan that samples it brings a mask of allowed tokens
 
     @property
     def greedy(self) -> bool:
@@ -88,6 +89,8 @@ class PlanColumns:
     sample: np.ndarray  # bool [n]
     inits: dict[int, SequenceInit]  # seq_id -> init, for sequences seen for the first time
     decode_budget: np.ndarray | None = None  # int32 [n]: tokens to sample, with num_steps > 1
+    # index in seq_ids -> packed bitmask of the tokens that sequence may sample (SamplingParams.masked)
+    token_masks: dict[int, bytes] = field(default_factory=dict)
 
     @classmethod
     def from_seqs(cls, seqs: list[ScheduledSeq]) -> PlanColumns:

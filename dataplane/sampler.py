@@ -1,7 +1,8 @@
 """Batched next-token sampling from float32 logits [n, vocab].
 
 Order of operations per row (as vLLM): logit bias, penalties (repetition over prompt + output,
-frequency and presence over output) and min_tokens masking of stop ids; greedy rows take
+frequency and presence over output), min_tokens masking of stop ids and token masks (structured
+output: tokens outside a row's mask are -inf); greedy rows take
 the argmax here. Other rows: temperature, min_p, top_k, top_p, then an exponential race
 (argmax of probs / Exp(1) noise), which draws exactly from the filtered distribution. A
 seeded row's noise comes from a generator seeded by (seed, output position) alone, so its
@@ -74,16 +75,20 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 
 
 def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Logit bias, penalties and min_tokens masking: what greedy rows take the argmax of. Never in place
+    """Logit bias, penalties, min_tokens masking and token masks: what greedy rows take the argmax of. Never in place
     (logits may be the model's own, which log-probabilities read)."""
     if batch.bias is not None:
         rows, token_ids, values = batch.bias
         logits = logits.index_put((rows, token_ids), values, accumulate=True)
     if batch.penalties is not None:
         logits = apply_penalties(logits, batch.penalties)
-    if batch.banned is not None:
+    if batch.banned is not None or batch.allowed is not None:
         minus_inf = torch.full((), float("-inf"), device=logits.device)  # made there: no copy from the host
+    if batch.banned is not None:
         logits = logits.index_put((batch.banned[0], batch.banned[1]), minus_inf)
+    if batch.allowed is not None:
+        rows, allowed = batch.allowed
+        logits = logits.index_put((rows,), logits[rows].where(allowed, minus_inf))
     return logits
 
 
@@ -129,7 +134,7 @@ class Sampler:
             self(logits, SamplingBatch.from_plain_values(plain, logits.shape[1], self.device))
         plain[:, 1:] = 0.9, 50, 0.05  # top_p, top_k, min_p
         self(logits, SamplingBatch.from_plain_values(plain, logits.shape[1], self.device))
-        self(logits[:2], build_sampling_batch(warm_up_rows(), logits.shape[1], self.device))
+        self(logits[:2], build_sampling_batch(warm_up_rows(logits.shape[1]), logits.shape[1], self.device))
 
     def _fused_sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         from twinplane.kernels.sampling import KEY_STRIDE, sample_temperature

@@ -37,6 +37,7 @@ class SamplingRow:
     output_pos: int
     prompt_ids: np.ndarray
     output_ids: np.ndarray
+    allowed: bytes | None = None  # packed bitmask of the tokens it may sample (params.masked), bit t of byte t // 8
 
 
 @dataclass
@@ -60,14 +61,15 @@ class SamplingBatch:
     penalties: PenaltyTensors | None
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) to mask to -inf (min_tokens)
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, values) of logit_bias
+    allowed: tuple[torch.Tensor, torch.Tensor] | None  # (rows, bool [rows, vocab]): the tokens each may sample
     seeded: list[tuple[int, int, int]]  # (row, seed, output position)
     num_logprobs: list[int]  # per row; -1 = none
 
     @property
     def temperature_only(self) -> bool:
-        """No row uses penalties, min_tokens masking, logit bias, min_p, top_k or top_p."""
-        return (self.penalties is None and self.banned is None and self.bias is None and self.min_p is None
-                and self.top_k is None and self.top_p is None)
+        """No row uses penalties, min_tokens masking, logit bias, token masks, min_p, top_k or top_p."""
+        return (self.penalties is None and self.banned is None and self.bias is None and self.allowed is None
+                and self.min_p is None and self.top_k is None and self.top_p is None)
 
     @property
     def max_num_logprobs(self) -> int:
@@ -100,6 +102,7 @@ class SamplingBatch:
             penalties=None,
             banned=None,
             bias=None,
+            allowed=None,
             seeded=[],
             num_logprobs=[-1] * n,
         )
@@ -178,14 +181,28 @@ def _bias(rows: list[SamplingRow], device: torch.device) -> tuple[torch.Tensor, 
             to_device(torch.tensor(values, dtype=torch.float32), device))
 
 
-def warm_up_rows() -> list[SamplingRow]:
+def _allowed(rows: list[SamplingRow], vocab_size: int, device: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The masked rows and their token masks, unpacked on the device (the packed bytes are 1/8 the copy)."""
+    masked = [(i, r.allowed) for i, r in enumerate(rows) if r.allowed is not None]
+    if not masked:
+        return None
+    row_ids, masks = zip(*masked)
+    packed = to_device(np.frombuffer(bytearray(b"".join(masks)), dtype=np.uint8).reshape(len(masks), -1), device)
+    bits = torch.arange(8, dtype=torch.uint8, device=device)
+    allowed = ((packed.unsqueeze(-1) >> bits) & 1).view(len(masks), -1)[:, :vocab_size].bool()
+    return to_device(torch.tensor(row_ids, dtype=torch.int64), device), allowed
+
+
+def warm_up_rows(vocab_size: int) -> list[SamplingRow]:
     """Two rows that between them use every sampling feature (ids < 8): a warm-up batch."""
     everything = SamplingParams(temperature=0.8, top_p=0.9, top_k=4, min_p=0.05, repetition_penalty=1.1,
                                 presence_penalty=0.5, frequency_penalty=0.5, seed=7, num_logprobs=5, min_tokens=4,
-                                stop_token_ids=(0,), logit_bias=((1, 2.0),))
+                                stop_token_ids=(0,), logit_bias=((1, 2.0),), masked=True)
     history = np.array([1, 2, 3], dtype=np.int32), np.array([4, -1], dtype=np.int32)
     greedy = SamplingParams(temperature=0.0, num_logprobs=0)
-    return [SamplingRow(everything, 2, *history), SamplingRow(greedy, 2, *history)]
+    allowed = bytes([0b11111110]) + bytes(-(-vocab_size // 8) - 1)  # ids 1-7
+    return [SamplingRow(everything, 2, *history, allowed), SamplingRow(greedy, 2, *history)]
 
 
 def build_sampling_batch(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> SamplingBatch:
@@ -204,6 +221,7 @@ def build_sampling_batch(rows: list[SamplingRow], vocab_size: int, device: torch
         penalties=_penalties(rows, vocab_size, device),
         banned=_banned(rows, device),
         bias=_bias(rows, device),
+        allowed=_allowed(rows, vocab_size, device),
         seeded=[(i, r.params.seed, r.output_pos) for i, r in enumerate(rows)
                 if r.params.seed is not None and not r.params.greedy],
         num_logprobs=[p.num_logprobs for p in params],

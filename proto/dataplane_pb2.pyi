@@ -73,7 +73,7 @@ class DescribeResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., tokenizer_path: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_hidden_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layer_params: _Optional[int] = ..., max_decode_steps: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "has_seed", "seed", "num_logprobs", "min_tokens", "stop_token_ids", "logit_bias_ids", "logit_bias_values")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "has_seed", "seed", "num_logprobs", "min_tokens", "stop_token_ids", "logit_bias_ids", "logit_bias_values", "masked")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class SamplingParams(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
+    MASKED_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -102,7 +103,16 @@ class SamplingParams(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logit_bias_ids: _containers.RepeatedScalarFieldContainer[int]
     logit_bias_values: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., num_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logit_bias_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ...) -> None: ...
+    masked: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., num_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logit_bias_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ..., masked: _Optional[bool] = ...) -> None: ...
+
+class TokenMask(_message.Message):
+    __slots__ = ("index", "allowed")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    allowed: bytes
+    def __init__(self, index: _Optional[int] = ..., allowed: _Optional[bytes] = ...) -> None: ...
 
 class SequenceInit(_message.Message):
     __slots__ = ("seq_id", "sampling", "num_prompt_tokens", "prior_token_ids")
@@ -117,7 +127,7 @@ class SequenceInit(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., prior_token_ids: _Optional[bytes] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "num_tokens", "start_pos", "token_ids", "slot_mapping", "num_new_blocks", "new_block_ids", "sample", "inits", "dropped_seq_ids", "num_steps", "decode_budget")
+    __slots__ = ("step_id", "seq_ids", "num_tokens", "start_pos", "token_ids", "slot_mapping", "num_new_blocks", "new_block_ids", "sample", "inits", "dropped_seq_ids", "num_steps", "decode_budget", "token_masks")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +141,7 @@ class StepPlan(_message.Message):
     DROPPED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     DECODE_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: bytes
     num_tokens: bytes
@@ -144,7 +155,8 @@ class StepPlan(_message.Message):
     dropped_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     num_steps: int
     decode_budget: bytes
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., num_tokens: _Optional[bytes] = ..., start_pos: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., slot_mapping: _Optional[bytes] = ..., num_new_blocks: _Optional[bytes] = ..., new_block_ids: _Optional[bytes] = ..., sample: _Optional[bytes] = ..., inits: _Optional[_Iterable[_Union[SequenceInit, _Mapping]]] = ..., dropped_seq_ids: _Optional[_Iterable[int]] = ..., num_steps: _Optional[int] = ..., decode_budget: _Optional[bytes] = ...) -> None: ...
+    token_masks: _containers.RepeatedCompositeFieldContainer[TokenMask]
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., num_tokens: _Optional[bytes] = ..., start_pos: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., slot_mapping: _Optional[bytes] = ..., num_new_blocks: _Optional[bytes] = ..., new_block_ids: _Optional[bytes] = ..., sample: _Optional[bytes] = ..., inits: _Optional[_Iterable[_Union[SequenceInit, _Mapping]]] = ..., dropped_seq_ids: _Optional[_Iterable[int]] = ..., num_steps: _Optional[int] = ..., decode_budget: _Optional[bytes] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("index", "token_ids", "logprobs")

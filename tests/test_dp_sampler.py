@@ -161,7 +161,7 @@ def test_plain_values_build_the_batch_the_general_path_builds(params: list[Sampl
 def test_the_warm_up_batch_uses_every_sampling_feature() -> None:
     """The warm-up launches each device op of the sampler before serving: its rows must reach every
     optional part of a batch (a feature added later and left out of them fails here)."""
-    rows = warm_up_rows()
+    rows = warm_up_rows(8)
     batch = build_sampling_batch(rows, 8, CPU)
     optional = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
     assert all(value is not None for value in optional.values()), optional
@@ -171,3 +171,30 @@ def test_the_warm_up_batch_uses_every_sampling_feature() -> None:
     out = Sampler(0, CPU, fused=False)(_random_logits(2, 8), batch)
     assert out.top_ids.shape == (2, 5) and out.logprobs.shape == (2,)
     Sampler(0, CPU, fused=False).warm_up(_random_logits(4, 64))  # the plain batches and the rows above
+
+
+def _packed(allowed: set[int], vocab: int) -> bytes:
+    bits = np.zeros(-(-vocab // 8) * 8, dtype=bool)
+    bits[sorted(allowed)] = True
+    return np.packbits(bits, bitorder="little").tobytes()
+
+
+def test_token_masks_restrict_masked_rows_only() -> None:
+    """Structured output: a masked row samples (greedy: takes the best) among its mask's tokens, the
+    bits read little-endian within a byte; a row without a mask in the same batch is untouched."""
+    vocab, n = 203, 300  # not a multiple of 8: the mask's last byte is partly padding
+    logits = _random_logits(n, vocab, seed=5)
+    allowed = {0, 9, 77, 202}
+    greedy, drawn = SamplingParams(temperature=0.0, masked=True), SamplingParams(temperature=1.5, masked=True)
+    rows = [SamplingRow(p, 0, EMPTY, EMPTY, _packed(allowed, vocab)) for p in (greedy, drawn)] * (n // 3)
+    rows += [SamplingRow(SamplingParams(temperature=0.0), 0, EMPTY, EMPTY)] * (n - len(rows))
+    out, batch = _sample(logits, rows)
+    assert batch.allowed is not None and not batch.temperature_only
+    tokens = out.token_ids.tolist()
+    masked = len(rows) - (n - 2 * (n // 3))
+    best = [max(allowed, key=lambda t, r=r: logits[r, t].item()) for r in range(0, masked, 2)]
+    assert tokens[0:masked:2] == best  # greedy: the best allowed token, not the argmax
+    assert set(tokens[1:masked:2]) <= allowed and len(set(tokens[1:masked:2])) > 1  # drawn among them
+    assert tokens[masked:] == logits[masked:].argmax(-1).tolist()
+    one = _sample(logits[:1], [SamplingRow(greedy, 0, EMPTY, EMPTY, _packed({202}, vocab))])[0]
+    assert one.token_ids.tolist() == [202]  # the last id, in the last byte's low bits

@@ -566,6 +566,44 @@ def test_single_decode_steps_replay_graphs_that_sample_what_the_step_path_sample
     assert replayed == [3] * 8 + [12] * 8
 
 
+def test_token_masks_restrict_their_rows_on_the_gpu(qwen3_folder):
+    """Structured output on the GPU: a masked greedy row takes the best of its allowed tokens (the model's
+    argmax of those logits), a masked temperature row draws among them, and the free rows of the same
+    steps give the tokens they give without masked neighbours."""
+    import numpy as np
+
+    from twinplane.dataplane.plan import SamplingParams
+
+    runner = _runner(qwen3_folder)
+    vocab = runner.vocab_size
+    allowed = [17, 256, 9000, 151935]  # the last id sits in the mask's last byte
+    bits = np.zeros(-(-vocab // 8) * 8, dtype=bool)
+    bits[allowed] = True
+    mask = np.packbits(bits, bitorder="little").tobytes()
+    prompts = _prompts(4, seed=3)
+    runs = []
+    for masked in (False, True):
+        runner.reset()
+        builder = PlanBuilder(16)
+        kinds = [SamplingParams(temperature=0.0)] * 2 + [SamplingParams(temperature=0.0, masked=masked),
+                                                         SamplingParams(temperature=1.0, masked=masked)]
+        seqs = [builder.new_seq(i, p, kind) for i, (p, kind) in enumerate(zip(prompts, kinds))]
+        for step in range(6):
+            plan = StepPlan(step, [builder.schedule(s) for s in seqs])
+            if masked:
+                plan.cols().token_masks = {2: mask, 3: mask}
+            out, logits = runner.step_with_logits(plan)
+            if masked:
+                best = max(allowed, key=lambda t: logits[2, t].item())
+                assert out.sampled_token_ids[2] == best
+            for s, t in zip(seqs, out.sampled_token_ids.tolist()):
+                s.tokens.append(t)
+        runs.append([s.tokens[s.num_prompt_tokens:] for s in seqs])
+    runner.close()
+    assert runs[1][:2] == runs[0][:2]
+    assert set(runs[1][2]) <= set(allowed) and set(runs[1][3]) <= set(allowed) and runs[0][2] != runs[1][2]
+
+
 def _drive_with_arrival(runner) -> tuple[list[list[int]], list[StepPath]]:
     """Two sequences decode while a third prompt arrives beside them in chunks of 100 tokens;
     returns the generated tokens and how each step ran."""
