@@ -92,6 +92,26 @@ def test_a_decode_plan_naming_an_unknown_sequence_is_refused(runner: ModelRunner
     assert set(runner.sequences.mirrors) == {1}
 
 
+@pytest.mark.parametrize("masks, message", [
+    ({}, r"token masks for sequences \[\] of the plan; wanted one for each sampled sequence with a masked "
+         r"sampler, \[1\]"),
+    ({0: b"\xff" * 6144}, r"wanted one for each sampled sequence with a masked sampler, \[1\]"),
+    ({1: b"\xff" * 6143}, "a token mask must be 6144 bytes"),
+    ({1: bytes(6144)}, "none set"),
+])
+def test_token_masks_come_with_masked_sequences_only_and_whole(runner: ModelRunner, masks, message) -> None:
+    """Structured output: a masked sequence needs its mask (one bit per token of the 49,152) in each plan that
+    samples it, and no other sequence gets one; a plan that breaks that fails and leaves no mirror behind."""
+    runner.reset()
+    builder = PlanBuilder(BLOCK)
+    free, masked = builder.new_seq(1, [3, 4, 5]), builder.new_seq(2, [6, 7], SamplingParams(masked=True))
+    plan = StepPlan(1, [builder.schedule(free), builder.schedule(masked)])
+    plan.cols().token_masks = masks
+    with pytest.raises(ValueError, match=message):
+        runner.step(plan)
+    assert not runner.sequences.mirrors
+
+
 def test_a_refused_decode_plan_leaves_the_block_tables_as_they_were(runner: ModelRunner) -> None:
     """A decode plan (one token a sequence) that appends a block for one sequence and fails a check on
     another changes no block table; the corrected plan then runs."""
