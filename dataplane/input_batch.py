@@ -576,6 +576,8 @@ class InputBatch:
 
     def _check_masks(self, cols: PlanColumns, rows: np.ndarray) -> None:
         """A token mask comes with each sampled sequence that samples by one, and with no other."""
+        if not cols.token_masks and self.plain[rows].all():
+            return  # the hot path: a masked sequence is never plain
         needed = [i for i in np.flatnonzero(cols.sample).tolist() if self.params[rows[i]].masked]
         if sorted(cols.token_masks) != needed:
             _fail(f"token masks for sequences {sorted(cols.token_masks)[:8]} of the plan; wanted one for each "
