@@ -105,6 +105,23 @@ class ModelInfo:
 # ---- protobuf edge: requests --------------------------------------------------------------
 
 
+def structured_output(json_schema: dict | str | None = None, json_object: bool = False, regex: str | None = None,
+                      choice: Iterable[str] | None = None) -> pb.StructuredOutput | None:
+    """What the output must match (None: free text), from at most one of the four forms."""
+    given = {name: value for name, value in (("json_schema", json_schema), ("json_object", json_object or None),
+                                              ("regex", regex), ("choice", choice)) if value is not None}
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(given)}: give at most one constraint of the output")
+    if not given:
+        return None
+    if json_schema is not None:
+        text = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+        return pb.StructuredOutput(json_schema=text)
+    if choice is not None:
+        return pb.StructuredOutput(choice=pb.Choices(choices=list(choice)))
+    return pb.StructuredOutput(json_object=True) if json_object else pb.StructuredOutput(regex=regex)
+
+
 def build_request(
     prompt: str | None = None,
     *,
@@ -131,13 +148,18 @@ def build_request(
     include_stop_str_in_output: bool = False,
     priority: int = 0,
     parse_output: bool = False,
+    json_schema: dict | str | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    choice: Iterable[str] | None = None,
     **chat: Any,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from exactly one of prompt, token_ids and messages.
 
     None leaves an optional field unset (the server's default applies); chat: chat_input's
-    options for messages. Raises ValueError unless exactly one input is given or when messages
-    are malformed.
+    options for messages. At most one of json_schema (a JSON Schema, as a dict or JSON text),
+    json_object, regex and choice constrains the output (structured output). Raises ValueError
+    unless exactly one input is given, when messages are malformed or when several constraints are.
     """
     _check_one_input(prompt=prompt, token_ids=token_ids, messages=messages)
     if chat and messages is None:
@@ -156,6 +178,9 @@ def build_request(
     )
     if sampling.ListFields():
         request.sampling.CopyFrom(sampling)
+    structured = structured_output(json_schema=json_schema, json_object=json_object, regex=regex, choice=choice)
+    if structured is not None:
+        request.structured_output.CopyFrom(structured)
     if prompt is not None:
         request.text = prompt
     elif token_ids is not None:

@@ -17,6 +17,7 @@ from google.protobuf import json_format
 
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.sequence import FinishReason, RequestParams, SamplingOptions
+from twinplane.controlplane.structured import structured_regex_from_pb
 from twinplane.controlplane.tokenizer import CHAT_ROLES, MESSAGE_FIELDS, SERVER_TEMPLATE_NAMES, ChatOptions, chat_texts
 from twinplane.controlplane.tools import check_tool_count, function_name, json_object, template_tool_call
 from twinplane.proto import generation_pb2 as pb
@@ -308,9 +309,9 @@ def request_params(limits: Limits, sampling: SamplingOptions, *, max_tokens: int
                    stop: tuple[str, ...] = (), stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False,
                    logprobs: int | None = None, skip_special_tokens: bool = True, logit_bias: dict | None = None,
                    include_stop_str_in_output: bool = False, priority: int = 0, logprobs_name: str = "logprobs",
-                   max_tokens_name: str = "max_tokens") -> RequestParams:
+                   max_tokens_name: str = "max_tokens", regex: str | None = None) -> RequestParams:
     """Validated RequestParams from plain values; max_tokens None means as many as fit. logit_bias maps
-    token ids (ints) to biases."""
+    token ids (ints) to biases; regex: structured output's, already checked (structured.py)."""
     if max_tokens is not None:
         _check(0 < max_tokens <= limits.max_model_len,
                f"{max_tokens_name} must be in [1, {limits.max_model_len}] (max_model_len), got {max_tokens}")
@@ -328,6 +329,8 @@ def request_params(limits: Limits, sampling: SamplingOptions, *, max_tokens: int
     _check(len(stop_token_ids) <= 64, f"stop_token_ids may hold at most 64 ids, got {len(stop_token_ids)}")
     _check(logprobs is None or 0 <= logprobs <= limits.max_logprobs,
            f"{logprobs_name} must be in [0, {limits.max_logprobs}], got {logprobs}")
+    _check(regex is None or min_tokens == 0,
+           f"min_tokens ({min_tokens}) cannot go with structured output, whose text may be whole sooner; leave it 0")
     _check(priority == 0 or limits.by_priority,
            f"priority {priority} needs a server started with --scheduling-policy priority; leave it 0 here")
     _check(-2 ** 31 <= priority < 2 ** 31, f"priority must be in [-2147483648, 2147483647], got {priority}")
@@ -335,7 +338,7 @@ def request_params(limits: Limits, sampling: SamplingOptions, *, max_tokens: int
                          stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
                          skip_special_tokens=skip_special_tokens,
                          logit_bias=checked_logit_bias(logit_bias or {}, limits),
-                         include_stop_str_in_output=include_stop_str_in_output, priority=priority)
+                         include_stop_str_in_output=include_stop_str_in_output, priority=priority, regex=regex)
 
 
 def checked_logit_bias(bias: dict, limits: Limits) -> tuple[tuple[int, float], ...]:
@@ -373,6 +376,7 @@ def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, header_reques
         logit_bias=dict(req.logit_bias),
         include_stop_str_in_output=req.include_stop_str_in_output,
         priority=req.priority,
+        regex=structured_regex_from_pb(req.structured_output) if req.HasField("structured_output") else None,
     )
     return GenerateCall(request_id, prompt, params, req.truncate_prompt_tokens)
 

@@ -41,6 +41,9 @@ from twinplane.controlplane.plan_codec import sequence_init
 from twinplane.controlplane.replica import STAT_NAMES, Replica
 from twinplane.controlplane.router import Router
 from twinplane.controlplane.sequence import Sequence
+from twinplane.controlplane.structured import TokenMatcher, Vocabulary, compiled
+from twinplane.controlplane.tokenizer import Tokenizer
+from twinplane.controlplane.tools import TAGS
 from twinplane.proto import dataplane_pb2 as dp
 
 log = logging.getLogger("twinplane.controlplane")
@@ -94,6 +97,7 @@ class EngineCore:
                                          prefix_cache_hits=self.carried.prefix_cache_hits)
         self.dataplane_step = self.carried.dataplane_step
         self._stalled = False  # the frontend was told every connected data plane stalled
+        self._vocabulary: Vocabulary | None = None
 
     # ---- messages from the frontends ----------------------------------------------------
 
@@ -121,10 +125,27 @@ class EngineCore:
             log.error("request %s: its values cannot be put into a step plan: %s", request.request_id, exc)
             self.frontend.send(Rejected(seq_id, f"a value of this request is outside what the data plane takes: {exc}"))
             return
+        if params.regex is not None:
+            try:
+                seq.matcher = TokenMatcher(compiled(params.regex), self.vocabulary(), request.output_ids)
+            except (ValueError, OSError) as exc:  # checked by the frontend: a tokenizer the core cannot read
+                log.error("request %s: no structured output: %s", request.request_id, exc)
+                self.frontend.send(Rejected(seq_id, f"structured output is not available: {exc}"))
+                return
         seq.token_ids += request.output_ids
         seq.num_cached_tokens = request.num_cached_tokens
         self.seqs[seq_id] = seq, stop_token_ids(params, self.eos_token_ids)
         self._route(seq)
+
+    def vocabulary(self) -> Vocabulary:
+        """Every token's bytes, for structured output's masks: read from the tokenizer on first use."""
+        if self._vocabulary is None:
+            if self.describe is None:
+                raise ValueError("no data plane has connected yet")
+            folder = self.config.tokenizer or self.describe.tokenizer_path
+            tags = TAGS[self.config.tool_call_parser] if self.config.tool_call_parser else ()
+            self._vocabulary = Vocabulary(Tokenizer(folder), self.describe.vocab_size, self.eos_token_ids, tags)
+        return self._vocabulary
 
     def abort(self, seq_id: int) -> None:
         """The frontend ended this sequence (cancelled, stop string, failed): free its blocks now."""

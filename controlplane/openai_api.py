@@ -15,9 +15,11 @@ from twinplane.controlplane.api import (SAMPLING_FIELDS, GenerateCall, Limits, P
                                         chat_options, chat_prompt, check_chat_count, check_truncation, request_params,
                                         sampling_options, text_prompt, token_prompt)
 from twinplane.controlplane.errors import InvalidRequest
+from twinplane.controlplane.json_schema import any_json_regex
 from twinplane.controlplane.sequence import FinishReason
+from twinplane.controlplane.structured import checked_regex, choice_regex, json_schema_regex, schema_text
 from twinplane.controlplane.tokenizer import MESSAGE_FIELDS, Tokenizer
-from twinplane.controlplane.tools import ToolSpec, template_tool_calls, template_tools, tool_spec
+from twinplane.controlplane.tools import ToolSpec, forced_calls_regex, template_tool_calls, template_tools, tool_spec
 
 MAX_CHOICES = 16  # most sequences (n) one request may ask for
 MAX_BATCH_PROMPTS = 32  # most prompts in one completion request (each gets n choices)
@@ -30,7 +32,8 @@ _INTS = ("top_k", "seed", "n", "max_tokens", "max_completion_tokens", "max_outpu
 PARAMS = frozenset((*SAMPLING_FIELDS, *_INTS, "messages", "prompt", "stop", "stop_token_ids", "logprobs", "logit_bias",
                     "skip_special_tokens", "stream_options", "response_format", "echo", "include_stop_str_in_output",
                     "tokens", *CHAT_OPTIONS, *TOOL_FIELDS, *UNSUPPORTED,
-                    "input", "instructions", "text", "previous_response_id", "conversation", "background"))
+                    "input", "instructions", "text", "previous_response_id", "conversation", "background",
+                    "structured_outputs"))
 FINISH_REASONS = {FinishReason.STOP_TOKEN: "stop", FinishReason.STOP_STRING: "stop",
                   FinishReason.LENGTH: "length", FinishReason.ABORTED: "abort"}
 
@@ -217,12 +220,46 @@ def _check_supported(body: dict) -> None:
     for name in UNSUPPORTED:
         if body.get(name):
             _fail(f"{name} is not supported by this server")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        _fail("response_format: only {\"type\": \"text\"} is supported")
     best_of = _int(body, "best_of")
     if best_of is not None and best_of != (body.get("n") or 1):
         _fail("best_of is not supported by this server (leave it unset or equal to n)")
+
+
+def _output_regex(body: dict, tools: list[dict] | None, spec: ToolSpec, parser: str | None) -> str | None:
+    """Structured output, as one regex: response_format (json_object or json_schema), vLLM's
+    structured_outputs (json, regex or choice), or a forced tool call; None for free text."""
+    asked = [name for name in ("response_format", "structured_outputs") if body.get(name) is not None]
+    asked += ["tool_choice"] * bool(spec.forced)
+    fmt = body.get("response_format")
+    if fmt is not None and isinstance(fmt, dict) and fmt.get("type") == "text":
+        asked.remove("response_format")
+    if len(asked) > 1:
+        _fail(f"{' and '.join(asked)} each constrain the output; send one of them")
+    if not asked:
+        return None
+    if spec.forced:
+        return checked_regex(forced_calls_regex(parser, tools, spec), "tool_choice")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            return any_json_regex()
+        schema = fmt.get("json_schema") if kind == "json_schema" else None
+        if not isinstance(schema, dict) or "schema" not in schema:
+            _fail("response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": "
+                  "\"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+        return json_schema_regex(schema["schema"], "response_format.json_schema.schema")
+    outputs = body["structured_outputs"]
+    given = [k for k in ("json", "regex", "choice") if isinstance(outputs, dict) and outputs.get(k) is not None]
+    if len(given) != 1 or len(outputs) != 1:
+        _fail("structured_outputs must hold one of json (a JSON Schema), regex (a string) or choice (strings)")
+    value, where = outputs[given[0]], f"structured_outputs.{given[0]}"
+    if given[0] == "json":
+        return json_schema_regex(schema_text(value, where) if isinstance(value, str) else value, where)
+    if given[0] == "regex":
+        if not isinstance(value, str) or not value:
+            _fail(f"{where} must be a non-empty string")
+        return checked_regex(value, where)
+    return choice_regex(value, where)
 
 
 def _max_tokens(body: dict) -> tuple[int | None, str]:
@@ -255,7 +292,8 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool,
     if not 1 <= n <= MAX_CHOICES:
         _fail(f"n must be in [1, {MAX_CHOICES}], got {n}")
     prompts = [_messages(body, limits)] if chat else _prompts(body, limits)
-    tools = tool_spec(body, prompts[0].chat_options.tools is not None, tool_call_parser) if chat else ToolSpec()
+    tools = tool_spec(body, prompts[0].chat_options.tools, tool_call_parser) if chat else ToolSpec()
+    regex = _output_regex(body, prompts[0].chat_options.tools, tools, tool_call_parser)
     top = _logprobs(body, chat)
     max_tokens, max_tokens_name = _max_tokens(body)
     params = request_params(
@@ -265,7 +303,7 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool,
         and not (tools.parse and special_tool_tags),
         logit_bias=_logit_bias(body), include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
         priority=_int(body, "priority") or 0, logprobs_name="top_logprobs" if chat else "logprobs",
-        max_tokens_name=max_tokens_name)
+        max_tokens_name=max_tokens_name, regex=regex)
     truncate = _int(body, "truncate_prompt_tokens") or 0
     check_truncation(truncate, limits)
     options = _typed(body, "stream_options", (dict,), "an object")

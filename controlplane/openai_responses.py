@@ -26,7 +26,7 @@ from twinplane.controlplane.sequence import FinishReason
 from twinplane.controlplane.tools import ToolCall
 
 # fields that go to the chat completion request as they are
-PASSED = (*SAMPLING_FIELDS, "stream", "tool_choice", "parallel_tool_calls", "max_output_tokens", "min_tokens",
+PASSED = (*SAMPLING_FIELDS, "stream", "parallel_tool_calls", "max_output_tokens", "min_tokens",
           "ignore_eos", "stop", "stop_token_ids", "skip_special_tokens", "logit_bias", "priority",
           "chat_template_kwargs", "truncate_prompt_tokens", "include_stop_str_in_output")
 REFUSED = {"previous_response_id": "this server stores no responses; send the conversation's items again in input",
@@ -103,9 +103,6 @@ def chat_body(body: dict) -> dict:
     for name, why in REFUSED.items():
         if body.get(name):
             _fail(f"{name}: {why}")
-    fmt = body.get("text", {}).get("format") if isinstance(body.get("text"), dict) else body.get("text")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        _fail("text.format: only {\"type\": \"text\"} is supported")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         _fail("instructions must be a string")
@@ -117,7 +114,31 @@ def chat_body(body: dict) -> dict:
         if not isinstance(tools, list):
             _fail("tools must be a list of function tools")
         chat["tools"] = [_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
+    choice = body.get("tool_choice")
+    if choice is not None:  # a named function: {"type": "function", "name": ...} in this API
+        named = isinstance(choice, dict) and choice.get("type") == "function"
+        chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}} if named else choice
+    if body.get("text") is not None:
+        chat["response_format"] = _response_format(_text_format(body))
     return chat
+
+
+def _text_format(body: dict):
+    """The request's text.format ({"type": "text"} when it sets none)."""
+    text = body.get("text")
+    fmt = text.get("format") if isinstance(text, dict) else text
+    return {"type": "text"} if fmt is None else fmt
+
+
+def _response_format(fmt) -> dict:
+    """text.format as the chat API's response_format (its json_schema's fields sit one level up here)."""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind != "json_schema" or "schema" not in fmt:
+        _fail("text.format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
+              "\"name\": ..., \"schema\": {...}}")
+    return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
 
 
 def _id(prefix: str) -> str:
@@ -142,7 +163,7 @@ class ResponsesBuilder:
                          "temperature": body.get("temperature"), "top_p": body.get("top_p"), "tools": tools,
                          "tool_choice": body.get("tool_choice") or ("auto" if tools else "none"),
                          "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
-                         "metadata": body.get("metadata"), "text": {"format": {"type": "text"}}}
+                         "metadata": body.get("metadata"), "text": {"format": _text_format(body)}}
         self.final: RequestOutput | None = None
 
     def _event(self, kind: str, **fields) -> dict:

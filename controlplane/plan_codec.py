@@ -28,6 +28,7 @@ def sequence_init(seq: Sequence, eos_token_ids: tuple[int, ...], start_pos: int)
         num_logprobs=-1 if params.logprobs is None else params.logprobs,
         min_tokens=params.min_tokens, stop_token_ids=sorted(masked) if params.min_tokens else [],
         logit_bias_ids=[i for i, _ in params.logit_bias], logit_bias_values=[v for _, v in params.logit_bias],
+        masked=seq.matcher is not None,
     )
     init = dp.SequenceInit(seq_id=seq.seq_id, sampling=sampling, num_prompt_tokens=seq.num_prompt_tokens)
     has_penalty = s.repetition_penalty != 1.0 or s.presence_penalty != 0.0 or s.frequency_penalty != 0.0
@@ -48,8 +49,11 @@ def encode_plan(out: SchedulerOutput, block_size: int, eos_token_ids: tuple[int,
     num_new_blocks = [0] * len(decodes)
     new_blocks: list[int] = []
     inits = []
+    masks = [dp.TokenMask(index=i, allowed=s.matcher.mask()) for i, s in enumerate(decodes) if s.matcher is not None]
     for c in out.other_chunks:
         seq, end = c.seq, c.start_pos + c.num_tokens
+        if c.sample and seq.matcher is not None:
+            masks.append(dp.TokenMask(index=len(seq_ids), allowed=seq.matcher.mask()))
         seq_ids.append(seq.seq_id)
         num_tokens.append(c.num_tokens)
         start_pos.append(c.start_pos)
@@ -76,6 +80,7 @@ def encode_plan(out: SchedulerOutput, block_size: int, eos_token_ids: tuple[int,
         dropped_seq_ids=out.dropped_seq_ids,
         num_steps=out.num_steps,
         decode_budget=np.asarray(out.decode_budget, dtype="<i4").tobytes(),
+        token_masks=masks,
     )
 
 

@@ -17,7 +17,7 @@ from twinplane.controlplane.block_manager import BlockManager
 from twinplane.controlplane.dataplane_client import DataPlaneClient, DataPlaneLost
 from twinplane.controlplane.finish import token_finish_reason
 from twinplane.controlplane.liveness import Silence
-from twinplane.controlplane.messages import Snapshot, StepFailed, StepOutputs, TokenOutput
+from twinplane.controlplane.messages import Rejected, Snapshot, StepFailed, StepOutputs, TokenOutput
 from twinplane.controlplane.plan_codec import decode_result, encode_plan
 from twinplane.controlplane.scheduler import Scheduler, SchedulerConfig
 from twinplane.controlplane.sequence import Sequence
@@ -149,6 +149,13 @@ class Replica:
             entry = seqs.get(seq_id)
             if entry is None:  # aborted meanwhile
                 continue
+            if seq.matcher is not None:
+                seq.matcher.accept(token)
+                if seq.matcher.failure is not None:
+                    self.scheduler.finish(seq)
+                    self.core.forget(seq_id)
+                    self.core.frontend.send(Rejected(seq_id, f"structured output: {seq.matcher.failure}"))
+                    continue
             reason = token_finish_reason(token, position, seq.num_prompt_tokens, seq.params, entry[1],
                                          max_model_len)
             if reason is not None:

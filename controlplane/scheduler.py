@@ -13,6 +13,9 @@ each sequence at once, and a sequence whose token is still being sampled decodes
 PENDING token (the data plane feeds its own sampled token back). ``update`` fills the
 token in when the result arrives, and only then do full blocks join the prefix cache.
 
+A sequence with structured output waits instead: its next token's mask depends on the one in
+flight.
+
 When a few sequences only decode and nothing waits, one plan holds several decode steps
 (``decode_steps``): each sequence samples up to that many tokens before the control plane
 hears back, so a small batch pays the round trip once per several tokens.
@@ -170,6 +173,8 @@ class Scheduler:
                 prefilling.append(seq)
             elif length_reached(num_tokens, seq.num_prompt_tokens, seq.params.max_tokens, max_model_len):
                 continue  # its last token is in flight; the result ends it
+            elif seq.matcher is not None and seq.has_pending:
+                continue  # structured output: its next mask waits for the token in flight
             elif budget > 0 and seq.status is SequenceStatus.RUNNING:
                 if seq.num_computed_tokens < len(seq.block_table) * block_size:
                     decodes.append(seq)  # room left in the last block: no allocation, no new block

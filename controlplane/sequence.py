@@ -54,14 +54,16 @@ class RequestParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ascending ids
     include_stop_str_in_output: bool = False  # the stop string that ends the text stays in it
     priority: int = 0  # with scheduling by priority: lower runs first
+    regex: str | None = None  # structured output: the text must match it (structured.py)
 
     @property
     def plain_sampling(self) -> bool:
-        """Temperature, top-k, top-p and min-p only (no penalties, seed, logprobs, min_tokens or logit
-        bias): what a plan of several decode steps allows."""
+        """Temperature, top-k, top-p and min-p only (no penalties, seed, logprobs, min_tokens, logit
+        bias or structured output): what a plan of several decode steps allows."""
         s = self.sampling
         return (s.repetition_penalty == 1.0 and s.presence_penalty == 0.0 and s.frequency_penalty == 0.0
-                and s.seed is None and self.logprobs is None and self.min_tokens == 0 and not self.logit_bias)
+                and s.seed is None and self.logprobs is None and self.min_tokens == 0 and not self.logit_bias
+                and self.regex is None)
 
 
 class Sequence:
@@ -90,6 +92,7 @@ class Sequence:
         self.mirrored = False  # whether the data plane holds a mirror of this sequence
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
+        self.matcher = None  # structured output: its place in its grammar (structured.TokenMatcher)
         self.arrival = next(_ARRIVALS)
 
     @property

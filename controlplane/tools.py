@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.reasoning import partial_tag
+from twinplane.controlplane.structured import json_schema_regex, regex_literal
 
-TOOL_CHOICES = ("auto", "none")
+TOOL_CHOICES = ("auto", "none", "required")
 MAX_TOOLS = 128  # most tools one request may define
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a function name, as OpenAI allows them
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -68,8 +69,10 @@ class ToolCall:
 class ToolSpec:
     """Whether a chat request's output is parsed for tool calls, and how many it may keep."""
 
-    parse: bool = False  # tool_choice "auto": the output's tool calls are returned apart from its content
+    parse: bool = False  # the output's tool calls are returned apart from its content (tool_choice not "none")
     parallel: bool = True  # parallel_tool_calls: false keeps the first call only
+    # tool_choice "required" (every tool's name) or a named function: the output is nothing but calls of these
+    forced: tuple[str, ...] = ()
 
 
 def function_name(value, where: str) -> str:
@@ -107,27 +110,52 @@ def check_tool_count(count: int, where: str) -> None:
         _fail(f"{where} holds {count} tools; at most {MAX_TOOLS} are allowed")
 
 
-def tool_spec(body: dict, has_tools: bool, parser: str | None) -> ToolSpec:
-    """The request's tool_choice and parallel_tool_calls, checked; has_tools: it defines tools;
+def tool_spec(body: dict, tools: list[dict] | None, parser: str | None) -> ToolSpec:
+    """The request's tool_choice and parallel_tool_calls, checked; tools: its tools (``template_tools``);
     parser: the server's ``--tool-call-parser`` (None: output is never parsed for tool calls)."""
     choice = body.get("tool_choice")
     if choice is None:
-        choice = "auto" if has_tools else "none"
-    if isinstance(choice, dict) or choice == "required":
-        _fail("tool_choice: only \"auto\" and \"none\" are supported; forcing a call (\"required\" or a named "
-              "function) needs constrained decoding, which this server does not do")
-    if choice not in TOOL_CHOICES:
-        _fail(f"tool_choice must be \"auto\" or \"none\", got {str(choice)[:80]!r}")
-    if choice == "auto" and not has_tools:
-        _fail("tool_choice \"auto\" needs tools")
-    if choice == "auto" and parser is None:
-        _fail("tool_choice \"auto\" needs a server started with --tool-call-parser (one of "
+        choice = "auto" if tools else "none"
+    names = [t["function"]["name"] for t in tools or ()]
+    forced: tuple[str, ...] = ()
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(function, dict) or function.get("name") not in names:
+            _fail(f"tool_choice must name one of the tools, as {{\"type\": \"function\", \"function\": {{\"name\": "
+                  f"...}}}}; the tools are {', '.join(names) or 'none'}")
+        forced, choice = (function["name"],), "named"
+    elif choice == "required":
+        forced = tuple(names)
+    elif choice not in TOOL_CHOICES:
+        _fail(f"tool_choice must be \"auto\", \"none\", \"required\" or a named function, got {str(choice)[:80]!r}")
+    if choice != "none" and not tools:
+        _fail(f"tool_choice {json.dumps(choice)} needs tools")
+    if choice != "none" and parser is None:
+        _fail(f"tool_choice {json.dumps(choice)} needs a server started with --tool-call-parser (one of "
               f"{', '.join(TOOL_CALL_PARSERS)}) to find the calls in the model's text; send tool_choice \"none\" "
               "to render the tools without parsing calls")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         _fail(f"parallel_tool_calls must be true or false, got {type(parallel).__name__}")
-    return ToolSpec(choice == "auto", parallel is not False)
+    return ToolSpec(choice != "none", parallel is not False and choice != "named", forced)
+
+
+def forced_calls_regex(parser: str, tools: list[dict], spec: ToolSpec) -> str:
+    """Structured output for a forced tool call: the text of one call of spec.forced's functions as the
+    parser reads them (with parallel calls, one or more), arguments valid under each one's parameters."""
+    calls = []
+    for i, tool in enumerate(tools):
+        function = tool["function"]
+        if function["name"] not in spec.forced:
+            continue
+        schema = function.get("parameters") or {"type": "object"}
+        arguments = json_schema_regex(schema, f"tools[{i}].function.parameters")
+        key = "arguments" if parser == "hermes" else "parameters"
+        call = rf'\{{"name":[ ]?"{regex_literal(function["name"])}",[ ]?"{key}":[ ]?{arguments}\}}'
+        calls.append(regex_literal(OPEN + "\n") + call + regex_literal("\n" + CLOSE) if parser == "hermes" else call)
+    one = "(?:" + "|".join(calls) + ")"
+    separator = "\\n" if parser == "hermes" else ";[ ]?"
+    return one + (f"(?:{separator}{one})*" if spec.parallel else "")
 
 
 def template_tool_calls(calls, where: str) -> list[dict]:

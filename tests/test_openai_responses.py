@@ -136,11 +136,12 @@ def test_max_output_tokens_leaves_the_response_incomplete(client):
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input", "only text input"),
     ({"input": []}, "input", "input is required"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens must be in"),
-    ({"input": "hi", "text": {"format": {"type": "json_object"}}}, "text", "only {\"type\": \"text\"}"),
-    ({"input": "hi", "tools": TOOLS, "tool_choice": "required"}, "tool_choice", "constrained decoding"),
+    ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text", "text.format must be"),
+    ({"input": "hi", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice",
+     "the tools are get_weather"),
     ({"input": "hi", "instructions": 3}, "instructions", "instructions must be a string"),
 ], ids=["previous-response", "built-in-tool", "image-item", "image-part", "no-input", "max-output-tokens",
-        "json-format", "required-call", "instructions-number"])
+        "unknown-format", "unknown-function", "instructions-number"])
 def test_what_the_server_cannot_do_gets_400(client, request_fields, param, words):
     reply = httpx.post(f"{client.base_url}responses", json={"model": "scripted", **request_fields}, timeout=30)
     assert reply.status_code == 400, reply.text

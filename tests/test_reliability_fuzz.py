@@ -53,6 +53,14 @@ tools = mostly(st.lists(st.builds(pb.Tool, name=names, description=text, paramet
 messages = mostly(st.lists(st.builds(pb.ChatMessage, role=st.sampled_from(CHAT_ROLES), content=text,
                                      tool_calls=tool_calls, tool_call_id=st.text(max_size=10)), min_size=1, max_size=3),
                   st.lists(st.builds(pb.ChatMessage, role=st.text(max_size=8), content=text), max_size=4))
+# structured output: constraints that compile (now and then none), or any text in their fields
+structured = st.none() | mostly(
+    st.sampled_from([pb.StructuredOutput(regex=r"[a-z]{1,6}( [a-z]{1,6}){0,3}"), pb.StructuredOutput(json_object=True),
+                     pb.StructuredOutput(choice=pb.Choices(choices=["yes", "no"])),
+                     pb.StructuredOutput(json_schema='{"type": "object", "properties": {"n": {"type": "integer"}}}')]),
+    st.builds(pb.StructuredOutput, regex=st.text(max_size=30))
+    | st.builds(pb.StructuredOutput, json_schema=json_objects)
+    | st.builds(pb.StructuredOutput, choice=st.builds(pb.Choices, choices=st.lists(st.text(max_size=5), max_size=3))))
 sampling = st.builds(
     pb.SamplingParams,
     temperature=float_field(0, 2), top_p=float_field(0.25, 1), min_p=float_field(0, 1),
@@ -79,6 +87,9 @@ def generate_requests(draw) -> pb.GenerateRequest:
         parse_output=draw(mostly(st.just(False), st.booleans())),
         logit_bias=draw(mostly(st.dictionaries(st.integers(0, 49151), st.floats(-100, 100, width=32), max_size=4),
                                st.dictionaries(st.integers(0, UINT32), any_float, max_size=1100))))
+    constraint = draw(structured)
+    if constraint is not None:
+        req.structured_output.CopyFrom(constraint)
     kind = draw(mostly(st.sampled_from(["text", "token_ids", "chat"]), st.just("none")))
     if kind == "text":
         req.text = draw(mostly(st.text(min_size=1, max_size=120), text))

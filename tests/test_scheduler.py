@@ -246,3 +246,38 @@ def test_by_priority_the_highest_value_is_preempted_and_goes_back_in_its_place()
     later = add_with_priority(sched, 4, 2, priority=9, first_token=30)
     assert list(sched.waiting) == [c, a, later]  # the preempted one keeps its place among equals
 
+
+
+class FakeMatcher:
+    """Stands in for structured output's TokenMatcher: a mask naming the tokens accepted so far."""
+
+    def __init__(self):
+        self.accepted: list[int] = []
+
+    def mask(self) -> bytes:
+        return bytes([len(self.accepted)])
+
+
+def test_a_masked_sequence_waits_for_its_token_in_flight_and_its_plans_carry_masks():
+    """Its next mask depends on the token being sampled, so while that token is PENDING it is left out
+    of the plan (a free sequence decodes from its PENDING token); each plan that samples it carries
+    its mask, indexed by its place in the plan."""
+    sched = make()
+    free = add(sched, 1, 3)
+    masked = Sequence(2, "2", [5, 6], RequestParams(max_tokens=100, regex="[ab]+"))
+    masked.matcher = FakeMatcher()
+    sched.add(masked)
+    assert not masked.params.plain_sampling  # never in a plan of several decode steps
+    first = sched.schedule()
+    plan = encode_plan(first, 4, (0,))
+    assert [(m.index, m.allowed) for m in plan.token_masks] == [(1, b"\x00")]
+    assert [init.sampling.masked for init in plan.inits] == [False, True]
+    second = sched.schedule()  # planned before the first result
+    assert [s.seq_id for s in second.seqs] == [free.seq_id] and not encode_plan(second, 4, (0,)).token_masks
+    sched.update(first, [7, 8])
+    masked.matcher.accepted.append(8)
+    third = sched.schedule()
+    assert sorted(s.seq_id for s in third.seqs) == [1, 2]
+    plan = encode_plan(third, 4, (0,))
+    index = [s.seq_id for s in third.seqs].index(2)
+    assert [(m.index, m.allowed) for m in plan.token_masks] == [(index, b"\x01")]

@@ -1,0 +1,138 @@
+"""Structured output: requests whose text must match a regular expression.
+
+Every form a client asks for (a JSON Schema, any JSON object, a regex, one of a list of choices, a
+forced tool call) becomes one regular expression in the frontend (``output_regex``), carried in
+``RequestParams.regex``. The engine core compiles it (``grammar.py``: a byte-level automaton) and
+keeps each such sequence's place in it (``TokenMatcher``); every plan that samples the sequence
+carries the mask of the tokens that keep its text a prefix of a match, and the data plane samples
+among them (the model's end-of-sequence tokens only once the text is a whole match).
+
+A masked sequence is not planned while its last token is still being sampled (its next mask
+depends on it), so it decodes every other step while the step loop plans ahead; nor does it take
+part in plans of several decode steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+from twinplane.controlplane.errors import InvalidRequest
+from twinplane.controlplane.grammar import Grammar, GrammarError, TokenVocab, allowed_tokens
+from twinplane.controlplane.json_schema import SchemaError, any_json_regex, schema_regex
+
+MAX_CHOICES = 256  # most strings a choice list may hold
+_META = set("\\.^$*+?{}[]()|-/\"")
+
+
+def regex_literal(text: str) -> str:
+    """A regex that matches text exactly (control characters as \\xHH escapes)."""
+    return "".join("\\" + c if c in _META else f"\\x{ord(c):02x}" if ord(c) < 0x20 else c for c in text)
+
+
+@functools.lru_cache(maxsize=256)
+def compiled(regex: str) -> Grammar:
+    """The automaton of regex (GrammarError when it is not one this server compiles)."""
+    return Grammar.from_regex(regex)
+
+
+def checked_regex(regex: str, where: str) -> str:
+    """regex, once it compiles; else InvalidRequest naming where it came from."""
+    try:
+        grammar = compiled(regex)
+    except GrammarError as exc:
+        raise InvalidRequest(f"{where}: {exc}") from None
+    if grammar.initial_state == Grammar.DEAD:
+        raise InvalidRequest(f"{where}: no text matches it")
+    return regex
+
+
+def json_schema_regex(schema, where: str) -> str:
+    """The regex of the JSON texts valid under schema (a parsed JSON Schema)."""
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidRequest(f"{where} must be a JSON Schema (an object), got {type(schema).__name__}")
+    try:
+        return checked_regex(schema_regex(schema), where)
+    except SchemaError as exc:
+        raise InvalidRequest(f"{where}: {exc}") from None
+
+
+def choice_regex(choices, where: str) -> str:
+    """The regex of exactly one of the strings in choices."""
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise InvalidRequest(f"{where} must be a non-empty list of non-empty strings")
+    if len(choices) > MAX_CHOICES:
+        raise InvalidRequest(f"{where} holds {len(choices)} strings; at most {MAX_CHOICES} are allowed")
+    return checked_regex("|".join(f"(?:{regex_literal(c)})" for c in choices), where)
+
+
+def schema_text(schema: str, where: str):
+    """A JSON Schema sent as JSON text (gRPC), parsed."""
+    try:
+        return json.loads(schema)
+    except (ValueError, RecursionError):
+        raise InvalidRequest(f"{where} must be the JSON text of a JSON Schema") from None
+
+
+def structured_regex_from_pb(spec) -> str:
+    """The regex of a gRPC StructuredOutput."""
+    kind = spec.WhichOneof("kind")
+    where = f"structured_output.{kind}"
+    if kind == "json_schema":
+        return json_schema_regex(schema_text(spec.json_schema, where), where)
+    if kind == "json_object" and spec.json_object:
+        return any_json_regex()
+    if kind == "regex" and spec.regex:
+        return checked_regex(spec.regex, where)
+    if kind == "choice":
+        return choice_regex(list(spec.choice.choices), where)
+    raise InvalidRequest("structured_output must set one of json_schema (a JSON Schema's text), json_object "
+                         "(true), regex (non-empty) or choice")
+
+
+class Vocabulary:
+    """The bytes of every token, for the masks of one model (the width of its logits)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, tags: tuple[str, ...] = ()):
+        """tags: special tokens a grammar may still write (a tool-call parser's tags)."""
+        token_bytes = list(tokenizer.token_bytes())
+        for tag in tags:
+            token_id = tokenizer.token_id(tag)
+            if token_id is not None:
+                token_bytes[token_id] = tag.encode()
+        self.token_bytes = token_bytes
+        self.vocab = TokenVocab(token_bytes, eos_token_ids, vocab_size)
+
+
+class TokenMatcher:
+    """One sequence's place in its grammar: what it may sample next.
+
+    A grammar whose automaton grows past its bound while it is used (``grammar.MAX_DFA_STATES``) sets
+    ``failure`` instead of raising, and allows only the stop tokens from then on: the engine core ends
+    the request with that message once it sees the token.
+    """
+
+    def __init__(self, grammar: Grammar, vocabulary: Vocabulary, token_ids=()):
+        self.grammar, self.vocabulary = grammar, vocabulary
+        self.state = grammar.initial_state
+        self.failure: str | None = None
+        for token_id in token_ids:
+            self.accept(token_id)
+
+    def accept(self, token_id: int) -> None:
+        """The sequence sampled token_id (a stop token adds no text)."""
+        token_bytes = self.vocabulary.token_bytes
+        data = token_bytes[token_id] if 0 <= token_id < len(token_bytes) else None
+        if data and self.failure is None:
+            try:
+                self.state = self.grammar.advance(self.state, data)
+            except GrammarError as exc:
+                self.failure, self.state = str(exc), Grammar.DEAD
+
+    def mask(self) -> bytes:
+        """The tokens it may sample next, one bit per token id (dataplane.proto's TokenMask)."""
+        try:
+            return allowed_tokens(self.grammar, self.state, self.vocabulary.vocab)
+        except GrammarError as exc:
+            self.failure, self.state = str(exc), Grammar.DEAD
+            return allowed_tokens(self.grammar, Grammar.DEAD, self.vocabulary.vocab)  # the stop tokens

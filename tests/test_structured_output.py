@@ -1,0 +1,225 @@
+"""Structured output through both planes with the real SmolLM2: JSON Schemas, any JSON object, regexes,
+choices and forced tool calls over gRPC, the OpenAI chat API and the Responses API; constrained and
+free requests side by side; what is refused."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+import subprocess
+from types import SimpleNamespace
+from typing import NamedTuple
+
+import grpc
+import openai
+import pytest
+
+from tests.conftest import NODE_CLIENT, Planes
+from twinplane.clients.messages import build_request
+from twinplane.controlplane import grammar
+from twinplane.controlplane.grammar import Grammar, TokenVocab
+from twinplane.controlplane.structured import TokenMatcher
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 20},
+    "age": {"type": "integer", "minimum": 0},
+    "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
+}, "required": ["name", "age", "city"]}
+ASK = [{"role": "user", "content": "Describe a person who lives in Paris as JSON with a name, an age and a city."}]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The time in a time zone",
+                                         "parameters": {"type": "object", "properties": {
+                                             "zone": {"type": "string", "maxLength": 30}}, "required": ["zone"]}}}
+
+
+@pytest.fixture(scope="module")
+def planes(smollm2_dir, tmp_path_factory):
+    planes = Planes(tmp_path_factory.mktemp("structured"), smollm2_dir,
+                    ("--block-size", "16", "--max-model-len", "1024"), http_listen="127.0.0.1:0",
+                    tool_call_parser="hermes").start()
+    yield planes
+    planes.stop()
+
+
+@pytest.fixture(scope="module")
+def client(planes) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{planes.plane.http_port}/v1", api_key="-", max_retries=0,
+                         timeout=120)
+
+
+class Output(NamedTuple):
+    text: str
+    finish_reason: str
+
+
+def generate(planes: Planes, **kwargs) -> Output:
+    """One greedy request's whole text and finish reason, over gRPC."""
+    with planes.client() as c:
+        chunks = list(c.generate(timeout=120, temperature=0.0, max_tokens=kwargs.pop("max_tokens", 80), **kwargs))
+    return Output("".join(ch.text for ch in chunks), chunks[-1].finish_reason)
+
+
+def test_a_json_schema_gives_an_object_valid_under_it_that_ends_the_request(planes) -> None:
+    out = generate(planes, messages=ASK, json_schema=PERSON)
+    person = json.loads(out.text)
+    assert list(person) == ["name", "age", "city"], out.text  # every required property, in the schema's order
+    assert isinstance(person["name"], str) and len(person["name"]) <= 20
+    assert isinstance(person["age"], int) and person["age"] >= 0 and person["city"] in ("Paris", "London", "Tokyo")
+    assert out.finish_reason == "stop_token"  # end-of-sequence came once the object closed
+
+
+def test_regex_choice_and_json_object(planes) -> None:
+    phone = generate(planes, prompt="My phone number is", regex=r"\(\d{3}\) \d{3}-\d{4}")
+    assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", phone.text), phone.text
+    answer = generate(planes, messages=[{"role": "user", "content": "Is Paris in France? Answer yes or no."}],
+                      choice=["yes", "no", "maybe not"])
+    assert answer.text in ("yes", "no", "maybe not") and answer.finish_reason == "stop_token"
+    anything = generate(planes, messages=ASK, json_object=True, max_tokens=120)
+    assert anything.finish_reason == "stop_token", anything.text
+    assert isinstance(json.loads(anything.text), dict)
+
+
+def test_constrained_and_free_requests_side_by_side(planes) -> None:
+    """Masks apply to their own rows only: a free request batched with constrained ones gives the text it
+    gives alone, and each constrained one still matches."""
+    free = dict(messages=[{"role": "user", "content": "Name three colours."}], max_tokens=40)
+    alone = generate(planes, **free).text
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        constrained = [pool.submit(generate, planes, messages=ASK, json_schema=PERSON) for _ in range(3)]
+        constrained += [pool.submit(generate, planes, prompt="Call me at", regex=r"\d{3}-\d{4}") for _ in range(2)]
+        together = pool.submit(generate, planes, **free)
+        outputs = [f.result().text for f in constrained]
+    assert together.result().text == alone
+    assert all(list(json.loads(text)) == ["name", "age", "city"] for text in outputs[:3]), outputs
+    assert all(re.fullmatch(r"\d{3}-\d{4}", text) for text in outputs[3:]), outputs
+
+
+def test_openai_response_format_and_structured_outputs(client, planes) -> None:
+    model = planes.engine.model_names[0]
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    chat = client.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=80,
+                                          response_format=schema_format)
+    assert list(json.loads(chat.choices[0].message.content)) == ["name", "age", "city"]
+    assert chat.choices[0].finish_reason == "stop"
+    grpc_text = generate(planes, messages=ASK, json_schema=PERSON).text
+    assert chat.choices[0].message.content == grpc_text  # the same constraint over both APIs
+    stream = client.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=80, stream=True,
+                                            response_format=schema_format)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == grpc_text
+    obj = client.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=120,
+                                         response_format={"type": "json_object"})
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    done = client.completions.create(model=model, prompt="The answer is", temperature=0, max_tokens=10,
+                                     extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert done.choices[0].text in ("yes", "no")
+    response = client.responses.create(model=model, input=ASK[0]["content"], temperature=0, max_output_tokens=80,
+                                       text={"format": {"type": "json_schema", "name": "person", "schema": PERSON}})
+    assert response.output_text == grpc_text
+
+
+def test_forced_tool_calls(client, planes) -> None:
+    """tool_choice "required" or a named function: the reply is nothing but calls in the parser's format,
+    with arguments valid under the function's parameters, returned as tool calls."""
+    model = planes.engine.model_names[0]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = client.chat.completions.create(model=model, messages=ask, temperature=0, max_tokens=80,
+                                           tools=[TIME, WEATHER],
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = named.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    [call] = choice.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and list(arguments) == ["city", "unit"]
+    assert arguments["unit"] in ("celsius", "fahrenheit")
+    required = client.chat.completions.create(model=model, messages=ask, temperature=0, max_tokens=120,
+                                              tools=[TIME, WEATHER], tool_choice="required", parallel_tool_calls=False)
+    [call] = required.choices[0].message.tool_calls
+    assert required.choices[0].finish_reason == "tool_calls" and call.function.name in ("get_time", "get_weather")
+    response = client.responses.create(model=model, input=ask[0]["content"], temperature=0, max_output_tokens=80,
+                                       tools=[{"type": "function", **WEATHER["function"]}],
+                                       tool_choice={"type": "function", "name": "get_weather"})
+    [item] = [i for i in response.output if i.type == "function_call"]
+    assert item.name == "get_weather" and list(json.loads(item.arguments)) == ["city", "unit"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(regex="(?=a)b"), "lookahead"),
+    (dict(regex="a{5,2}"), "structured_output.regex"),
+    (dict(json_schema="{not json"), "JSON text of a JSON Schema"),
+    (dict(json_schema={"type": "string", "format": "ipv6"}), "format"),
+    (dict(choice=[]), "non-empty list"),
+    (dict(choice=["yes", ""]), "non-empty"),
+    (dict(regex="[^\\s\\S]"), "no text matches it"),
+    (dict(regex="a+", min_tokens=2), "min_tokens (2) cannot go with structured output"),
+])
+def test_bad_structured_output_over_grpc_is_refused_with_a_message(planes, kwargs, message) -> None:
+    with planes.client() as c, pytest.raises(grpc.RpcError) as error:
+        c.generate_text("Hello", timeout=30, max_tokens=4, **kwargs)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in error.value.details(), error.value.details()
+    assert generate(planes, prompt="Hello", max_tokens=4).text  # the server serves on
+
+
+@pytest.mark.parametrize("body, param, message", [
+    (dict(response_format={"type": "xml"}), "response_format", "response_format must be"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
+     "response_format", "type"),
+    (dict(response_format={"type": "json_object"}, structured_outputs={"regex": "a"}), "response_format",
+     "send one of them"),
+    (dict(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs", "one of"),
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice",
+     "get_weather"),
+])
+def test_bad_structured_output_over_http_is_a_400_naming_the_field(client, planes, body, param, message) -> None:
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=planes.engine.model_names[0], messages=ASK, max_tokens=4,
+                                       extra_body=body)
+    assert error.value.body["param"] == param and message in error.value.body["message"], error.value.body
+
+
+def test_several_constraints_are_refused_by_the_client() -> None:
+    with pytest.raises(ValueError, match="regex and choice"):
+        build_request("x", regex="a", choice=["a"])
+
+
+def test_a_grammar_that_outgrows_its_bound_fails_its_request_not_the_core(monkeypatch) -> None:
+    """An automaton that grows past grammar.MAX_DFA_STATES while a sequence uses it: the matcher records
+    why and allows only the stop tokens, which the engine core turns into that request's error."""
+    monkeypatch.setattr(grammar, "MAX_DFA_STATES", 12)
+    vocabulary = SimpleNamespace(token_bytes=[b"a", b"b", None], vocab=TokenVocab([b"a", b"b", None], [2], 3))
+    matcher = TokenMatcher(Grammar.from_regex("(a|b)*a(a|b){6}"), vocabulary)
+    masks = []
+    for token in [0, 1] * 8:
+        masks.append(matcher.mask())
+        if matcher.failure:
+            break
+        matcher.accept(token)
+    assert masks[0] == bytes([0b011]) and masks[-1] == bytes([0b100])  # a or b; then the stop token only
+    assert "automaton states" in matcher.failure
+
+
+NODE_SCRIPT = """
+const { Client } = require(process.argv[1]);
+(async () => {
+  const client = new Client(process.argv[2]);
+  let text = '';
+  for await (const chunk of client.generate(JSON.parse(process.argv[3]))) text += chunk.text;
+  client.close();
+  console.log(JSON.stringify(text));
+})();
+"""
+
+
+def test_the_node_client_sends_a_json_schema(node, planes) -> None:
+    options = {"messages": ASK, "maxTokens": 80, "temperature": 0,
+               "structuredOutput": {"jsonSchema": json.dumps(PERSON)}}
+    result = subprocess.run([node, "-e", NODE_SCRIPT, str(NODE_CLIENT / "twinplane.js"), planes.address,
+                             json.dumps(options)], capture_output=True, text=True, timeout=120,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == generate(planes, messages=ASK, json_schema=PERSON).text
