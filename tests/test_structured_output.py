@@ -8,6 +8,7 @@ import concurrent.futures
 import json
 import re
 import subprocess
+import sys
 from types import SimpleNamespace
 from typing import NamedTuple
 
@@ -223,3 +224,11 @@ def test_the_node_client_sends_a_json_schema(node, planes) -> None:
                             stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == generate(planes, messages=ASK, json_schema=PERSON).text
+
+
+def test_the_mask_benchmark_walks_each_form_to_a_match(smollm2_dir) -> None:
+    result = subprocess.run([sys.executable, "-m", "twinplane.controlplane.bench_grammar", "--tokenizer",
+                             str(smollm2_dir)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines()[2:]]
+    assert [row[0] for row in rows] == ["json_object", "json_schema", "regex", "choice"]
