@@ -202,13 +202,15 @@ def build_tokenize_request(
 
 def chat_input(messages: Iterable[Message], *, add_generation_prompt: bool | None = None,
                continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
-               tools: Iterable[Mapping[str, Any]] = ()) -> pb.ChatInput:
+               tools: Iterable[Mapping[str, Any]] = (), tool_choice: str = "") -> pb.ChatInput:
     """Chat messages, each {"role", "content"} or (role, content), as a ChatInput; the options as
     the proto documents them (None: the server's default). A message dict may also hold the
     OpenAI API's tool_calls ([{"id", "function": {"name", "arguments"}}]), tool_call_id, name and
     reasoning_content; tools are OpenAI's ({"type": "function", "function": {...}}) or the
-    functions alone ({"name", "description", "parameters"})."""
-    chat = pb.ChatInput(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+    functions alone ({"name", "description", "parameters"}); tool_choice "required" or a tool's
+    name forces calls."""
+    chat = pb.ChatInput(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                        tool_choice=tool_choice)
     for message in messages:
         chat.messages.append(_chat_message(message))
     for tool in tools:

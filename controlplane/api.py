@@ -17,9 +17,10 @@ from google.protobuf import json_format
 
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.sequence import FinishReason, RequestParams, SamplingOptions
-from twinplane.controlplane.structured import structured_regex_from_pb
+from twinplane.controlplane.structured import checked_regex, structured_regex_from_pb
 from twinplane.controlplane.tokenizer import CHAT_ROLES, MESSAGE_FIELDS, SERVER_TEMPLATE_NAMES, ChatOptions, chat_texts
-from twinplane.controlplane.tools import check_tool_count, function_name, json_object, template_tool_call
+from twinplane.controlplane.tools import (ToolSpec, check_tool_count, forced_calls_regex, function_name, json_object,
+                                         template_tool_call)
 from twinplane.proto import generation_pb2 as pb
 
 MAX_REQUEST_ID_LEN = 256
@@ -359,8 +360,9 @@ def check_truncation(truncate_prompt_tokens: int, limits: Limits) -> None:
            f"truncation; got {truncate_prompt_tokens}")
 
 
-def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, header_request_id: str | None = None
-                          ) -> GenerateCall:
+def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, header_request_id: str | None = None,
+                          tool_call_parser: str | None = None) -> GenerateCall:
+    """tool_call_parser: the server's, which chat.tool_choice "required" or a function's name needs."""
     request_id = request_id_of(req, header_request_id)
     prompt = prompt_from_pb(req, limits)
     check_truncation(req.truncate_prompt_tokens, limits)
@@ -376,9 +378,27 @@ def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, header_reques
         logit_bias=dict(req.logit_bias),
         include_stop_str_in_output=req.include_stop_str_in_output,
         priority=req.priority,
-        regex=structured_regex_from_pb(req.structured_output) if req.HasField("structured_output") else None,
+        regex=_output_regex_from_pb(req, prompt, tool_call_parser),
     )
     return GenerateCall(request_id, prompt, params, req.truncate_prompt_tokens)
+
+
+def _output_regex_from_pb(req: pb.GenerateRequest, prompt: Prompt, parser: str | None) -> str | None:
+    """Structured output: structured_output's, or the calls that chat.tool_choice forces; None for free text."""
+    choice = req.chat.tool_choice if req.WhichOneof("input") == "chat" else ""
+    if choice in ("", "auto", "none"):
+        return structured_regex_from_pb(req.structured_output) if req.HasField("structured_output") else None
+    tools = prompt.chat_options.tools or []
+    names = [tool["function"]["name"] for tool in tools]
+    _check(choice == "required" or choice in names, f"chat.tool_choice must be \"auto\", \"none\", \"required\" or "
+           f"the name of one of chat.tools ({', '.join(names) or 'none given'}); got {choice[:80]!r}")
+    _check(bool(tools), f"chat.tool_choice {choice!r} needs chat.tools")
+    _check(parser is not None, f"chat.tool_choice {choice!r} needs a server started with --tool-call-parser, "
+           "whose format the calls are written in")
+    _check(not req.HasField("structured_output"),
+           "chat.tool_choice and structured_output each constrain the output; send one of them")
+    spec = ToolSpec(True, choice == "required", tuple(names) if choice == "required" else (choice,))
+    return checked_regex(forced_calls_regex(parser, tools, spec), "chat.tool_choice")
 
 
 _FINISH_TO_PB = {

@@ -94,11 +94,12 @@ class Vocabulary:
     """The bytes of every token, for the masks of one model (the width of its logits)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids, tags: tuple[str, ...] = ()):
-        """tags: special tokens a grammar may still write (a tool-call parser's tags)."""
-        token_bytes = list(tokenizer.token_bytes())
+        """tags: special tokens a grammar may still write (a tool-call parser's tags). Tokens past the
+        model's vocabulary (a tokenizer may hold more than its embedding) are never allowed."""
+        token_bytes = list(tokenizer.token_bytes())[:vocab_size]
         for tag in tags:
             token_id = tokenizer.token_id(tag)
-            if token_id is not None:
+            if token_id is not None and token_id < vocab_size:
                 token_bytes[token_id] = tag.encode()
         self.token_bytes = token_bytes
         self.vocab = TokenVocab(token_bytes, eos_token_ids, vocab_size)

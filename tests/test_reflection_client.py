@@ -102,9 +102,12 @@ def test_readme_grpcurl_commands_work_through_reflection(loopback_planes):
                             "twinplane.v1.Generation/GetModelInfo", "twinplane.v1.Generation/GetStats",
                             "grpc.health.v1.Health/Check"}
     assert "twinplane.v1.Generation" in results["list"]
-    (_, generated), = results["twinplane.v1.Generation/Generate"]
+    (_, generated), (asked, chosen) = results["twinplane.v1.Generation/Generate"]
     assert generated[-1]["finish_reason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_STOP_TOKEN")
     assert 0 < generated[-1]["usage"]["completion_tokens"] <= 32
+    # structured output: one of the choices, then end-of-sequence
+    assert "".join(m.get("text", "") for m in chosen) in asked["structured_output"]["choice"]["choices"]
+    assert chosen[-1]["finish_reason"] == "FINISH_REASON_STOP_TOKEN"
     with loopback_planes.client() as python_client:
         (text, ids), (chat, chat_ids) = results["twinplane.v1.Generation/Tokenize"]
         assert [int(t) for t in ids[0]["token_ids"]] == python_client.tokenize(text["text"])

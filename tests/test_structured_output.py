@@ -232,3 +232,47 @@ def test_the_mask_benchmark_walks_each_form_to_a_match(smollm2_dir) -> None:
     assert result.returncode == 0, result.stderr
     rows = [line.split() for line in result.stdout.splitlines()[2:]]
     assert [row[0] for row in rows] == ["json_object", "json_schema", "regex", "choice"]
+
+
+def test_grpc_tool_choice_forces_calls(planes, client, node) -> None:
+    """chat.tool_choice over gRPC forces the calls the HTTP API forces: the same text, split by parse_output
+    into the same call; the Python and Node.js clients send it."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    forced = dict(messages=ask, tools=[TIME, WEATHER], tool_choice="get_weather")
+    text = generate(planes, **forced).text
+    call_text = r'<tool_call>\n\{"name": ?"get_weather", ?"arguments": ?\{"city".*\}\}\n</tool_call>'
+    assert re.fullmatch(call_text, text), text
+    with planes.client() as c:
+        chunks = list(c.generate(timeout=120, temperature=0.0, max_tokens=80, parse_output=True, **forced))
+    [call] = [call for chunk in chunks for call in chunk.tool_calls]
+    assert not "".join(chunk.text for chunk in chunks)
+    http = client.chat.completions.create(model=planes.engine.model_names[0], messages=ask, temperature=0,
+                                          max_tokens=80, tools=[TIME, WEATHER],
+                                          tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [http_call] = http.choices[0].message.tool_calls
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", json.loads(http_call.function.arguments))
+    options = {"messages": ask, "tools": [TIME, WEATHER], "toolChoice": "get_weather", "maxTokens": 80,
+               "temperature": 0}
+    result = subprocess.run([node, "-e", NODE_SCRIPT, str(NODE_CLIENT / "twinplane.js"), planes.address,
+                             json.dumps(options)], capture_output=True, text=True, timeout=120,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == text
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tools=[WEATHER], tool_choice="get_time"), 'the name of one of chat.tools \\(get_weather\\)'),
+    (dict(tool_choice="required"), "needs chat.tools"),
+    (dict(tools=[WEATHER], tool_choice="required", regex="a+"), "send one of them"),
+])
+def test_bad_grpc_tool_choice_is_refused(planes, kwargs, message) -> None:
+    with planes.client() as c, pytest.raises(grpc.RpcError) as error:
+        c.generate_text(messages=ASK, timeout=30, max_tokens=4, **kwargs)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert re.search(message, error.value.details()), error.value.details()
+
+
+def test_grpc_tool_choice_needs_a_tool_call_parser(loopback_planes) -> None:
+    with loopback_planes.client() as c, pytest.raises(grpc.RpcError) as error:
+        c.generate_text(messages=ASK, tools=[WEATHER], tool_choice="required", timeout=30, max_tokens=4)
+    assert "needs a server started with --tool-call-parser" in error.value.details()

@@ -62,14 +62,17 @@ function toolOf(tool) {
  * Chat messages as {role, content} objects (with toolCalls [{id, name, arguments}], toolCallId, name,
  * reasoningContent when needed) or [role, content] pairs, as a ChatInput, with the chat options:
  * addGenerationPrompt, continueFinalMessage, chatTemplateKwargs (an object of template variables,
- * e.g. { enable_thinking: false }) and tools (see toolOf); undefined leaves the server's default.
+ * e.g. { enable_thinking: false }), tools (see toolOf) and toolChoice ('required' or a tool's name forces
+ * calls); undefined leaves the server's default.
  */
-function chatInput(messages, { addGenerationPrompt, continueFinalMessage, chatTemplateKwargs, tools } = {}) {
+function chatInput(messages, options = {}) {
+  const { addGenerationPrompt, continueFinalMessage, chatTemplateKwargs, tools, toolChoice } = options;
   const chat = { messages: messages.map((m) => (Array.isArray(m) ? { role: m[0], content: m[1] } : m)) };
   if (addGenerationPrompt !== undefined) chat.addGenerationPrompt = addGenerationPrompt;
   if (continueFinalMessage !== undefined) chat.continueFinalMessage = continueFinalMessage;
   if (chatTemplateKwargs !== undefined) chat.chatTemplateKwargs = structOf(chatTemplateKwargs);
   if (tools !== undefined) chat.tools = tools.map(toolOf);
+  if (toolChoice !== undefined) chat.toolChoice = toolChoice;
   return chat;
 }
 
@@ -78,7 +81,8 @@ function inputOf({ prompt, tokenIds, messages, ...chatOptions }) {
   const given = [prompt, tokenIds, messages].filter((value) => value !== undefined);
   if (given.length !== 1) throw new TypeError('give exactly one of prompt, tokenIds or messages');
   if (messages === undefined && Object.values(chatOptions).some((value) => value !== undefined)) {
-    throw new TypeError('addGenerationPrompt, continueFinalMessage, chatTemplateKwargs and tools go with messages');
+    throw new TypeError('addGenerationPrompt, continueFinalMessage, chatTemplateKwargs, tools and toolChoice go with '
+      + 'messages');
   }
   if (prompt !== undefined) return { text: prompt };
   if (tokenIds !== undefined) return { tokenIds: { ids: tokenIds } };
@@ -92,8 +96,10 @@ function inputOf({ prompt, tokenIds, messages, ...chatOptions }) {
  */
 function buildRequest(options) {
   const { prompt, tokenIds, messages, addGenerationPrompt, continueFinalMessage, chatTemplateKwargs, tools,
-    ...rest } = options;
-  const input = { prompt, tokenIds, messages, addGenerationPrompt, continueFinalMessage, chatTemplateKwargs, tools };
+    toolChoice, ...rest } = options;
+  const input = {
+    prompt, tokenIds, messages, addGenerationPrompt, continueFinalMessage, chatTemplateKwargs, tools, toolChoice,
+  };
   const request = { ...inputOf(input), sampling: {} };
   for (const [key, value] of Object.entries(rest)) {
     if (value === undefined || value === null) continue;
