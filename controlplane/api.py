@@ -17,7 +17,7 @@ from google.protobuf import json_format
 
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.sequence import FinishReason, RequestParams, SamplingOptions
-from twinplane.controlplane.structured import checked_regex, structured_regex_from_pb
+from twinplane.controlplane.structured import after_reasoning, checked_regex, structured_regex_from_pb
 from twinplane.controlplane.tokenizer import CHAT_ROLES, MESSAGE_FIELDS, SERVER_TEMPLATE_NAMES, ChatOptions, chat_texts
 from twinplane.controlplane.tools import (ToolSpec, check_tool_count, forced_calls_regex, function_name, json_object,
                                          template_tool_call)
@@ -361,8 +361,9 @@ def check_truncation(truncate_prompt_tokens: int, limits: Limits) -> None:
 
 
 def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, header_request_id: str | None = None,
-                          tool_call_parser: str | None = None) -> GenerateCall:
-    """tool_call_parser: the server's, which chat.tool_choice "required" or a function's name needs."""
+                          tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> GenerateCall:
+    """tool_call_parser: the server's, which chat.tool_choice "required" or a function's name needs;
+    reasoning_parser: the server's, whose reasoning a chat's structured output leaves free."""
     request_id = request_id_of(req, header_request_id)
     prompt = prompt_from_pb(req, limits)
     check_truncation(req.truncate_prompt_tokens, limits)
@@ -378,16 +379,28 @@ def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, header_reques
         logit_bias=dict(req.logit_bias),
         include_stop_str_in_output=req.include_stop_str_in_output,
         priority=req.priority,
-        regex=_output_regex_from_pb(req, prompt, tool_call_parser),
+        regex=_output_regex_from_pb(req, prompt, tool_call_parser, reasoning_parser),
     )
     return GenerateCall(request_id, prompt, params, req.truncate_prompt_tokens)
 
 
-def _output_regex_from_pb(req: pb.GenerateRequest, prompt: Prompt, parser: str | None) -> str | None:
-    """Structured output: structured_output's, or the calls that chat.tool_choice forces; None for free text."""
+def _output_regex_from_pb(req: pb.GenerateRequest, prompt: Prompt, parser: str | None,
+                          reasoning_parser: str | None) -> str | None:
+    """Structured output: structured_output's, or the calls that chat.tool_choice forces (after the reasoning,
+    for chat on a server with a reasoning parser); None for free text."""
+    regex = _forced_calls_from_pb(req, prompt, parser)
+    if regex is None and req.HasField("structured_output"):
+        regex = structured_regex_from_pb(req.structured_output)
+    if regex is not None and prompt.messages is not None and reasoning_parser is not None:
+        regex = after_reasoning(regex, reasoning_parser)
+    return regex
+
+
+def _forced_calls_from_pb(req: pb.GenerateRequest, prompt: Prompt, parser: str | None) -> str | None:
+    """The regex of the calls chat.tool_choice forces, if it forces any."""
     choice = req.chat.tool_choice if req.WhichOneof("input") == "chat" else ""
     if choice in ("", "auto", "none"):
-        return structured_regex_from_pb(req.structured_output) if req.HasField("structured_output") else None
+        return None
     tools = prompt.chat_options.tools or []
     names = [tool["function"]["name"] for tool in tools]
     _check(choice == "required" or choice in names, f"chat.tool_choice must be \"auto\", \"none\", \"required\" or "

@@ -17,7 +17,8 @@ from twinplane.controlplane.api import (SAMPLING_FIELDS, GenerateCall, Limits, P
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.json_schema import any_json_regex
 from twinplane.controlplane.sequence import FinishReason
-from twinplane.controlplane.structured import checked_regex, choice_regex, json_schema_regex, schema_text
+from twinplane.controlplane.structured import (after_reasoning, checked_regex, choice_regex, json_schema_regex,
+                                               schema_text)
 from twinplane.controlplane.tokenizer import MESSAGE_FIELDS, Tokenizer
 from twinplane.controlplane.tools import ToolSpec, forced_calls_regex, template_tool_calls, template_tools, tool_spec
 
@@ -279,10 +280,12 @@ def choice_seed(seed: int | None, index: int) -> int | None:
 
 
 def parse_request(body: dict, limits: Limits, request_id: str, chat: bool,
-                  tool_call_parser: str | None = None, special_tool_tags: bool = False) -> OpenAIRequest:
+                  tool_call_parser: str | None = None, special_tool_tags: bool = False,
+                  reasoning_parser: str | None = None) -> OpenAIRequest:
     """Validates an OpenAI request body; each choice gets the request id with '-<index>' when there are several.
     tool_call_parser: the server's ``--tool-call-parser``, which tool_choice "auto" needs; special_tool_tags:
-    the tags it reads are special tokens, so a request whose calls it reads keeps special tokens in its text."""
+    the tags it reads are special tokens, so a request whose calls it reads keeps special tokens in its text;
+    reasoning_parser: the server's ``--reasoning-parser``, whose reasoning a chat's structured output leaves free."""
     _check_supported(body)
     for name in () if chat else TOOL_FIELDS:
         if body.get(name) is not None:
@@ -294,6 +297,8 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool,
     prompts = [_messages(body, limits)] if chat else _prompts(body, limits)
     tools = tool_spec(body, prompts[0].chat_options.tools, tool_call_parser) if chat else ToolSpec()
     regex = _output_regex(body, prompts[0].chat_options.tools, tools, tool_call_parser)
+    if regex is not None and chat and reasoning_parser is not None:
+        regex = after_reasoning(regex, reasoning_parser)
     top = _logprobs(body, chat)
     max_tokens, max_tokens_name = _max_tokens(body)
     params = request_params(

@@ -207,7 +207,7 @@ class OpenAIService:
             fields = chat_body(body) if kind == "response" else body
             chat, tokenizer, parser = kind != "completion", self.engine.tokenizer, config.tool_call_parser
             parsed = parse_request(fields, self.engine.limits, request_id, chat, parser,
-                                   tags_are_special(parser, tokenizer))
+                                   tags_are_special(parser, tokenizer), config.reasoning_parser)
             choices = Choices(self.engine, parsed)
             await choices.open()
         except ClientDisconnect:

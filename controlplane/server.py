@@ -127,7 +127,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         engine = self.engine
         await engine.wait_ready(queued=True)
         header = dict(context.invocation_metadata() or ()).get(REQUEST_ID_HEADER)
-        call = generate_call_from_pb(request, engine.limits, header, engine.config.tool_call_parser)
+        config = engine.config
+        call = generate_call_from_pb(request, engine.limits, header, config.tool_call_parser, config.reasoning_parser)
         call, parts = self._output_parts(request, call) if request.parse_output else (call, None)
         state = await engine.add(call)
         # cancelled, deadline passed or connection lost: free the blocks now, not when the handler unwinds

@@ -7,6 +7,9 @@ keeps each such sequence's place in it (``TokenMatcher``); every plan that sampl
 carries the mask of the tokens that keep its text a prefix of a match, and the data plane samples
 among them (the model's end-of-sequence tokens only once the text is a whole match).
 
+On a server with a reasoning parser, a chat request's constraint applies to the answer: the
+reasoning before it (``<think>`` ... ``</think>``, as the parser reads it) is free (``after_reasoning``).
+
 A masked sequence is not planned while its last token is still being sampled (its next mask
 depends on it), so it decodes every other step while the step loop plans ahead; nor does it take
 part in plans of several decode steps.
@@ -20,6 +23,7 @@ import json
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.grammar import Grammar, GrammarError, TokenVocab, allowed_tokens
 from twinplane.controlplane.json_schema import SchemaError, any_json_regex, schema_regex
+from twinplane.controlplane.reasoning import CLOSE, OPEN
 
 MAX_CHOICES = 256  # most strings a choice list may hold
 _META = set("\\.^$*+?{}[]()|-/\"")
@@ -28,6 +32,32 @@ _META = set("\\.^$*+?{}[]()|-/\"")
 def regex_literal(text: str) -> str:
     """A regex that matches text exactly (control characters as \\xHH escapes)."""
     return "".join("\\" + c if c in _META else f"\\x{ord(c):02x}" if ord(c) < 0x20 else c for c in text)
+
+
+def avoiding(tag: str) -> str:
+    """A regex of every text in which tag does not occur (tag's first character occurs only there): the
+    automaton that looks for tag, written out; it loops back to its start on a character that breaks
+    the match, and to after the first character on that character itself."""
+    assert tag[0] not in tag[1:], tag
+    first, rest = regex_literal(tag[0]), [regex_literal(c) for c in tag[1:]]
+    back = f"[^{rest[-1]}{first}]"  # the paths back to the start: a prefix of rest, then a breaking character
+    for c in reversed(rest[:-1]):
+        back = f"(?:[^{c}{first}]|{c}{back})"
+    started = ""  # a proper prefix of rest, short of the tag's last character
+    for c in reversed(rest[:-1]):
+        started = f"{c}(?:{started})?" if started else c
+    again = f"(?:(?:{started})?{first})*"  # the first character again, after a part of the tag or none
+    return f"(?:[^{first}]|{first}{again}{back})*(?:{first}{again}(?:{started})?)?"
+
+
+def after_reasoning(regex: str, parser: str) -> str:
+    """The regex of a reasoning model's whole text whose answer matches regex: ``qwen3``, an optional
+    ``<think>`` ... ``</think>`` first; ``deepseek_r1``, reasoning up to ``</think>`` (its ``<think>`` is in
+    the prompt; one written anyway at the start is taken)."""
+    thinking = rf"{avoiding(CLOSE)}{regex_literal(CLOSE)}\s*"
+    if parser == "qwen3":
+        return rf"(?:\s*{regex_literal(OPEN)}{thinking})?(?:{regex})"
+    return f"(?:{regex_literal(OPEN)})?{thinking}(?:{regex})"
 
 
 @functools.lru_cache(maxsize=256)

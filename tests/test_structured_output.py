@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import random
 import re
 import subprocess
 import sys
@@ -20,7 +21,9 @@ from tests.conftest import NODE_CLIENT, Planes
 from twinplane.clients.messages import build_request
 from twinplane.controlplane import grammar
 from twinplane.controlplane.grammar import Grammar, TokenVocab
-from twinplane.controlplane.structured import TokenMatcher
+from twinplane.controlplane.structured import (TokenMatcher, Vocabulary, after_reasoning, avoiding, compiled,
+                                               json_schema_regex)
+from twinplane.controlplane.tokenizer import Tokenizer
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 20},
@@ -276,3 +279,52 @@ def test_grpc_tool_choice_needs_a_tool_call_parser(loopback_planes) -> None:
     with loopback_planes.client() as c, pytest.raises(grpc.RpcError) as error:
         c.generate_text(messages=ASK, tools=[WEATHER], tool_choice="required", timeout=30, max_tokens=4)
     assert "needs a server started with --tool-call-parser" in error.value.details()
+
+
+@pytest.mark.parametrize("tag", ["</think>", "</tool_call>", "ab", "abc"])
+def test_avoiding_matches_exactly_the_texts_without_the_tag(tag) -> None:
+    pattern, rng = avoiding(tag), random.Random(0)
+    letters = sorted(set(tag + "x"))
+    for _ in range(20_000):
+        text = "".join(rng.choice(letters) for _ in range(rng.randint(0, 16)))
+        if rng.random() < 0.3:  # pieces of the tag, whole or cut, anywhere
+            at = rng.randint(0, len(text))
+            text = text[:at] + tag[:rng.randint(0, len(tag))] + text[at:]
+        assert (re.fullmatch(pattern, text) is not None) == (tag not in text), text
+
+
+@pytest.mark.parametrize("parser, texts, refused", [
+    ("qwen3", ['{"n": 1}', '<think>\nIs it </thin k> or 1?</think>\n\n{"n": 1}', '\n<think></think>{"n":2}'],
+     ['<think>x</think>\n\nhello', '<think>x</think>{"n": 1}</think>', 'hmm<think></think>{"n": 1}']),
+    ("deepseek_r1", ['Think first.</think>\n\n{"n": 1}', '<think>Think.</think>{"n": 3}'],
+     ['{"n": 1}', 'Think.</think>x']),
+])
+def test_the_constraint_applies_to_the_answer_after_the_reasoning(smollm2_dir, parser, texts, refused) -> None:
+    """With a reasoning parser the thinking is free and the answer after it must match, token by token as
+    SmolLM2's tokenizer writes the texts."""
+    tokenizer = Tokenizer(smollm2_dir)
+    vocabulary = Vocabulary(tokenizer, tokenizer.vocab_size, [tokenizer.token_id(tokenizer.eos_token)])
+    grammar = compiled(after_reasoning(json_schema_regex({"type": "object", "properties": {
+        "n": {"type": "integer"}}, "required": ["n"]}, "schema"), parser))
+    for text, ok in [(t, True) for t in texts] + [(t, False) for t in refused]:
+        matcher = TokenMatcher(grammar, vocabulary, tokenizer.encode(text, add_special_tokens=False))
+        assert grammar.is_accepting(matcher.state) == ok, text
+
+
+def test_a_reasoning_server_constrains_the_answer(planes_factory, smollm2_dir) -> None:
+    """--reasoning-parser qwen3: SmolLM2 writes no <think>, so its whole answer is the JSON, over HTTP and
+    over gRPC with parse_output (no reasoning text)."""
+    planes = planes_factory(smollm2_dir, "--block-size", "16", "--max-model-len", "1024",
+                            http_listen="127.0.0.1:0", reasoning_parser="qwen3")
+    http = openai.OpenAI(base_url=f"http://127.0.0.1:{planes.plane.http_port}/v1", api_key="-", max_retries=0,
+                         timeout=120)
+    chat = http.chat.completions.create(model=planes.engine.model_names[0], messages=ASK, temperature=0,
+                                        max_tokens=80, response_format={"type": "json_schema", "json_schema": {
+                                            "name": "person", "schema": PERSON}})
+    message = chat.choices[0].message
+    assert list(json.loads(message.content)) == ["name", "age", "city"]
+    assert not getattr(message, "reasoning_content", None)
+    with planes.client() as c:
+        chunks = list(c.generate(messages=ASK, json_schema=PERSON, parse_output=True, temperature=0.0,
+                                 max_tokens=80, timeout=120))
+    assert "".join(ch.text for ch in chunks) == message.content and not "".join(ch.reasoning_text for ch in chunks)
