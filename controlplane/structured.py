@@ -1,8 +1,8 @@
 """Structured output: requests whose text must match a regular expression.
 
 Every form a client asks for (a JSON Schema, any JSON object, a regex, one of a list of choices, a
-forced tool call) becomes one regular expression in the frontend (``output_regex``), carried in
-``RequestParams.regex``. The engine core compiles it (``grammar.py``: a byte-level automaton) and
+forced tool call) becomes one regular expression in the frontend (``openai_api._output_regex``,
+``api._output_regex_from_pb``), carried in ``RequestParams.regex``. The engine core compiles it (``grammar.py``: a byte-level automaton) and
 keeps each such sequence's place in it (``TokenMatcher``); every plan that samples the sequence
 carries the mask of the tokens that keep its text a prefix of a match, and the data plane samples
 among them (the model's end-of-sequence tokens only once the text is a whole match).
