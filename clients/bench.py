@@ -13,7 +13,10 @@ requests, from the same generator. Without ``--server`` it starts both planes it
 process instead of all at once, and time to first token and inter-token latency are what matter.
 Their arrival times are drawn with the workload, before the timed run, as one process over all
 requests: with ``--client-processes K`` each process sends its share at those times, so the
-rate is the one asked for, not K times it.
+rate is the one asked for, not K times it. With ``--masked-share F`` a share F of the requests
+(drawn from a generator of their own, so the workload stays nano-vLLM's) asks for structured
+output, its text to match ``--masked-regex``: by default one that every text matches, so they run
+to max_tokens like the others and the run shows what the token masks cost the steps they are in.
 
 Two rooflines are printed. The bandwidth roofline is the time the GPU would need to move this
 workload's bytes at its peak memory bandwidth: the weights once per decode step (at least as
@@ -60,6 +63,7 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     error: str | None = None  # why its stream ended early
     at: float = 0.0  # seconds into the run when it is sent (Poisson arrivals at --request-rate)
+    regex: str | None = None  # structured output (--masked-share)
 
 
 def make_workload(args: argparse.Namespace) -> list[Request]:
@@ -83,6 +87,9 @@ def make_workload(args: argparse.Namespace) -> list[Request]:
         rng.shuffle(order)
         for req, i in zip(requests, order):
             req.prompt = prefixes[i] + req.prompt
+    if args.masked_share > 0:
+        for req in random.Random(args.seed + 1).sample(requests, round(args.masked_share * n)):
+            req.regex = args.masked_regex
     if args.request_rate != float("inf"):  # one arrival process over all requests, drawn before the timed run
         gaps = np.random.default_rng(args.seed).exponential(1.0 / args.request_rate, n)
         for req, at in zip(requests, np.cumsum(gaps).tolist()):
@@ -117,7 +124,7 @@ def workload_step_roofline(requests: list[Request], info, args) -> StepRoofline:
 async def _one(client, req: Request, args, progress) -> None:
     req.sent = time.perf_counter()
     stream = client.generate(token_ids=req.prompt, max_tokens=req.max_tokens, temperature=args.temperature,
-                             ignore_eos=True)
+                             ignore_eos=True, regex=req.regex)
     try:
         async for chunk in stream:
             now = time.perf_counter()
@@ -342,6 +349,9 @@ def _start_server(args) -> tuple[subprocess.Popen, str]:
                *_dataplane_argv(args), "--listen", address, "--max-waiting-requests", str(args.num_requests + 16)]
     if args.max_prefill_tokens_with_decode:
         command += ["--max-prefill-tokens-with-decode", str(args.max_prefill_tokens_with_decode)]
+    if args.masked_share > 0 and args.model.startswith("dummy:"):  # masks need the tokens' text: the embedded one's
+        from twinplane.dataplane.embedded import resolve_model
+        command += ["--tokenizer", resolve_model("default")]
     command += ["--stream-interval", str(args.stream_interval), "--max-steps-in-flight", str(args.max_steps_in_flight),
                 "--decode-steps", str(args.decode_steps), "--decode-steps-max-seqs", str(args.decode_steps_max_seqs),
                 "--data-parallel-size", str(args.data_parallel_size), "--routing", args.routing]
@@ -371,6 +381,7 @@ def _check_workload(args: argparse.Namespace) -> None:
         (args.ready_timeout > 0, f"--ready-timeout must be > 0, got {args.ready_timeout}"),
         (args.num_prefixes >= 0 and args.prefix_len >= 0,
          f"--num-prefixes and --prefix-len must be >= 0, got {args.num_prefixes} and {args.prefix_len}"),
+        (0 <= args.masked_share <= 1, f"--masked-share must be in [0, 1], got {args.masked_share}"),
     ]
     for ok, message in problems:
         if not ok:
@@ -461,6 +472,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-prefixes", type=int, default=0,
                    help="shared prompt prefixes, each starting as many prompts, in random order (0: none)")
     g.add_argument("--prefix-len", type=int, default=1000, help="tokens of each shared prefix")
+    g.add_argument("--masked-share", type=float, default=0.0,
+                   help="share of the requests with structured output, matching --masked-regex (default: 0.0)")
+    g.add_argument("--masked-regex", default=r"[\s\S]*",
+                   help="what their text must match, by default a regex every text matches (default: %(default)s)")
     g.add_argument("--kill-dataplane-after", type=float, default=None,
                    help="SIGKILL one data plane of the server it starts after this many seconds (default: never)")
     p.set_defaults(model="dummy:qwen3-0.6b")

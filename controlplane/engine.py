@@ -370,6 +370,9 @@ class Engine:
     async def add(self, call: GenerateCall) -> RequestState:
         """Tokenizes and queues a validated request (call after wait_ready); returns its state."""
         arrival_time = time.monotonic()
+        if call.params.regex is not None and self.tokenizer is None:
+            raise InvalidRequest("structured output needs the model's tokenizer, to know each token's text; this "
+                                 "server has none (start it with --tokenizer FOLDER)")
         self._check_room()
         self.num_tokenizing += 1
         try:

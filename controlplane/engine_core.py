@@ -143,6 +143,8 @@ class EngineCore:
             if self.describe is None:
                 raise ValueError("no data plane has connected yet")
             folder = self.config.tokenizer or self.describe.tokenizer_path
+            if not folder:
+                raise ValueError("the model has no tokenizer; start the control plane with --tokenizer")
             tags = TAGS[self.config.tool_call_parser] if self.config.tool_call_parser else ()
             self._vocabulary = Vocabulary(Tokenizer(folder), self.describe.vocab_size, self.eos_token_ids, tags)
         return self._vocabulary

@@ -141,3 +141,11 @@ def test_arrival_times_are_one_poisson_process_drawn_with_the_workload():
     assert all(len(share) / share[-1] == pytest.approx(5, rel=0.1) for share in shares)
     again = make_workload(bench_args("--num-requests", "4000", "--request-rate", "20"))
     assert [r.at for r in again] == times  # drawn from --seed: the same on every run
+
+
+def test_masked_requests_are_drawn_apart_from_the_workload():
+    flags = ("--masked-share", "0.25", "--masked-regex", "[a-z]*")
+    plain, masked = make_workload(bench_args()), make_workload(bench_args(*flags))
+    assert [(r.prompt, r.max_tokens) for r in masked] == [(r.prompt, r.max_tokens) for r in plain]
+    assert sum(r.regex == "[a-z]*" for r in masked) == 64 and not any(r.regex for r in plain)
+    assert [r.regex for r in masked] == [r.regex for r in make_workload(bench_args(*flags))]

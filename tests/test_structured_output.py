@@ -328,3 +328,13 @@ def test_a_reasoning_server_constrains_the_answer(planes_factory, smollm2_dir) -
         chunks = list(c.generate(messages=ASK, json_schema=PERSON, parse_output=True, temperature=0.0,
                                  max_tokens=80, timeout=120))
     assert "".join(ch.text for ch in chunks) == message.content and not "".join(ch.reasoning_text for ch in chunks)
+
+
+def test_a_server_without_a_tokenizer_refuses_structured_output(planes_factory) -> None:
+    planes = planes_factory("dummy:tiny-qwen3", "--block-size", "16")
+    with planes.client() as c, pytest.raises(grpc.RpcError) as error:
+        c.generate_text(token_ids=[1, 2, 3], regex="[a-z]+", max_tokens=4, timeout=30)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "needs the model's tokenizer" in error.value.details()
+    with planes.client() as c:
+        assert c.generate(token_ids=[1, 2, 3], max_tokens=4, timeout=30).text() is not None  # serving on
