@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import re
 import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -37,8 +36,8 @@ from typing import NoReturn
 import numpy as np
 
 MAX_COUNT = 1000  # the largest count a {n,m} quantifier may hold
-MASK_CACHE_STATES = 2048  # masks kept per (grammar, vocabulary), least recently used dropped first
-MAX_DFA_STATES = 100_000  # automaton states one grammar may build while it is used (GrammarError past them)
+MASK_CACHE_BYTES = 256 << 20  # masks kept, every grammar's together; the least recently used go first
+MAX_DFA_STATES = 20_000  # automaton states one grammar may build while it is used (GrammarError past them)
 SUPPORTED = ("supported: literals, escaped punctuation, \\n \\t \\r \\f \\v \\0 \\xHH \\uHHHH, . \\d \\D "
              "\\w \\W \\s \\S, [...] and [^...] classes, groups (...) (?:...) (?P<name>...), alternation |, "
              f"quantifiers * + ? {{n}} {{n,}} {{n,m}} (counts up to {MAX_COUNT}, lazy or not), ^ at the start and $ at "
@@ -414,7 +413,6 @@ class Grammar:
         self._accepting: list[bool] = []
         self._ends: list[bool] = []  # no byte can follow
         self._lock = threading.RLock()
-        self._masks: weakref.WeakKeyDictionary[TokenVocab, OrderedDict[int, bytes]] = weakref.WeakKeyDictionary()
         self._intern(frozenset())
         self._trans[self.DEAD] = self.DEAD
         self.initial_state = self._intern(self._closure({start}))
@@ -553,21 +551,44 @@ def _token_walk(grammar: Grammar, state: int, vocab: TokenVocab) -> np.ndarray:
     return allowed
 
 
+class _MaskCache:
+    """The masks computed so far, keyed by (grammar, vocabulary, state), within MASK_CACHE_BYTES in all: a
+    server sees many schemas, and a mask of a 151,936-token vocabulary is 19 KB."""
+
+    def __init__(self):
+        self.masks: OrderedDict[tuple[Grammar, TokenVocab, int], bytes] = OrderedDict()
+        self.bytes = 0
+        self.lock = threading.Lock()
+
+    def get(self, key) -> bytes | None:
+        with self.lock:
+            mask = self.masks.get(key)
+            if mask is not None:
+                self.masks.move_to_end(key)
+            return mask
+
+    def put(self, key, mask: bytes) -> None:
+        with self.lock:
+            if key not in self.masks:
+                self.masks[key] = mask
+                self.bytes += len(mask)
+            while self.bytes > MASK_CACHE_BYTES and len(self.masks) > 1:
+                self.bytes -= len(self.masks.popitem(last=False)[1])
+
+
+_MASKS = _MaskCache()
+
+
 def allowed_tokens(grammar: Grammar, state: int, vocab: TokenVocab) -> bytes:
     """The tokens that may come next in state, one bit per token id (token t: bit t & 7 of byte t >> 3):
     those whose bytes keep the output a prefix of a match, and the stop tokens once it is a full match
-    (or when nothing else could come, so that generation can end). Cached per state."""
-    with grammar._lock:
-        masks = grammar._masks.get(vocab)
-        if masks is None:
-            masks = grammar._masks[vocab] = OrderedDict()
-        mask = masks.get(state)
-        if mask is not None:
-            masks.move_to_end(state)
-            return mask
-        allowed = _token_walk(grammar, state, vocab)
+    (or when nothing else could come, so that generation can end). Cached (``_MaskCache``)."""
+    key = (grammar, vocab, state)
+    mask = _MASKS.get(key)
+    if mask is None:
+        with grammar._lock:
+            allowed = _token_walk(grammar, state, vocab)
         allowed[vocab.stop_ids] = grammar.is_accepting(state) or not allowed.any()
-        mask = masks[state] = np.packbits(allowed, bitorder="little").tobytes()
-        if len(masks) > MASK_CACHE_STATES:
-            masks.popitem(last=False)
-        return mask
+        mask = np.packbits(allowed, bitorder="little").tobytes()
+        _MASKS.put(key, mask)
+    return mask

@@ -60,9 +60,10 @@ def after_reasoning(regex: str, parser: str) -> str:
     return f"(?:{regex_literal(OPEN)})?{thinking}(?:{regex})"
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=64)
 def compiled(regex: str) -> Grammar:
-    """The automaton of regex (GrammarError when it is not one this server compiles)."""
+    """The automaton of regex (GrammarError when it is not one this server compiles), kept for the next
+    requests that send the same one."""
     return Grammar.from_regex(regex)
 
 

@@ -300,10 +300,11 @@ def test_masks_are_cached_and_bounded(smollm2, monkeypatch):
     g = Grammar.from_regex("[a-z]{1,3}")
     first = allowed_tokens(g, g.initial_state, vocab)
     assert allowed_tokens(g, g.initial_state, vocab) is first
-    monkeypatch.setattr(grammar_module, "MASK_CACHE_STATES", 2)
+    monkeypatch.setattr(grammar_module, "MASK_CACHE_BYTES", 2 * len(first))  # room for two masks, of any grammar
     states = [g.advance(g.initial_state, b"a" * k) for k in range(4)]
     masks = [allowed_tokens(g, s, vocab) for s in states]
-    assert len(g._masks[vocab]) == 2
+    cache = grammar_module._MASKS
+    assert [key[2] for key in cache.masks] == states[2:] and cache.bytes == 2 * len(first)
     assert [allowed_tokens(g, s, vocab) for s in states] == masks and masks[0] == first
 
 
