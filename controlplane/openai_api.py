@@ -17,8 +17,8 @@ from twinplane.controlplane.api import (SAMPLING_FIELDS, GenerateCall, Limits, P
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.json_schema import any_json_regex
 from twinplane.controlplane.sequence import FinishReason
-from twinplane.controlplane.structured import (after_reasoning, checked_regex, choice_regex, json_schema_regex,
-                                               schema_text)
+from twinplane.controlplane.structured import (after_reasoning, checked_regex, choice_regex, client_regex,
+                                               json_schema_regex, schema_text)
 from twinplane.controlplane.tokenizer import MESSAGE_FIELDS, Tokenizer
 from twinplane.controlplane.tools import ToolSpec, forced_calls_regex, template_tool_calls, template_tools, tool_spec
 
@@ -257,9 +257,7 @@ def _output_regex(body: dict, tools: list[dict] | None, spec: ToolSpec, parser: 
     if given[0] == "json":
         return json_schema_regex(schema_text(value, where) if isinstance(value, str) else value, where)
     if given[0] == "regex":
-        if not isinstance(value, str) or not value:
-            _fail(f"{where} must be a non-empty string")
-        return checked_regex(value, where)
+        return client_regex(value, where)
     return choice_regex(value, where)
 
 

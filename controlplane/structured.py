@@ -2,8 +2,9 @@
 
 Every form a client asks for (a JSON Schema, any JSON object, a regex, one of a list of choices, a
 forced tool call) becomes one regular expression in the frontend (``openai_api._output_regex``,
-``api._output_regex_from_pb``), carried in ``RequestParams.regex``. The engine core compiles it (``grammar.py``: a byte-level automaton) and
-keeps each such sequence's place in it (``TokenMatcher``); every plan that samples the sequence
+``api._output_regex_from_pb``), carried in ``RequestParams.regex``. The engine core compiles it
+(``grammar.py``: a byte-level automaton) and keeps each such sequence's place in it
+(``TokenMatcher``); every plan that samples the sequence
 carries the mask of the tokens that keep its text a prefix of a match, and the data plane samples
 among them (the model's end-of-sequence tokens only once the text is a whole match).
 
@@ -26,6 +27,7 @@ from twinplane.controlplane.json_schema import SchemaError, any_json_regex, sche
 from twinplane.controlplane.reasoning import CLOSE, OPEN
 
 MAX_CHOICES = 256  # most strings a choice list may hold
+MAX_PATTERN_CHARS = 16_384  # longest regex a client may send (and most characters of a choice list's strings)
 _META = set("\\.^$*+?{}[]()|-/\"")
 
 
@@ -78,6 +80,15 @@ def checked_regex(regex: str, where: str) -> str:
     return regex
 
 
+def client_regex(regex, where: str) -> str:
+    """A regex as a client sent it, checked: a non-empty string of at most MAX_PATTERN_CHARS that compiles."""
+    if not isinstance(regex, str) or not regex:
+        raise InvalidRequest(f"{where} must be a non-empty string")
+    if len(regex) > MAX_PATTERN_CHARS:
+        raise InvalidRequest(f"{where} is {len(regex)} characters long; at most {MAX_PATTERN_CHARS} are allowed")
+    return checked_regex(regex, where)
+
+
 def json_schema_regex(schema, where: str) -> str:
     """The regex of the JSON texts valid under schema (a parsed JSON Schema)."""
     if not isinstance(schema, (dict, bool)):
@@ -94,6 +105,9 @@ def choice_regex(choices, where: str) -> str:
         raise InvalidRequest(f"{where} must be a non-empty list of non-empty strings")
     if len(choices) > MAX_CHOICES:
         raise InvalidRequest(f"{where} holds {len(choices)} strings; at most {MAX_CHOICES} are allowed")
+    if sum(map(len, choices)) > MAX_PATTERN_CHARS:
+        raise InvalidRequest(f"{where}: its strings hold {sum(map(len, choices))} characters; at most "
+                             f"{MAX_PATTERN_CHARS} are allowed")
     return checked_regex("|".join(f"(?:{regex_literal(c)})" for c in choices), where)
 
 
@@ -114,7 +128,7 @@ def structured_regex_from_pb(spec) -> str:
     if kind == "json_object" and spec.json_object:
         return any_json_regex()
     if kind == "regex" and spec.regex:
-        return checked_regex(spec.regex, where)
+        return client_regex(spec.regex, where)
     if kind == "choice":
         return choice_regex(list(spec.choice.choices), where)
     raise InvalidRequest("structured_output must set one of json_schema (a JSON Schema's text), json_object "

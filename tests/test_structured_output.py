@@ -160,6 +160,8 @@ def test_forced_tool_calls(client, planes) -> None:
     (dict(choice=["yes", ""]), "non-empty"),
     (dict(regex="[^\\s\\S]"), "no text matches it"),
     (dict(regex="a+", min_tokens=2), "min_tokens (2) cannot go with structured output"),
+    (dict(regex="a" * 16_385), "structured_output.regex is 16385 characters long; at most 16384"),
+    (dict(choice=["x" * 9000, "y" * 9000]), "its strings hold 18000 characters; at most 16384"),
 ])
 def test_bad_structured_output_over_grpc_is_refused_with_a_message(planes, kwargs, message) -> None:
     with planes.client() as c, pytest.raises(grpc.RpcError) as error:
