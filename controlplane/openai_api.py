@@ -24,9 +24,11 @@ from twinplane.controlplane.tools import ToolSpec, forced_calls_regex, template_
 
 MAX_CHOICES = 16  # most sequences (n) one request may ask for
 MAX_BATCH_PROMPTS = 32  # most prompts in one completion request (each gets n choices)
-UNSUPPORTED = ("functions", "function_call", "suffix", "audio", "prediction")  # refused unless null/empty
+# refused unless null or empty
+UNSUPPORTED = ("functions", "function_call", "suffix", "audio", "prediction", "guided_grammar")
 CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}  # vLLM's older fields
 _INTS = ("top_k", "seed", "n", "max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens",
          "top_logprobs", "truncate_prompt_tokens", "priority")
 # request fields an error message may start with: an error's "param"
@@ -34,7 +36,7 @@ PARAMS = frozenset((*SAMPLING_FIELDS, *_INTS, "messages", "prompt", "stop", "sto
                     "skip_special_tokens", "stream_options", "response_format", "echo", "include_stop_str_in_output",
                     "tokens", *CHAT_OPTIONS, *TOOL_FIELDS, *UNSUPPORTED,
                     "input", "instructions", "text", "previous_response_id", "conversation", "background",
-                    "structured_outputs"))
+                    "structured_outputs", *GUIDED))
 FINISH_REASONS = {FinishReason.STOP_TOKEN: "stop", FinishReason.STOP_STRING: "stop",
                   FinishReason.LENGTH: "length", FinishReason.ABORTED: "abort"}
 
@@ -228,19 +230,20 @@ def _check_supported(body: dict) -> None:
 
 def _output_regex(body: dict, tools: list[dict] | None, spec: ToolSpec, parser: str | None) -> str | None:
     """Structured output, as one regex: response_format (json_object or json_schema), vLLM's
-    structured_outputs (json, regex or choice), or a forced tool call; None for free text."""
-    asked = [name for name in ("response_format", "structured_outputs") if body.get(name) is not None]
-    asked += ["tool_choice"] * bool(spec.forced)
+    structured_outputs (json, regex or choice) or its older guided_json, guided_regex and guided_choice,
+    or a forced tool call; None for free text."""
     fmt = body.get("response_format")
-    if fmt is not None and isinstance(fmt, dict) and fmt.get("type") == "text":
+    asked = [name for name in ("response_format", "structured_outputs", *GUIDED) if body.get(name) is not None]
+    if isinstance(fmt, dict) and fmt.get("type") == "text":
         asked.remove("response_format")
+    asked += ["tool_choice"] * bool(spec.forced)
     if len(asked) > 1:
         _fail(f"{' and '.join(asked)} each constrain the output; send one of them")
     if not asked:
         return None
     if spec.forced:
         return checked_regex(forced_calls_regex(parser, tools, spec), "tool_choice")
-    if fmt is not None:
+    if asked[0] == "response_format":
         kind = fmt.get("type") if isinstance(fmt, dict) else None
         if kind == "json_object":
             return any_json_regex()
@@ -249,14 +252,17 @@ def _output_regex(body: dict, tools: list[dict] | None, spec: ToolSpec, parser: 
             _fail("response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": "
                   "\"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}")
         return json_schema_regex(schema["schema"], "response_format.json_schema.schema")
-    outputs = body["structured_outputs"]
-    given = [k for k in ("json", "regex", "choice") if isinstance(outputs, dict) and outputs.get(k) is not None]
-    if len(given) != 1 or len(outputs) != 1:
-        _fail("structured_outputs must hold one of json (a JSON Schema), regex (a string) or choice (strings)")
-    value, where = outputs[given[0]], f"structured_outputs.{given[0]}"
-    if given[0] == "json":
+    if asked[0] in GUIDED:
+        kind, value, where = GUIDED[asked[0]], body[asked[0]], asked[0]
+    else:
+        outputs = body["structured_outputs"]
+        given = [k for k in ("json", "regex", "choice") if isinstance(outputs, dict) and outputs.get(k) is not None]
+        if len(given) != 1 or len(outputs) != 1:
+            _fail("structured_outputs must hold one of json (a JSON Schema), regex (a string) or choice (strings)")
+        kind, value, where = given[0], outputs[given[0]], f"structured_outputs.{given[0]}"
+    if kind == "json":
         return json_schema_regex(schema_text(value, where) if isinstance(value, str) else value, where)
-    if given[0] == "regex":
+    if kind == "regex":
         return client_regex(value, where)
     return choice_regex(value, where)
 

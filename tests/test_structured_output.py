@@ -121,6 +121,12 @@ def test_openai_response_format_and_structured_outputs(client, planes) -> None:
     done = client.completions.create(model=model, prompt="The answer is", temperature=0, max_tokens=10,
                                      extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert done.choices[0].text in ("yes", "no")
+    older = client.completions.create(model=model, prompt="The answer is", temperature=0, max_tokens=10,
+                                      extra_body={"guided_choice": ["yes", "no"]})  # vLLM's older spelling
+    assert older.choices[0].text == done.choices[0].text
+    person = client.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=80,
+                                            extra_body={"guided_json": PERSON})
+    assert person.choices[0].message.content == grpc_text
     response = client.responses.create(model=model, input=ASK[0]["content"], temperature=0, max_output_tokens=80,
                                        text={"format": {"type": "json_schema", "name": "person", "schema": PERSON}})
     assert response.output_text == grpc_text
@@ -178,6 +184,9 @@ def test_bad_structured_output_over_grpc_is_refused_with_a_message(planes, kwarg
     (dict(response_format={"type": "json_object"}, structured_outputs={"regex": "a"}), "response_format",
      "send one of them"),
     (dict(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs", "one of"),
+    (dict(guided_regex="a+", structured_outputs={"regex": "b"}), "structured_outputs",
+     "structured_outputs and guided_regex each constrain"),
+    (dict(guided_grammar="root ::= x"), "guided_grammar", "not supported"),
     (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice",
      "get_weather"),
 ])
