@@ -116,6 +116,7 @@ def tool_spec(body: dict, tools: list[dict] | None, parser: str | None) -> ToolS
     choice = body.get("tool_choice")
     if choice is None:
         choice = "auto" if tools else "none"
+    label = json.dumps(choice)[:200]  # as the messages below name it
     names = [t["function"]["name"] for t in tools or ()]
     forced: tuple[str, ...] = ()
     if isinstance(choice, dict):
@@ -129,9 +130,9 @@ def tool_spec(body: dict, tools: list[dict] | None, parser: str | None) -> ToolS
     elif choice not in TOOL_CHOICES:
         _fail(f"tool_choice must be \"auto\", \"none\", \"required\" or a named function, got {str(choice)[:80]!r}")
     if choice != "none" and not tools:
-        _fail(f"tool_choice {json.dumps(choice)} needs tools")
+        _fail(f"tool_choice {label} needs tools")
     if choice != "none" and parser is None:
-        _fail(f"tool_choice {json.dumps(choice)} needs a server started with --tool-call-parser (one of "
+        _fail(f"tool_choice {label} needs a server started with --tool-call-parser (one of "
               f"{', '.join(TOOL_CALL_PARSERS)}) to find the calls in the model's text; send tool_choice \"none\" "
               "to render the tools without parsing calls")
     parallel = body.get("parallel_tool_calls")
