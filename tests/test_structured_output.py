@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from typing import NamedTuple
 
 import grpc
+import jsonschema
 import openai
 import pytest
 
@@ -349,3 +350,32 @@ def test_a_server_without_a_tokenizer_refuses_structured_output(planes_factory) 
     assert "needs the model's tokenizer" in error.value.details()
     with planes.client() as c:
         assert c.generate(token_ids=[1, 2, 3], max_tokens=4, timeout=30).text() is not None  # serving on
+
+
+def _random_schema(rng: random.Random) -> dict:
+    """A small object schema: 1-3 properties of the kinds tool parameters use, some of them required."""
+    kinds = [lambda: {"type": "string", "maxLength": rng.randint(1, 12)},
+             lambda: {"type": "integer", "minimum": rng.randint(-5, 5), "maximum": rng.randint(6, 500)},
+             lambda: {"type": "number", "minimum": 0, "maximum": rng.randint(1, 10)},
+             lambda: {"type": "boolean"},
+             lambda: {"enum": rng.sample(["red", "green", "blue", 1, None, True], rng.randint(1, 3))},
+             lambda: {"type": "array", "items": {"type": "string", "enum": ["a", "b"]}, "maxItems": 3},
+             lambda: {"anyOf": [{"type": "string", "maxLength": 5}, {"type": "null"}]}]
+    names = rng.sample(["name", "age", "score", "ok", "tags", "color", "note"], rng.randint(1, 3))
+    return {"type": "object", "properties": {name: rng.choice(kinds)() for name in names},
+            "required": [name for name in names if rng.random() < 0.6], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_schemas_give_valid_json_greedy_or_drawn(planes, seed) -> None:
+    """Random object schemas, greedy and at temperature 1: whatever the model writes, a text that ended with
+    end-of-sequence is a JSON value valid under the schema (checked with the jsonschema package)."""
+    rng = random.Random(seed)
+    schema = _random_schema(rng)
+    sampling = dict(temperature=0.0) if seed % 2 == 0 else dict(temperature=1.0, seed=seed)
+    with planes.client() as c:
+        chunks = list(c.generate(messages=ASK, json_schema=schema, max_tokens=120, timeout=120, **sampling))
+    text, reason = "".join(ch.text for ch in chunks), chunks[-1].finish_reason
+    assert reason in ("stop_token", "length"), reason
+    if reason == "stop_token":
+        jsonschema.validate(json.loads(text), schema)
