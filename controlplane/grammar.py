@@ -47,6 +47,14 @@ MAX_CODE_POINT = 0x10FFFF
 SURROGATES = (0xD800, 0xDFFF)
 
 
+_META = set("\\.^$*+?{}[]()|-")  # the characters a regex of this dialect (and Python's) gives a meaning
+
+
+def regex_literal(text: str) -> str:
+    """A regex that matches text exactly, inside a class or out (control characters as \\xHH escapes)."""
+    return "".join("\\" + c if c in _META else f"\\x{ord(c):02x}" if ord(c) < 0x20 else c for c in text)
+
+
 class GrammarError(ValueError):
     """A pattern that is not a regex of the supported subset, or too large a one."""
 

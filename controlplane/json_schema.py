@@ -19,6 +19,8 @@ import json
 import math
 import re
 
+from twinplane.controlplane.grammar import regex_literal
+
 MAX_REGEX = 200_000  # characters; a schema needing a larger regex is refused
 MAX_COUNT = 1000  # the largest count of a {n,m} quantifier
 MAX_OPTIONAL = 64  # optional properties per object
@@ -61,7 +63,6 @@ _TYPE_KEYWORDS = {
 _COMBINATORS = ("$ref", "allOf", "anyOf", "oneOf")
 _KEYWORDS = {"type", "enum", "const", *_COMBINATORS, *(k for keys in _TYPE_KEYWORDS.values() for k in keys)}
 
-_META = set("\\.*+?()[]{}|^$")
 _PUNCTUATION = '.\\*+?()[]{}|^$/"-'
 _CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v"}
 _HEX = re.compile(r"x([0-9a-fA-F]{2})|u([0-9a-fA-F]{4})")
@@ -117,11 +118,6 @@ def any_json_regex(max_depth: int = 4) -> str:
     return _object_of(_any_value(max_depth - 1))
 
 
-def _escape(text: str) -> str:
-    """A regex matching text as it is."""
-    return "".join("\\" + c if c in _META else c for c in text)
-
-
 def _json(value) -> str:
     return json.dumps(value, ensure_ascii=False)
 
@@ -129,11 +125,11 @@ def _json(value) -> str:
 def _literal(value) -> str:
     """A regex matching one JSON value, with the optional spaces of the layout."""
     if isinstance(value, dict):
-        members = (_escape(_json(k)) + _COLON + _literal(v) for k, v in value.items())
+        members = (regex_literal(_json(k)) + _COLON + _literal(v) for k, v in value.items())
         return r"\{" + _SEP.join(members) + r"\}"
     if isinstance(value, list):
         return r"\[" + _SEP.join(map(_literal, value)) + r"\]"
-    return _escape(_json(value))
+    return regex_literal(_json(value))
 
 
 def _counts(low: int, high: int | None) -> str:
@@ -547,7 +543,7 @@ class _Builder:
                 if name in required:
                     raise
                 continue
-            members.append((_escape(_json(name)) + _COLON + value, name in required))
+            members.append((regex_literal(_json(name)) + _COLON + value, name in required))
         optional = sum(not required for _, required in members)
         if optional > MAX_OPTIONAL:
             raise SchemaError(f"{path}.properties: {optional} optional properties; at most {MAX_OPTIONAL} are "
@@ -674,7 +670,7 @@ def _pattern_char(text: str, i: int, fail) -> tuple[str, int]:
 
 def _json_char(char: str) -> str:
     """A regex of char as a JSON string holds it (escaped or not)."""
-    return _escape(_json(char)[1:-1])
+    return regex_literal(_json(char)[1:-1])
 
 
 def _class_item(item) -> str:

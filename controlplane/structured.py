@@ -22,18 +22,12 @@ import functools
 import json
 
 from twinplane.controlplane.errors import InvalidRequest
-from twinplane.controlplane.grammar import Grammar, GrammarError, TokenVocab, allowed_tokens
+from twinplane.controlplane.grammar import Grammar, GrammarError, TokenVocab, allowed_tokens, regex_literal
 from twinplane.controlplane.json_schema import SchemaError, any_json_regex, schema_regex
 from twinplane.controlplane.reasoning import CLOSE, OPEN
 
 MAX_CHOICES = 256  # most strings a choice list may hold
 MAX_PATTERN_CHARS = 16_384  # longest regex a client may send (and most characters of a choice list's strings)
-_META = set("\\.^$*+?{}[]()|-/\"")
-
-
-def regex_literal(text: str) -> str:
-    """A regex that matches text exactly (control characters as \\xHH escapes)."""
-    return "".join("\\" + c if c in _META else f"\\x{ord(c):02x}" if ord(c) < 0x20 else c for c in text)
 
 
 def avoiding(tag: str) -> str:

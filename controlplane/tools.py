@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.reasoning import partial_tag
-from twinplane.controlplane.structured import json_schema_regex, regex_literal
+from twinplane.controlplane.grammar import regex_literal
+from twinplane.controlplane.structured import json_schema_regex
 
 TOOL_CHOICES = ("auto", "none", "required")
 MAX_TOOLS = 128  # most tools one request may define
