@@ -5,7 +5,7 @@
 For each form (any JSON object, a JSON Schema, a regex, a choice) it compiles the constraint, then
 walks a text of that form token by token as a sequence would generate it, asking before each token
 for the mask of the tokens allowed there twice: the first call computes it when the automaton meets
-that state for the first time (a walk of the whole vocabulary), the second reads the cache. Prints
+that state for the first time (a walk down the vocabulary's trie), the second reads the cache. Prints
 the compile time and both times. The tokenizer defaults to the embedded model's (SmolLM2, 49,152
 tokens).
 """

@@ -5,7 +5,8 @@ byte strings that may end inside a multi-byte character, so the pattern compiles
 over the UTF-8 bytes of the output: a Thompson NFA whose edges are byte ranges, walked as a DFA
 built lazily (a subset of NFA states becomes a DFA state the first time some byte string reaches
 it). For a state, ``allowed_tokens`` is the packed bitmask of the tokens whose bytes keep the output
-a prefix of a match, computed for all tokens at once with numpy and cached per state.
+a prefix of a match, computed with numpy a level at a time down a trie of the tokens' bytes, and cached
+per state.
 
 The regex subset (anything else is a GrammarError that says where and what):
 
@@ -31,13 +32,14 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 
 import numpy as np
 
 MAX_COUNT = 1000  # the largest count a {n,m} quantifier may hold
 MASK_CACHE_BYTES = 256 << 20  # masks kept, every grammar's together; the least recently used go first
 MAX_DFA_STATES = 20_000  # automaton states one grammar may build while it is used (GrammarError past them)
+DENSE_SHARE = 8  # a mask walk steps a trie level's every node when its live parents are > 1/DENSE_SHARE of them
 SUPPORTED = ("supported: literals, escaped punctuation, \\n \\t \\r \\f \\v \\0 \\xHH \\uHHHH, . \\d \\D "
              "\\w \\W \\s \\S, [...] and [^...] classes, groups (...) (?:...) (?P<name>...), alternation |, "
              f"quantifiers * + ? {{n}} {{n,}} {{n,m}} (counts up to {MAX_COUNT}, lazy or not), ^ at the start and $ at "
@@ -518,8 +520,20 @@ class Grammar:
         return f"Grammar.from_regex({self.pattern!r})"
 
 
+class _Level(NamedTuple):
+    """The trie's nodes at one depth: the distinct byte prefixes of that length, in byte order."""
+
+    byte: np.ndarray  # each node's last byte
+    parent: np.ndarray  # each node's parent, one level up
+    children: np.ndarray  # node i's children are the next level's nodes children[i]:children[i + 1]
+    token_ids: np.ndarray  # the tokens whose bytes end at this depth, by node
+    token_node: np.ndarray  # the node each of them ends at
+    ends: np.ndarray  # node i's tokens are token_ids[ends[i]:ends[i + 1]]
+
+
 class TokenVocab:
-    """Each token id's bytes (None: never allowed by a grammar, e.g. special/control tokens), for masks."""
+    """Each token id's bytes (None: never allowed by a grammar, e.g. special/control tokens), for masks,
+    as a trie: the tokens that share a prefix step through it once."""
 
     def __init__(self, token_bytes: list[bytes | None], stop_token_ids: Iterable[int], vocab_size: int):
         """vocab_size: the width of the mask, the model's logits (ids past token_bytes are never allowed)."""
@@ -529,33 +543,74 @@ class TokenVocab:
                              f"{vocab_size}")
         self.vocab_size = vocab_size
         self.stop_ids = np.array(sorted(stops), np.intp)
-        # tokens by byte length, longest first, so that those longer than i bytes are a prefix of the order
-        order = sorted((i for i, data in enumerate(token_bytes) if data and i not in stops),
-                       key=lambda i: -len(token_bytes[i]))
-        lengths = np.array([len(token_bytes[i]) for i in order], np.intp)
-        width = int(lengths[0]) if order else 0
-        self.order = np.array(order, np.intp)
-        padded = b"".join(token_bytes[i].ljust(width, b"\0") for i in order)
-        self.columns = np.frombuffer(padded, np.uint8).reshape(len(order), width).T.copy()  # [position, token]
-        self.longer_than = np.searchsorted(-lengths, -np.arange(width + 1)).tolist()  # tokens with > i bytes
+        ids = sorted((i for i, data in enumerate(token_bytes) if data and i not in stops), key=token_bytes.__getitem__)
+        lengths = np.array([len(token_bytes[i]) for i in ids], np.intp)
+        width = int(lengths.max()) if ids else 0
+        rows = np.frombuffer(b"".join(token_bytes[i].ljust(width, b"\0") for i in ids), np.uint8)
+        rows = rows.reshape(len(ids), width)
+        ids = np.array(ids, np.intp)
+        self.levels: list[_Level] = []
+        differs = np.zeros(len(ids), bool)  # a token's bytes so far differ from those of the token before it
+        node = np.zeros(len(ids), np.intp)  # each token's node one level up
+        for depth in range(width):
+            longer = np.flatnonzero(lengths > depth)  # the tokens this deep, in byte order
+            before = longer - 1
+            column = rows[longer, depth]
+            differs[longer] |= (lengths[before] <= depth) | (rows[before, depth] != column)
+            starts = differs[longer]  # the first token of each node
+            starts[0] = True
+            node_of = np.cumsum(starts) - 1
+            count = int(node_of[-1]) + 1
+            parent = node[longer[starts]]
+            if self.levels:
+                above = self.levels[-1]
+                self.levels[-1] = above._replace(children=np.searchsorted(parent, np.arange(len(above.byte) + 1)))
+            ending = lengths[longer] == depth + 1
+            self.levels.append(_Level(column[starts], parent, np.zeros(count + 1, np.intp), ids[longer[ending]],
+                                      node_of[ending], np.searchsorted(node_of[ending], np.arange(count + 1))))
+            node[longer] = node_of
+
+
+def _spans(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+    """The indexes starts[0]:stops[0], then starts[1]:stops[1], ..., as one array."""
+    counts = stops - starts
+    return np.arange(int(counts.sum())) + np.repeat(starts - (np.cumsum(counts) - counts), counts)
 
 
 def _token_walk(grammar: Grammar, state: int, vocab: TokenVocab) -> np.ndarray:
-    """Per token id, whether its bytes lead from state to a live state: the tokens step through their bytes
-    all at once (numpy), each dropped when it dies and settled after its last byte."""
+    """Per token id, whether its bytes lead from state to a live state: the trie's nodes step one level at a
+    time (numpy), a node that dies taking its subtree with it. A level where many nodes live steps all of
+    its nodes (those under a dead one stay DEAD); one where few do, only the children of those."""
     allowed = np.zeros(vocab.vocab_size, bool)
-    if state == Grammar.DEAD:
+    if state == Grammar.DEAD or not vocab.levels:
         return allowed
-    alive = np.arange(vocab.longer_than[0])  # positions in vocab.order, ascending
-    states = np.full(len(alive), state, np.int32)
-    for position, row in enumerate(vocab.columns):
-        states = grammar._step(states, grammar._byte_class[row[alive]])
-        ending = np.searchsorted(alive, vocab.longer_than[position + 1])  # alive[ending:] end at this byte
-        allowed[vocab.order[alive[ending:][states[ending:] != Grammar.DEAD]]] = True
-        going_on = states[:ending] != Grammar.DEAD
-        alive, states = alive[:ending][going_on], states[:ending][going_on]
-        if not len(alive):
+    levels = vocab.levels
+    nodes, parents = None, np.full(len(levels[0].byte), state, np.int32)  # nodes None: every node of the level
+    for depth, level in enumerate(levels):
+        states = grammar._step(parents, grammar._byte_class[level.byte if nodes is None else level.byte[nodes]])
+        live = states != Grammar.DEAD
+        if nodes is None:
+            allowed[level.token_ids[live[level.token_node]]] = True
+            num_live = int(np.count_nonzero(live))
+        else:
+            nodes, states = nodes[live], states[live]
+            allowed[level.token_ids[_spans(level.ends[nodes], level.ends[nodes + 1])]] = True
+            num_live = len(nodes)
+        if not num_live or depth + 1 == len(levels):
             break
+        below = levels[depth + 1]
+        if num_live * DENSE_SHARE >= len(below.byte):
+            if nodes is not None:  # to every node's state, DEAD for the dead
+                every = np.zeros(len(level.byte), np.int32)
+                every[nodes] = states
+                states = every
+            nodes, parents = None, states[below.parent]
+        else:
+            if nodes is None:
+                nodes = np.flatnonzero(live)
+                states = states[nodes]
+            first, last = level.children[nodes], level.children[nodes + 1]
+            nodes, parents = _spans(first, last), np.repeat(states, last - first)
     return allowed
 
 

@@ -287,6 +287,25 @@ def test_masks_equal_brute_force(smollm2, pattern, prefixes):
         assert not any(bits[i] for i, data in enumerate(token_bytes) if data is None and i != eos)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_masks_equal_brute_force_on_a_vocabulary_of_shared_prefixes(seed):
+    """Tokens that are prefixes of each other, repeat each other's bytes, hold byte 0 or are missing: the
+    trie walk still allows exactly the tokens whose bytes keep a match alive."""
+    rng = random.Random(seed)
+    alphabet = [b"a", b"b", b"\0", b"\xc3", b"\xa9", b"\"", b"{"]
+    token_bytes = [b"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 6))) for _ in range(400)]
+    token_bytes += token_bytes[:20] + [None, b"", b"a", b"ab", b"aba"]
+    eos = len(token_bytes)
+    token_bytes.append(None)
+    vocab = TokenVocab(token_bytes, [eos], vocab_size=len(token_bytes) + 5)
+    for pattern in ['(a|b)*', 'a\\x00?b{0,3}', '[ab\\x00]*"', '\\{"?(é|a)+', '(ab|ba)*a?']:
+        g = Grammar.from_regex(pattern)
+        for _ in range(6):
+            state = g.advance(g.initial_state, b"".join(rng.choice(alphabet[:3]) for _ in range(rng.randint(0, 3))))
+            bits = mask_bits(allowed_tokens(g, state, vocab), vocab.vocab_size)
+            assert (bits == brute_force(g, state, token_bytes, eos, vocab.vocab_size)).all(), (pattern, state)
+
+
 def test_dead_states_allow_only_the_stop_tokens(smollm2):
     *_, eos, vocab = smollm2
     g = Grammar.from_regex("abc")
