@@ -27,6 +27,7 @@ accepts exactly the valid UTF-8 encodings of every other code point.
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from collections import OrderedDict
@@ -130,6 +131,13 @@ def _utf8_sequences(lo: int, hi: int, length: int = 0) -> Iterable[list[tuple[in
                 yield from _utf8_sequences(hi & ~low_bits, hi, length)
                 return
     yield list(zip(_utf8(lo, length), _utf8(hi, length)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _utf8_paths(ranges: tuple[tuple[int, int], ...]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The byte-range sequences of a code point set, kept: a pattern repeats its classes (a JSON Schema's
+    strings, each a copy of the same class), and so do the patterns a server sees."""
+    return tuple(tuple(sequence) for lo, hi in ranges for sequence in _utf8_sequences(lo, hi))
 
 
 # --- parsing: the pattern as a tree of code point sets, sequences, alternations and repetitions ---
@@ -374,15 +382,14 @@ class _NFA:
     def _chars(self, ranges, start: int) -> int:
         """The UTF-8 encodings of a code point set, as byte-range paths sharing their common prefixes."""
         end, prefixes = self.state(), {}
-        for lo, hi in ranges:
-            for sequence in _utf8_sequences(lo, hi):
-                state = start
-                for byte_range in sequence[:-1]:
-                    if (state, byte_range) not in prefixes:
-                        prefixes[state, byte_range] = self.state()
-                        self.edges[state].append((*byte_range, prefixes[state, byte_range]))
-                    state = prefixes[state, byte_range]
-                self.edges[state].append((*sequence[-1], end))
+        for sequence in _utf8_paths(ranges):
+            state = start
+            for byte_range in sequence[:-1]:
+                if (state, byte_range) not in prefixes:
+                    prefixes[state, byte_range] = self.state()
+                    self.edges[state].append((*byte_range, prefixes[state, byte_range]))
+                state = prefixes[state, byte_range]
+            self.edges[state].append((*sequence[-1], end))
         return end
 
 
