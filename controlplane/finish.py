@@ -1,6 +1,7 @@
 """Why a request ends, and whether it can ever run: every such rule, as small pure functions.
 
-- The token rule (``token_finish_reason``): a stop token (``stop_token_ids``) past min_tokens,
+- The token rule (``token_finish_reason``): a stop token (``stop_token_ids``; end-of-sequence
+  counts even with ignore_eos once a structured output's text can go no further) past min_tokens,
   max_tokens, or the last position of max_model_len (``length_reached``). The engine core applies
   it to each sampled token (``replica.py``), so a sequence it ends is never planned again; the
   scheduler does not plan a sequence whose token in flight reaches the length; the data plane
@@ -24,9 +25,12 @@ from typing import NamedTuple
 from twinplane.controlplane.sequence import FinishReason, RequestParams
 
 
-def stop_token_ids(params: RequestParams, eos_token_ids) -> frozenset[int]:
-    """The tokens that end a request: its stop_token_ids, and the model's end-of-sequence ids unless ignore_eos."""
-    return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_token_ids))
+def stop_token_ids(params: RequestParams, eos_token_ids, whole: bool = False) -> frozenset[int]:
+    """The tokens that end a request: its stop_token_ids, and the model's end-of-sequence ids unless
+    ignore_eos; whole: its structured output's text is a match that nothing can extend, so those ids
+    end it even with ignore_eos (they are all it may sample)."""
+    eos = frozenset() if params.ignore_eos and not whole else frozenset(eos_token_ids)
+    return frozenset(params.stop_token_ids) | eos
 
 
 def length_reached(num_tokens: int, num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> bool:

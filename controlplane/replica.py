@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from twinplane.controlplane.block_manager import BlockManager
 from twinplane.controlplane.dataplane_client import DataPlaneClient, DataPlaneLost
-from twinplane.controlplane.finish import token_finish_reason
+from twinplane.controlplane.finish import stop_token_ids, token_finish_reason
 from twinplane.controlplane.liveness import Silence
 from twinplane.controlplane.messages import Rejected, Snapshot, StepFailed, StepOutputs, TokenOutput
 from twinplane.controlplane.plan_codec import decode_result, encode_plan
@@ -156,8 +156,10 @@ class Replica:
                     self.core.forget(seq_id)
                     self.core.frontend.send(Rejected(seq_id, f"structured output: {seq.matcher.failure}"))
                     continue
-            reason = token_finish_reason(token, position, seq.num_prompt_tokens, seq.params, entry[1],
-                                         max_model_len)
+            stop_ids = entry[1]
+            if seq.matcher is not None and seq.params.ignore_eos and seq.matcher.whole:
+                stop_ids = stop_token_ids(seq.params, self.core.eos_token_ids, whole=True)
+            reason = token_finish_reason(token, position, seq.num_prompt_tokens, seq.params, stop_ids, max_model_len)
             if reason is not None:
                 self.scheduler.finish(seq)
                 self.core.forget(seq_id)

@@ -169,6 +169,11 @@ class TokenMatcher:
             except GrammarError as exc:
                 self.failure, self.state = str(exc), Grammar.DEAD
 
+    @property
+    def whole(self) -> bool:
+        """The text is a match that no byte can extend: only a stop token may come."""
+        return self.grammar.is_final(self.state)
+
     def mask(self) -> bytes:
         """The tokens it may sample next, one bit per token id (dataplane.proto's TokenMask)."""
         try:

@@ -53,6 +53,7 @@ def test_the_last_position_of_max_model_len_ends_the_request():
 def test_stop_tokens_are_the_requests_and_the_models_unless_ignore_eos():
     assert stop_token_ids(RequestParams(max_tokens=9, stop_token_ids=(7, 8)), (2,)) == {2, 7, 8}
     assert stop_token_ids(RequestParams(max_tokens=9, stop_token_ids=(7,), ignore_eos=True), (2,)) == {7}
+    assert stop_token_ids(RequestParams(max_tokens=9, stop_token_ids=(7,), ignore_eos=True), (2,), whole=True) == {2, 7}
     assert stop_token_ids(RequestParams(max_tokens=9), ()) == frozenset()
 
 

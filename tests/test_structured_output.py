@@ -89,6 +89,19 @@ def test_regex_choice_and_json_object(planes) -> None:
     assert isinstance(json.loads(anything.text), dict)
 
 
+def test_ignore_eos_ends_once_the_text_can_go_no_further(planes) -> None:
+    """With ignore_eos a request runs past end-of-sequence tokens, but a structured one whose text is whole
+    and can take no more bytes may sample nothing else: it ends there, not at max_tokens."""
+    ask = [{"role": "user", "content": "Is Paris in France? Answer yes or no."}]
+    answer = generate(planes, messages=ask, choice=["yes", "no"], ignore_eos=True, max_tokens=30)
+    assert answer.text in ("yes", "no") and answer.finish_reason == "stop_token", answer
+    with planes.client() as c:
+        chunks = list(c.generate(messages=ask, regex="(yes|no)!*", ignore_eos=True, max_tokens=12, temperature=0.0,
+                                 timeout=120))
+    assert chunks[-1].finish_reason == "length"  # "!" may always come: the text never ends on its own
+    assert sum(len(ch.token_ids) for ch in chunks) == 12
+
+
 def test_constrained_and_free_requests_side_by_side(planes) -> None:
     """Masks apply to their own rows only: a free request batched with constrained ones gives the text it
     gives alone, and each constrained one still matches."""
