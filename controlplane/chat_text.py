@@ -4,8 +4,20 @@ return apart, and what a gRPC request with ``parse_output`` gets."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from twinplane.controlplane.reasoning import ReasoningSplitter
 from twinplane.controlplane.tools import ToolCall, parser_for
+
+
+class CallDelta(NamedTuple):
+    """What a piece of text adds to one tool call, for a stream."""
+
+    index: int  # the call's place among the choice's calls
+    call: ToolCall  # the call so far: its id, name and arguments up to this piece
+    arguments: str  # the arguments' text this piece adds
+    begins: bool  # the call's first delta: its id and name go with it
+    ends: bool  # the call is whole
 
 
 class ChatText:
@@ -20,6 +32,7 @@ class ChatText:
         self.calls = 0  # tool calls so far: the next one's index
         self.reasoning_tokens = 0  # the tokens of the pieces that were reasoning (tags included)
         self.undecided_tokens = 0  # tokens of pieces held while the text may still open reasoning
+        self.streamed: tuple[str, int] | None = None  # the open call's id, and how much of its arguments went out
 
     def feed(self, text: str, final: bool = False, num_tokens: int = 0) -> tuple[str, str, list[ToolCall]]:
         """The reasoning, the content and the tool calls in text, the piece of num_tokens tokens. A
@@ -40,3 +53,21 @@ class ChatText:
             calls = calls if self.parallel else calls[:max(0, 1 - self.calls)]
             self.calls += len(calls)
         return reasoning, text, calls
+
+    def deltas(self, calls: list[ToolCall]) -> list[CallDelta]:
+        """For a stream, right after ``feed`` gave calls: what the piece adds to each call, the calls it
+        completed and then the one still being written (whose arguments go out as they come)."""
+        first = self.calls - len(calls)
+        deltas = [self._delta(first + k, call, ends=True) for k, call in enumerate(calls)]
+        writing = self.tools.open_call if self.tools is not None and (self.parallel or not self.calls) else None
+        if writing is not None:
+            delta = self._delta(self.calls, writing, ends=False)
+            if delta.begins or delta.arguments:
+                deltas.append(delta)
+        return deltas
+
+    def _delta(self, index: int, call: ToolCall, ends: bool) -> CallDelta:
+        begins = self.streamed is None or self.streamed[0] != call.id
+        sent = 0 if begins else self.streamed[1]
+        self.streamed = None if ends else (call.id, len(call.arguments))
+        return CallDelta(index, call, call.arguments[sent:], begins, ends)

@@ -19,11 +19,10 @@ import secrets
 import time
 
 from twinplane.controlplane.api import SAMPLING_FIELDS, RequestOutput
-from twinplane.controlplane.chat_text import ChatText
+from twinplane.controlplane.chat_text import CallDelta, ChatText
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.openai_api import OpenAIRequest
 from twinplane.controlplane.sequence import FinishReason
-from twinplane.controlplane.tools import ToolCall
 
 # fields that go to the chat completion request as they are
 PASSED = (*SAMPLING_FIELDS, "stream", "parallel_tool_calls", "max_output_tokens", "min_tokens",
@@ -157,6 +156,7 @@ class ResponsesBuilder:
         self.items: list[dict] = []  # the output items so far, the open one last
         self.open: str | None = None  # "reasoning" or "message": the last item's kind while it takes text
         self.texts: list[str] = []  # the text of each item (function calls: "")
+        self.calls: dict[str, int] = {}  # each function call's item, by call id
         self.sequence = 0
         tools = body.get("tools") or []
         self.settings = {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
@@ -179,12 +179,17 @@ class ResponsesBuilder:
         """The events of one output (of the one choice: index 0)."""
         events: list[dict] = []
         reasoning, content, calls = self.text.feed(out.text, out.finish_reason is not None, len(out.token_ids))
+        deltas = self.text.deltas(calls)
+        for delta in deltas:  # a call written in earlier pieces goes on first: text comes after its block
+            if not delta.begins:
+                events += self._call(delta)
         if reasoning:
             events += self._append("reasoning", reasoning)
         if content:
             events += self._append("message", content)
-        for call in calls:
-            events += self._close() + self._call(call)
+        for delta in deltas:
+            if delta.begins:
+                events += self._call(delta)
         if out.finish_reason is not None:
             self.final = out
             events += self._close()
@@ -237,18 +242,27 @@ class ResponsesBuilder:
         item["status"] = "incomplete" if cut else "completed"
         return events + [self._event("output_item.done", output_index=at, item=item)]
 
-    def _call(self, call: ToolCall) -> list[dict]:
-        item = {"id": _id("fc"), "type": "function_call", "call_id": call.id, "name": call.name,
-                "arguments": call.arguments, "status": "completed"}
-        self.items.append(item)
-        self.texts.append("")
-        at = len(self.items) - 1
+    def _call(self, delta: CallDelta) -> list[dict]:
+        """The events of what a piece adds to a function call: its item first, its arguments as they come."""
+        events, call = [], delta.call
+        if delta.begins:
+            events = self._close()
+            self.items.append({"id": _id("fc"), "type": "function_call", "call_id": call.id, "name": call.name,
+                               "arguments": "", "status": "in_progress"})
+            self.texts.append("")
+            self.calls[call.id] = len(self.items) - 1
+            events.append(self._event("output_item.added", output_index=len(self.items) - 1,
+                                      item=dict(self.items[-1])))
+        at = self.calls[call.id]
+        item = self.items[at]
         where = {"item_id": item["id"], "output_index": at}
-        return [self._event("output_item.added", output_index=at, item={**item, "arguments": "",
-                                                                        "status": "in_progress"}),
-                self._event("function_call_arguments.delta", **where, delta=call.arguments),
-                self._event("function_call_arguments.done", **where, name=call.name, arguments=call.arguments),
-                self._event("output_item.done", output_index=at, item=item)]
+        if delta.arguments:
+            events.append(self._event("function_call_arguments.delta", **where, delta=delta.arguments))
+        if delta.ends:
+            item.update(arguments=call.arguments, status="completed")
+            events += [self._event("function_call_arguments.done", **where, name=call.name, arguments=call.arguments),
+                       self._event("output_item.done", output_index=at, item=dict(item))]
+        return events
 
     def response(self, usage: dict | None = None) -> dict:
         """The response as it stands: in progress until the output has ended and usage is given."""

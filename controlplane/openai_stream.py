@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator
 
 from twinplane.controlplane.api import GenerateCall, RequestOutput
-from twinplane.controlplane.chat_text import ChatText
+from twinplane.controlplane.chat_text import CallDelta, ChatText
 from twinplane.controlplane.engine import Engine
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.openai_api import OpenAIRequest, finish_reason, logprobs_json, usage_json
@@ -114,6 +114,14 @@ def tool_finish_reason(out: RequestOutput, text: ChatText) -> str | None:
     return "tool_calls" if reason == "stop" and text.calls else reason
 
 
+def _call_delta(delta: CallDelta) -> dict:
+    """A stream chunk's entry for what a piece adds to a tool call: the call's id and name with its first."""
+    if delta.begins:
+        return {"index": delta.index, "id": delta.call.id, "type": "function",
+                "function": {"name": delta.call.name, "arguments": delta.arguments}}
+    return {"index": delta.index, "function": {"arguments": delta.arguments}}
+
+
 class ResponseBuilder:
     """OpenAI JSON for one request: stream chunks as outputs come, or the whole response at the end."""
 
@@ -156,14 +164,14 @@ class ResponseBuilder:
         if self.request.chat:
             reasoning, content, calls = self.parts[index].feed(out.text, out.finish_reason is not None,
                                                                len(out.token_ids))
+            deltas = [d for d in self.parts[index].deltas(calls) if d.begins or d.arguments]  # an end adds nothing
             delta = {"role": "assistant"} if not self.started[index] else {}
             if reasoning:
                 delta["reasoning_content"] = reasoning
-            if content or not (reasoning or calls):
+            if content or not (reasoning or deltas):
                 delta["content"] = content
-            if calls:
-                first = self.parts[index].calls - len(calls)
-                delta["tool_calls"] = [call.json(first + k) for k, call in enumerate(calls)]
+            if deltas:
+                delta["tool_calls"] = [_call_delta(d) for d in deltas]
             choice["delta"], choice["finish_reason"] = delta, tool_finish_reason(out, self.parts[index])
         else:
             choice["text"], choice["finish_reason"] = out.text, finish_reason(out)

@@ -9,9 +9,13 @@ decoded from its JSON text to an object, the form templates expect (Qwen3's writ
 Parsers (as vLLM's of the same names):
 
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, as Qwen2.5,
-  Qwen3 and the Hermes models write them. A block whose text is not such an object (bad JSON, no
-  name) stays in the content as written. Text outside the blocks is the content, but whitespace
-  alone between blocks, or between a block and the start or end of the text, is dropped.
+  Qwen3 and the Hermes models write them. A block that starts as a call (``{"name": "f",
+  "arguments": {``) is one from there on: its arguments are that object as the model wrote it
+  (as far as it got, if the block ends first), and they stream while it is written
+  (``open_call``). Another block that holds such an object (``parameters`` for ``arguments``, keys
+  in another order) is a call once it closes; one that holds none (bad JSON, no name) stays in
+  the content as written. Text outside the blocks is the content, but whitespace alone between
+  blocks, or between a block and the start or end of the text, is dropped.
 - ``llama3_json``: a text that is nothing but JSON objects ``{"name": ..., "parameters": {...}}``
   (``arguments`` taken too), separated by ``;`` and optionally after ``<|python_tag|>``, as Llama
   3.1 to 3.3 write calls, is calls; any other text is content, as written.
@@ -19,11 +23,12 @@ Parsers (as vLLM's of the same names):
 Text arrives in pieces; a piece that may be the start of a tag, whitespace that may turn out to
 sit next to a block, and an open block (with ``llama3_json``: a text that opens with ``{``) all
 wait for the text after them, so the content pieces joined and the calls in order equal the parse
-of the whole text.
+of the whole text; so do the arguments of a call streamed while it is written, joined.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import secrets
@@ -57,10 +62,9 @@ class ToolCall:
     arguments: str
     id: str = field(default_factory=_call_id)
 
-    def json(self, index: int | None = None) -> dict:
-        """The call as the OpenAI API gives it; with index: as a streamed delta's entry."""
-        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-        return call if index is None else {"index": index, **call}
+    def json(self) -> dict:
+        """The call as the OpenAI API gives it."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 # ---- requests -------------------------------------------------------------------------------------
@@ -209,6 +213,42 @@ def _call(value) -> ToolCall | None:
     return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False)) if isinstance(arguments, dict) else None
 
 
+_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)')  # a call's start
+
+
+class _ValueEnd:
+    """Finds where a JSON object or array that starts at a given place in a growing text ends, reading
+    each character once however many pieces the text comes in."""
+
+    def __init__(self, start: int):
+        self.start = start
+        self.at, self.depth, self.in_string, self.escaped = start, 0, False, False
+        self.end: int | None = None
+
+    def scan(self, text: str) -> int | None:
+        """The end of the value (just past its last character) in text, a longer version of the last text
+        scanned; None while it has not ended."""
+        while self.end is None and self.at < len(text):
+            char = text[self.at]
+            self.at += 1
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if not self.depth:
+                    self.end = self.at
+        return self.end
+
+
 def _hermes_call(body: str) -> ToolCall | None:
     """The call in a block's text, or None when it holds none."""
     try:
@@ -227,6 +267,8 @@ class HermesParser:
         self.gap = ""  # the current stretch outside blocks, while it is whitespace only
         self.has_text = False  # the current stretch holds more than whitespace: it is content
         self.after_call = False  # the stretch follows a tool call
+        self.head: tuple[str, str, _ValueEnd] | None = None  # the open block's call id, name and arguments' end,
+        # once its text starts as a call's ({"name": ..., "arguments": {)
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
         """The content and the calls in text (with what was held before); final: the text ends here."""
@@ -239,6 +281,7 @@ class HermesParser:
                 self.block += text
                 at = self.block.find(CLOSE, start)
                 if at < 0:
+                    self._read_head(self.block)
                     break
                 body, text, self.block = self.block[:at], self.block[at + len(CLOSE):], None
                 self._end_block(body, True, content, calls)
@@ -269,7 +312,42 @@ class HermesParser:
             content.append(self.gap)
             self.gap, self.has_text = "", True
 
+    @property
+    def open_call(self) -> ToolCall | None:
+        """The call the open block is writing, its arguments so far (the same id as the call it will be)."""
+        if self.block is None or self.head is None:
+            return None
+        call_id, name, _ = self.head
+        return ToolCall(name, self._arguments(self.block, closed=False), call_id)
+
+    def _read_head(self, block: str) -> None:
+        """Marks the open block as a call once its text starts as one; its arguments may then stream."""
+        if self.head is None:
+            found = _HEADER.match(block)
+            if found:
+                with contextlib.suppress(ValueError):
+                    name = json.loads(found[1])
+                    if name:
+                        self.head = _call_id(), name, _ValueEnd(found.end())
+
+    def _arguments(self, block: str, closed: bool) -> str:
+        """The arguments of a block that starts as a call, as written: its JSON object, or all of the text
+        after the call's start while that object has not ended (short of what may be the start of CLOSE
+        in an open block)."""
+        value = self.head[2]
+        end = value.scan(block)
+        if end is None:
+            end = len(block) - (0 if closed else partial_tag(block, CLOSE))
+        return block[value.start:end]
+
     def _end_block(self, body: str, closed: bool, content: list[str], calls: list[ToolCall]) -> None:
+        self._read_head(body)
+        if self.head is not None:  # a call from its start on, whatever follows
+            call_id, name, _ = self.head
+            calls.append(ToolCall(name, self._arguments(body, closed=True), call_id))
+            self.head = None
+            self.gap, self.has_text, self.after_call = "", False, True
+            return
         call = _hermes_call(body)
         if call is None:  # not a call: the block is text like any other
             self._outside(OPEN + body + (CLOSE if closed else ""), content)
@@ -298,6 +376,8 @@ def _llama3_calls(text: str) -> list[ToolCall] | None:
 class Llama3JsonParser:
     """One choice's text, fed piece by piece: content as it comes, unless it opens as JSON, which
     waits for the end of the text to be read as calls (or, when it holds none, as content)."""
+
+    open_call = None  # its calls come whole, once the text has ended
 
     def __init__(self):
         self.held = ""

@@ -102,6 +102,12 @@ def test_reasoning_message_and_call_items_in_order(client, scripted):
     assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "Paris is in France."
     [done] = [e for e in events if e["type"] == "response.function_call_arguments.done"]
     assert (done["name"], done["arguments"], done["output_index"]) == ("get_weather", call.arguments, 2)
+    pieces = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert "".join(pieces) == call.arguments and len(pieces) > 1  # the arguments stream as the model writes them
+    kinds = [e["type"] for e in events if e.get("output_index") == 2]
+    assert kinds[0] == "response.output_item.added" and kinds[-2:] == [
+        "response.function_call_arguments.done", "response.output_item.done"]
+    assert set(kinds[1:-2]) == {"response.function_call_arguments.delta"}
     added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
     assert added == ["reasoning", "message", "function_call"]
     _same(last, whole.model_dump(mode="json", exclude_unset=True))

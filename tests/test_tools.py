@@ -51,6 +51,13 @@ WHOLE = [  # text, (content, [(name, arguments)])
     ('<tool_call>{"name": "f", "arguments": {}}', ("", [("f", "{}")])),  # never closed, still a call
     ("<tool_call>{\"name\": \"f\", \"argu", ("<tool_call>{\"name\": \"f\", \"argu", [])),  # cut short
     ("<tool_ca", ("<tool_ca", [])),  # ended inside what might have been the tag
+    # a block that starts as a call ({"name": ..., "arguments": {) is one: its arguments are the object as written
+    ('<tool_call>{"name":"f","arguments":{"a":1}}</tool_call>', ("", [("f", '{"a":1}')])),
+    ('<tool_call> {"name": "f", "arguments": {"a": "}]\\"{"} }\n</tool_call>', ("", [("f", '{"a": "}]\\"{"}')])),
+    ('<tool_call>{"name": "f", "arguments": {"a": [1]}</tool_call>', ("", [("f", '{"a": [1]}')])),  # "}" missing
+    ('<tool_call>{"name": "f", "arguments": {"a": </tool_call>', ("", [("f", '{"a": ')])),  # cut short: as written
+    ('<tool_call>{"name": "", "arguments": {}}</tool_call>',
+     ('<tool_call>{"name": "", "arguments": {}}</tool_call>', [])),  # no name
     ("a </tool_call> b", ("a </tool_call> b", [])),  # a close with no open is text
     ("", ("", [])),
 ]
@@ -101,7 +108,7 @@ def test_pieces_cut_anywhere_join_to_the_whole_parse(parser, text, expected):
 
 @pytest.mark.parametrize("parser, alphabet", [
     ("hermes", ["<tool_call>", "</tool_call>", "<tool_", "call>", '{"name": "f", "arguments": {"a": 1}}', '{"name"',
-                "a", " ", "\n", "}", "</tool"]),
+                "a", " ", "\n", "}", "</tool", '{"name": "g", "arguments": ', "{", '"', "\\", "[", "]"]),
     ("llama3_json", ['{"name": "f", "parameters": {"a": 1}}', "; ", "<|python_tag|>", "<|py", "{", "}", "a", " ",
                      "\n"]),
 ])
@@ -112,6 +119,29 @@ def test_random_texts_in_random_pieces(parser, alphabet):
         cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 5))))
         pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
         assert _streamed(pieces, parser) == _plain(parse_tool_calls(parser, text)), pieces
+
+
+def test_streamed_call_deltas_join_to_the_whole_parse():
+    """Random texts in random pieces: each call's deltas (its start once, then its arguments as they come)
+    join to the calls of the whole text, in order, with the id of the call they end in."""
+    rng = random.Random(1)
+    alphabet = ["<tool_call>", "</tool_call>", "</tool", '{"name": "g", "arguments": ', "{", "}", '"', "\\", "a",
+                " ", '{"name": "f", "arguments": {"a": 1}}', '<tool_call>{"name": "h", "arguments": {"b": "']
+    for _ in range(3000):
+        text = "".join(rng.choices(alphabet, k=rng.randint(0, 9)))
+        cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 6))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])] or [""]
+        parts, calls, joined = ChatText(None, "hermes"), [], {}
+        for i, piece in enumerate(pieces):
+            _, _, done = parts.feed(piece, final=i == len(pieces) - 1)
+            calls += done
+            for delta in parts.deltas(done):
+                assert delta.begins == (delta.index not in joined), pieces
+                entry = joined.setdefault(delta.index, [delta.call.id, delta.call.name, ""])
+                entry[2] += delta.arguments
+                assert delta.call.id == entry[0] and delta.call.arguments == entry[2], pieces
+        assert [tuple(joined[i]) for i in range(len(joined))] == [(c.id, c.name, c.arguments) for c in calls], pieces
+        assert [(c.name, c.arguments) for c in calls] == _plain(parse_tool_calls("hermes", text))[1], pieces
 
 
 def test_llama3_json_streams_content_at_once_and_holds_json_to_the_end():
@@ -339,11 +369,13 @@ def test_chunks_and_message_carry_tool_calls():
     pieces = ["I will look.\n<tool_", CALL.removeprefix("<tool_")[:-len("_call>")], "_call>\n" + lyon[:30], lyon[30:]]
     builder = ResponseBuilder(request, "chatcmpl-r", "m", None, tool_call_parser="hermes")
     chunks = [builder.chunk(0, out)["choices"][0] for out in _outputs(pieces)]
-    assert [c["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": "I will look.\n"}, {"content": ""}]
-    first, second = chunks[2]["delta"]["tool_calls"], chunks[3]["delta"]["tool_calls"]
-    assert first[0]["index"] == 0 and first[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
-    assert second[0]["index"] == 1 and second[0]["function"]["arguments"] == '{"city": "Lyon"}'
-    assert first[0]["type"] == "function" and first[0]["id"] != second[0]["id"]
+    assert chunks[0]["delta"] == {"role": "assistant", "content": "I will look.\n"}
+    # the call goes out once its block starts as one, before the block closes; its end adds nothing
+    [first], [second] = chunks[1]["delta"]["tool_calls"], chunks[3]["delta"]["tool_calls"]
+    assert chunks[2]["delta"] == {"content": ""}
+    assert first["index"] == 0 and first["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert second["index"] == 1 and second["function"]["arguments"] == '{"city": "Lyon"}'
+    assert first["type"] == "function" and first["id"] != second["id"]
     assert [c["finish_reason"] for c in chunks] == [None, None, None, "tool_calls"]
     whole = ResponseBuilder(request, "chatcmpl-r", "m", None, tool_call_parser="hermes")  # not streamed
     for out in _outputs(pieces):
@@ -363,6 +395,49 @@ def test_chunks_and_message_carry_tool_calls():
         plain.add(0, out)
     assert plain.response({})["choices"][0] == {"index": 0, "logprobs": None, "finish_reason": "stop",
                                                 "message": {"role": "assistant", "content": CALL}}
+
+
+def _joined_calls(deltas: list[dict]) -> list[tuple[str, str, str]]:
+    """The calls a client puts together from streamed tool_calls entries: (id, name, arguments) by index."""
+    calls: dict[int, list[str]] = {}
+    for entry in deltas:
+        if entry["index"] not in calls:
+            assert set(entry) == {"index", "id", "type", "function"} and entry["type"] == "function"
+            calls[entry["index"]] = [entry["id"], entry["function"]["name"], ""]
+        else:
+            assert set(entry) == {"index", "function"} and set(entry["function"]) == {"arguments"}
+        calls[entry["index"]][2] += entry["function"]["arguments"]
+    assert sorted(calls) == list(range(len(calls)))
+    return [tuple(calls[i]) for i in range(len(calls))]
+
+
+@pytest.mark.parametrize("arguments", ['{"city": "Paris"}', '{"q":"a \\"}\\" b","n":[1,{"x":[]}]}', '{ }'])
+def test_call_arguments_stream_as_the_model_writes_them(arguments):
+    """Token by token, a call's id and name go out once its block starts as a call, then its arguments
+    as written, piece by piece; joined, they are the call of the whole response."""
+    request = parse_request(chat(tools=TOOLS), LIMITS, "r", chat=True, tool_call_parser="hermes")
+    call = f'<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>'
+    text = "Sure.\n" + call + "\n" + CALL.replace("Paris", "Lyon")
+    builder = ResponseBuilder(request, "chatcmpl-r", "m", None, tool_call_parser="hermes")
+    whole = ResponseBuilder(request, "chatcmpl-r", "m", None, tool_call_parser="hermes")
+    chunks = []
+    for out in _outputs(list(text)):
+        chunks.append(builder.chunk(0, out)["choices"][0])
+        whole.add(0, out)
+    entries = [entry for c in chunks for entry in c["delta"].get("tool_calls", [])]
+    joined = _joined_calls(entries)
+    lyon = ("get_weather", '{"city": "Lyon"}')
+    assert [(name, args) for _, name, args in joined] == [("get_weather", arguments), lyon]
+    assert sum(entry["index"] == 0 for entry in entries) >= len(arguments)  # a piece of the arguments a character
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == "Sure.\n"
+    message = whole.response({})["choices"][0]["message"]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        (name, args) for _, name, args in joined]
+    single = ResponseBuilder(parse_request(chat(tools=TOOLS, parallel_tool_calls=False), LIMITS, "r", chat=True,
+                                           tool_call_parser="hermes"), "c", "m", None, tool_call_parser="hermes")
+    only = [entry for out in _outputs(list(text))
+            for entry in single.chunk(0, out)["choices"][0]["delta"].get("tool_calls", [])]
+    assert [(name, args) for _, name, args in _joined_calls(only)] == [("get_weather", arguments)]
 
 
 def test_llama3_json_calls_come_in_the_last_chunk():
@@ -475,9 +550,9 @@ def test_a_tool_call_comes_back_whole_and_streamed(client, scripted):
                                               stream=True)
     chunks = [chunk.choices[0] for chunk in streamed]
     assert "".join(c.delta.content or "" for c in chunks) == "Let me check.\n"
-    [streamed_call] = [tc for c in chunks for tc in c.delta.tool_calls or []]
-    assert (streamed_call.index, streamed_call.function.name, streamed_call.function.arguments) == (
-        0, "get_weather", call.function.arguments)
+    [(_, name, arguments)] = _joined_calls([tc.model_dump(exclude_none=True) for c in chunks
+                                            for tc in c.delta.tool_calls or []])
+    assert (name, arguments) == ("get_weather", call.function.arguments)
     assert chunks[-1].finish_reason == "tool_calls"
 
 
