@@ -23,9 +23,11 @@ a channel either way is in ``messages.py``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import socket
 import subprocess
+import threading
 from collections import deque
 
 from twinplane.controlplane import event_loop
@@ -97,7 +99,7 @@ class EngineCore:
                                          prefix_cache_hits=self.carried.prefix_cache_hits)
         self.dataplane_step = self.carried.dataplane_step
         self._stalled = False  # the frontend was told every connected data plane stalled
-        self._vocabulary: Vocabulary | None = None
+        self._vocabulary: concurrent.futures.Future | None = None  # read once a data plane connects
 
     # ---- messages from the frontends ----------------------------------------------------
 
@@ -138,16 +140,30 @@ class EngineCore:
         self._route(seq)
 
     def vocabulary(self) -> Vocabulary:
-        """Every token's bytes, for structured output's masks: read from the tokenizer on first use."""
+        """Every token's bytes, for structured output's masks (ValueError or OSError when there is no
+        tokenizer to read them from)."""
         if self._vocabulary is None:
-            if self.describe is None:
-                raise ValueError("no data plane has connected yet")
-            folder = self.config.tokenizer or self.describe.tokenizer_path
-            if not folder:
-                raise ValueError("the model has no tokenizer; start the control plane with --tokenizer")
-            tags = TAGS[self.config.tool_call_parser] if self.config.tool_call_parser else ()
-            self._vocabulary = Vocabulary(Tokenizer(folder), self.describe.vocab_size, self.eos_token_ids, tags)
-        return self._vocabulary
+            raise ValueError("no data plane has connected yet")
+        return self._vocabulary.result()
+
+    def _read_vocabulary(self) -> None:
+        """Reads every token's bytes off the step loop, once the first data plane has described the model:
+        the first request with structured output then finds them ready instead of stalling every step."""
+        future = self._vocabulary = concurrent.futures.Future()
+        folder = self.config.tokenizer or self.describe.tokenizer_path
+        tags = TAGS[self.config.tool_call_parser] if self.config.tool_call_parser else ()
+        vocab_size, eos_token_ids = self.describe.vocab_size, self.eos_token_ids
+
+        def read() -> None:
+            try:
+                if not folder:
+                    raise ValueError("the model has no tokenizer; start the control plane with --tokenizer")
+                future.set_result(Vocabulary(Tokenizer(folder), vocab_size, eos_token_ids, tags))
+            except Exception as exc:  # given to each request that asks for structured output
+                future.set_exception(exc if isinstance(exc, (ValueError, OSError)) else
+                                     ValueError(f"the tokenizer could not be read: {type(exc).__name__}: {exc}"))
+
+        threading.Thread(target=read, daemon=True, name="twinplane-vocabulary").start()
 
     def abort(self, seq_id: int) -> None:
         """The frontend ended this sequence (cancelled, stop string, failed): free its blocks now."""
@@ -222,6 +238,8 @@ class EngineCore:
             return
         self.describe = common_describe(live)
         self.eos_token_ids = frozenset(self.describe.eos_token_ids)
+        if self._vocabulary is None:
+            self._read_vocabulary()
         self.frontend.send(Connected(self.describe, self.snapshot()))
         self.stalls_changed()
 

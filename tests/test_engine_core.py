@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pickle
 import signal
@@ -306,3 +307,43 @@ def test_sigint_while_the_core_is_still_starting_is_ignored(tmp_path):
         if process.poll() is None and process.wait(timeout=30) is None:
             process.kill()
     assert process.returncode == 0
+
+
+@pytest.mark.parametrize("with_tokenizer", [True, False])
+def test_the_vocabulary_is_read_off_the_step_loop_once_a_data_plane_connects(smollm2_dir, with_tokenizer):
+    """Structured output's token bytes are read in a thread of their own when the first data plane describes
+    the model, so the first such request finds them ready; without a tokenizer such requests fail alone."""
+    from twinplane.controlplane.block_manager import BlockManager
+    from twinplane.controlplane.config import ControlPlaneConfig
+    from twinplane.controlplane.engine_core import EngineCore
+    from twinplane.controlplane.messages import Rejected
+    from twinplane.controlplane.scheduler import Scheduler, SchedulerConfig
+    from twinplane.proto import dataplane_pb2 as dp
+
+    async def run():
+        frontend = Frontend()
+        core = EngineCore(ControlPlaneConfig(dataplane="unix:///nowhere"), frontend)
+        replica = core.replicas[0]
+        replica.describe = dp.DescribeResponse(max_model_len=64, eos_token_ids=[2], num_kv_blocks=16, block_size=4,
+                                               vocab_size=49152, tokenizer_path=str(smollm2_dir) if with_tokenizer
+                                               else "")
+        replica.scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64),
+                                      BlockManager(16, 4, True))
+        assert core._vocabulary is None
+        replica._set_connected(True)
+        reading = core._vocabulary
+        with contextlib.suppress(ValueError):
+            reading.result(timeout=60)
+        core.add(AddRequest(7, "json", [5, 6], RequestParams(max_tokens=3, regex="yes|no")))
+        core.add(AddRequest(8, "free", [5, 6], RequestParams(max_tokens=3)))
+        return core, reading, frontend.messages
+
+    core, reading, messages = asyncio.run(run())
+    assert core._vocabulary is reading  # read once
+    rejected = [m for m in messages if isinstance(m, Rejected)]
+    if with_tokenizer:
+        assert not rejected and core.seqs[7][0].matcher is not None and len(reading.result().token_bytes) == 49152
+        assert list(core.seqs) == [7, 8]
+    else:
+        assert [m.seq_id for m in rejected] == [7] and "start the control plane with --tokenizer" in rejected[0].why
+        assert list(core.seqs) == [8]
