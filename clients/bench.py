@@ -473,7 +473,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="shared prompt prefixes, each starting as many prompts, in random order (0: none)")
     g.add_argument("--prefix-len", type=int, default=1000, help="tokens of each shared prefix")
     g.add_argument("--masked-share", type=float, default=0.0,
-                   help="share of the requests with structured output, matching --masked-regex (default: 0.0)")
+                   help="share of the requests with structured output, matching --masked-regex")
     g.add_argument("--masked-regex", default=r"[\s\S]*",
                    help="what their text must match, by default a regex every text matches (default: %(default)s)")
     g.add_argument("--kill-dataplane-after", type=float, default=None,

@@ -14,7 +14,7 @@ import numpy as np
 from twinplane.controlplane.api import TokenLogprobs
 from twinplane.controlplane.finish import stop_token_ids
 from twinplane.controlplane.scheduler import SchedulerOutput
-from twinplane.controlplane.sequence import Sequence
+from twinplane.controlplane.sequence import PENDING, Sequence
 from twinplane.proto import dataplane_pb2 as dp
 
 
@@ -49,11 +49,13 @@ def encode_plan(out: SchedulerOutput, block_size: int, eos_token_ids: tuple[int,
     num_new_blocks = [0] * len(decodes)
     new_blocks: list[int] = []
     inits = []
-    masks = [dp.TokenMask(index=i, allowed=s.matcher.mask()) for i, s in enumerate(decodes) if s.matcher is not None]
+    masked = [i for i, s in enumerate(decodes) if s.matcher is not None]
+    follow = any(token_ids[i] == PENDING for i in masked)
     for c in out.other_chunks:
         seq, end = c.seq, c.start_pos + c.num_tokens
         if c.sample and seq.matcher is not None:
-            masks.append(dp.TokenMask(index=len(seq_ids), allowed=seq.matcher.mask()))
+            masked.append(len(seq_ids))
+            follow = follow or seq.token_ids[end - 1] == PENDING
         seq_ids.append(seq.seq_id)
         num_tokens.append(c.num_tokens)
         start_pos.append(c.start_pos)
@@ -66,6 +68,7 @@ def encode_plan(out: SchedulerOutput, block_size: int, eos_token_ids: tuple[int,
         slots.extend((table[pos // block_size] * block_size + pos % block_size).tolist())
         if c.is_new_mirror:
             inits.append(sequence_init(seq, eos_token_ids, c.start_pos))
+    out.masks_follow = follow  # a masked sequence decodes a PENDING token: its mask waits for it
     return dp.StepPlan(
         step_id=out.step_id,
         seq_ids=np.asarray(seq_ids, dtype="<i8").tobytes(),
@@ -80,8 +83,25 @@ def encode_plan(out: SchedulerOutput, block_size: int, eos_token_ids: tuple[int,
         dropped_seq_ids=out.dropped_seq_ids,
         num_steps=out.num_steps,
         decode_budget=np.asarray(out.decode_budget, dtype="<i4").tobytes(),
-        token_masks=masks,
+        token_masks=[] if follow else token_masks(out, masked),
+        masks_follow=follow,
     )
+
+
+def token_masks(out: SchedulerOutput, indexes: list[int] | None = None) -> list[dp.TokenMask]:
+    """The masks of the plan's sampled sequences with structured output (indexes: their places in the
+    plan, when known), from where each stands in its grammar now."""
+    seqs = out.seqs
+    if indexes is None:
+        sampled = [True] * len(out.decode_seqs) + [c.sample for c in out.other_chunks]
+        indexes = [i for i, (seq, s) in enumerate(zip(seqs, sampled)) if s and seq.matcher is not None]
+    return [dp.TokenMask(index=i, allowed=seqs[i].matcher.mask()) for i in indexes]
+
+
+def masks_message(out: SchedulerOutput) -> dp.StepPlan:
+    """The token masks of a plan sent with masks_follow: sent once the result of the plan before it has
+    been applied, whose tokens they depend on."""
+    return dp.StepPlan(step_id=out.step_id, masks_only=True, token_masks=token_masks(out))
 
 
 @dataclass

@@ -18,7 +18,7 @@ from twinplane.controlplane.dataplane_client import DataPlaneClient, DataPlaneLo
 from twinplane.controlplane.finish import stop_token_ids, token_finish_reason
 from twinplane.controlplane.liveness import Silence
 from twinplane.controlplane.messages import Rejected, Snapshot, StepFailed, StepOutputs, TokenOutput
-from twinplane.controlplane.plan_codec import decode_result, encode_plan
+from twinplane.controlplane.plan_codec import decode_result, encode_plan, masks_message
 from twinplane.controlplane.scheduler import Scheduler, SchedulerConfig
 from twinplane.controlplane.sequence import Sequence
 from twinplane.proto import dataplane_pb2 as dp, step_path_names
@@ -134,6 +134,12 @@ class Replica:
                     self._fail_step(step, result.error)
                 else:
                     self._deferred = self._apply(step, result)
+                if in_flight and in_flight[0].masks_follow:  # they depend on the tokens just applied
+                    try:
+                        await self._on_stream(self.dataplane.send(masks_message(in_flight[0])))
+                    except DataPlaneLost as exc:
+                        await self._reconnect(str(exc))
+                        in_flight.clear()
 
     def _apply(self, out, result: dp.StepResult) -> list[TokenOutput]:
         """The critical path between two steps: new tokens and the token stop rules, so requests

@@ -13,8 +13,8 @@ each sequence at once, and a sequence whose token is still being sampled decodes
 PENDING token (the data plane feeds its own sampled token back). ``update`` fills the
 token in when the result arrives, and only then do full blocks join the prefix cache.
 
-A sequence with structured output waits instead: its next token's mask depends on the one in
-flight.
+A sequence with structured output does so too, but its next token's mask depends on the one in
+flight: such a plan's masks follow it (``plan_codec.masks_message``), once that token is back.
 
 When a few sequences only decode and nothing waits, one plan holds several decode steps
 (``decode_steps``): each sequence samples up to that many tokens before the control plane
@@ -77,6 +77,7 @@ class SchedulerOutput:
     dropped_seq_ids: list[int] = field(default_factory=list)
     num_steps: int = 1  # > 1: that many decode steps, each decode and chunk one token with a budget
     decode_budget: list[int] = field(default_factory=list)  # then: tokens each samples, in plan order
+    masks_follow: bool = False  # its token masks wait for the step before it (set by plan_codec.encode_plan)
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
@@ -173,8 +174,6 @@ class Scheduler:
                 prefilling.append(seq)
             elif length_reached(num_tokens, seq.num_prompt_tokens, seq.params.max_tokens, max_model_len):
                 continue  # its last token is in flight; the result ends it
-            elif seq.matcher is not None and seq.has_pending:
-                continue  # structured output: its next mask waits for the token in flight
             elif budget > 0 and seq.status is SequenceStatus.RUNNING:
                 if seq.num_computed_tokens < len(seq.block_table) * block_size:
                     decodes.append(seq)  # room left in the last block: no allocation, no new block

@@ -11,9 +11,10 @@ among them (the model's end-of-sequence tokens only once the text is a whole mat
 On a server with a reasoning parser, a chat request's constraint applies to the answer: the
 reasoning before it (``<think>`` ... ``</think>``, as the parser reads it) is free (``after_reasoning``).
 
-A masked sequence is not planned while its last token is still being sampled (its next mask
-depends on it), so it decodes every other step while the step loop plans ahead; nor does it take
-part in plans of several decode steps.
+A masked sequence planned while its last token is still being sampled decodes it as any sequence
+does, but its next mask depends on that token: the plan's masks follow it (``plan_codec.masks_message``,
+sent once the token is back), and the data plane samples when they come. It takes no part in plans
+of several decode steps.
 """
 
 from __future__ import annotations

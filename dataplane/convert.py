@@ -39,7 +39,7 @@ def plan_from_pb(msg: dp.StepPlan) -> StepPlan:
         sample=_ints(msg.sample, np.uint8).astype(bool),
         inits={i.seq_id: init_from_pb(i) for i in msg.inits},
         decode_budget=_ints(msg.decode_budget) if msg.decode_budget else None,
-        token_masks={m.index: m.allowed for m in msg.token_masks},
+        token_masks=masks_from_pb(msg),
     )
     n = len(columns.seq_ids)
     if not (len(columns.num_tokens) == len(columns.start_pos) == len(columns.num_new_blocks)
@@ -51,7 +51,12 @@ def plan_from_pb(msg: dp.StepPlan) -> StepPlan:
     if columns.decode_budget is not None and len(columns.decode_budget) != n:
         raise ValueError(f"decode_budget has {len(columns.decode_budget)} entries for {n} sequences")
     return StepPlan(step_id=msg.step_id, dropped_seq_ids=list(msg.dropped_seq_ids), columns=columns,
-                    num_steps=max(msg.num_steps, 1))
+                    num_steps=max(msg.num_steps, 1), masks_follow=msg.masks_follow)
+
+
+def masks_from_pb(msg: dp.StepPlan) -> dict[int, bytes]:
+    """A plan's token masks (or those of a masks_only message), by index in the plan."""
+    return {m.index: m.allowed for m in msg.token_masks}
 
 
 def output_to_pb(out: StepOutput) -> dp.StepResult:

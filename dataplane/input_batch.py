@@ -26,7 +26,9 @@ the layout of their input buffer instead, and copied there: ``GraphStep``.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -71,6 +73,8 @@ class StepInputs:
     sample_rows: torch.Tensor  # int32 [num_sampled]: their batch rows (where last_token is kept)
     sampled: "SampledRows | None"  # the same on the host, to record tokens where a history is kept, else None
     decode_steps: DecodeSteps | None = None  # a plan of several decode steps
+    # a plan whose token masks follow: its sampling, from the masks (sampling is None until then)
+    with_masks: Callable[[dict[int, bytes]], SamplingBatch] | None = None
 
 
 @dataclass
@@ -271,7 +275,10 @@ class InputBatch:
                 _fail("a plan of several decode steps takes only sequences sampled with temperature, top-k, "
                       "top-p and min-p (no penalties, seed, log-probabilities, min_tokens or logit bias)")
             pending = self._check_pending(cols, rows, unknown, decode)
-            self._check_masks(cols, rows)
+            if plan.masks_follow and (plan.num_steps > 1 or cols.token_masks):
+                _fail("a plan whose token masks follow is one step and carries no masks itself")
+            if not plan.masks_follow:
+                self._check_masks(cols, rows)
             positions, token_rows = self._apply_blocks_and_check(
                 cols, rows, cols.start_pos + cols.num_tokens + budget - 1, decode)
         except ValueError:
@@ -283,12 +290,17 @@ class InputBatch:
         if not unknown.all():  # the known tokens of rows that keep a history (none are plain)
             kept = ~(unknown | self.plain[token_rows])
             self.tokens[token_rows[kept], positions[kept]] = cols.token_ids[kept]
-        if pending.any() and not self.plain[rows[pending]].all():
+        waiting = rows[pending][~self.plain[rows[pending]]] if pending.any() else ()
+        if any(self.params[row].has_penalties for row in waiting):
             self.wait_for_tokens()  # penalties read the history, PENDING tokens included
         self.sampled_at[rows[cols.sample]] = self.plan_index
-        if graphs and decode and self._graphs_take(cols, rows, plan.num_steps):
+        if graphs and decode and not plan.masks_follow and self._graphs_take(cols, rows, plan.num_steps):
             return self._stage_for_graphs(cols, rows, context, pending, budget if plan.num_steps > 1 else None)
-        return self._build(cols, rows, positions, context, pending, budget if plan.num_steps > 1 else None)
+        inputs = self._build(cols, rows, positions, context, pending, budget if plan.num_steps > 1 else None,
+                             plan.masks_follow)
+        if plan.masks_follow:  # sampled once the masks come
+            inputs.with_masks = functools.partial(self._sampling_with_masks, cols, rows, context)
+        return inputs
 
     def _check_pending(self, cols: PlanColumns, rows: np.ndarray, unknown: np.ndarray, decode: bool) -> np.ndarray:
         """Which sequences decode a PENDING token (unknown: per token, whether it is PENDING);
@@ -416,7 +428,7 @@ class InputBatch:
             raise
 
     def _build(self, cols: PlanColumns, rows: np.ndarray, positions: np.ndarray, context: np.ndarray,
-               pending: np.ndarray, budget: np.ndarray | None) -> StepInputs:
+               pending: np.ndarray, budget: np.ndarray | None, masks_follow: bool = False) -> StepInputs:
         n, t = len(rows), len(cols.token_ids)
         final = context if budget is None else context + budget - 1
         width = max(int((-(-final // self.limits.block_size)).max()), 1)
@@ -448,7 +460,8 @@ class InputBatch:
             sampling = SamplingBatch.from_plain_columns(values, v["sampling_columns"], v["greedy_flags"],
                                                         self.limits.vocab_size)
         else:
-            sampling = self._sampling(cols, sample_rows, context[cols.sample]) if len(sample_idx) else None
+            sampling = self._sampling(cols, sample_rows, context[cols.sample]) if len(sample_idx) and not masks_follow \
+                else None
         # rows sampled plainly keep no history: nothing to record
         sampled = None if plain else SampledRows(sample_rows, cols.seq_ids[cols.sample], context[cols.sample])
         assert input_ids.shape[0] == t
@@ -588,6 +601,14 @@ class InputBatch:
             if len(allowed) != width or empty:
                 _fail(f"seq {cols.seq_ids[i]}: a token mask must be {width} bytes (one bit per token) with a bit "
                       f"set; got {len(allowed)} bytes{', none set' if empty else ''}")
+
+    def _sampling_with_masks(self, cols: PlanColumns, rows: np.ndarray, context: np.ndarray,
+                             token_masks: dict[int, bytes]) -> SamplingBatch:
+        """The sampling of a plan whose token masks came after it (StepPlan.masks_follow), checked as a
+        plan's own are."""
+        cols.token_masks = token_masks
+        self._check_masks(cols, rows)
+        return self._sampling(cols, rows[cols.sample], context[cols.sample])
 
     def _sampling(self, cols: PlanColumns, rows: np.ndarray, context: np.ndarray) -> SamplingBatch:
         """Rows with penalties, seeds, log-probabilities, min_tokens or token masks (one row at a time)."""

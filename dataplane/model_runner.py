@@ -193,6 +193,7 @@ class ModelRunner:
         self.sequences.warm_up()
         self.use_decode_graphs(self.decode_graphs)
         self._last: LaunchedStep | None = None  # the most recently launched step
+        self._awaiting_masks: tuple | None = None  # (step, inputs, hidden) of a plan whose token masks follow
         self._last_end: float | None = None  # CPU timing: when the previous step's work ended
 
     def init_model(self) -> None:
@@ -311,6 +312,7 @@ class ModelRunner:
 
     def reset(self) -> None:
         """Forget every sequence (e.g. when the control plane reconnects)."""
+        self._awaiting_masks = None
         self.sequences.reset()
 
     def close(self) -> None:
@@ -337,7 +339,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, keep_logits: bool = False) -> LaunchedStep:
-        """Checks the plan and queues its forward pass and sampling on the device."""
+        """Checks the plan and queues its forward pass and sampling on the device (the sampling of a plan
+        whose token masks follow, once sample_with_masks brings them)."""
+        if self._awaiting_masks is not None:
+            raise ValueError(f"step {self._awaiting_masks[0].step_id} waits for its token masks; no plan may come "
+                             "before them")
         started = time.perf_counter()
         inputs = self.sequences.prepare(plan, graphs=not keep_logits)
         prepared = time.perf_counter()
@@ -359,14 +365,49 @@ class ModelRunner:
             if inputs.sampling is not None:
                 self._sample(step, inputs, hidden, keep_logits)
                 step.sample_us = int((time.perf_counter() - forwarded) * 1e6)
+            elif inputs.with_masks is not None:  # sampled by sample_with_masks
+                self._awaiting_masks = step, inputs, hidden
         step.launch_us = int((time.perf_counter() - started) * 1e6)
-        if cuda:
+        if not cuda:
+            step.idle_us = 0 if self._last_end is None else int((started - self._last_end) * 1e6)
+        self._last = step
+        if self._awaiting_masks is None:
+            self._launched(step, prepared)
+        elif not cuda:  # the forward pass, run
+            step.execute_us = int((time.perf_counter() - prepared) * 1e6)
+        return step
+
+    def _launched(self, step: LaunchedStep, prepared: float) -> None:
+        """The step's work is all queued: marks its end (CUDA) or times it (CPU, where it has run)."""
+        if step.done is not None:
             step.done.record(self.sequences.stream)
         else:
             now = time.perf_counter()
-            step.idle_us = 0 if self._last_end is None else int((started - self._last_end) * 1e6)
-            step.execute_us, self._last_end = int((now - prepared) * 1e6), now
-        self._last = step
+            step.execute_us += int((now - prepared) * 1e6)
+            self._last_end = now
+
+    @property
+    def awaits_masks(self) -> bool:
+        """A launched plan waits for its token masks (StepPlan.masks_follow): no other plan may come first."""
+        return self._awaiting_masks is not None
+
+    @torch.inference_mode()
+    def sample_with_masks(self, step_id: int, token_masks: dict[int, bytes]) -> LaunchedStep:
+        """Samples the launched plan that waits for its token masks, with them; returns its step."""
+        if self._awaiting_masks is None or self._awaiting_masks[0].step_id != step_id:
+            waiting = None if self._awaiting_masks is None else self._awaiting_masks[0].step_id
+            raise ValueError(f"token masks for step {step_id}, but the step waiting for masks is {waiting}")
+        (step, inputs, hidden), self._awaiting_masks = self._awaiting_masks, None
+        started = time.perf_counter()
+        try:
+            inputs.sampling = inputs.with_masks(token_masks)
+        except ValueError:
+            self._launched(step, started)
+            raise
+        self._sample(step, inputs, hidden, keep_logits=False)
+        step.sample_us = int((time.perf_counter() - started) * 1e6)
+        step.launch_us += step.sample_us
+        self._launched(step, started)
         return step
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata) -> tuple[torch.Tensor, StepPath]:

@@ -124,6 +124,7 @@ class StepPlan:
     dropped_seq_ids: list[int] = field(default_factory=list)
     columns: PlanColumns | None = None
     num_steps: int = 1
+    masks_follow: bool = False  # its token masks come in a later message (dataplane.proto's masks_follow)
 
     def cols(self) -> PlanColumns:
         if self.columns is None:

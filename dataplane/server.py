@@ -32,7 +32,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from twinplane.controlplane.tls import add_port  # grpc only: the address checks both planes share
-from twinplane.dataplane.convert import describe_to_pb, output_to_pb, plan_from_pb
+from twinplane.dataplane.convert import describe_to_pb, masks_from_pb, output_to_pb, plan_from_pb
 from twinplane.proto import dataplane_pb2 as dp
 from twinplane.proto import dataplane_pb2_grpc as dp_grpc
 
@@ -128,7 +128,7 @@ class DataPlaneServicer(dp_grpc.DataPlaneServicer):
 
     def Step(self, request_iterator, context):
         self._take_over()
-        pipeline = _StepPipeline(self._launch)
+        pipeline = _StepPipeline(self._launch, lambda: self.runner.awaits_masks)
         try:
             self._reset()  # a new stream means a new control-plane session
             self._pipeline = pipeline
@@ -141,10 +141,13 @@ class DataPlaneServicer(dp_grpc.DataPlaneServicer):
             context.abort(grpc.StatusCode.ABORTED, SUPERSEDED)
 
     def _launch(self, msg: dp.StepPlan):
-        """Queues a plan on the device; returns its LaunchedStep, or a StepResult if it failed."""
+        """Queues a plan on the device (a masks_only message: the sampling of the plan that waits for
+        them); returns its LaunchedStep, or a StepResult if it failed."""
         try:
             if self.workers is not None:
                 self.workers.step(msg.SerializeToString())
+            if msg.masks_only:
+                return self.runner.sample_with_masks(msg.step_id, masks_from_pb(msg))
             return self.runner.launch(plan_from_pb(msg))
         except Exception as exc:  # the step fails, the process keeps serving
             return _failed(msg.step_id, exc)
@@ -160,10 +163,15 @@ _SUPERSEDED = object()  # a newer stream wants the device: stop taking plans
 
 
 class _StepPipeline:
-    """Launches each plan on arrival and yields the results in order as steps finish."""
+    """Launches each plan on arrival and yields the results in order as steps finish. A plan whose token
+    masks follow is watched once they have come and its sampling is queued; plans that come before
+    them wait (the control plane sends none: the masks come next)."""
 
-    def __init__(self, launch) -> None:
+    def __init__(self, launch, awaits_masks=lambda: False) -> None:
         self.launch = launch
+        self.awaits_masks = awaits_masks  # () -> whether the last plan launched waits for its masks
+        self.awaiting: list | None = None  # its entry in run's launched: [step, times]
+        self.held: deque = deque()  # (plan, time it came) that came while a plan waited for its masks
         self.events: queue.SimpleQueue = queue.SimpleQueue()  # plans, _FINISHED, _SUPERSEDED, or None (ended)
         self.to_watch: queue.SimpleQueue = queue.SimpleQueue()
         self.superseded = False
@@ -191,10 +199,12 @@ class _StepPipeline:
                     previous_finished = at
                     yield self._result(step)
                     continue
-                started = time.perf_counter()
-                step = self.launch(what)
-                launched.append((step, (at, started, time.perf_counter())))
-                self.to_watch.put(step)
+                if self.awaiting is not None and not what.masks_only:
+                    self.held.append((what, at))
+                    continue
+                self._start(what, at, launched)
+                while self.held and self.awaiting is None:
+                    self._start(*self.held.popleft(), launched)
             while launched:  # no more plans: the results still due, in order
                 yield self._result(launched.popleft()[0])
         finally:
@@ -202,6 +212,22 @@ class _StepPipeline:
             for step, _ in launched:  # the stream is gone; let queued device work end before the next one
                 if not isinstance(step, dp.StepResult):
                     step.wait()
+
+    def _start(self, msg: dp.StepPlan, at: float, launched: deque) -> None:
+        started = time.perf_counter()
+        step = self.launch(msg)
+        if msg.masks_only:
+            if self.awaiting is None:  # no plan waits for them (it failed at launch): nothing to sample
+                log.debug("token masks for step %d, which waits for none", msg.step_id)
+                return
+            self.awaiting[0] = step  # the same step, its sampling queued, or the StepResult of its failure
+            self.awaiting = None
+        else:
+            launched.append([step, (at, started, time.perf_counter())])
+            if self.awaits_masks():
+                self.awaiting = launched[-1]
+                return
+        self.to_watch.put(step)
 
     @staticmethod
     def _result(step) -> dp.StepResult:

@@ -60,7 +60,7 @@ def _free_port() -> int:
 
 def worker_main(config: DataPlaneConfig, rank: int, port: int, shm_name: str, wake, ack) -> None:
     """A tensor-parallel rank > 0: runs every step rank 0 sends, until EXIT."""
-    from twinplane.dataplane.convert import plan_from_pb
+    from twinplane.dataplane.convert import masks_from_pb, plan_from_pb
     from twinplane.dataplane.main import freeze_heap
     from twinplane.dataplane.model_runner import ModelRunner
     from twinplane.proto import dataplane_pb2 as dp
@@ -83,7 +83,11 @@ def worker_main(config: DataPlaneConfig, rank: int, port: int, shm_name: str, wa
                 runner.reset()
                 continue
             try:  # queued on the device; rank 0 reads the tokens, so nothing waits here
-                runner.launch(plan_from_pb(dp.StepPlan.FromString(payload)))
+                msg = dp.StepPlan.FromString(payload)
+                if msg.masks_only:  # the sampling of the plan that waits for its masks (rank 0 samples)
+                    runner.sample_with_masks(msg.step_id, masks_from_pb(msg))
+                else:
+                    runner.launch(plan_from_pb(msg))
             except ValueError:
                 pass  # a bad plan: rank 0 fails the same check and reports it
     finally:

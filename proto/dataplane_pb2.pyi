@@ -127,7 +127,7 @@ class SequenceInit(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., prior_token_ids: _Optional[bytes] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "num_tokens", "start_pos", "token_ids", "slot_mapping", "num_new_blocks", "new_block_ids", "sample", "inits", "dropped_seq_ids", "num_steps", "decode_budget", "token_masks")
+    __slots__ = ("step_id", "seq_ids", "num_tokens", "start_pos", "token_ids", "slot_mapping", "num_new_blocks", "new_block_ids", "sample", "inits", "dropped_seq_ids", "num_steps", "decode_budget", "token_masks", "masks_follow", "masks_only")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,8 @@ class StepPlan(_message.Message):
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     DECODE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
+    MASKS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    MASKS_ONLY_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: bytes
     num_tokens: bytes
@@ -156,7 +158,9 @@ class StepPlan(_message.Message):
     num_steps: int
     decode_budget: bytes
     token_masks: _containers.RepeatedCompositeFieldContainer[TokenMask]
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., num_tokens: _Optional[bytes] = ..., start_pos: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., slot_mapping: _Optional[bytes] = ..., num_new_blocks: _Optional[bytes] = ..., new_block_ids: _Optional[bytes] = ..., sample: _Optional[bytes] = ..., inits: _Optional[_Iterable[_Union[SequenceInit, _Mapping]]] = ..., dropped_seq_ids: _Optional[_Iterable[int]] = ..., num_steps: _Optional[int] = ..., decode_budget: _Optional[bytes] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ...) -> None: ...
+    masks_follow: bool
+    masks_only: bool
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., num_tokens: _Optional[bytes] = ..., start_pos: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., slot_mapping: _Optional[bytes] = ..., num_new_blocks: _Optional[bytes] = ..., new_block_ids: _Optional[bytes] = ..., sample: _Optional[bytes] = ..., inits: _Optional[_Iterable[_Union[SequenceInit, _Mapping]]] = ..., dropped_seq_ids: _Optional[_Iterable[int]] = ..., num_steps: _Optional[int] = ..., decode_budget: _Optional[bytes] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ..., masks_follow: _Optional[bool] = ..., masks_only: _Optional[bool] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("index", "token_ids", "logprobs")

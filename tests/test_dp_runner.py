@@ -350,3 +350,50 @@ def test_step_spans_split_kernels_into_steps_and_count_overlaps_once() -> None:
     assert step_spans(kernels) == [(40.0, 35.0, 3), (12.0, 12.0, 2)]
     assert step_spans(kernels, step_gap_us=2000.0) == [(1052.0, 47.0, 5)]
     assert step_spans([]) == []
+
+
+def _only(token_id: int) -> bytes:
+    """A token mask (49,152 tokens) that allows token_id alone."""
+    mask = bytearray(6144)
+    mask[token_id // 8] |= 1 << token_id % 8
+    return bytes(mask)
+
+
+def test_a_plan_whose_masks_follow_runs_its_forward_pass_and_samples_once_they_come(runner: ModelRunner) -> None:
+    """Structured output planned ahead: a masked sequence decodes its PENDING token in a plan whose masks
+    follow; the plan's forward pass is queued at once, its sampling once the masks come, and no other
+    plan may come between. Masks for another step, or that break the plan's rules, are refused; a step
+    whose masks are refused fails, and the runner takes the next plan."""
+    runner.reset()
+    builder = PlanBuilder(BLOCK)
+    free, masked = builder.new_seq(1, [3, 4, 5]), builder.new_seq(2, [6, 7], SamplingParams(masked=True))
+    first = StepPlan(1, [builder.schedule(free), builder.schedule(masked)])
+    first.cols().token_masks = {1: _only(1000)}
+    launched = runner.launch(first)
+    for seq in (free, masked):
+        seq.tokens.append(-1)  # PENDING: planned before the first step's tokens are read
+    ahead = StepPlan(2, [builder.schedule(free), builder.schedule(masked)], masks_follow=True)
+    waiting = runner.launch(ahead)
+    assert runner.awaits_masks
+    with pytest.raises(ValueError, match="step 2 waits for its token masks; no plan may come before them"):
+        runner.launch(StepPlan(3, []))
+    tokens = launched.result().sampled_token_ids.tolist()
+    assert tokens[1] == 1000  # the first plan's own mask
+    with pytest.raises(ValueError, match="token masks for step 7, but the step waiting for masks is 2"):
+        runner.sample_with_masks(7, {1: _only(2000)})
+    assert runner.sample_with_masks(2, {1: _only(2000)}) is waiting and not runner.awaits_masks
+    assert waiting.result().sampled_token_ids.tolist()[1] == 2000
+    for seq in (free, masked):
+        seq.tokens[-1:] = [-1, -1]  # the second step's tokens are PENDING for the third
+    third = StepPlan(3, [builder.schedule(free), builder.schedule(masked)], masks_follow=True)
+    runner.launch(third)
+    with pytest.raises(ValueError, match=r"wanted one for each sampled sequence with a masked sampler, \[1\]"):
+        runner.sample_with_masks(3, {0: _only(5)})
+    assert not runner.awaits_masks
+    out = runner.step(StepPlan(4, [], dropped_seq_ids=[1, 2]))  # the failed step's sequences are dropped
+    assert len(out.sampled_token_ids) == 0 and not runner.sequences.mirrors
+    with pytest.raises(ValueError, match="carries no masks itself"):
+        bad = StepPlan(5, [builder.schedule(builder.new_seq(3, [1, 2], SamplingParams(masked=True)))],
+                       masks_follow=True)
+        bad.cols().token_masks = {0: _only(5)}
+        runner.launch(bad)

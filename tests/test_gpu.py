@@ -566,20 +566,27 @@ def test_single_decode_steps_replay_graphs_that_sample_what_the_step_path_sample
     assert replayed == [3] * 8 + [12] * 8
 
 
+ALLOWED = [17, 256, 9000, 151935]  # the tokens the masks below allow; the last id sits in the mask's last byte
+
+
+def _mask(vocab_size: int, allowed: list[int]) -> bytes:
+    """A token mask (dataplane.proto's TokenMask) that allows the given tokens alone."""
+    import numpy as np
+
+    bits = np.zeros(-(-vocab_size // 8) * 8, dtype=bool)
+    bits[allowed] = True
+    return np.packbits(bits, bitorder="little").tobytes()
+
+
 def test_token_masks_restrict_their_rows_on_the_gpu(qwen3_folder):
     """Structured output on the GPU: a masked greedy row takes the best of its allowed tokens (the model's
     argmax of those logits), a masked temperature row draws among them, and the free rows of the same
     steps give the tokens they give without masked neighbours."""
-    import numpy as np
-
     from twinplane.dataplane.plan import SamplingParams
 
     runner = _runner(qwen3_folder)
-    vocab = runner.vocab_size
-    allowed = [17, 256, 9000, 151935]  # the last id sits in the mask's last byte
-    bits = np.zeros(-(-vocab // 8) * 8, dtype=bool)
-    bits[allowed] = True
-    mask = np.packbits(bits, bitorder="little").tobytes()
+    mask = _mask(runner.vocab_size, ALLOWED)
+    allowed = ALLOWED
     prompts = _prompts(4, seed=3)
     runs = []
     for masked in (False, True):
@@ -602,6 +609,44 @@ def test_token_masks_restrict_their_rows_on_the_gpu(qwen3_folder):
     runner.close()
     assert runs[1][:2] == runs[0][:2]
     assert set(runs[1][2]) <= set(allowed) and set(runs[1][3]) <= set(allowed) and runs[0][2] != runs[1][2]
+
+
+def test_masks_that_follow_their_plan_on_the_gpu(qwen3_folder):
+    """Structured output planned ahead on the GPU: each plan decodes the tokens of the one before while they
+    are still on the device, its masks come after its forward pass is queued, and the tokens equal those of
+    the same steps run one at a time with their masks in the plan."""
+    from twinplane.dataplane.plan import SamplingParams
+
+    runner = _runner(qwen3_folder)
+    mask = _mask(runner.vocab_size, ALLOWED)
+    prompts = _prompts(3, seed=5)
+    runs = []
+    for ahead in (False, True):
+        runner.reset()
+        builder = PlanBuilder(16)
+        kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, masked=True),
+                 SamplingParams(temperature=0.0, masked=True)]
+        seqs = [builder.new_seq(i, p, kind) for i, (p, kind) in enumerate(zip(prompts, kinds))]
+        first = StepPlan(0, [builder.schedule(s) for s in seqs])
+        first.cols().token_masks = {1: mask, 2: mask}
+        launched = [runner.launch(first)]
+        for step in range(1, 6):
+            for s in seqs:
+                s.tokens.append(-1)  # PENDING: the token the step before samples
+            plan = StepPlan(step, [builder.schedule(s) for s in seqs], masks_follow=ahead)
+            if ahead:
+                launched.append(runner.launch(plan))
+                launched[-2].result()  # the result the masks would wait for
+                runner.sample_with_masks(step, {1: mask, 2: mask})
+            else:
+                launched[-1].result()
+                plan.cols().token_masks = {1: mask, 2: mask}
+                launched.append(runner.launch(plan))
+        tokens = [step.result().sampled_token_ids.tolist() for step in launched]
+        runs.append([[t[i] for t in tokens] for i in range(3)])
+    runner.close()
+    assert runs[1] == runs[0]
+    assert set(runs[1][1]) <= set(ALLOWED) and set(runs[1][2]) <= set(ALLOWED)
 
 
 def _drive_with_arrival(runner) -> tuple[list[list[int]], list[StepPath]]:

@@ -3,7 +3,7 @@
 import numpy as np
 
 from twinplane.controlplane.block_manager import BlockManager
-from twinplane.controlplane.plan_codec import encode_plan
+from twinplane.controlplane.plan_codec import encode_plan, masks_message
 from twinplane.controlplane.scheduler import Scheduler, SchedulerConfig
 from twinplane.controlplane.sequence import PENDING, RequestParams, Sequence, SequenceStatus
 
@@ -258,26 +258,34 @@ class FakeMatcher:
         return bytes([len(self.accepted)])
 
 
-def test_a_masked_sequence_waits_for_its_token_in_flight_and_its_plans_carry_masks():
-    """Its next mask depends on the token being sampled, so while that token is PENDING it is left out
-    of the plan (a free sequence decodes from its PENDING token); each plan that samples it carries
-    its mask, indexed by its place in the plan."""
+def test_a_masked_sequence_decodes_its_token_in_flight_and_its_masks_follow_the_plan():
+    """A plan carries the mask of each masked sequence it samples, indexed by its place in the plan. Planned
+    while its token is still being sampled, a masked sequence decodes that PENDING token as a free one does,
+    but its mask depends on that token: the plan says its masks follow, and ``masks_message`` gives them
+    from where the matcher stands once the token is in."""
     sched = make()
-    free = add(sched, 1, 3)
+    add(sched, 1, 3)
     masked = Sequence(2, "2", [5, 6], RequestParams(max_tokens=100, regex="[ab]+"))
     masked.matcher = FakeMatcher()
     sched.add(masked)
     assert not masked.params.plain_sampling  # never in a plan of several decode steps
     first = sched.schedule()
     plan = encode_plan(first, 4, (0,))
-    assert [(m.index, m.allowed) for m in plan.token_masks] == [(1, b"\x00")]
+    assert [(m.index, m.allowed) for m in plan.token_masks] == [(1, b"\x00")] and not plan.masks_follow
     assert [init.sampling.masked for init in plan.inits] == [False, True]
-    second = sched.schedule()  # planned before the first result
-    assert [s.seq_id for s in second.seqs] == [free.seq_id] and not encode_plan(second, 4, (0,)).token_masks
+    second = sched.schedule()  # planned before the first result: both decode their PENDING token
+    plan = encode_plan(second, 4, (0,))
+    index = [s.seq_id for s in second.seqs].index(2)
+    assert sorted(s.seq_id for s in second.seqs) == [1, 2]
+    assert plan.masks_follow and second.masks_follow and not plan.token_masks
     sched.update(first, [7, 8])
-    masked.matcher.accepted.append(8)
-    third = sched.schedule()
-    assert sorted(s.seq_id for s in third.seqs) == [1, 2]
+    masked.matcher.accepted.append(8)  # the engine core's matcher takes the token: the mask it decides
+    masks = masks_message(second)
+    assert (masks.step_id, masks.masks_only) == (second.step_id, True)
+    assert [(m.index, m.allowed) for m in masks.token_masks] == [(index, b"\x01")]
+    sched.update(second, [9, 10])
+    masked.matcher.accepted.append(10)
+    third = sched.schedule()  # nothing in flight: the mask goes with the plan
     plan = encode_plan(third, 4, (0,))
     index = [s.seq_id for s in third.seqs].index(2)
-    assert [(m.index, m.allowed) for m in plan.token_masks] == [(index, b"\x01")]
+    assert [(m.index, m.allowed) for m in plan.token_masks] == [(index, b"\x02")] and not plan.masks_follow

@@ -239,6 +239,58 @@ def test_data_plane_logs_each_steps_host_timeline_at_debug(caplog):
     assert all(int(m.group(2)) >= 9000 for m in matches[1:]), lines  # each step waits 10 ms after the one before
 
 
+def test_the_pipeline_holds_plans_while_a_plan_waits_for_its_masks():
+    """A plan whose token masks follow is watched once they have come; a plan that comes before them waits
+    (launching it would feed it tokens not yet sampled); masks for a plan that failed at launch are dropped.
+    The results still come in plan order."""
+    import time
+
+    from twinplane.dataplane.server import _StepPipeline
+
+    calls, state = [], {"awaiting": None}
+
+    class Launched:
+        prepare_us = forward_us = sample_us = 0
+
+        def __init__(self, step_id: int) -> None:
+            self.step_id = step_id
+
+        def wait(self) -> None:
+            pass
+
+        def result(self) -> StepOutput:
+            return StepOutput(step_id=self.step_id, sampled_token_ids=np.array([self.step_id], np.int32))
+
+    def launch(msg):
+        calls.append(("masks" if msg.masks_only else "plan", msg.step_id))
+        if msg.masks_only:
+            if state["awaiting"] is None:
+                return dp.StepResult(step_id=msg.step_id, error="no plan waits for masks")
+            step, state["awaiting"] = state["awaiting"], None
+            return step
+        if msg.step_id == 3:  # fails at launch
+            return dp.StepResult(step_id=3, error="a bad plan")
+        step = Launched(msg.step_id)
+        if msg.masks_follow:
+            state["awaiting"] = step
+        return step
+
+    def messages():
+        yield dp.StepPlan(step_id=1, masks_follow=True)
+        yield dp.StepPlan(step_id=2)  # comes before the masks of 1: held
+        time.sleep(0.05)
+        assert calls == [("plan", 1)]
+        yield dp.StepPlan(step_id=1, masks_only=True)
+        yield dp.StepPlan(step_id=3, masks_follow=True)
+        yield dp.StepPlan(step_id=3, masks_only=True)
+        yield dp.StepPlan(step_id=4)
+        time.sleep(0.1)
+
+    results = list(_StepPipeline(launch, lambda: state["awaiting"] is not None).run(messages()))
+    assert calls == [("plan", 1), ("masks", 1), ("plan", 2), ("plan", 3), ("masks", 3), ("plan", 4)]
+    assert [(r.step_id, r.error) for r in results] == [(1, ""), (2, ""), (3, "a bad plan"), (4, "")]
+
+
 def _decode_plan(step_id: int, num_steps: int = 1, budgets: tuple[int, ...] = (1, 1)) -> StepPlan:
     seqs = [ScheduledSeq(seq_id, np.array([5], np.int32), 10, np.array([seq_id * 16 + 10], np.int32),
                          np.empty(0, np.int32), sample=seq_id == 0 or num_steps > 1, decode_budget=budget)
