@@ -214,12 +214,12 @@ class _StepPipeline:
                     step.wait()
 
     def _start(self, msg: dp.StepPlan, at: float, launched: deque) -> None:
+        if msg.masks_only and self.awaiting is None:  # their plan failed at launch: nothing waits for them
+            log.debug("token masks for step %d, which waits for none", msg.step_id)
+            return
         started = time.perf_counter()
         step = self.launch(msg)
         if msg.masks_only:
-            if self.awaiting is None:  # no plan waits for them (it failed at launch): nothing to sample
-                log.debug("token masks for step %d, which waits for none", msg.step_id)
-                return
             self.awaiting[0] = step  # the same step, its sampling queued, or the StepResult of its failure
             self.awaiting = None
         else:
