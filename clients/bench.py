@@ -256,15 +256,19 @@ def _percentiles(figures: dict, name: str) -> str:
     return f"p50 {figures[f'{name}_p50_s'] * 1e3:.1f} ms, p99 {figures[f'{name}_p99_s'] * 1e3:.1f} ms"
 
 
+def _tpot(requests: list[Request]) -> list[float]:
+    """Each request's mean time per output token after its first: tokens that arrive several in one
+    message (plans of several decode steps) count at their mean pace, not as gaps of 0."""
+    return [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) for r in requests
+            if len(r.token_times) > 1]
+
+
 def report(requests: list[Request], elapsed: float, before: dict, after: dict, info, args,
            client_cpu: list[float] = ()) -> dict:
     output_tokens = sum(len(r.token_times) for r in requests)
     ttft = [r.token_times[0] - r.sent for r in requests if r.token_times]
     itl = [b - a for r in requests for a, b in zip(r.token_times, r.token_times[1:])]
-    # a request's mean time per output token after its first: tokens that arrive several in one
-    # message (plans of several decode steps) count at their mean pace, not as gaps of 0
-    tpot = [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) for r in requests
-            if len(r.token_times) > 1]
+    tpot = _tpot(requests)
     dp = max(info.data_parallel_size, 1)  # data planes, each with its own GPUs, weights and batch
     bandwidth = args.peak_bandwidth_gbs * 1e9 * info.tensor_parallel_size * dp
     roofline = roofline_seconds(requests, info.weight_bytes * dp, info.kv_bytes_per_token, args.max_num_seqs * dp,
@@ -283,6 +287,13 @@ def report(requests: list[Request], elapsed: float, before: dict, after: dict, i
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
         figures[f"{name}_p50_s"], figures[f"{name}_p99_s"] = np.percentile(values, [50, 99]) if values else (None, None)
     figures["itl_max_s"] = max(itl, default=0.0)
+    structured = [r for r in requests if r.regex is not None]
+    if structured:  # --masked-share: each group's pace apart
+        free = [r for r in requests if r.regex is None]
+        for name, group in (("structured", structured), ("free", free)):
+            values = _tpot(group)
+            figures[f"{name}_tpot_p50_s"], figures[f"{name}_tpot_p99_s"] = \
+                np.percentile(values, [50, 99]) if values else (None, None)
     # the gaps a p99 is made of: how many exceed twice the median
     figures["itl_over_2x_p50"] = float(np.mean(np.asarray(itl) > 2 * figures["itl_p50_s"])) if itl else 0.0
     by_step = workload_step_roofline(requests, info, args)
@@ -316,6 +327,9 @@ def report(requests: list[Request], elapsed: float, before: dict, after: dict, i
     print(f"TTFT {_percentiles(figures, 'ttft')}; inter-token latency {_percentiles(figures, 'itl')}, max "
           f"{figures['itl_max_s'] * 1e3:.1f} ms, {100 * figures['itl_over_2x_p50']:.2f}% of gaps over 2x p50; "
           f"time per output token {_percentiles(figures, 'tpot')}")
+    if structured:
+        print(f"time per output token: {len(structured)} structured requests {_percentiles(figures, 'structured_tpot')}"
+              f", {len(requests) - len(structured)} others {_percentiles(figures, 'free_tpot')}")
     if client_cpu:
         print(f"benchmark client: {len(client_cpu)} process(es), {args.channels} channel(s) each, CPU time "
               + " / ".join(f"{seconds:.2f}" for seconds in client_cpu) + " s")

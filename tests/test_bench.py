@@ -149,3 +149,23 @@ def test_masked_requests_are_drawn_apart_from_the_workload():
     assert [(r.prompt, r.max_tokens) for r in masked] == [(r.prompt, r.max_tokens) for r in plain]
     assert sum(r.regex == "[a-z]*" for r in masked) == 64 and not any(r.regex for r in plain)
     assert [r.regex for r in masked] == [r.regex for r in make_workload(bench_args(*flags))]
+
+
+def test_the_report_gives_structured_and_other_requests_their_own_pace(capsys):
+    """With --masked-share, the report prints each group's time per output token apart."""
+    from twinplane.clients.bench import Request, report
+    from twinplane.controlplane.replica import STAT_NAMES
+
+    info = SimpleNamespace(data_parallel_size=1, tensor_parallel_size=1, max_num_seqs=4, max_num_batched_tokens=64,
+                           weight_bytes=500, kv_bytes_per_token=10, layer_params=1000, hidden_size=5, vocab_size=10,
+                           num_hidden_layers=1, num_attention_heads=1, head_dim=1, model="m", dtype="bf16",
+                           device="cpu", attention_backend="torch", num_kv_blocks=8, block_size=16)
+    stats = dict.fromkeys(STAT_NAMES, 0) | {"preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
+                                            "dataplanes": []}
+    requests = [Request([1, 2], 3, sent=0.0, token_times=[0.1, 0.2, 0.3], regex="[a-z]*"),  # 0.1 s a token
+                Request([1, 2], 3, sent=0.0, token_times=[0.1, 0.3, 0.5], regex="[a-z]*"),  # 0.2 s
+                Request([1, 2], 3, sent=0.0, token_times=[0.1, 0.15, 0.2])]  # 0.05 s
+    figures = report(requests, 1.0, stats, stats, info, bench_args("--max-num-seqs", "4"))
+    assert figures["structured_tpot_p50_s"] == pytest.approx(0.15) and figures["free_tpot_p50_s"] == pytest.approx(0.05)
+    assert "time per output token: 2 structured requests p50 150.0 ms" in capsys.readouterr().out
+    assert "structured_tpot_p50_s" not in report(requests[2:], 1.0, stats, stats, info, bench_args())
