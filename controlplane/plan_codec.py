@@ -90,12 +90,18 @@ def encode_plan(out: SchedulerOutput, block_size: int, eos_token_ids: tuple[int,
 
 def token_masks(out: SchedulerOutput, indexes: list[int] | None = None) -> list[dp.TokenMask]:
     """The masks of the plan's sampled sequences with structured output (indexes: their places in the
-    plan, when known), from where each stands in its grammar now."""
+    plan, when known), from where each stands in its grammar now; a mask that an earlier one equals is
+    sent as a reference to it (``TokenMask.same_as``)."""
     seqs = out.seqs
     if indexes is None:
         sampled = [True] * len(out.decode_seqs) + [c.sample for c in out.other_chunks]
         indexes = [i for i, (seq, s) in enumerate(zip(seqs, sampled)) if s and seq.matcher is not None]
-    return [dp.TokenMask(index=i, allowed=seqs[i].matcher.mask()) for i in indexes]
+    masks, first = [], {}  # a mask's bytes -> the first index it went with
+    for i in indexes:
+        allowed = seqs[i].matcher.mask()
+        earlier = first.setdefault(allowed, i)  # the cache hands out one bytes object per state: hashed once
+        masks.append(dp.TokenMask(index=i, allowed=allowed) if earlier == i else dp.TokenMask(index=i, same_as=earlier))
+    return masks
 
 
 def masks_message(out: SchedulerOutput) -> dp.StepPlan:

@@ -55,8 +55,15 @@ def plan_from_pb(msg: dp.StepPlan) -> StepPlan:
 
 
 def masks_from_pb(msg: dp.StepPlan) -> dict[int, bytes]:
-    """A plan's token masks (or those of a masks_only message), by index in the plan."""
-    return {m.index: m.allowed for m in msg.token_masks}
+    """A plan's token masks (or those of a masks_only message), by index in the plan; a mask sent as
+    same_as is the earlier one's bytes object itself."""
+    masks: dict[int, bytes] = {}
+    for m in msg.token_masks:
+        if not m.allowed and m.same_as not in masks:
+            raise ValueError(f"the token mask of plan index {m.index} is empty and refers to index {m.same_as}, "
+                             "which has no mask before it")
+        masks[m.index] = m.allowed or masks[m.same_as]
+    return masks
 
 
 def output_to_pb(out: StepOutput) -> dp.StepResult:

@@ -595,8 +595,11 @@ class InputBatch:
         if sorted(cols.token_masks) != needed:
             _fail(f"token masks for sequences {sorted(cols.token_masks)[:8]} of the plan; wanted one for each "
                   f"sampled sequence with a masked sampler, {needed[:8]}")
-        width = -(-self.limits.vocab_size // 8)
+        width, checked = -(-self.limits.vocab_size // 8), set()
         for i, allowed in cols.token_masks.items():
+            if id(allowed) in checked:  # a mask several rows share (TokenMask.same_as)
+                continue
+            checked.add(id(allowed))
             empty = allowed.count(0) == len(allowed)  # in C: a mask of 151,936 tokens is 19 KB
             if len(allowed) != width or empty:
                 _fail(f"seq {cols.seq_ids[i]}: a token mask must be {width} bytes (one bit per token) with a bit "

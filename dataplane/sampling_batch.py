@@ -188,9 +188,14 @@ def _allowed(rows: list[SamplingRow], vocab_size: int, device: torch.device
     if not masked:
         return None
     row_ids, masks = zip(*masked)
-    packed = to_device(np.frombuffer(bytearray(b"".join(masks)), dtype=np.uint8).reshape(len(masks), -1), device)
+    distinct: dict[int, int] = {}  # a mask object several rows share is copied and unpacked once
+    which = [distinct.setdefault(id(mask), len(distinct)) for mask in masks]
+    unique = list({id(mask): mask for mask in masks}.values())
+    packed = to_device(np.frombuffer(bytearray(b"".join(unique)), dtype=np.uint8).reshape(len(unique), -1), device)
     bits = torch.arange(8, dtype=torch.uint8, device=device)
-    allowed = ((packed.unsqueeze(-1) >> bits) & 1).view(len(masks), -1)[:, :vocab_size].bool()
+    allowed = ((packed.unsqueeze(-1) >> bits) & 1).view(len(unique), -1)[:, :vocab_size].bool()
+    if len(unique) < len(masks):
+        allowed = allowed[to_device(torch.tensor(which, dtype=torch.int64), device)]
     return to_device(torch.tensor(row_ids, dtype=torch.int64), device), allowed
 
 

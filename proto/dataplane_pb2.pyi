@@ -107,12 +107,14 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., num_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logit_bias_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ..., masked: _Optional[bool] = ...) -> None: ...
 
 class TokenMask(_message.Message):
-    __slots__ = ("index", "allowed")
+    __slots__ = ("index", "allowed", "same_as")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_FIELD_NUMBER: _ClassVar[int]
+    SAME_AS_FIELD_NUMBER: _ClassVar[int]
     index: int
     allowed: bytes
-    def __init__(self, index: _Optional[int] = ..., allowed: _Optional[bytes] = ...) -> None: ...
+    same_as: int
+    def __init__(self, index: _Optional[int] = ..., allowed: _Optional[bytes] = ..., same_as: _Optional[int] = ...) -> None: ...
 
 class SequenceInit(_message.Message):
     __slots__ = ("seq_id", "sampling", "num_prompt_tokens", "prior_token_ids")

@@ -198,3 +198,19 @@ def test_token_masks_restrict_masked_rows_only() -> None:
     assert tokens[masked:] == logits[masked:].argmax(-1).tolist()
     one = _sample(logits[:1], [SamplingRow(greedy, 0, EMPTY, EMPTY, _packed({202}, vocab))])[0]
     assert one.token_ids.tolist() == [202]  # the last id, in the last byte's low bits
+
+
+def test_rows_that_share_a_mask_get_it_unpacked_once_and_each_its_own() -> None:
+    """A mask object several rows share (TokenMask.same_as) is copied to the device once; each row still
+    gets the tokens of its own mask, in row order, beside rows with masks of their own and rows without."""
+    from twinplane.dataplane.sampling_batch import _allowed
+
+    vocab = 203
+    a, b = _packed({1, 2}, vocab), _packed({7, 202}, vocab)
+    copy_of_a = bytes(bytearray(a))  # equal bytes, another object: unpacked apart
+    masks = [a, None, b, a, copy_of_a, a]
+    rows = [SamplingRow(SamplingParams(masked=m is not None), 0, EMPTY, EMPTY, m) for m in masks]
+    row_ids, allowed = _allowed(rows, vocab, CPU)
+    assert row_ids.tolist() == [0, 2, 3, 4, 5]
+    wanted = [{1, 2}, {7, 202}, {1, 2}, {1, 2}, {1, 2}]
+    assert [set(np.flatnonzero(row.numpy()).tolist()) for row in allowed] == wanted

@@ -1,6 +1,7 @@
 """Scheduler: token budget, decode first, chunked prefill, preemption, exact blocks."""
 
 import numpy as np
+import pytest
 
 from twinplane.controlplane.block_manager import BlockManager
 from twinplane.controlplane.plan_codec import encode_plan, masks_message
@@ -289,3 +290,31 @@ def test_a_masked_sequence_decodes_its_token_in_flight_and_its_masks_follow_the_
     plan = encode_plan(third, 4, (0,))
     index = [s.seq_id for s in third.seqs].index(2)
     assert [(m.index, m.allowed) for m in plan.token_masks] == [(index, b"\x02")] and not plan.masks_follow
+
+
+def test_rows_in_the_same_state_share_one_mask_on_the_wire():
+    """Masks equal to an earlier one in the same message go as a reference to it (TokenMask.same_as), and
+    the data plane reads them back as that mask; a reference to nothing before it is refused."""
+    from twinplane.dataplane.convert import masks_from_pb
+    from twinplane.proto import dataplane_pb2 as dp
+
+    class Fixed:
+        def __init__(self, mask: bytes):
+            self.fixed = mask
+
+        def mask(self) -> bytes:
+            return self.fixed
+
+    sched = make()
+    shared, other = b"\x05", b"\x02"
+    for seq_id, mask in ((1, shared), (2, other), (3, bytes(bytearray(shared)))):  # the third: equal, not the same
+        seq = Sequence(seq_id, str(seq_id), [5, 6], RequestParams(max_tokens=10, regex="[ab]+"))
+        seq.matcher = Fixed(mask)
+        sched.add(seq)
+    plan = encode_plan(sched.schedule(), 4, (0,))
+    wire = [(m.index, m.allowed, m.same_as) for m in plan.token_masks]
+    assert wire == [(0, shared, 0), (1, other, 0), (2, b"", 0)]
+    assert masks_from_pb(plan) == {0: shared, 1: other, 2: shared}
+    bad = dp.StepPlan(step_id=1, token_masks=[dp.TokenMask(index=0, same_as=3), dp.TokenMask(index=3, allowed=b"\x01")])
+    with pytest.raises(ValueError, match="the token mask of plan index 0 is empty and refers to index 3"):
+        masks_from_pb(bad)
