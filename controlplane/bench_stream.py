@@ -68,8 +68,6 @@ class NullDataPlane(dp_grpc.DataPlaneServicer):
 
     def Step(self, request_iterator, context):
         for plan in request_iterator:
-            if plan.masks_only:  # structured output's masks, for a plan already answered
-                continue
             sampled = int(np.frombuffer(plan.sample, dtype=np.uint8).sum())
             yield dp.StepResult(step_id=plan.step_id,
                                 sampled_token_ids=np.ones(sampled, dtype="<i4").tobytes())
@@ -99,7 +97,7 @@ class EmulatedDevice:
     is its idle time. Each launch first spends ``launch_ms`` of host time in Python (the GIL held).
     Token 1 for every sampled token."""
 
-    awaits_masks = False  # it samples nothing: a plan whose masks follow is answered at once, as any other
+    awaits_masks = False  # it takes no plan whose masks follow (its Describe leaves masks_follow off)
 
     def __init__(self, step_ms: float, launch_ms: float = 0.0, prompt_token_us: float = 0.0,
                  context_us_per_1k: float = 0.0) -> None:

@@ -293,7 +293,8 @@ class Replica:
                                        desc.max_num_batched_tokens),
             max_model_len=desc.max_model_len, max_prefill_tokens_with_decode=c.max_prefill_tokens_with_decode,
             decode_steps=max(min(c.decode_steps, desc.max_decode_steps), 1),
-            decode_steps_max_seqs=c.decode_steps_max_seqs, by_priority=c.scheduling_policy == "priority")
+            decode_steps_max_seqs=c.decode_steps_max_seqs, by_priority=c.scheduling_policy == "priority",
+            masks_follow=desc.masks_follow)
         block_manager = BlockManager(desc.num_kv_blocks, desc.block_size, c.enable_prefix_caching)
         if self.scheduler is None:
             self.scheduler = Scheduler(sched_config, block_manager)

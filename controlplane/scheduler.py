@@ -14,7 +14,9 @@ PENDING token (the data plane feeds its own sampled token back). ``update`` fill
 token in when the result arrives, and only then do full blocks join the prefix cache.
 
 A sequence with structured output does so too, but its next token's mask depends on the one in
-flight: such a plan's masks follow it (``plan_codec.masks_message``), once that token is back.
+flight: such a plan's masks follow it (``plan_codec.masks_message``), once that token is back. A
+data plane that does not take masks after their plan (``masks_follow`` off) gets such a sequence
+only once its token is back, so it decodes every other step while plans run ahead.
 
 When a few sequences only decode and nothing waits, one plan holds several decode steps
 (``decode_steps``): each sequence samples up to that many tokens before the control plane
@@ -48,6 +50,9 @@ class SchedulerConfig:
     # served: the waiting queue is kept in that order, and the sequence preempted for blocks is the
     # running one that comes last in it.
     by_priority: bool = False
+    # The data plane takes plans whose token masks follow them (DescribeResponse.masks_follow): a
+    # sequence with structured output is planned while its token is in flight, as others are.
+    masks_follow: bool = True
 
 
 @dataclass(slots=True)
@@ -174,6 +179,8 @@ class Scheduler:
                 prefilling.append(seq)
             elif length_reached(num_tokens, seq.num_prompt_tokens, seq.params.max_tokens, max_model_len):
                 continue  # its last token is in flight; the result ends it
+            elif seq.matcher is not None and seq.has_pending and not self.config.masks_follow:
+                continue  # structured output: its next mask waits for the token in flight
             elif budget > 0 and seq.status is SequenceStatus.RUNNING:
                 if seq.num_computed_tokens < len(seq.block_table) * block_size:
                     decodes.append(seq)  # room left in the last block: no allocation, no new block

@@ -71,6 +71,7 @@ class DataPlaneDescription:
     num_attention_heads: int
     head_dim: int
     layer_params: int
+    masks_follow: bool = True  # it takes plans whose token masks follow them (StepPlan.masks_follow)
 
 
 def device_kind(name: str) -> str:

@@ -29,6 +29,7 @@ def test_describe_fills_the_proto(runner: ModelRunner) -> None:
     assert (description.architecture, description.dtype, description.device) == ("Qwen3ForCausalLM", "float32", "cpu")
     assert (description.vocab_size, description.num_kv_blocks, description.max_model_len) == (49152, 64, 64)
     assert description.attention_backend == "torch" and description.eos_token_ids == [2]
+    assert describe_to_pb(description).masks_follow  # it takes plans whose token masks follow them
     assert describe_to_pb(description).max_logprobs == 20
     shape = (description.hidden_size, description.num_hidden_layers, description.num_attention_heads,
              description.head_dim)

@@ -292,6 +292,29 @@ def test_a_masked_sequence_decodes_its_token_in_flight_and_its_masks_follow_the_
     assert [(m.index, m.allowed) for m in plan.token_masks] == [(index, b"\x02")] and not plan.masks_follow
 
 
+def test_without_masks_that_follow_a_masked_sequence_waits_for_its_token_in_flight():
+    """A data plane that does not take masks after their plan (DescribeResponse.masks_follow off) gets a
+    masked sequence only once its token is back: a plan made meanwhile leaves it out and carries its mask
+    inline when it comes."""
+    sched = make()
+    sched.config = SchedulerConfig(**{**sched.config.__dict__, "masks_follow": False})
+    add(sched, 1, 3)
+    masked = Sequence(2, "2", [5, 6], RequestParams(max_tokens=100, regex="[ab]+"))
+    masked.matcher = FakeMatcher()
+    sched.add(masked)
+    first = sched.schedule()
+    encode_plan(first, 4, (0,))
+    second = sched.schedule()  # planned before the first result
+    assert [s.seq_id for s in second.seqs] == [1] and not encode_plan(second, 4, (0,)).masks_follow
+    sched.update(first, [7, 8])
+    masked.matcher.accepted.append(8)
+    third = sched.schedule()
+    plan = encode_plan(third, 4, (0,))
+    assert sorted(s.seq_id for s in third.seqs) == [1, 2] and not plan.masks_follow
+    index = [s.seq_id for s in third.seqs].index(2)
+    assert [(m.index, m.allowed) for m in plan.token_masks] == [(index, b"\x01")]
+
+
 def test_rows_in_the_same_state_share_one_mask_on_the_wire():
     """Masks equal to an earlier one in the same message go as a reference to it (TokenMask.same_as), and
     the data plane reads them back as that mask; a reference to nothing before it is refused."""

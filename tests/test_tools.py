@@ -477,8 +477,6 @@ class ScriptedDataPlane(NullDataPlane):
 
     def Step(self, request_iterator, context):
         for plan in request_iterator:
-            if plan.masks_only:  # structured output's masks: the script writes what it writes
-                continue
             seq_ids, num_tokens, start_pos, budget = (np.frombuffer(getattr(plan, name), dtype) for name, dtype in (
                 ("seq_ids", "<i8"), ("num_tokens", "<i4"), ("start_pos", "<i4"), ("decode_budget", "<i4")))
             token_ids, sample = np.frombuffer(plan.token_ids, "<i4"), np.frombuffer(plan.sample, np.uint8)
