@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -164,6 +165,38 @@ def test_a_failed_step_fails_only_its_requests(faulty):
     wait_until(lambda: all_blocks_free(faulty), 10, "every KV block to be free")
     with faulty.client() as client:  # the data plane and the control plane keep serving
         assert len([t for c in client.generate(token_ids=[5, 6, 7], max_tokens=5, **GREEDY) for t in c.token_ids]) == 5
+
+
+def test_a_failed_step_whose_masks_were_to_follow_fails_only_its_requests(tiny_qwen3_dir, planes_factory):
+    """Structured output decodes in plans whose masks follow them. A poisoned prompt that joins such a plan
+    fails it at launch; the masks the core then sends for it are dropped, the requests of that step fail,
+    and the stream stays in step: every request ends, and the next ones run."""
+    script = Path(__file__).with_name("faulty_dataplane.py")
+    planes = planes_factory(tiny_qwen3_dir, "--block-size", "16", "--max-model-len", "512", dp_program=(str(script),))
+    regex = "[a-z ]{1,60}"
+
+    async def text(client, token_ids: list[int]) -> str:
+        chunks = client.generate(token_ids=token_ids, max_tokens=40, regex=regex, timeout=120,
+                                 **GREEDY)
+        return "".join([chunk.text async for chunk in chunks])
+
+    async def run() -> list:
+        async with AsyncClient(planes.address) as client:
+            structured = [asyncio.ensure_future(text(client, p)) for p in random_prompts(3, seed=407, low=10, high=30)]
+            await asyncio.sleep(0.3)  # they decode, planned ahead with their masks following
+            poisoned = asyncio.ensure_future(tokens_async(client, [POISON_TOKEN, 5, 6], max_tokens=5, **GREEDY))
+            return list(await asyncio.wait_for(asyncio.gather(poisoned, *structured, return_exceptions=True), 120))
+
+    poisoned, *structured = asyncio.run(run())
+    assert isinstance(poisoned, grpc.aio.AioRpcError) and "injected fault" in poisoned.details()
+    for out in structured:
+        assert (isinstance(out, grpc.aio.AioRpcError) and out.code() == grpc.StatusCode.INTERNAL) or \
+            re.fullmatch(regex, out), out
+    wait_until(lambda: all_blocks_free(planes), 10, "every KV block to be free")
+    with planes.client() as client:  # the next structured requests run
+        for _ in range(2):
+            out = "".join(c.text for c in client.generate(token_ids=[5, 6, 7], max_tokens=12, regex=regex, **GREEDY))
+            assert re.fullmatch(regex, out), out
 
 
 async def _across_a_restart(planes, requests: list[tuple[list[int], int]], dataplane_args: tuple[str, ...]) -> list:
