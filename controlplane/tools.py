@@ -16,9 +16,12 @@ Parsers (as vLLM's of the same names):
   in another order) is a call once it closes; one that holds none (bad JSON, no name) stays in
   the content as written. Text outside the blocks is the content, but whitespace alone between
   blocks, or between a block and the start or end of the text, is dropped.
-- ``llama3_json``: a text that is nothing but JSON objects ``{"name": ..., "parameters": {...}}``
-  (``arguments`` taken too), separated by ``;`` and optionally after ``<|python_tag|>``, as Llama
-  3.1 to 3.3 write calls, is calls; any other text is content, as written.
+- ``llama3_json``: JSON objects ``{"name": ..., "parameters": {...}}`` (``arguments`` taken too),
+  separated by ``;`` and optionally after ``<|python_tag|>``, as Llama 3.1 to 3.3 write calls. A
+  text that opens as a call (``{"name": "f", "parameters": {``) is calls from there on, their
+  arguments as written (streamed while written), and whatever follows the last one is content; a
+  text that opens as other JSON is calls only if all of it is (read once it has ended); any other
+  text is content, as written.
 
 Text arrives in pieces; a piece that may be the start of a tag, whitespace that may turn out to
 sit next to a block, and an open block (with ``llama3_json``: a text that opens with ``{``) all
@@ -29,6 +32,7 @@ of the whole text; so do the arguments of a call streamed while it is written, j
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 import secrets
@@ -36,7 +40,7 @@ from dataclasses import dataclass, field
 
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.reasoning import partial_tag
-from twinplane.controlplane.grammar import regex_literal
+from twinplane.controlplane.grammar import Grammar, regex_literal
 from twinplane.controlplane.structured import json_schema_regex
 
 TOOL_CHOICES = ("auto", "none", "required")
@@ -373,15 +377,34 @@ def _llama3_calls(text: str) -> list[ToolCall] | None:
         at = len(text) - len(rest[1:].lstrip())
 
 
-class Llama3JsonParser:
-    """One choice's text, fed piece by piece: content as it comes, unless it opens as JSON, which
-    waits for the end of the text to be read as calls (or, when it holds none, as content)."""
+_LLAMA_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:parameters|arguments)"\s*:\s*(?=\{)')
 
-    open_call = None  # its calls come whole, once the text has ended
+
+@functools.lru_cache(maxsize=1)
+def _llama_header_prefix():
+    """The automaton of a llama3_json call's start (what _LLAMA_HEADER matches, then anything): whether a
+    text may still become one (``grammar.Grammar`` tells a dead prefix)."""
+    return Grammar.from_regex(r'\s*\{\s*"name"\s*:\s*"(?:[^"\\]|\\[\s\S])*"\s*,\s*"(?:parameters|arguments)"\s*:'
+                              r'\s*\{[\s\S]*')
+
+
+def _may_start_a_call(text: str) -> bool:
+    grammar = _llama_header_prefix()
+    return grammar.advance(grammar.initial_state, text.encode()) != Grammar.DEAD
+
+
+class Llama3JsonParser:
+    """One choice's text, fed piece by piece: content as it comes, unless it opens as JSON. A text that
+    opens as a call (``{"name": "f", "parameters": {``, ``arguments`` taken too) is calls from there on:
+    each call's arguments stream as written, the calls separated by ``;``, and the text after the last
+    one is content (whitespace alone dropped). Other JSON waits for the end of the text, to be read as
+    calls (``_llama3_calls``) or, when it holds none, as content."""
 
     def __init__(self):
         self.held = ""
         self.state = "opening"  # until the first text past whitespace (and the python tag) shows which
+        self.at = 0  # in state "calls": where the text after the last whole call starts in held
+        self.head: tuple[str, str, _ValueEnd] | None = None  # the call being written: id, name, arguments' end
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
         """The content and the calls in text (with what was held before); final: the text ends here."""
@@ -393,17 +416,69 @@ class Llama3JsonParser:
             if start.startswith(PYTHON_TAG):
                 start = start[len(PYTHON_TAG):].lstrip()
             if start.startswith("{"):
-                self.state = "json"
+                self.state, self.at = "json", len(self.held) - len(start)
             elif (not start or PYTHON_TAG.startswith(start)) and not final:
                 return "", []
             else:
                 self.state, held, self.held = "content", self.held, ""
                 return held, []
-        if not final:
-            return "", []
-        body = self.held.lstrip().removeprefix(PYTHON_TAG)
-        calls = _llama3_calls(body.strip())
-        return ("", calls) if calls else (self.held, [])
+        if self.state == "json":
+            if self._read_head(self.at):
+                self.state = "calls"
+            elif final or not _may_start_a_call(self.held[self.at:]):
+                self.state = "whole"
+        if self.state == "whole":  # JSON that is no call as it starts: read whole at the end
+            if not final:
+                return "", []
+            body = self.held.lstrip().removeprefix(PYTHON_TAG)
+            calls = _llama3_calls(body.strip())
+            return ("", calls) if calls else (self.held, [])
+        return self._calls(final) if self.state == "calls" else ("", [])
+
+    @property
+    def open_call(self) -> ToolCall | None:
+        """The call being written, its arguments so far (the same id as the call it will be)."""
+        if self.state != "calls" or self.head is None:
+            return None
+        call_id, name, value = self.head
+        end = value.scan(self.held)
+        return ToolCall(name, self.held[value.start:len(self.held) if end is None else end], call_id)
+
+    def _read_head(self, at: int) -> bool:
+        found = _LLAMA_HEADER.match(self.held, at)
+        if found:
+            with contextlib.suppress(ValueError):
+                name = json.loads(found[1])
+                if name:
+                    self.head = _call_id(), name, _ValueEnd(found.end())
+                    return True
+        return False
+
+    def _calls(self, final: bool) -> tuple[str, list[ToolCall]]:
+        """The calls the held text completes, and the content after the last one once it shows."""
+        calls: list[ToolCall] = []
+        while True:
+            if self.head is not None:  # a call being written
+                call_id, name, value = self.head
+                end = value.scan(self.held)
+                closing = "" if end is None else self.held[end:].lstrip()  # the call's "}" after its arguments
+                if (end is None or not closing) and not final:
+                    return "", calls
+                calls.append(ToolCall(name, self.held[value.start:len(self.held) if end is None else end], call_id))
+                self.head = None
+                if end is None:
+                    return "", calls
+                self.at = len(self.held) - len(closing) + closing.startswith("}")
+                continue
+            rest = self.held[self.at:]
+            after = rest.lstrip()
+            if after.startswith(";") and self._read_head(self.at + len(rest) - len(after) + 1):
+                continue  # the next call
+            waits = not after or (after.startswith(";") and _may_start_a_call(after[1:]))
+            if waits and not final:
+                return "", calls
+            self.state = "content"
+            return ("" if rest.isspace() else rest), calls
 
 
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}

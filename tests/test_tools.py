@@ -70,9 +70,15 @@ LLAMA_WHOLE = [
     ("It is sunny.", ("It is sunny.", [])),
     ("  It is {sunny}.", ("  It is {sunny}.", [])),
     ('{"city": "Paris"}', ('{"city": "Paris"}', [])),  # JSON, but no call
-    (LLAMA + " and more", (LLAMA + " and more", [])),
-    (LLAMA + "; {bad", (LLAMA + "; {bad", [])),
-    ('{"name": "get_weather", "parameters": {"ci', ('{"name": "get_weather", "parameters": {"ci', [])),  # cut short
+    (LLAMA + " and more", (" and more", [WEATHER])),  # a text that opens as a call is calls; after them, content
+    (LLAMA + "; {bad", ("; {bad", [WEATHER])),
+    ('{"parameters": {"city": "Paris"}, "name": "get_weather"}', ("", [WEATHER])),  # keys reversed: read whole
+    ('{"parameters": {"city": "Paris"}, "name": "get_weather"} and more',
+     ('{"parameters": {"city": "Paris"}, "name": "get_weather"} and more', [])),
+    ('{"name":"f","parameters":{"x":[1,"}"]}};{"name":"g","arguments":{}}',
+     ("", [("f", '{"x":[1,"}"]}'), ("g", "{}")])),
+    ('{"name": "get_weather", "parameters": {"ci', ("", [("get_weather", '{"ci')])),  # cut short: as written
+    ('{"name": "get_wea', ('{"name": "get_wea', [])),  # cut short before the arguments: no call
     ("<|python", ("<|python", [])),
     ("", ("", [])),
 ]
@@ -121,17 +127,22 @@ def test_random_texts_in_random_pieces(parser, alphabet):
         assert _streamed(pieces, parser) == _plain(parse_tool_calls(parser, text)), pieces
 
 
-def test_streamed_call_deltas_join_to_the_whole_parse():
+@pytest.mark.parametrize("parser, alphabet", [
+    ("hermes", ["<tool_call>", "</tool_call>", "</tool", '{"name": "g", "arguments": ', "{", "}", '"', "\\", "a",
+                " ", '{"name": "f", "arguments": {"a": 1}}', '<tool_call>{"name": "h", "arguments": {"b": "']),
+    ("llama3_json", ['{"name": "g", "parameters": ', "{", "}", '"', "\\", "a", " ", ";", "<|python_tag|>",
+                     '{"name": "f", "arguments": {"a": 1}}', '{"name": "h", "parameters": {"b": "', "]", "[",
+                     '{"name": "k", "parameters": {} ', " }"]),
+])
+def test_streamed_call_deltas_join_to_the_whole_parse(parser, alphabet):
     """Random texts in random pieces: each call's deltas (its start once, then its arguments as they come)
     join to the calls of the whole text, in order, with the id of the call they end in."""
     rng = random.Random(1)
-    alphabet = ["<tool_call>", "</tool_call>", "</tool", '{"name": "g", "arguments": ', "{", "}", '"', "\\", "a",
-                " ", '{"name": "f", "arguments": {"a": 1}}', '<tool_call>{"name": "h", "arguments": {"b": "']
     for _ in range(3000):
         text = "".join(rng.choices(alphabet, k=rng.randint(0, 9)))
         cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 6))))
         pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])] or [""]
-        parts, calls, joined = ChatText(None, "hermes"), [], {}
+        parts, calls, joined = ChatText(None, parser), [], {}
         for i, piece in enumerate(pieces):
             _, _, done = parts.feed(piece, final=i == len(pieces) - 1)
             calls += done
@@ -141,16 +152,22 @@ def test_streamed_call_deltas_join_to_the_whole_parse():
                 entry[2] += delta.arguments
                 assert delta.call.id == entry[0] and delta.call.arguments == entry[2], pieces
         assert [tuple(joined[i]) for i in range(len(joined))] == [(c.id, c.name, c.arguments) for c in calls], pieces
-        assert [(c.name, c.arguments) for c in calls] == _plain(parse_tool_calls("hermes", text))[1], pieces
+        assert [(c.name, c.arguments) for c in calls] == _plain(parse_tool_calls(parser, text))[1], pieces
 
 
-def test_llama3_json_streams_content_at_once_and_holds_json_to_the_end():
+def test_llama3_json_streams_content_at_once_and_calls_as_they_are_written():
     parser = parser_for("llama3_json")
     assert parser.feed("  ") == ("", []) and parser.feed("It is") == ("  It is", []) and parser.feed(" 18 C") == (
         " 18 C", [])
     calls = parser_for("llama3_json")
-    assert calls.feed(LLAMA[:20]) == ("", []) and calls.feed(LLAMA[20:]) == ("", [])
-    assert _plain(calls.feed("", final=True)) == ("", [WEATHER])
+    assert calls.feed(LLAMA[:20]) == ("", []) and calls.open_call is None  # not yet a call's start
+    assert calls.feed(LLAMA[20:45]) == ("", []) and calls.open_call.arguments == LLAMA[38:45]  # its arguments so far
+    assert _plain(calls.feed(LLAMA[45:-1])) == ("", [])  # the arguments end; the call's "}" is still to come
+    assert _plain(calls.feed(LLAMA[-1:])) == ("", [WEATHER]) and calls.open_call is None
+    assert _plain(calls.feed("; ", final=True)) == ("; ", [])  # what follows the calls is content
+    whole = parser_for("llama3_json")  # JSON that does not open as a call waits for the end of the text
+    assert whole.feed('{"parameters": {"city": "Paris"}, ') == ("", []) and whole.open_call is None
+    assert _plain(whole.feed('"name": "get_weather"}', final=True)) == ("", [WEATHER])
 
 
 def test_streamed_calls_come_once_their_block_closes():
