@@ -388,9 +388,19 @@ def _llama_header_prefix():
                               r'\s*\{[\s\S]*')
 
 
-def _may_start_a_call(text: str) -> bool:
-    grammar = _llama_header_prefix()
-    return grammar.advance(grammar.initial_state, text.encode()) != Grammar.DEAD
+class _CallStart:
+    """Whether the text from a given place may still open a llama3_json call, reading each character once
+    however many pieces it comes in."""
+
+    def __init__(self, start: int):
+        self.start, self.at = start, start
+        self.state = _llama_header_prefix().initial_state
+
+    def possible(self, text: str) -> bool:
+        if self.at < len(text):
+            self.state = _llama_header_prefix().advance(self.state, text[self.at:].encode())
+            self.at = len(text)
+        return self.state != Grammar.DEAD
 
 
 class Llama3JsonParser:
@@ -405,6 +415,7 @@ class Llama3JsonParser:
         self.state = "opening"  # until the first text past whitespace (and the python tag) shows which
         self.at = 0  # in state "calls": where the text after the last whole call starts in held
         self.head: tuple[str, str, _ValueEnd] | None = None  # the call being written: id, name, arguments' end
+        self.next: _CallStart | None = None  # where a call may open next, while it is not known yet
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
         """The content and the calls in text (with what was held before); final: the text ends here."""
@@ -425,7 +436,7 @@ class Llama3JsonParser:
         if self.state == "json":
             if self._read_head(self.at):
                 self.state = "calls"
-            elif final or not _may_start_a_call(self.held[self.at:]):
+            elif final or not self._may_open(self.at):
                 self.state = "whole"
         if self.state == "whole":  # JSON that is no call as it starts: read whole at the end
             if not final:
@@ -443,6 +454,12 @@ class Llama3JsonParser:
         call_id, name, value = self.head
         end = value.scan(self.held)
         return ToolCall(name, self.held[value.start:len(self.held) if end is None else end], call_id)
+
+    def _may_open(self, at: int) -> bool:
+        """Whether the held text from at may still open a call (more text to come)."""
+        if self.next is None or self.next.start != at:
+            self.next = _CallStart(at)
+        return self.next.possible(self.held)
 
     def _read_head(self, at: int) -> bool:
         found = _LLAMA_HEADER.match(self.held, at)
@@ -472,9 +489,10 @@ class Llama3JsonParser:
                 continue
             rest = self.held[self.at:]
             after = rest.lstrip()
-            if after.startswith(";") and self._read_head(self.at + len(rest) - len(after) + 1):
+            separated = self.at + len(rest) - len(after) + 1  # just past the ";", when after opens with one
+            if after.startswith(";") and self._read_head(separated):
                 continue  # the next call
-            waits = not after or (after.startswith(";") and _may_start_a_call(after[1:]))
+            waits = not after or (after.startswith(";") and self._may_open(separated))
             if waits and not final:
                 return "", calls
             self.state = "content"
