@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import json
 import logging
 import re
@@ -34,6 +35,14 @@ from twinplane.controlplane.tls import parse_listen
 from twinplane.controlplane.tools import tags_are_special
 
 log = logging.getLogger("twinplane.controlplane")
+def _server_version() -> str:
+    try:
+        return importlib.metadata.version("twinplane")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown"
+
+
+SERVER_VERSION = _server_version()
 _STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429,
            "UNAVAILABLE": 503, "INTERNAL": 500}
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -89,7 +98,8 @@ class OpenAIService:
                   Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                   Route("/tokenize", self.tokenize, methods=["POST"]),
                   Route("/detokenize", self.detokenize, methods=["POST"]),
-                  Route("/health", self.health, methods=["GET"])]
+                  Route("/health", self.health, methods=["GET"]),
+                  Route("/version", self.version, methods=["GET"])]
         handlers = {Exception: lambda request, exc: response_of(exc),
                     HTTPException: lambda request, exc: response_of(exc)}
         return Starlette(routes=routes, exception_handlers=handlers)
@@ -107,6 +117,10 @@ class OpenAIService:
     async def health(self, request: Request) -> Response:
         ready = self.engine.ready.is_set() and self.engine.accepting
         return JSONResponse({"status": "SERVING" if ready else "NOT_SERVING"}, status_code=200 if ready else 503)
+
+    async def version(self, request: Request) -> Response:
+        """GET /version: this server's version, as vLLM's answers it (no key needed)."""
+        return JSONResponse({"version": SERVER_VERSION})
 
     async def models(self, request: Request) -> Response:
         try:

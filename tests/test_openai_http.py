@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import ssl
 
@@ -369,6 +370,12 @@ def test_bad_json_gets_400_and_leaks_nothing(base_url):
         response = http.get(base_url + "/v1/nowhere")
         assert response.status_code == 404 and "error" in response.json()
         assert http.get(base_url + "/health").json() == {"status": "SERVING"}
+
+
+def test_version_answers_without_a_key(base_url):
+    """GET /version, as vLLM's: the installed package's version, to a client with no API key."""
+    response = httpx.get(base_url + "/version", timeout=30)
+    assert response.status_code == 200 and response.json() == {"version": importlib.metadata.version("twinplane")}
 
 
 def test_bodies_json_cannot_hold_get_400(base_url):
