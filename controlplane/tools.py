@@ -24,9 +24,9 @@ Parsers (as vLLM's of the same names):
   text is content, as written.
 
 Text arrives in pieces; a piece that may be the start of a tag, whitespace that may turn out to
-sit next to a block, and an open block (with ``llama3_json``: a text that opens with ``{``) all
-wait for the text after them, so the content pieces joined and the calls in order equal the parse
-of the whole text; so do the arguments of a call streamed while it is written, joined.
+sit next to a block, an open block, and with ``llama3_json`` JSON that does not open as a call
+all wait for the text after them, so the content pieces joined and the calls in order equal the
+parse of the whole text; so do the arguments of a call streamed while it is written, joined.
 """
 
 from __future__ import annotations
