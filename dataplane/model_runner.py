@@ -20,6 +20,7 @@ plans of one decode step that sample with temperature only, at any batch size.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -37,11 +38,13 @@ from twinplane.dataplane.kv_cache import (
 )
 from twinplane.dataplane.loader import load_model
 from twinplane.dataplane.models.decoder import head_dim_of
+from twinplane.dataplane.models.registry import sliding_window
 from twinplane.dataplane.plan import MAX_DECODE_STEPS, StepOutput, StepPath, StepPlan
 from twinplane.dataplane.sampler import Sampler, SamplerOutput
 from twinplane.dataplane.input_batch import GraphStep, InputBatch, PlanLimits, SampledRows, StepInputs
 
 MAX_LOGPROBS = 20
+log = logging.getLogger("twinplane.dataplane")
 
 
 @dataclass(frozen=True)
@@ -205,6 +208,11 @@ class ModelRunner:
         hf_config = self.loaded.hf_config
         self.vocab_size = int(hf_config.vocab_size)
         self.max_model_len = min(self.config.max_model_len, int(hf_config.max_position_embeddings))
+        window = sliding_window(hf_config)
+        if window is not None and window < self.max_model_len:  # attention over all of it is the window's
+            log.info("the model attends over a sliding window of %d tokens; max_model_len is cut from %d to %d, "
+                     "within which attending to every token is the same", window, self.max_model_len, window)
+            self.max_model_len = window
 
     def init_kv_cache(self) -> None:
         layers, block_size = self.model.attention_layers(), self.config.block_size

@@ -1,7 +1,7 @@
 """ModelRunner against transformers: same logits and greedy tokens on tiny random models.
 
 Each case saves a random transformers model (Qwen3, also with YaRN RoPE; Llama with biases, llama3
-RoPE and tied embeddings; Qwen2 with qkv bias; one and two safetensors shards), loads it with ModelRunner
+RoPE and tied embeddings; Qwen2 with qkv bias; Mistral; one and two safetensors shards), loads it with ModelRunner
 and drives full prefill, chunked prefill, decode, a mixed decode + prefill batch and a
 prefix-cached prefill, comparing every sampled row with the reference model's logits.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from tests.test_dp_helpers import DrivenSeq, PlanBuilder
 from twinplane.dataplane.config import DataPlaneConfig
@@ -36,6 +36,9 @@ def _config(kind: str):
         rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
         return Qwen3Config(**COMMON, head_dim=16, architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False,
                            rope_parameters=rope)
+    if kind == "mistral":  # no sliding window (as Mistral 7B v0.3's config)
+        return MistralConfig(**COMMON, head_dim=16, sliding_window=None, architectures=["MistralForCausalLM"],
+                             tie_word_embeddings=False)
     return Qwen2Config(**COMMON, architectures=["Qwen2ForCausalLM"], tie_word_embeddings=False)
 
 
@@ -80,7 +83,8 @@ def _prompt(generator: torch.Generator, n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("kind,block_size,sharded", [
-    ("qwen3", 4, False), ("qwen3", 16, True), ("llama", 4, True), ("qwen2", 16, False), ("qwen3-yarn", 4, False)])
+    ("qwen3", 4, False), ("qwen3", 16, True), ("llama", 4, True), ("qwen2", 16, False), ("qwen3-yarn", 4, False),
+    ("mistral", 4, False)])
 def test_runner_matches_transformers(tmp_path: Path, kind: str, block_size: int, sharded: bool) -> None:
     reference = _save_reference(kind, tmp_path, sharded)
     runner = ModelRunner(DataPlaneConfig(model=str(tmp_path), block_size=block_size, num_kv_blocks=128,
@@ -100,6 +104,21 @@ def test_runner_matches_transformers(tmp_path: Path, kind: str, block_size: int,
     shared = a.blocks[:full_blocks] if full_blocks else []
     d = h.builder.new_seq(4, a.tokens[: len(shared) * block_size] + _prompt(g, 5), shared_blocks=shared)
     h.run([h.builder.schedule(d), h.builder.schedule(a)], [d, a])  # prefix-cached prefill + decode
+
+
+def test_a_sliding_window_shorter_than_the_context_cuts_max_model_len(tmp_path: Path) -> None:
+    """Mistral v0.1 attends over a sliding window: the data plane serves at most that many tokens, within
+    which attending to all of them is the same (a window that is off, as Qwen2's by default, cuts nothing)."""
+    config = MistralConfig(**COMMON, head_dim=16, sliding_window=48, architectures=["MistralForCausalLM"])
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "mistral", safe_serialization=True)
+    runner = ModelRunner(DataPlaneConfig(model=str(tmp_path / "mistral"), block_size=4, num_kv_blocks=16,
+                                         dtype="float32", device="cpu", max_model_len=256))
+    assert runner.max_model_len == 48 and runner.describe().max_model_len == 48
+    qwen2 = Qwen2Config(**COMMON, architectures=["Qwen2ForCausalLM"], sliding_window=48, use_sliding_window=False)
+    AutoModelForCausalLM.from_config(qwen2).save_pretrained(tmp_path / "qwen2", safe_serialization=True)
+    runner = ModelRunner(DataPlaneConfig(model=str(tmp_path / "qwen2"), block_size=4, num_kv_blocks=16,
+                                         dtype="float32", device="cpu", max_model_len=256))
+    assert runner.max_model_len == 256
 
 
 def test_prefix_cache_skips_shared_blocks(tmp_path: Path) -> None:

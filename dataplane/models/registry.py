@@ -17,6 +17,11 @@ class LlamaForCausalLM(DecoderForCausalLM):
                            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)), qk_norm=False)
 
 
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama's layers. Its sliding attention window, when it has one, is no shorter than the
+    context the data plane serves (``sliding_window``), so attention over all of it is the same."""
+
+
 class Qwen2ForCausalLM(DecoderForCausalLM):
     """Qwen2 / Qwen2.5: bias on q/k/v only."""
 
@@ -36,9 +41,19 @@ class Qwen3ForCausalLM(DecoderForCausalLM):
 
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
+
+
+def sliding_window(hf_config: Any) -> int | None:
+    """The attention window of a config that uses one (Mistral v0.1's 4,096 tokens; Qwen2's only when
+    use_sliding_window is set), else None."""
+    if not getattr(hf_config, "use_sliding_window", True):
+        return None
+    window = getattr(hf_config, "sliding_window", None)
+    return int(window) if window else None
 
 
 def model_class_for(hf_config: Any) -> tuple[str, type[DecoderForCausalLM]]:
