@@ -68,7 +68,7 @@ def encode_plan(out: SchedulerOutput, block_size: int, eos_token_ids: tuple[int,
         slots.extend((table[pos // block_size] * block_size + pos % block_size).tolist())
         if c.is_new_mirror:
             inits.append(sequence_init(seq, eos_token_ids, c.start_pos))
-    out.masks_follow = follow  # a masked sequence decodes a PENDING token: its mask waits for it
+    out.masks_due = masked if follow else []  # a masked sequence decodes a PENDING token: its mask waits for it
     return dp.StepPlan(
         step_id=out.step_id,
         seq_ids=np.asarray(seq_ids, dtype="<i8").tobytes(),
@@ -88,14 +88,11 @@ def encode_plan(out: SchedulerOutput, block_size: int, eos_token_ids: tuple[int,
     )
 
 
-def token_masks(out: SchedulerOutput, indexes: list[int] | None = None) -> list[dp.TokenMask]:
+def token_masks(out: SchedulerOutput, indexes: list[int]) -> list[dp.TokenMask]:
     """The masks of the plan's sampled sequences with structured output (indexes: their places in the
-    plan, when known), from where each stands in its grammar now; a mask that an earlier one equals is
-    sent as a reference to it (``TokenMask.same_as``)."""
+    plan), from where each stands in its grammar now; a mask that an earlier one equals is sent as a
+    reference to it (``TokenMask.same_as``)."""
     seqs = out.seqs
-    if indexes is None:
-        sampled = [True] * len(out.decode_seqs) + [c.sample for c in out.other_chunks]
-        indexes = [i for i, (seq, s) in enumerate(zip(seqs, sampled)) if s and seq.matcher is not None]
     masks, first = [], {}  # a mask's bytes -> the first index it went with
     for i in indexes:
         allowed = seqs[i].matcher.mask()
@@ -107,7 +104,7 @@ def token_masks(out: SchedulerOutput, indexes: list[int] | None = None) -> list[
 def masks_message(out: SchedulerOutput) -> dp.StepPlan:
     """The token masks of a plan sent with masks_follow: sent once the result of the plan before it has
     been applied, whose tokens they depend on."""
-    return dp.StepPlan(step_id=out.step_id, masks_only=True, token_masks=token_masks(out))
+    return dp.StepPlan(step_id=out.step_id, masks_only=True, token_masks=token_masks(out, out.masks_due))
 
 
 @dataclass

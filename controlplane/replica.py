@@ -111,7 +111,6 @@ class Replica:
                 self._out_of_work = True
                 await self.wakeup.wait()
                 continue
-            result = None
             try:
                 if out is not None:
                     if self._out_of_work:
@@ -123,23 +122,17 @@ class Replica:
                 self._send_deferred()  # while the data plane computes
                 if in_flight and (out is None or len(in_flight) >= max_in_flight):
                     result = await self._on_stream(self.dataplane.receive())
+                    step = in_flight.popleft()
+                    if result.error:
+                        self._fail_step(step, result.error)
+                    else:
+                        self._deferred = self._apply(step, result)
+                    if in_flight and in_flight[0].masks_follow:  # they depend on the tokens just applied
+                        await self._on_stream(self.dataplane.send(masks_message(in_flight[0])))
             except DataPlaneLost as exc:
                 self._send_deferred()
                 await self._reconnect(str(exc))
                 in_flight.clear()
-                continue
-            if result is not None:
-                step = in_flight.popleft()
-                if result.error:
-                    self._fail_step(step, result.error)
-                else:
-                    self._deferred = self._apply(step, result)
-                if in_flight and in_flight[0].masks_follow:  # they depend on the tokens just applied
-                    try:
-                        await self._on_stream(self.dataplane.send(masks_message(in_flight[0])))
-                    except DataPlaneLost as exc:
-                        await self._reconnect(str(exc))
-                        in_flight.clear()
 
     def _apply(self, out, result: dp.StepResult) -> list[TokenOutput]:
         """The critical path between two steps: new tokens and the token stop rules, so requests

@@ -82,7 +82,13 @@ class SchedulerOutput:
     dropped_seq_ids: list[int] = field(default_factory=list)
     num_steps: int = 1  # > 1: that many decode steps, each decode and chunk one token with a budget
     decode_budget: list[int] = field(default_factory=list)  # then: tokens each samples, in plan order
-    masks_follow: bool = False  # its token masks wait for the step before it (set by plan_codec.encode_plan)
+    # the plan indexes of the masked sequences whose token masks follow the plan, as they wait for the step
+    # before it (set by plan_codec.encode_plan; empty: the plan carries its masks, if any)
+    masks_due: list[int] = field(default_factory=list)
+
+    @property
+    def masks_follow(self) -> bool:
+        return bool(self.masks_due)
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
