@@ -253,6 +253,33 @@ class _ValueEnd:
         return self.end
 
 
+class _WrittenCall:
+    """A call whose start has been read (``{"name": "f", "arguments": {``): its id and name, and its
+    arguments as they are written (``_ValueEnd`` finds where their JSON object ends)."""
+
+    def __init__(self, name: str, start: int):
+        self.id, self.name, self.value = _call_id(), name, _ValueEnd(start)
+
+    @classmethod
+    def starting(cls, start: re.Pattern, text: str, at: int = 0) -> _WrittenCall | None:
+        """The call whose start the pattern matches in text at at (its name a non-empty JSON string)."""
+        found = start.match(text, at)
+        if found:
+            with contextlib.suppress(ValueError):
+                name = json.loads(found[1])
+                if name:
+                    return cls(name, found.end())
+        return None
+
+    def call(self, text: str, limit: int | None = None) -> ToolCall:
+        """The call as far as text goes: its arguments up to their object's end, or, while that has not
+        come, up to limit (the end of text)."""
+        end = self.value.scan(text)
+        if end is None:
+            end = len(text) if limit is None else limit
+        return ToolCall(self.name, text[self.value.start:end], self.id)
+
+
 def _hermes_call(body: str) -> ToolCall | None:
     """The call in a block's text, or None when it holds none."""
     try:
@@ -271,8 +298,7 @@ class HermesParser:
         self.gap = ""  # the current stretch outside blocks, while it is whitespace only
         self.has_text = False  # the current stretch holds more than whitespace: it is content
         self.after_call = False  # the stretch follows a tool call
-        self.head: tuple[str, str, _ValueEnd] | None = None  # the open block's call id, name and arguments' end,
-        # once its text starts as a call's ({"name": ..., "arguments": {)
+        self.head: _WrittenCall | None = None  # the open block's call, once its text starts as one
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
         """The content and the calls in text (with what was held before); final: the text ends here."""
@@ -321,34 +347,17 @@ class HermesParser:
         """The call the open block is writing, its arguments so far (the same id as the call it will be)."""
         if self.block is None or self.head is None:
             return None
-        call_id, name, _ = self.head
-        return ToolCall(name, self._arguments(self.block, closed=False), call_id)
+        return self.head.call(self.block, len(self.block) - partial_tag(self.block, CLOSE))  # CLOSE may be coming
 
     def _read_head(self, block: str) -> None:
         """Marks the open block as a call once its text starts as one; its arguments may then stream."""
         if self.head is None:
-            found = _HEADER.match(block)
-            if found:
-                with contextlib.suppress(ValueError):
-                    name = json.loads(found[1])
-                    if name:
-                        self.head = _call_id(), name, _ValueEnd(found.end())
-
-    def _arguments(self, block: str, closed: bool) -> str:
-        """The arguments of a block that starts as a call, as written: its JSON object, or all of the text
-        after the call's start while that object has not ended (short of what may be the start of CLOSE
-        in an open block)."""
-        value = self.head[2]
-        end = value.scan(block)
-        if end is None:
-            end = len(block) - (0 if closed else partial_tag(block, CLOSE))
-        return block[value.start:end]
+            self.head = _WrittenCall.starting(_HEADER, block)
 
     def _end_block(self, body: str, closed: bool, content: list[str], calls: list[ToolCall]) -> None:
         self._read_head(body)
         if self.head is not None:  # a call from its start on, whatever follows
-            call_id, name, _ = self.head
-            calls.append(ToolCall(name, self._arguments(body, closed=True), call_id))
+            calls.append(self.head.call(body))
             self.head = None
             self.gap, self.has_text, self.after_call = "", False, True
             return
@@ -414,7 +423,7 @@ class Llama3JsonParser:
         self.held = ""
         self.state = "opening"  # until the first text past whitespace (and the python tag) shows which
         self.at = 0  # in state "calls": where the text after the last whole call starts in held
-        self.head: tuple[str, str, _ValueEnd] | None = None  # the call being written: id, name, arguments' end
+        self.head: _WrittenCall | None = None  # the call being written
         self.next: _CallStart | None = None  # where a call may open next, while it is not known yet
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
@@ -451,9 +460,7 @@ class Llama3JsonParser:
         """The call being written, its arguments so far (the same id as the call it will be)."""
         if self.state != "calls" or self.head is None:
             return None
-        call_id, name, value = self.head
-        end = value.scan(self.held)
-        return ToolCall(name, self.held[value.start:len(self.held) if end is None else end], call_id)
+        return self.head.call(self.held)
 
     def _may_open(self, at: int) -> bool:
         """Whether the held text from at may still open a call (more text to come)."""
@@ -462,26 +469,19 @@ class Llama3JsonParser:
         return self.next.possible(self.held)
 
     def _read_head(self, at: int) -> bool:
-        found = _LLAMA_HEADER.match(self.held, at)
-        if found:
-            with contextlib.suppress(ValueError):
-                name = json.loads(found[1])
-                if name:
-                    self.head = _call_id(), name, _ValueEnd(found.end())
-                    return True
-        return False
+        self.head = _WrittenCall.starting(_LLAMA_HEADER, self.held, at)
+        return self.head is not None
 
     def _calls(self, final: bool) -> tuple[str, list[ToolCall]]:
         """The calls the held text completes, and the content after the last one once it shows."""
         calls: list[ToolCall] = []
         while True:
             if self.head is not None:  # a call being written
-                call_id, name, value = self.head
-                end = value.scan(self.held)
+                end = self.head.value.scan(self.held)
                 closing = "" if end is None else self.held[end:].lstrip()  # the call's "}" after its arguments
                 if (end is None or not closing) and not final:
                     return "", calls
-                calls.append(ToolCall(name, self.held[value.start:len(self.held) if end is None else end], call_id))
+                calls.append(self.head.call(self.held))
                 self.head = None
                 if end is None:
                     return "", calls
