@@ -35,6 +35,8 @@ from twinplane.controlplane.tls import parse_listen
 from twinplane.controlplane.tools import tags_are_special
 
 log = logging.getLogger("twinplane.controlplane")
+
+
 def _server_version() -> str:
     try:
         return importlib.metadata.version("twinplane")
