@@ -99,12 +99,14 @@ class Replica:
         receives and applies N (sequences whose tokens are still being sampled hold PENDING)."""
         in_flight: deque = deque()  # steps sent whose results are not applied yet, oldest first
         max_in_flight = self.config.max_steps_in_flight
+        draining = False  # a step failed: the steps sent after it come back before anything new is planned
         while True:
             if self.dataplane.lost:
                 await self._reconnect("the step stream ended")
                 in_flight.clear()  # lost with the stream; the reset recomputes their sequences
+                draining = False
                 continue
-            out = self.scheduler.schedule()
+            out = None if draining else self.scheduler.schedule()
             if out is None and not in_flight:
                 self._send_deferred()
                 self.wakeup.clear()
@@ -124,15 +126,18 @@ class Replica:
                     result = await self._on_stream(self.dataplane.receive())
                     step = in_flight.popleft()
                     if result.error:
-                        self._fail_step(step, result.error)
+                        self._fail_step(step, result.error, after_failure=draining)
+                        draining = True
                     else:
                         self._deferred = self._apply(step, result)
                     if in_flight and in_flight[0].masks_follow:  # they depend on the tokens just applied
                         await self._on_stream(self.dataplane.send(masks_message(in_flight[0])))
+                    draining = draining and bool(in_flight)
             except DataPlaneLost as exc:
                 self._send_deferred()
                 await self._reconnect(str(exc))
                 in_flight.clear()
+                draining = False
 
     def _apply(self, out, result: dp.StepResult) -> list[TokenOutput]:
         """The critical path between two steps: new tokens and the token stop rules, so requests
@@ -200,8 +205,16 @@ class Replica:
         elif self.scheduler is not None and not self.scheduler.has_work():
             self.core.frontend.send(Snapshot(self.core.snapshot()))  # falling idle: the frontend sees every block free
 
-    def _fail_step(self, out, error: str) -> None:
-        """A step the data plane could not run fails only the requests in it."""
+    def _fail_step(self, out, error: str, after_failure: bool) -> None:
+        """A step the data plane could not run fails only the requests in it. A step sent before an
+        earlier one's failure was known may have failed with it (it continues a sequence the data
+        plane undid): its sequences start over instead, once the steps in flight are back."""
+        if after_failure:
+            live = [seq for seq in out.seqs if seq.seq_id in self.core.seqs]
+            log.warning("%sstep %d, sent before the failure of the one before it, failed too (%s); "
+                        "recomputing its %d sequences", self._log_prefix, out.step_id, error, len(live))
+            self.scheduler.recompute(live)
+            return
         log.error("%sstep %d failed on the data plane: %s", self._log_prefix, out.step_id, error)
         failed = [seq.seq_id for seq in out.seqs if seq.seq_id in self.core.seqs]
         for seq_id in failed:

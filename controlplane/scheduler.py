@@ -151,6 +151,14 @@ class Scheduler:
         seq.drop_pending()  # a step in flight may still compute it; its result is ignored
         seq.status = SequenceStatus.FINISHED
 
+    def recompute(self, seqs: list[Sequence]) -> None:
+        """The steps that computed these sequences will not report back: each running one starts
+        over from its tokens so far (its KV recomputed, prefix cache permitting), ahead of the queue."""
+        for seq in reversed(seqs):
+            if seq.status is SequenceStatus.RUNNING:
+                self._preempt(seq)
+                seq.drop_pending()
+
     def schedule(self) -> SchedulerOutput | None:
         """Builds the next step, or returns None when nothing can run."""
         self._preempted_now = set()

@@ -5,6 +5,8 @@ A prompt whose first token is POISON_TOKEN makes its first step raise, so the da
 plane answers that step with an error result, as it would after a real fault.
 The first step that starts a prompt whose first token is SLOW_TOKEN takes SLOW_SECONDS
 more (once per process): a data plane that still answers keepalive pings, but not the step.
+Every step that starts a prompt whose first token is PAUSE_TOKEN takes PAUSE_SECONDS more: time
+for requests sent meanwhile to be queued together.
 No hook of this kind lives in the product code: this script swaps the runner class.
 """
 
@@ -17,6 +19,7 @@ import numpy as np
 
 POISON_TOKEN = 48999
 SLOW_TOKEN, SLOW_SECONDS = 48998, 8.0
+PAUSE_TOKEN, PAUSE_SECONDS = 48997, 1.0
 
 
 def install() -> None:
@@ -35,6 +38,8 @@ def install() -> None:
                 if start == 0 and first_token == SLOW_TOKEN and not slowed:
                     slowed.append(plan.step_id)
                     time.sleep(SLOW_SECONDS)
+                if start == 0 and first_token == PAUSE_TOKEN:
+                    time.sleep(PAUSE_SECONDS)
             return super().launch(plan, keep_logits)
 
     model_runner.ModelRunner = FaultyRunner  # dataplane.main imports it when serving starts
