@@ -147,11 +147,11 @@ def _add_controlplane_args(p: argparse.ArgumentParser, listen_default: str = DEF
     g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                    help="return a chat completion's <think>...</think> text as reasoning_content, apart from "
                         "content: qwen3 when the text opens with <think>, deepseek_r1 from the start (default: off)")
-    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
                    help="let chat completions call the request's tools (tool_choice auto, the default with tools): "
                         "the calls the model writes are returned as tool_calls, apart from content; hermes reads "
                         "<tool_call>{...}</tool_call> blocks (Qwen2.5, Qwen3, Hermes), llama3_json a reply of "
-                        "JSON calls (Llama 3.1-3.3) (default: off)")
+                        "JSON calls (Llama 3.1-3.3), mistral the calls after [TOOL_CALLS] (default: off)")
     g.add_argument("--api-server-count", type=int, default=1,
                    help="frontend processes (gRPC and HTTP servers, tokenizing, streaming) sharing the --listen "
                         "port and one engine core; request limits are split between them")

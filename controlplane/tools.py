@@ -22,6 +22,9 @@ Parsers (as vLLM's of the same names):
   arguments as written (streamed while written), and whatever follows the last one is content; a
   text that opens as other JSON is calls only if all of it is (read once it has ended); any other
   text is content, as written.
+- ``mistral``: the calls after ``[TOOL_CALLS]``, as a JSON list ``[{"name": ..., "arguments": {...}}]``
+  or as ``name[ARGS]{...}`` (``MistralParser``); the text before the tag is content, and call ids are
+  nine letters and digits, as Mistral's chat templates want them.
 
 Text arrives in pieces; a piece that may be the start of a tag, whitespace that may turn out to
 sit next to a block, an open block, and with ``llama3_json`` JSON that does not open as a call
@@ -36,6 +39,7 @@ import functools
 import json
 import re
 import secrets
+import string
 from dataclasses import dataclass, field
 
 from twinplane.controlplane.errors import InvalidRequest
@@ -56,6 +60,14 @@ def _fail(message: str) -> None:
 
 def _call_id() -> str:
     return "call_" + secrets.token_hex(12)
+
+
+def _mistral_call_id() -> str:
+    """Nine letters and digits: Mistral's chat templates refuse any other tool-call id."""
+    return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
+
+
+_ALPHANUMERIC = string.ascii_letters + string.digits
 
 
 @dataclass(frozen=True)
@@ -152,20 +164,29 @@ def tool_spec(body: dict, tools: list[dict] | None, parser: str | None) -> ToolS
 
 def forced_calls_regex(parser: str, tools: list[dict], spec: ToolSpec) -> str:
     """Structured output for a forced tool call: the text of one call of spec.forced's functions as the
-    parser reads them (with parallel calls, one or more), arguments valid under each one's parameters."""
-    calls = []
+    parser reads them (with parallel calls, one or more), arguments valid under each one's parameters;
+    ``mistral`` in either of its forms."""
+    objects, named = [], []
     for i, tool in enumerate(tools):
         function = tool["function"]
         if function["name"] not in spec.forced:
             continue
         schema = function.get("parameters") or {"type": "object"}
         arguments = json_schema_regex(schema, f"tools[{i}].function.parameters")
-        key = "arguments" if parser == "hermes" else "parameters"
-        call = rf'\{{"name":[ ]?"{regex_literal(function["name"])}",[ ]?"{key}":[ ]?{arguments}\}}'
-        calls.append(regex_literal(OPEN + "\n") + call + regex_literal("\n" + CLOSE) if parser == "hermes" else call)
-    one = "(?:" + "|".join(calls) + ")"
-    separator = "\\n" if parser == "hermes" else ";[ ]?"
-    return one + (f"(?:{separator}{one})*" if spec.parallel else "")
+        name, key = regex_literal(function["name"]), "parameters" if parser == "llama3_json" else "arguments"
+        objects.append(rf'\{{"name":[ ]?"{name}",[ ]?"{key}":[ ]?{arguments}\}}')
+        named.append(rf"{name}{regex_literal(ARGS)}{arguments}")
+
+    def calls(one: list[str], separator: str) -> str:
+        one = "(?:" + "|".join(one) + ")"
+        return one + (f"(?:{separator}{one})*" if spec.parallel else "")
+
+    if parser == "hermes":
+        return calls([regex_literal(OPEN + "\n") + o + regex_literal("\n" + CLOSE) for o in objects], "\\n")
+    if parser == "llama3_json":
+        return calls(objects, ";[ ]?")
+    tag = regex_literal(TOOL_CALLS)
+    return rf"{tag}(?:\[{calls(objects, ',[ ]?')}\]|{calls(named, tag)})"
 
 
 def template_tool_calls(calls, where: str) -> list[dict]:
@@ -257,18 +278,19 @@ class _WrittenCall:
     """A call whose start has been read (``{"name": "f", "arguments": {``): its id and name, and its
     arguments as they are written (``_ValueEnd`` finds where their JSON object ends)."""
 
-    def __init__(self, name: str, start: int):
-        self.id, self.name, self.value = _call_id(), name, _ValueEnd(start)
+    def __init__(self, name: str, start: int, call_id: str):
+        self.id, self.name, self.value = call_id, name, _ValueEnd(start)
 
     @classmethod
-    def starting(cls, start: re.Pattern, text: str, at: int = 0) -> _WrittenCall | None:
-        """The call whose start the pattern matches in text at at (its name a non-empty JSON string)."""
+    def starting(cls, start: re.Pattern, text: str, at: int = 0, new_id=_call_id) -> _WrittenCall | None:
+        """The call whose start the pattern matches in text at at (its name a non-empty JSON string, or a
+        bare name)."""
         found = start.match(text, at)
         if found:
             with contextlib.suppress(ValueError):
-                name = json.loads(found[1])
+                name = json.loads(found[1]) if found[1].startswith('"') else found[1]
                 if name:
-                    return cls(name, found.end())
+                    return cls(name, found.end(), new_id())
         return None
 
     def call(self, text: str, limit: int | None = None) -> ToolCall:
@@ -389,27 +411,32 @@ def _llama3_calls(text: str) -> list[ToolCall] | None:
 _LLAMA_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:parameters|arguments)"\s*:\s*(?=\{)')
 
 
-@functools.lru_cache(maxsize=1)
-def _llama_header_prefix():
-    """The automaton of a llama3_json call's start (what _LLAMA_HEADER matches, then anything): whether a
-    text may still become one (``grammar.Grammar`` tells a dead prefix)."""
-    return Grammar.from_regex(r'\s*\{\s*"name"\s*:\s*"(?:[^"\\]|\\[\s\S])*"\s*,\s*"(?:parameters|arguments)"\s*:'
-                              r'\s*\{[\s\S]*')
+_JSON_STRING = r'"(?:[^"\\]|\\[\s\S])*"'  # in grammar.py's syntax
+
+
+@functools.lru_cache(maxsize=None)
+def _prefixes(start: str) -> Grammar:
+    """The automaton of a call's start (the regex start, then anything): whether a text may still
+    become one (``grammar.Grammar`` tells a dead prefix)."""
+    return Grammar.from_regex(start + r"[\s\S]*")
 
 
 class _CallStart:
-    """Whether the text from a given place may still open a llama3_json call, reading each character once
-    however many pieces it comes in."""
+    """Whether the text from a given place may still open a call (a start that ``_prefixes`` reads),
+    reading each character once however many pieces it comes in."""
 
-    def __init__(self, start: int):
-        self.start, self.at = start, start
-        self.state = _llama_header_prefix().initial_state
+    def __init__(self, start: int, pattern: str):
+        self.start, self.at, self.pattern = start, start, pattern
+        self.state = _prefixes(pattern).initial_state
 
     def possible(self, text: str) -> bool:
         if self.at < len(text):
-            self.state = _llama_header_prefix().advance(self.state, text[self.at:].encode())
+            self.state = _prefixes(self.pattern).advance(self.state, text[self.at:].encode())
             self.at = len(text)
         return self.state != Grammar.DEAD
+
+
+_LLAMA_START = rf'\s*\{{\s*"name"\s*:\s*{_JSON_STRING}\s*,\s*"(?:parameters|arguments)"\s*:\s*\{{'
 
 
 class Llama3JsonParser:
@@ -465,7 +492,7 @@ class Llama3JsonParser:
     def _may_open(self, at: int) -> bool:
         """Whether the held text from at may still open a call (more text to come)."""
         if self.next is None or self.next.start != at:
-            self.next = _CallStart(at)
+            self.next = _CallStart(at, _LLAMA_START)
         return self.next.possible(self.held)
 
     def _read_head(self, at: int) -> bool:
@@ -499,9 +526,105 @@ class Llama3JsonParser:
             return ("" if rest.isspace() else rest), calls
 
 
-PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
+_MISTRAL_STARTS = {  # a form's first call's start and a later one's, up to the "{" of its arguments (grammar.py)
+    "list": (rf'\s*\[\s*\{{\s*"name"\s*:\s*{_JSON_STRING}\s*,\s*"arguments"\s*:\s*\{{',
+             rf'\s*,\s*\{{\s*"name"\s*:\s*{_JSON_STRING}\s*,\s*"arguments"\s*:\s*\{{'),
+    "named": (r"\s*[A-Za-z0-9_\-]{1,64}\[ARGS\]\{", r"\s*\[TOOL_CALLS\]\s*[A-Za-z0-9_\-]{1,64}\[ARGS\]\{"),
+}
+_MISTRAL_HEADERS = {  # the same starts for re, the name captured, up to (not past) the "{"
+    "list": (re.compile(r'\s*\[\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)'),
+             re.compile(r'\s*,\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)')),
+    "named": (re.compile(r"\s*([A-Za-z0-9_-]{1,64})\[ARGS\](?=\{)"),
+              re.compile(r"\s*\[TOOL_CALLS\]\s*([A-Za-z0-9_-]{1,64})\[ARGS\](?=\{)")),
+}
+
+
+class MistralParser:
+    """One choice's text, fed piece by piece: content up to ``[TOOL_CALLS]``, calls after it, in either
+    of Mistral's forms: a JSON list ``[{"name": "f", "arguments": {...}}, ...]`` (tokenizers up to v7),
+    or ``f[ARGS]{...}``, each later call after a ``[TOOL_CALLS]`` of its own (v11 on). Each call's
+    arguments stream as written; the text after the last call (past the list's "]") is content,
+    whitespace alone dropped. A tag that no call follows is content, as written."""
+
+    def __init__(self):
+        self.partial = ""  # before the tag: text that may be the start of TOOL_CALLS
+        self.held: str | None = None  # the text after the tag, once it has come
+        self.form: str | None = None  # "list" or "named", once the text after the tag shows which
+        self.at = 0  # in held: where the text after the last whole call starts
+        self.num_calls = 0
+        self.head: _WrittenCall | None = None  # the call being written
+        self.next: _CallStart | None = None  # where a call may open next, while it is not known yet
+        self.done = False  # the calls have ended: the rest is content
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
+        """The content and the calls in text (with what was held before); final: the text ends here."""
+        if self.done:
+            return text, []
+        content = ""
+        if self.held is None:
+            text, self.partial = self.partial + text, ""
+            at = text.find(TOOL_CALLS)
+            if at < 0:
+                keep = 0 if final else partial_tag(text, TOOL_CALLS)
+                self.partial = text[len(text) - keep:]
+                return text[:len(text) - keep], []
+            content, text, self.held = text[:at], text[at + len(TOOL_CALLS):], ""
+        self.held += text
+        more, calls = self._calls(final)
+        return content + more, calls
+
+    @property
+    def open_call(self) -> ToolCall | None:
+        """The call being written, its arguments so far (the same id as the call it will be)."""
+        return None if self.head is None else self.head.call(self.held)
+
+    def _calls(self, final: bool) -> tuple[str, list[ToolCall]]:
+        """The calls the held text completes, and the content after the last one once it shows."""
+        calls: list[ToolCall] = []
+        while True:
+            if self.head is not None:  # a call being written
+                end = self.head.value.scan(self.held)
+                closing = "" if end is None or self.form == "named" else self.held[end:].lstrip()  # its "}"
+                if (end is None or (self.form == "list" and not closing)) and not final:
+                    return "", calls
+                calls.append(self.head.call(self.held))
+                self.head, self.num_calls = None, self.num_calls + 1
+                if end is None:
+                    self.done = True
+                    return "", calls
+                self.at = end if self.form == "named" else len(self.held) - len(closing) + closing.startswith("}")
+                continue
+            if self.form is None:
+                start = self.held.lstrip()
+                if not start and not final:
+                    return "", calls
+                self.form = "list" if start.startswith("[") else "named"
+            later = bool(self.num_calls)
+            self.head = _WrittenCall.starting(_MISTRAL_HEADERS[self.form][later], self.held, self.at,
+                                              _mistral_call_id)
+            if self.head is not None:
+                continue
+            if not final:
+                if self.next is None or self.next.start != self.at:
+                    self.next = _CallStart(self.at, _MISTRAL_STARTS[self.form][later])
+                if self.next.possible(self.held):
+                    return "", calls
+            rest = self.held[self.at:]
+            if self.num_calls and self.form == "list" and rest.lstrip().startswith("]"):
+                rest = rest.lstrip()[1:]  # past the list's end
+            if self.num_calls and (not rest or rest.isspace()) and not final:
+                return "", calls  # whitespace alone after the calls is dropped, unless text follows
+            self.done = True
+            if not self.num_calls:  # the tag led to no call: text as any other
+                return TOOL_CALLS + self.held, calls
+            return ("" if rest.isspace() else rest), calls
+
+
+PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
 TOOL_CALL_PARSERS = tuple(PARSERS)
-TAGS = {"hermes": (OPEN, CLOSE), "llama3_json": ()}  # the text each parser needs to see (llama3_json: none)
+# the text each parser needs to see (llama3_json: none)
+TAGS = {"hermes": (OPEN, CLOSE), "llama3_json": (), "mistral": (TOOL_CALLS, ARGS)}
 
 
 def tags_are_special(parser: str | None, tokenizer) -> bool:
@@ -510,7 +633,7 @@ def tags_are_special(parser: str | None, tokenizer) -> bool:
     return bool(parser and tokenizer and any(tokenizer.is_special(tag) for tag in TAGS[parser]))
 
 
-def parser_for(name: str) -> HermesParser | Llama3JsonParser:
+def parser_for(name: str) -> HermesParser | Llama3JsonParser | MistralParser:
     """A parser for one choice's text."""
     if name not in PARSERS:
         raise ValueError(f"tool call parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {name!r}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import re
 import shutil
 import subprocess
 
@@ -82,8 +83,30 @@ LLAMA_WHOLE = [
     ("<|python", ("<|python", [])),
     ("", ("", [])),
 ]
+MISTRAL = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+MISTRAL_WHOLE = [
+    ("[TOOL_CALLS]" + MISTRAL, ("", [WEATHER])),
+    ("Let me check. [TOOL_CALLS] " + MISTRAL[:-1] + ', {"name": "get_weather", "arguments": {"city": "Lyon"}}]\n',
+     ("Let me check. ", [WEATHER, LYON])),  # before the tag: content; whitespace alone after the calls: dropped
+    ('[TOOL_CALLS][{"name":"f","arguments":{"x":[1,"}]"]}},{"name":"g","arguments":{}}]',
+     ("", [("f", '{"x":[1,"}]"]}'), ("g", "{}")])),
+    ("[TOOL_CALLS]" + MISTRAL + " Done.", (" Done.", [WEATHER])),  # after the list: content
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', ("", [WEATHER])),  # the named form (v11 on)
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_weather[ARGS]{"city": "Lyon"}',
+     ("", [WEATHER, LYON])),
+    ('[TOOL_CALLS]f[ARGS]{"a": "[TOOL_CALLS]"} ok', (" ok", [("f", '{"a": "[TOOL_CALLS]"}')])),
+    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"ci', ("", [("get_weather", '{"ci')])),  # cut short
+    ('[TOOL_CALLS]f[ARGS]{"a": ', ("", [("f", '{"a": ')])),
+    ("[TOOL_CALLS]Sunny.", ("[TOOL_CALLS]Sunny.", [])),  # no call follows the tag: text as written
+    ('[TOOL_CALLS][{"city": "Paris"}]', ('[TOOL_CALLS][{"city": "Paris"}]', [])),
+    ("[TOOL_CALLS] ", ("[TOOL_CALLS] ", [])),
+    ("It is sunny.", ("It is sunny.", [])),
+    ("[TOOL_CA", ("[TOOL_CA", [])),
+    ("", ("", [])),
+]
 CASES = [("hermes", text, expected) for text, expected in WHOLE] + [
-    ("llama3_json", text, expected) for text, expected in LLAMA_WHOLE]
+    ("llama3_json", text, expected) for text, expected in LLAMA_WHOLE] + [
+    ("mistral", text, expected) for text, expected in MISTRAL_WHOLE]
 
 
 def _plain(result):
@@ -117,6 +140,8 @@ def test_pieces_cut_anywhere_join_to_the_whole_parse(parser, text, expected):
                 "a", " ", "\n", "}", "</tool", '{"name": "g", "arguments": ', "{", '"', "\\", "[", "]"]),
     ("llama3_json", ['{"name": "f", "parameters": {"a": 1}}', "; ", "<|python_tag|>", "<|py", "{", "}", "a", " ",
                      "\n"]),
+    ("mistral", ["[TOOL_CALLS]", "[TOOL_", '[{"name": "f", "arguments": {"a": 1}}', ", ", "]", "f[ARGS]", "[ARGS]",
+                 "{", "}", '"', "a", " ", "\n"]),
 ])
 def test_random_texts_in_random_pieces(parser, alphabet):
     rng = random.Random(0)
@@ -133,6 +158,8 @@ def test_random_texts_in_random_pieces(parser, alphabet):
     ("llama3_json", ['{"name": "g", "parameters": ', "{", "}", '"', "\\", "a", " ", ";", "<|python_tag|>",
                      '{"name": "f", "arguments": {"a": 1}}', '{"name": "h", "parameters": {"b": "', "]", "[",
                      '{"name": "k", "parameters": {} ', " }"]),
+    ("mistral", ["[TOOL_CALLS]", '[{"name": "g", "arguments": ', "{", "}", '"', "\\", "a", " ", ",", "]", "[",
+                 '{"name": "h", "arguments": {"b": "', "g[ARGS]", "[ARGS]{", "[TOOL_CALLS]h[ARGS]"]),
 ])
 def test_streamed_call_deltas_join_to_the_whole_parse(parser, alphabet):
     """Random texts in random pieces: each call's deltas (its start once, then its arguments as they come)
@@ -168,6 +195,41 @@ def test_llama3_json_streams_content_at_once_and_calls_as_they_are_written():
     whole = parser_for("llama3_json")  # JSON that does not open as a call waits for the end of the text
     assert whole.feed('{"parameters": {"city": "Paris"}, ') == ("", []) and whole.open_call is None
     assert _plain(whole.feed('"name": "get_weather"}', final=True)) == ("", [WEATHER])
+
+
+def test_mistral_calls_stream_as_they_are_written_with_ids_its_templates_take():
+    parser = parser_for("mistral")
+    assert parser.feed("Sure. [TOOL") == ("Sure. ", []) and parser.open_call is None  # may be the tag
+    assert parser.feed('_CALLS]get_weather[ARGS]{"ci') == ("", []) and parser.open_call.arguments == '{"ci'
+    call_id = parser.open_call.id
+    assert re.fullmatch("[A-Za-z0-9]{9}", call_id)
+    [call] = parser.feed('ty": "Paris"}[TOOL_CALLS]', final=False)[1]
+    assert (call.name, call.arguments, call.id) == (*WEATHER, call_id) and parser.open_call is None
+    assert parser.feed("", final=True) == ("[TOOL_CALLS]", [])  # a tag no call follows: content
+
+
+def test_forced_calls_match_the_parser_form():
+    """tool_choice "required": the forced text is calls in the parser's format, for mistral in either form, and
+    the parser reads them back."""
+    from twinplane.controlplane.grammar import Grammar
+    from twinplane.controlplane.tools import ToolSpec, forced_calls_regex
+
+    texts = {
+        "hermes": [CALL, CALL + "\n" + CALL.replace("Paris", "Lyon")],
+        "llama3_json": [LLAMA, LLAMA + "; " + LLAMA.replace("Paris", "Lyon")],
+        "mistral": ["[TOOL_CALLS]" + MISTRAL, '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]'
+                    'get_weather[ARGS]{"city": "Lyon"}', "[TOOL_CALLS]" + MISTRAL[:-1] + ", " + MISTRAL[1:]],
+    }
+    for parser, good in texts.items():
+        grammar = Grammar.from_regex(forced_calls_regex(parser, TOOLS, ToolSpec(True, True, ("get_weather",))))
+        single = Grammar.from_regex(forced_calls_regex(parser, TOOLS, ToolSpec(True, False, ("get_weather",))))
+        for text in good:
+            assert grammar.is_accepting(grammar.advance(grammar.initial_state, text.encode())), (parser, text)
+            assert parse_tool_calls(parser, text)[1][0].name == "get_weather"
+        assert single.is_accepting(single.advance(single.initial_state, good[0].encode())), parser
+        assert not single.is_accepting(single.advance(single.initial_state, good[1].encode())), parser
+        for bad in ["Sunny.", good[0].replace("get_weather", "get_time")]:
+            assert not grammar.is_accepting(grammar.advance(grammar.initial_state, bad.encode())), (parser, bad)
 
 
 def test_streamed_calls_come_once_their_block_closes():
@@ -722,3 +784,26 @@ def test_grpc_parse_output_splits_reasoning_answer_and_calls(tmp_path_factory, s
         client.generate_text(messages=question, parse_output=True)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "parse_output needs a server started with --reasoning-parser or --tool-call-parser" in info.value.details()
+
+
+def test_mistral_calls_through_the_http_api(tmp_path_factory, smollm2_dir):
+    """--tool-call-parser mistral: the text before [TOOL_CALLS] is the content, the calls after it come back
+    whole and streamed in either of Mistral's forms, with ids of nine letters and digits."""
+    scripts = [("Paris", "Let me check.[TOOL_CALLS]" + MISTRAL),
+               ("two cities", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_weather[ARGS]'
+                              '{"city": "Lyon"}'), ("", "Sunny.")]
+    with scripted_planes(tmp_path_factory.mktemp("mistral"), smollm2_dir, scripts, tool_call_parser="mistral") as (
+            planes, _):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{planes.plane.http_port}/v1", api_key="x", max_retries=0)
+        whole = client.chat.completions.create(model="scripted", messages=_question("Weather in Paris?"), tools=TOOLS)
+        message = whole.choices[0].message
+        assert whole.choices[0].finish_reason == "tool_calls" and message.content == "Let me check."
+        [call] = message.tool_calls
+        assert (call.function.name, call.function.arguments) == WEATHER and re.fullmatch("[A-Za-z0-9]{9}", call.id)
+        streamed = client.chat.completions.create(model="scripted", messages=_question("Weather in two cities?"),
+                                                  tools=TOOLS, stream=True)
+        chunks = [chunk.choices[0] for chunk in streamed]
+        calls = _joined_calls([tc.model_dump(exclude_none=True) for c in chunks for tc in c.delta.tool_calls or []])
+        assert [(name, arguments) for _, name, arguments in calls] == [WEATHER, LYON]
+        assert all(re.fullmatch("[A-Za-z0-9]{9}", call_id) for call_id, _, _ in calls)
+        assert not "".join(c.delta.content or "" for c in chunks) and chunks[-1].finish_reason == "tool_calls"
