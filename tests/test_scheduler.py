@@ -204,6 +204,27 @@ def test_preempted_while_in_flight_keeps_its_token_and_evict_all_forgets_pending
     assert a.status is b.status is SequenceStatus.WAITING and not sched.has_work()
 
 
+def test_sequences_of_a_step_that_will_not_report_back_start_over_ahead_of_the_queue():
+    """recompute: a step failed with the one before it; its running sequences lose their tokens in flight
+    and their blocks (the data plane is told to drop them) and go first when the next step is planned."""
+    sched = make(max_num_batched_tokens=8)
+    a, b = add(sched, 1, 4), add(sched, 2, 3, first_token=20)
+    sched.update(sched.schedule(), [5, 6])
+    c = add(sched, 3, 4, first_token=40)
+    failed = sched.schedule()
+    assert summary(failed) == [(2, 3, 1, [], True), (1, 4, 1, [2], True), (3, 0, 4, [3], True)]
+    sched.finish(a)  # the failure before it failed this request
+    sched.dropped_seq_ids.clear()
+    sched.recompute(failed.seqs)
+    assert [s.seq_id for s in sched.waiting] == [2, 3] and not sched.running
+    assert b.token_ids == [20, 21, 22, 6] and c.token_ids == [40, 41, 42, 43]
+    assert b.block_table == c.block_table == [] and sorted(sched.dropped_seq_ids) == [2, 3]
+    assert sched.block_manager.num_free_blocks == 16
+    again = sched.schedule()
+    assert [(s, start, n, len(blocks)) for s, start, n, blocks, _ in summary(again)] == [(2, 0, 4, 1), (3, 0, 4, 1)]
+    assert all(chunk.is_new_mirror for chunk in again.chunks)  # sent to the data plane again from scratch
+
+
 def make_by_priority(**kwargs) -> Scheduler:
     sched = make(**kwargs)
     sched.config = SchedulerConfig(**{**sched.config.__dict__, "by_priority": True})
