@@ -5,21 +5,24 @@ A prompt whose first token is POISON_TOKEN makes its first step raise, so the da
 plane answers that step with an error result, as it would after a real fault.
 The first step that starts a prompt whose first token is SLOW_TOKEN takes SLOW_SECONDS
 more (once per process): a data plane that still answers keepalive pings, but not the step.
-Every step that starts a prompt whose first token is PAUSE_TOKEN takes PAUSE_SECONDS more: time
-for requests sent meanwhile to be queued together.
+Every step that starts a prompt whose first token is PAUSE_TOKEN takes PAUSE_SECONDS more, time for
+requests sent meanwhile to queue up; it first creates the file that PAUSE_MARK (an environment
+variable) names, if set, so a test knows the pause has begun.
 No hook of this kind lives in the product code: this script swaps the runner class.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 POISON_TOKEN = 48999
 SLOW_TOKEN, SLOW_SECONDS = 48998, 8.0
-PAUSE_TOKEN, PAUSE_SECONDS = 48997, 1.0
+PAUSE_TOKEN, PAUSE_SECONDS, PAUSE_MARK = 48997, 1.5, "TWINPLANE_TEST_PAUSE_MARK"
 
 
 def install() -> None:
@@ -39,6 +42,8 @@ def install() -> None:
                     slowed.append(plan.step_id)
                     time.sleep(SLOW_SECONDS)
                 if start == 0 and first_token == PAUSE_TOKEN:
+                    if os.environ.get(PAUSE_MARK):
+                        Path(os.environ[PAUSE_MARK]).touch()
                     time.sleep(PAUSE_SECONDS)
             return super().launch(plan, keep_logits)
 

@@ -21,7 +21,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.faulty_dataplane import PAUSE_TOKEN, POISON_TOKEN
+from tests.faulty_dataplane import PAUSE_MARK, PAUSE_TOKEN, POISON_TOKEN
 from tests.reliability import GREEDY, all_blocks_free, greedy_references, status_code, tokens_async, wait_until
 from tests.test_e2e_reference import random_prompts
 from twinplane.clients.client import AsyncClient, Client
@@ -167,23 +167,32 @@ def test_a_failed_step_fails_only_its_requests(faulty):
         assert len([t for c in client.generate(token_ids=[5, 6, 7], max_tokens=5, **GREEDY) for t in c.token_ids]) == 5
 
 
-def test_a_step_sent_before_a_failure_was_known_recomputes_its_requests(tiny_qwen3_dir, planes_factory):
+def test_a_step_sent_before_a_failure_was_known_recomputes_its_requests(tiny_qwen3_dir, planes_factory, tmp_path,
+                                                                        monkeypatch):
     """The step loop plans ahead: the step after a failed one was sent before the failure came back,
     and it continues the prompt that failed, which the data plane undid, so it fails too. A request
     it admitted did nothing wrong: it starts over and ends as an undisturbed run would."""
-    script = Path(__file__).with_name("faulty_dataplane.py")
+    script, mark = Path(__file__).with_name("faulty_dataplane.py"), tmp_path / "paused"
+    monkeypatch.setenv(PAUSE_MARK, str(mark))  # the data plane's environment
     planes = planes_factory(tiny_qwen3_dir, "--block-size", "16", "--max-model-len", "512", dp_program=(str(script),),
                             max_num_batched_tokens=32)
     innocent = random_prompts(1, seed=408, low=12, high=16)[0]
     expected = asyncio.run(greedy_references(planes.address, [innocent], 12))[0]
     poison = [POISON_TOKEN, *random_prompts(1, seed=409, low=39, high=40)[0]]  # 40 tokens: two steps of 32
 
+    async def until(done, what: str) -> None:
+        for _ in range(500):
+            if done():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"timed out waiting for {what}")
+
     async def run() -> list:
         async with AsyncClient(planes.address) as client:
             pause = asyncio.ensure_future(tokens_async(client, [PAUSE_TOKEN, 5, 6], max_tokens=1, **GREEDY))
-            await asyncio.sleep(0.3)  # the data plane sits on that prompt's step; the next two queue up
+            await until(mark.exists, "the data plane to pause")  # on that prompt's step: the next two queue up
             poisoned = asyncio.ensure_future(tokens_async(client, poison, max_tokens=5, **GREEDY))
-            await asyncio.sleep(0.1)
+            await until(lambda: len(planes.engine.requests) == 2, "the poisoned request to reach the core")
             after = asyncio.ensure_future(tokens_async(client, innocent, max_tokens=12, **GREEDY))
             return list(await asyncio.wait_for(asyncio.gather(pause, poisoned, after, return_exceptions=True), 60))
 
