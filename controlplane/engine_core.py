@@ -88,6 +88,8 @@ class EngineCore:
         self.seqs: dict[int, tuple[Sequence, frozenset[int]]] = {}  # unfinished sequences and their stop tokens
         self.replica_of: dict[int, Replica] = {}  # where each routed sequence runs
         self.unrouted: deque[Sequence] = deque()  # sequences waiting for any data plane to connect
+        # structured-output sequences that came while the vocabulary was being read, with their output so far
+        self.reading_vocabulary: list[tuple[Sequence, list[int]]] = []
         self.describe: dp.DescribeResponse | None = None  # the connected data planes' common limits
         self.eos_token_ids: frozenset[int] = frozenset()
         self.stopped = asyncio.Event()
@@ -127,17 +129,33 @@ class EngineCore:
             log.error("request %s: its values cannot be put into a step plan: %s", request.request_id, exc)
             self.frontend.send(Rejected(seq_id, f"a value of this request is outside what the data plane takes: {exc}"))
             return
-        if params.regex is not None:
-            try:
-                seq.matcher = TokenMatcher(compiled(params.regex), self.vocabulary(), request.output_ids)
-            except (ValueError, OSError) as exc:  # checked by the frontend: a tokenizer the core cannot read
-                log.error("request %s: no structured output: %s", request.request_id, exc)
-                self.frontend.send(Rejected(seq_id, f"structured output is not available: {exc}"))
-                return
         seq.token_ids += request.output_ids
         seq.num_cached_tokens = request.num_cached_tokens
         self.seqs[seq_id] = seq, stop_token_ids(params, self.eos_token_ids)
+        if params.regex is None:
+            self._route(seq)
+        elif self._vocabulary is not None and not self._vocabulary.done():  # it waits, the steps do not
+            self.reading_vocabulary.append((seq, request.output_ids))
+        else:
+            self._constrain(seq, request.output_ids)
+
+    def _constrain(self, seq: Sequence, output_ids: list[int]) -> None:
+        """Routes a structured-output sequence once it has its place in its grammar (after output_ids)."""
+        try:
+            seq.matcher = TokenMatcher(compiled(seq.params.regex), self.vocabulary(), output_ids)
+        except (ValueError, OSError) as exc:  # checked by the frontend: a tokenizer the core cannot read
+            log.error("request %s: no structured output: %s", seq.request_id, exc)
+            del self.seqs[seq.seq_id]
+            self.frontend.send(Rejected(seq.seq_id, f"structured output is not available: {exc}"))
+            return
         self._route(seq)
+
+    def _vocabulary_read(self) -> None:
+        """The sequences that waited for the vocabulary go on (those not aborted meanwhile)."""
+        waiting, self.reading_vocabulary = self.reading_vocabulary, []
+        for seq, output_ids in waiting:
+            if seq.seq_id in self.seqs:
+                self._constrain(seq, output_ids)
 
     def vocabulary(self) -> Vocabulary:
         """Every token's bytes, for structured output's masks (ValueError or OSError when there is no
@@ -163,6 +181,8 @@ class EngineCore:
                 future.set_exception(exc if isinstance(exc, (ValueError, OSError)) else
                                      ValueError(f"the tokenizer could not be read: {type(exc).__name__}: {exc}"))
 
+        loop = asyncio.get_running_loop()
+        future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._vocabulary_read))
         threading.Thread(target=read, daemon=True, name="twinplane-vocabulary").start()
 
     def abort(self, seq_id: int) -> None:
@@ -171,10 +191,10 @@ class EngineCore:
         if entry is None:
             return
         replica = self.replica_of.pop(seq_id, None)
-        if replica is None:
-            self.unrouted.remove(entry[0])
-        else:
+        if replica is not None:
             replica.finish(entry[0])
+        elif entry[0] in self.unrouted:  # else it waits for the vocabulary, which passes over it once read
+            self.unrouted.remove(entry[0])
 
     def shutdown(self) -> None:
         self.stopped.set()
@@ -252,7 +272,8 @@ class EngineCore:
             self.frontend.send(Stalled(stalled))
 
     def snapshot(self) -> CoreSnapshot:
-        snap = CoreSnapshot(dict(self.carried.stats), self.num_added, len(self.unrouted), earlier=self.earlier,
+        unrouted = len(self.unrouted) + len(self.reading_vocabulary)
+        snap = CoreSnapshot(dict(self.carried.stats), self.num_added, unrouted, earlier=self.earlier,
                             dataplane_step=self.dataplane_step, dataplanes=[replica_snapshot(r) for r in self.replicas])
         for replica in self.replicas:
             for name, value in replica.stats.items():
@@ -266,7 +287,8 @@ class EngineCore:
         if count == 1:
             return (waiting,)
         shares = [0] * count
-        queues = [self.unrouted, *(r.scheduler.waiting for r in self.replicas if r.scheduler is not None)]
+        queues = [self.unrouted, [seq for seq, _ in self.reading_vocabulary],
+                  *(r.scheduler.waiting for r in self.replicas if r.scheduler is not None)]
         for queue in queues:
             for seq in queue:
                 shares[owner(seq.seq_id, count)] += 1

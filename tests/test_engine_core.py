@@ -347,3 +347,53 @@ def test_the_vocabulary_is_read_off_the_step_loop_once_a_data_plane_connects(smo
     else:
         assert [m.seq_id for m in rejected] == [7] and "start the control plane with --tokenizer" in rejected[0].why
         assert list(core.seqs) == [8]
+
+
+def test_structured_requests_that_come_while_the_vocabulary_is_read_wait_for_it_alone(smollm2_dir, monkeypatch):
+    """A structured-output request that comes before the vocabulary is read waits for it without holding
+    up the core (a free request is routed at once); once it is read, such requests go on, except those
+    aborted meanwhile."""
+    import threading
+
+    from twinplane.controlplane import engine_core
+    from twinplane.controlplane.block_manager import BlockManager
+    from twinplane.controlplane.config import ControlPlaneConfig
+    from twinplane.controlplane.messages import Rejected
+    from twinplane.controlplane.scheduler import Scheduler, SchedulerConfig
+    from twinplane.proto import dataplane_pb2 as dp
+
+    release = threading.Event()
+
+    class SlowVocabulary(engine_core.Vocabulary):
+        def __init__(self, *args):
+            release.wait(30)
+            super().__init__(*args)
+
+    monkeypatch.setattr(engine_core, "Vocabulary", SlowVocabulary)
+
+    async def run():
+        frontend = Frontend()
+        core = engine_core.EngineCore(ControlPlaneConfig(dataplane="unix:///nowhere"), frontend)
+        replica = core.replicas[0]
+        replica.describe = dp.DescribeResponse(max_model_len=64, eos_token_ids=[2], num_kv_blocks=16, block_size=4,
+                                               vocab_size=49152, tokenizer_path=str(smollm2_dir))
+        replica.scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
+                                      BlockManager(16, 4, True))
+        replica._set_connected(True)  # the vocabulary is being read
+        core.add(AddRequest(7, "json", [5, 6], RequestParams(max_tokens=3, regex="yes|no")))
+        core.add(AddRequest(8, "free", [5, 6], RequestParams(max_tokens=3)))
+        core.add(AddRequest(9, "gone", [5, 6], RequestParams(max_tokens=3, regex="yes")))
+        waiting, snapshot = [s.seq_id for s in replica.scheduler.waiting], core.snapshot()
+        core.abort(9)
+        release.set()
+        for _ in range(600):
+            await asyncio.sleep(0.05)
+            if not core.reading_vocabulary:
+                break
+        return core, replica, waiting, snapshot, frontend.messages
+
+    core, replica, waiting, snapshot, messages = asyncio.run(run())
+    assert waiting == [8] and snapshot.unrouted == 2  # the two that wait count as waiting
+    assert [s.seq_id for s in replica.scheduler.waiting] == [8, 7] and list(core.seqs) == [7, 8]
+    assert core.seqs[7][0].matcher is not None
+    assert not [m for m in messages if isinstance(m, Rejected)]
