@@ -43,7 +43,7 @@ from twinplane.controlplane.plan_codec import sequence_init
 from twinplane.controlplane.replica import STAT_NAMES, Replica
 from twinplane.controlplane.router import Router
 from twinplane.controlplane.sequence import Sequence
-from twinplane.controlplane.structured import TokenMatcher, Vocabulary, compiled
+from twinplane.controlplane.structured import TokenMatcher, Vocabulary, compile_shared, compiled
 from twinplane.controlplane.tokenizer import Tokenizer
 from twinplane.controlplane.tools import TAGS
 from twinplane.proto import dataplane_pb2 as dp
@@ -180,6 +180,8 @@ class EngineCore:
             except Exception as exc:  # given to each request that asks for structured output
                 future.set_exception(exc if isinstance(exc, (ValueError, OSError)) else
                                      ValueError(f"the tokenizer could not be read: {type(exc).__name__}: {exc}"))
+                return
+            compile_shared(self.config.reasoning_parser)
 
         loop = asyncio.get_running_loop()
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._vocabulary_read))

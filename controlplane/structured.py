@@ -64,6 +64,15 @@ def compiled(regex: str) -> Grammar:
     return Grammar.from_regex(regex)
 
 
+def compile_shared(reasoning_parser: str | None) -> None:
+    """Compiles the grammar many requests share, ``{"type": "json_object"}``'s (for chat too, after the
+    reasoning), ahead of them: ~0.1 s that the first such request would otherwise hold the engine core up."""
+    regex = any_json_regex()
+    compiled(regex)
+    if reasoning_parser is not None:
+        compiled(after_reasoning(regex, reasoning_parser))
+
+
 def checked_regex(regex: str, where: str) -> str:
     """regex, once it compiles; else InvalidRequest naming where it came from."""
     try:

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -316,8 +317,10 @@ def test_the_vocabulary_is_read_off_the_step_loop_once_a_data_plane_connects(smo
     from twinplane.controlplane.block_manager import BlockManager
     from twinplane.controlplane.config import ControlPlaneConfig
     from twinplane.controlplane.engine_core import EngineCore
+    from twinplane.controlplane.json_schema import any_json_regex
     from twinplane.controlplane.messages import Rejected
     from twinplane.controlplane.scheduler import Scheduler, SchedulerConfig
+    from twinplane.controlplane.structured import compiled
     from twinplane.proto import dataplane_pb2 as dp
 
     async def run():
@@ -338,12 +341,19 @@ def test_the_vocabulary_is_read_off_the_step_loop_once_a_data_plane_connects(smo
         core.add(AddRequest(8, "free", [5, 6], RequestParams(max_tokens=3)))
         return core, reading, frontend.messages
 
+    compiled.cache_clear()
     core, reading, messages = asyncio.run(run())
     assert core._vocabulary is reading  # read once
     rejected = [m for m in messages if isinstance(m, Rejected)]
     if with_tokenizer:
         assert not rejected and core.seqs[7][0].matcher is not None and len(reading.result().token_bytes) == 49152
         assert list(core.seqs) == [7, 8]
+        for thread in threading.enumerate():
+            if thread.name == "twinplane-vocabulary":
+                thread.join(60)
+        misses = compiled.cache_info().misses
+        compiled(any_json_regex())  # {"type": "json_object"}'s grammar was compiled in that thread too
+        assert compiled.cache_info().misses == misses
     else:
         assert [m.seq_id for m in rejected] == [7] and "start the control plane with --tokenizer" in rejected[0].why
         assert list(core.seqs) == [8]
