@@ -392,3 +392,25 @@ def test_random_schemas_give_valid_json_greedy_or_drawn(planes, seed) -> None:
     assert reason in ("stop_token", "length"), reason
     if reason == "stop_token":
         jsonschema.validate(json.loads(text), schema)
+
+
+def test_forced_tool_calls_with_the_mistral_parser(smollm2_dir, planes_factory) -> None:
+    """--tool-call-parser mistral: a forced call is written after [TOOL_CALLS] in one of Mistral's forms and
+    comes back as a call with arguments valid under its parameters and an id of nine letters and digits."""
+    planes = planes_factory(smollm2_dir, "--block-size", "16", "--max-model-len", "1024", http_listen="127.0.0.1:0",
+                            tool_call_parser="mistral")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{planes.plane.http_port}/v1", api_key="-", max_retries=0,
+                           timeout=120)
+    model = planes.engine.model_names[0]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        reply = client.chat.completions.create(model=model, messages=ask, temperature=0, max_tokens=120,
+                                               tools=[TIME, WEATHER], tool_choice=choice, parallel_tool_calls=False)
+        [call] = reply.choices[0].message.tool_calls
+        assert reply.choices[0].finish_reason == "tool_calls" and not reply.choices[0].message.content
+        assert re.fullmatch("[A-Za-z0-9]{9}", call.id)
+        arguments = json.loads(call.function.arguments)
+        if call.function.name == "get_weather":
+            assert list(arguments) == ["city", "unit"] and arguments["unit"] in ("celsius", "fahrenheit")
+        else:
+            assert call.function.name == "get_time" and choice == "required" and list(arguments) == ["zone"]
