@@ -57,6 +57,17 @@ class ToolCall:
 
 
 @dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of a tool call while the model writes it (parse_output): the call's index among the
+    reply's calls, its id and name on its first piece ("" after), and the text it adds to the arguments."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
 class GenerateChunk:
     """One message of a generation stream: what was generated since the previous one."""
 
@@ -69,6 +80,7 @@ class GenerateChunk:
     matched_stop: str  # the stop string that ended the request, else ""
     reasoning_text: str = ""  # with parse_output: the reasoning since the previous chunk
     tool_calls: list[ToolCall] = field(default_factory=list)  # with parse_output: the calls completed since then
+    tool_call_deltas: list[ToolCallDelta] = field(default_factory=list)  # with parse_output: the calls as written
 
 
 @dataclass(frozen=True)
@@ -284,6 +296,7 @@ def chunk_from_pb(response: pb.GenerateResponse) -> GenerateChunk:
         matched_stop=response.matched_stop,
         reasoning_text=response.reasoning_text,
         tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in response.tool_calls],
+        tool_call_deltas=[ToolCallDelta(d.index, d.id, d.name, d.arguments) for d in response.tool_call_deltas],
     )
 
 

@@ -142,6 +142,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                                             len(out.token_ids))
                 message.reasoning_text = reasoning
                 message.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls)
+                message.tool_call_deltas.extend(
+                    pb.ToolCallDelta(index=d.index, id=d.call.id if d.begins else "",
+                                     name=d.call.name if d.begins else "", arguments=d.arguments)
+                    for d in parts.deltas(calls))
             yield message
 
     def _output_parts(self, request: pb.GenerateRequest, call: GenerateCall) -> tuple[GenerateCall, ChatText]:
