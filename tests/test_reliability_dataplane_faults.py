@@ -199,7 +199,7 @@ def test_a_step_sent_before_a_failure_was_known_recomputes_its_requests(tiny_qwe
     paused, poisoned, after = asyncio.run(run())
     assert len(paused) == 1
     assert isinstance(poisoned, grpc.aio.AioRpcError) and "injected fault" in poisoned.details()
-    assert after == expected  # was: INTERNAL, "unknown to the data plane"
+    assert after == expected  # not failed with the step after the poisoned one, which the data plane refused
     wait_until(lambda: all_blocks_free(planes), 10, "every KV block to be free")
 
 
