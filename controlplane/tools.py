@@ -408,10 +408,16 @@ def _llama3_calls(text: str) -> list[ToolCall] | None:
         at = len(text) - len(rest[1:].lstrip())
 
 
-_LLAMA_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:parameters|arguments)"\s*:\s*(?=\{)')
+_JSON_STRING = r'"(?:[^"\\]|\\[\s\S])*"'  # a JSON string, in the syntax re and grammar.py share
 
 
-_JSON_STRING = r'"(?:[^"\\]|\\[\s\S])*"'  # in grammar.py's syntax
+class _CallHeader:
+    """Where a call starts, up to the "{" of its arguments, its name captured (group 1), written once
+    for both readers: ``header`` (re) finds a whole start, ``prefix`` (grammar.py, through
+    ``_CallStart``) tells whether a text may still become one."""
+
+    def __init__(self, pattern: str):
+        self.header, self.prefix = re.compile(pattern + r"(?=\{)"), pattern + r"\{"
 
 
 @functools.lru_cache(maxsize=None)
@@ -436,7 +442,7 @@ class _CallStart:
         return self.state != Grammar.DEAD
 
 
-_LLAMA_START = rf'\s*\{{\s*"name"\s*:\s*{_JSON_STRING}\s*,\s*"(?:parameters|arguments)"\s*:\s*\{{'
+_LLAMA = _CallHeader(rf'\s*\{{\s*"name"\s*:\s*({_JSON_STRING})\s*,\s*"(?:parameters|arguments)"\s*:\s*')
 
 
 class Llama3JsonParser:
@@ -492,11 +498,11 @@ class Llama3JsonParser:
     def _may_open(self, at: int) -> bool:
         """Whether the held text from at may still open a call (more text to come)."""
         if self.next is None or self.next.start != at:
-            self.next = _CallStart(at, _LLAMA_START)
+            self.next = _CallStart(at, _LLAMA.prefix)
         return self.next.possible(self.held)
 
     def _read_head(self, at: int) -> bool:
-        self.head = _WrittenCall.starting(_LLAMA_HEADER, self.held, at)
+        self.head = _WrittenCall.starting(_LLAMA.header, self.held, at)
         return self.head is not None
 
     def _calls(self, final: bool) -> tuple[str, list[ToolCall]]:
@@ -527,16 +533,11 @@ class Llama3JsonParser:
 
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
-_MISTRAL_STARTS = {  # a form's first call's start and a later one's, up to the "{" of its arguments (grammar.py)
-    "list": (rf'\s*\[\s*\{{\s*"name"\s*:\s*{_JSON_STRING}\s*,\s*"arguments"\s*:\s*\{{',
-             rf'\s*,\s*\{{\s*"name"\s*:\s*{_JSON_STRING}\s*,\s*"arguments"\s*:\s*\{{'),
-    "named": (r"\s*[A-Za-z0-9_\-]{1,64}\[ARGS\]\{", r"\s*\[TOOL_CALLS\]\s*[A-Za-z0-9_\-]{1,64}\[ARGS\]\{"),
-}
-_MISTRAL_HEADERS = {  # the same starts for re, the name captured, up to (not past) the "{"
-    "list": (re.compile(r'\s*\[\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)'),
-             re.compile(r'\s*,\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)')),
-    "named": (re.compile(r"\s*([A-Za-z0-9_-]{1,64})\[ARGS\](?=\{)"),
-              re.compile(r"\s*\[TOOL_CALLS\]\s*([A-Za-z0-9_-]{1,64})\[ARGS\](?=\{)")),
+_MISTRAL_STARTS = {  # each form's first call's start and a later one's
+    "list": (_CallHeader(rf'\s*\[\s*\{{\s*"name"\s*:\s*({_JSON_STRING})\s*,\s*"arguments"\s*:\s*'),
+             _CallHeader(rf'\s*,\s*\{{\s*"name"\s*:\s*({_JSON_STRING})\s*,\s*"arguments"\s*:\s*')),
+    "named": (_CallHeader(r"\s*([A-Za-z0-9_\-]{1,64})\[ARGS\]"),
+              _CallHeader(r"\s*\[TOOL_CALLS\]\s*([A-Za-z0-9_\-]{1,64})\[ARGS\]")),
 }
 
 
@@ -600,14 +601,13 @@ class MistralParser:
                 if not start and not final:
                     return "", calls
                 self.form = "list" if start.startswith("[") else "named"
-            later = bool(self.num_calls)
-            self.head = _WrittenCall.starting(_MISTRAL_HEADERS[self.form][later], self.held, self.at,
-                                              _mistral_call_id)
+            start = _MISTRAL_STARTS[self.form][bool(self.num_calls)]
+            self.head = _WrittenCall.starting(start.header, self.held, self.at, _mistral_call_id)
             if self.head is not None:
                 continue
             if not final:
                 if self.next is None or self.next.start != self.at:
-                    self.next = _CallStart(self.at, _MISTRAL_STARTS[self.form][later])
+                    self.next = _CallStart(self.at, start.prefix)
                 if self.next.possible(self.held):
                     return "", calls
             rest = self.held[self.at:]
