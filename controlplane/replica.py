@@ -209,14 +209,14 @@ class Replica:
         """A step the data plane could not run fails only the requests in it. A step sent before an
         earlier one's failure was known may have failed with it (it continues a sequence the data
         plane undid): its sequences start over instead, once the steps in flight are back."""
+        live = [seq for seq in out.seqs if seq.seq_id in self.core.seqs]
         if after_failure:
-            live = [seq for seq in out.seqs if seq.seq_id in self.core.seqs]
             log.warning("%sstep %d, sent before the failure of the one before it, failed too (%s); "
                         "recomputing its %d sequences", self._log_prefix, out.step_id, error, len(live))
             self.scheduler.recompute(live)
             return
         log.error("%sstep %d failed on the data plane: %s", self._log_prefix, out.step_id, error)
-        failed = [seq.seq_id for seq in out.seqs if seq.seq_id in self.core.seqs]
+        failed = [seq.seq_id for seq in live]
         for seq_id in failed:
             self.core.abort(seq_id)
         self.core.frontend.send(StepFailed(failed, error))
