@@ -6,7 +6,8 @@ import dataclasses
 
 import numpy as np
 
-from twinplane.dataplane.plan import PlanColumns, SamplingParams, SequenceInit, StepOutput, StepPlan
+from twinplane.dataplane.plan import (PlanColumns, PromptLogprobsAsk, SamplingParams, SequenceInit, StepOutput,
+                                     StepPlan)
 from twinplane.proto import dataplane_pb2 as dp
 
 
@@ -40,6 +41,7 @@ def plan_from_pb(msg: dp.StepPlan) -> StepPlan:
         inits={i.seq_id: init_from_pb(i) for i in msg.inits},
         decode_budget=_ints(msg.decode_budget) if msg.decode_budget else None,
         token_masks=masks_from_pb(msg),
+        prompt_logprobs={a.index: PromptLogprobsAsk(_ints(a.next_token_ids), a.num_top) for a in msg.prompt_logprobs},
     )
     n = len(columns.seq_ids)
     if not (len(columns.num_tokens) == len(columns.start_pos) == len(columns.num_new_blocks)
@@ -48,6 +50,8 @@ def plan_from_pb(msg: dp.StepPlan) -> StepPlan:
     if (len(columns.token_ids) != columns.num_tokens.sum() or len(columns.slot_mapping) != len(columns.token_ids)
             or len(columns.new_block_ids) != columns.num_new_blocks.sum()):
         raise ValueError("plan token or block columns do not match their counts")
+    if len(columns.prompt_logprobs) != len(msg.prompt_logprobs):
+        raise ValueError("prompt_logprobs asks twice for one sequence")
     if columns.decode_budget is not None and len(columns.decode_budget) != n:
         raise ValueError(f"decode_budget has {len(columns.decode_budget)} entries for {n} sequences")
     return StepPlan(step_id=msg.step_id, dropped_seq_ids=list(msg.dropped_seq_ids), columns=columns,
@@ -78,6 +82,10 @@ def output_to_pb(out: StepOutput) -> dp.StepResult:
     for index, (ids, logprobs) in sorted(out.top_logprobs.items()):
         result.top_logprobs.add(index=index, token_ids=np.ascontiguousarray(ids, dtype="<i4").tobytes(),
                                 logprobs=np.ascontiguousarray(logprobs, dtype="<f4").tobytes())
+    for index, p in out.prompt_logprobs.items():  # in the asks' order
+        result.prompt_logprobs.add(index=index, logprobs=np.ascontiguousarray(p.logprobs, dtype="<f4").tobytes(),
+                                   top_token_ids=np.ascontiguousarray(p.top_ids, dtype="<i4").tobytes(),
+                                   top_logprobs=np.ascontiguousarray(p.top_logprobs, dtype="<f4").tobytes())
     return result
 
 

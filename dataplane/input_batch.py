@@ -294,7 +294,8 @@ class InputBatch:
         if any(self.params[row].has_penalties for row in waiting):
             self.wait_for_tokens()  # penalties read the history, PENDING tokens included
         self.sampled_at[rows[cols.sample]] = self.plan_index
-        if graphs and decode and not plan.masks_follow and self._graphs_take(cols, rows, plan.num_steps):
+        if (graphs and decode and not plan.masks_follow and not cols.prompt_logprobs
+                and self._graphs_take(cols, rows, plan.num_steps)):
             return self._stage_for_graphs(cols, rows, context, pending, budget if plan.num_steps > 1 else None)
         inputs = self._build(cols, rows, positions, context, pending, budget if plan.num_steps > 1 else None,
                              plan.masks_follow)
@@ -359,7 +360,25 @@ class InputBatch:
             _fail("slot_mapping points past the KV cache")
         for seq_id, init in cols.inits.items():
             check_sampling(seq_id, init, lim)
+        self._check_prompt_logprobs(cols, num_steps)
         return budget
+
+    def _check_prompt_logprobs(self, cols: PlanColumns, num_steps: int) -> None:
+        lim, n = self.limits, len(cols.seq_ids)
+        if cols.prompt_logprobs and num_steps > 1:
+            _fail("a plan of several decode steps asks for no prompt log-probabilities")
+        for index, ask in cols.prompt_logprobs.items():
+            if not 0 <= index < n:
+                _fail(f"prompt_logprobs: index {index} is not a sequence of the plan, [0, {n})")
+            m, chunk = len(ask.next_token_ids), int(cols.num_tokens[index])
+            if not 1 <= m <= chunk:
+                _fail(f"prompt_logprobs: index {index} asks at {m} positions of a chunk of {chunk} tokens; "
+                      "1 to the chunk's tokens are allowed")
+            if ask.next_token_ids.min() < 0 or ask.next_token_ids.max() >= lim.vocab_size:
+                _fail(f"prompt_logprobs: index {index} has next token ids outside [0, {lim.vocab_size})")
+            if ask.num_top > lim.max_logprobs:
+                _fail(f"prompt_logprobs: index {index} asks for the top {ask.num_top} tokens, "
+                      f"max_logprobs is {lim.max_logprobs}")
 
     def _rows(self, cols: PlanColumns) -> tuple[np.ndarray, tuple[list[int], dict[int, int]]]:
         """The row of each scheduled sequence; new rows for inits. Also what undoing takes."""

@@ -39,11 +39,13 @@ from twinplane.dataplane.kv_cache import (
 from twinplane.dataplane.loader import load_model
 from twinplane.dataplane.models.decoder import head_dim_of
 from twinplane.dataplane.models.registry import sliding_window
-from twinplane.dataplane.plan import MAX_DECODE_STEPS, StepOutput, StepPath, StepPlan
+from twinplane.dataplane.plan import (MAX_DECODE_STEPS, PromptLogprobs, PromptLogprobsAsk, StepOutput, StepPath,
+                                     StepPlan)
 from twinplane.dataplane.sampler import Sampler, SamplerOutput
 from twinplane.dataplane.input_batch import GraphStep, InputBatch, PlanLimits, SampledRows, StepInputs
 
 MAX_LOGPROBS = 20
+PROMPT_LOGPROB_ROWS = 512  # CPU: rows of one logits GEMM for prompt log-probabilities (CUDA: the largest padded count)
 log = logging.getLogger("twinplane.dataplane")
 
 
@@ -119,6 +121,7 @@ class LaunchedStep:
     previous_done: torch.cuda.Event | None = None  # CUDA: the step before finished
     record: Callable[[SampledRows, np.ndarray], None] | None = None  # stores the tokens in the history
     decode_budget: np.ndarray | None = None  # a plan of several decode steps: tokens of each sequence
+    prompt_logprobs: PromptLogprobsOnTheWay | None = None  # rank 0, when the plan asks for them
     _output: StepOutput | None = None
 
     def wait(self) -> None:
@@ -152,6 +155,8 @@ class LaunchedStep:
                         ids = top_ids[row, :n] if top_ids is not None else np.empty(0, np.int32)
                         lps = top_lps[row, :n] if top_lps is not None else np.empty(0, np.float32)
                         output.top_logprobs[row] = (ids, lps)
+        if self.prompt_logprobs is not None:
+            output.prompt_logprobs = self.prompt_logprobs.split()
         output.prepare_us, output.idle_us, output.execute_us = self.prepare_us, self.idle_us, self.execute_us
         output.launch_us = self.launch_us
         output.path = self.path
@@ -160,6 +165,26 @@ class LaunchedStep:
             if self.previous_done is not None:
                 output.idle_us = max(int(self.previous_done.elapsed_time(self.begin) * 1000), 0)
         return output
+
+
+@dataclass
+class PromptLogprobsOnTheWay:
+    """A step's prompt log-probabilities, all asks together, on their way to (pinned) host memory."""
+
+    asks: list[tuple[int, int, int]]  # (plan index, positions, num_top) of each ask, in the plan's order
+    logprobs: torch.Tensor  # float32 [sum of positions]: of each next token
+    top_ids: torch.Tensor  # int64 [sum of positions, largest num_top]
+    top_logprobs: torch.Tensor  # float32 [sum of positions, largest num_top]
+
+    def split(self) -> dict[int, PromptLogprobs]:
+        """Each ask's share, by plan index (valid once the step is done)."""
+        lps, ids, tops = self.logprobs.numpy(), self.top_ids.numpy().astype(np.int32), self.top_logprobs.numpy()
+        out, begin = {}, 0
+        for index, m, k in self.asks:
+            end = begin + m
+            out[index] = PromptLogprobs(lps[begin:end], ids[begin:end, :k], tops[begin:end, :k])
+            begin = end
+        return out
 
 
 def _to_host(sampled: SamplerOutput, token_ids: torch.Tensor) -> SamplerOutput:
@@ -369,6 +394,9 @@ class ModelRunner:
             self._decode_steps(step, inputs)
         elif inputs is not None:
             hidden, step.path = self._forward(inputs.input_ids, inputs.positions, inputs.metadata)
+            asks = plan.cols().prompt_logprobs
+            if asks:
+                step.prompt_logprobs = self._prompt_logprobs(hidden, inputs.metadata.query_lens_host, asks)
             forwarded = time.perf_counter()
             step.forward_us = int((forwarded - prepared) * 1e6)
             if inputs.sampling is not None:
@@ -441,6 +469,33 @@ class ModelRunner:
         if tp_world_size() > 1:
             torch.distributed.broadcast(token_ids, src=0)
         return token_ids, sampled, rank_logits
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, query_lens: list[int],
+                         asks: dict[int, PromptLogprobsAsk]) -> PromptLogprobsOnTheWay | None:
+        """The log-probabilities of each ask's next tokens, and its top tokens, from the hidden states of
+        its chunk's first positions; the output projection takes them a slice of rows at a time (a long
+        prompt's logits at once would not fit). Every rank joins the projection; rank 0 gets the result."""
+        starts = np.concatenate(([0], np.cumsum(query_lens)))
+        rows = torch.from_numpy(np.concatenate(
+            [starts[i] + np.arange(len(a.next_token_ids)) for i, a in asks.items()])).to(self.device)
+        next_ids = torch.from_numpy(np.concatenate([a.next_token_ids for a in asks.values()])).to(self.device)
+        num_top = max(a.num_top for a in asks.values())
+        per_slice = self.logit_rows[-1] if self.logit_rows else PROMPT_LOGPROB_ROWS
+        parts = []
+        for begin in range(0, len(rows), per_slice):
+            indices = rows[begin:begin + per_slice]
+            logits = self.model.compute_logits(self._logits_input(hidden, indices))
+            if logits is None:  # not rank 0
+                continue
+            logprobs = logits[:len(indices)].float().log_softmax(dim=-1)
+            top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
+            parts.append((logprobs.gather(1, next_ids[begin:begin + len(indices), None].long()).squeeze(1),
+                          top_ids, top_logprobs))
+        if not parts:
+            return None
+        chosen, top_ids, top_logprobs = (torch.cat(p).to("cpu", non_blocking=True) for p in zip(*parts))
+        asks_list = [(i, len(a.next_token_ids), a.num_top) for i, a in asks.items()]
+        return PromptLogprobsOnTheWay(asks_list, chosen, top_ids, top_logprobs)
 
     def _sample(self, step: LaunchedStep, inputs: StepInputs, hidden: torch.Tensor, keep_logits: bool) -> None:
         """Samples on rank 0; every rank keeps the sampled tokens for the next plan's PENDING inputs."""

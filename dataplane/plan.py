@@ -51,6 +51,24 @@ class SequenceInit:
     prior_token_ids: np.ndarray | None = None  # tokens before the first chunk, when penalties need them
 
 
+@dataclass(frozen=True)
+class PromptLogprobsAsk:
+    """Log-probabilities wanted at the first positions of one sequence's chunk: after its j-th token,
+    those of next_token_ids[j] (the prompt token that follows it) and of the num_top most likely."""
+
+    next_token_ids: np.ndarray  # int32 [m], 1 <= m <= the chunk's tokens
+    num_top: int = 0
+
+
+@dataclass
+class PromptLogprobs:
+    """What one PromptLogprobsAsk gets back, under the model's own distribution."""
+
+    logprobs: np.ndarray  # float32 [m]: of each of the ask's next_token_ids
+    top_ids: np.ndarray  # int32 [m, num_top], most likely first
+    top_logprobs: np.ndarray  # float32 [m, num_top]
+
+
 @dataclass
 class ScheduledSeq:
     """One sequence's share of a step."""
@@ -63,6 +81,7 @@ class ScheduledSeq:
     sample: bool  # sample a token after this chunk
     init: SequenceInit | None = None  # first time only
     decode_budget: int = 1  # tokens to sample in a plan of several decode steps (StepPlan.num_steps)
+    prompt_logprobs: PromptLogprobsAsk | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -91,6 +110,8 @@ class PlanColumns:
     decode_budget: np.ndarray | None = None  # int32 [n]: tokens to sample, with num_steps > 1
     # index in seq_ids -> packed bitmask of the tokens that sequence may sample (SamplingParams.masked)
     token_masks: dict[int, bytes] = field(default_factory=dict)
+    # index in seq_ids -> the prompt log-probabilities that sequence wants from its chunk
+    prompt_logprobs: dict[int, PromptLogprobsAsk] = field(default_factory=dict)
 
     @classmethod
     def from_seqs(cls, seqs: list[ScheduledSeq]) -> PlanColumns:
@@ -108,6 +129,7 @@ class PlanColumns:
             sample=np.array([s.sample for s in seqs], dtype=bool),
             inits={s.seq_id: s.init for s in seqs if s.init is not None},
             decode_budget=np.array([s.decode_budget for s in seqs], dtype=np.int32),
+            prompt_logprobs={i: s.prompt_logprobs for i, s in enumerate(seqs) if s.prompt_logprobs is not None},
         )
 
 
@@ -151,6 +173,7 @@ class StepOutput:
     sampled_logprobs: np.ndarray | None = None  # float32 [num_sampled], when any asked
     # index among sampled seqs -> (token ids int32 [n], logprobs float32 [n]), most likely first
     top_logprobs: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)  # by the asks' plan indexes
     prepare_us: int = 0
     launch_us: int = 0  # host time of the whole launch (prepare_us is its first part)
     execute_us: int = 0

@@ -131,7 +131,7 @@ class SequenceInit(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., prior_token_ids: _Optional[bytes] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "num_tokens", "start_pos", "token_ids", "slot_mapping", "num_new_blocks", "new_block_ids", "sample", "inits", "dropped_seq_ids", "num_steps", "decode_budget", "token_masks", "masks_follow", "masks_only")
+    __slots__ = ("step_id", "seq_ids", "num_tokens", "start_pos", "token_ids", "slot_mapping", "num_new_blocks", "new_block_ids", "sample", "inits", "dropped_seq_ids", "num_steps", "decode_budget", "token_masks", "masks_follow", "masks_only", "prompt_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,7 @@ class StepPlan(_message.Message):
     TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
     MASKS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
     MASKS_ONLY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: bytes
     num_tokens: bytes
@@ -164,7 +165,30 @@ class StepPlan(_message.Message):
     token_masks: _containers.RepeatedCompositeFieldContainer[TokenMask]
     masks_follow: bool
     masks_only: bool
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., num_tokens: _Optional[bytes] = ..., start_pos: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., slot_mapping: _Optional[bytes] = ..., num_new_blocks: _Optional[bytes] = ..., new_block_ids: _Optional[bytes] = ..., sample: _Optional[bytes] = ..., inits: _Optional[_Iterable[_Union[SequenceInit, _Mapping]]] = ..., dropped_seq_ids: _Optional[_Iterable[int]] = ..., num_steps: _Optional[int] = ..., decode_budget: _Optional[bytes] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ..., masks_follow: _Optional[bool] = ..., masks_only: _Optional[bool] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobsAsk]
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., num_tokens: _Optional[bytes] = ..., start_pos: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., slot_mapping: _Optional[bytes] = ..., num_new_blocks: _Optional[bytes] = ..., new_block_ids: _Optional[bytes] = ..., sample: _Optional[bytes] = ..., inits: _Optional[_Iterable[_Union[SequenceInit, _Mapping]]] = ..., dropped_seq_ids: _Optional[_Iterable[int]] = ..., num_steps: _Optional[int] = ..., decode_budget: _Optional[bytes] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ..., masks_follow: _Optional[bool] = ..., masks_only: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobsAsk, _Mapping]]] = ...) -> None: ...
+
+class PromptLogprobsAsk(_message.Message):
+    __slots__ = ("index", "next_token_ids", "num_top")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOP_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    next_token_ids: bytes
+    num_top: int
+    def __init__(self, index: _Optional[int] = ..., next_token_ids: _Optional[bytes] = ..., num_top: _Optional[int] = ...) -> None: ...
+
+class PromptLogprobs(_message.Message):
+    __slots__ = ("index", "logprobs", "top_token_ids", "top_logprobs")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    logprobs: bytes
+    top_token_ids: bytes
+    top_logprobs: bytes
+    def __init__(self, index: _Optional[int] = ..., logprobs: _Optional[bytes] = ..., top_token_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("index", "token_ids", "logprobs")
@@ -191,20 +215,22 @@ class StepTimings(_message.Message):
     def __init__(self, prepare_us: _Optional[int] = ..., execute_us: _Optional[int] = ..., idle_us: _Optional[int] = ..., path: _Optional[_Union[StepPath, str]] = ..., launch_us: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_token_ids", "sampled_logprobs", "top_logprobs", "error", "timings")
+    __slots__ = ("step_id", "sampled_token_ids", "sampled_logprobs", "top_logprobs", "error", "timings", "prompt_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_token_ids: bytes
     sampled_logprobs: bytes
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
     error: str
     timings: StepTimings
-    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[bytes] = ..., sampled_logprobs: _Optional[bytes] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., error: _Optional[str] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
+    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[bytes] = ..., sampled_logprobs: _Optional[bytes] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., error: _Optional[str] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ()

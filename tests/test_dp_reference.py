@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
@@ -17,7 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from tests.test_dp_helpers import DrivenSeq, PlanBuilder
 from twinplane.dataplane.config import DataPlaneConfig
 from twinplane.dataplane.model_runner import ModelRunner
-from twinplane.dataplane.plan import StepPlan
+from twinplane.dataplane.plan import PromptLogprobsAsk, StepPlan
 
 VOCAB = 256
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -134,3 +135,33 @@ def test_prefix_cache_skips_shared_blocks(tmp_path: Path) -> None:
     assert scheduled.start_pos == 8 and scheduled.num_tokens == 3
     h.run([scheduled], [d])
     h.run([h.builder.schedule(d)], [d])  # and one decode step on top
+
+
+def test_prompt_logprobs_match_transformers(tmp_path: Path) -> None:
+    """A prompt in two chunks, the second beside another sequence's decode: the log-probability of each
+    prompt token after the first, and the top tokens at each position, are transformers' own."""
+    reference = _save_reference("qwen3", tmp_path, sharded=False)
+    runner = ModelRunner(DataPlaneConfig(model=str(tmp_path), block_size=4, num_kv_blocks=64,
+                                         dtype="float32", device="cpu", max_model_len=256))
+    h, g = Harness(reference, runner, 4), torch.Generator().manual_seed(3)
+    other = h.builder.new_seq(1, _prompt(g, 6))
+    h.run([h.builder.schedule(other)], [other])
+    seq = h.builder.new_seq(2, _prompt(g, 13))
+    tokens = list(seq.tokens)
+    first = h.builder.schedule(seq, 5, sample=False)  # its last position scores the second chunk's first token
+    first.prompt_logprobs = PromptLogprobsAsk(np.array(tokens[1:6], dtype=np.int32), num_top=3)
+    out1 = runner.step(StepPlan(10, [first]))
+    second = h.builder.schedule(seq)  # positions 5..12: the last one samples, the others score tokens 6..12
+    second.prompt_logprobs = PromptLogprobsAsk(np.array(tokens[6:], dtype=np.int32), num_top=2)
+    out2 = runner.step(StepPlan(11, [h.builder.schedule(other), second]))
+    assert list(out1.prompt_logprobs) == [0] and list(out2.prompt_logprobs) == [1]
+    with torch.no_grad():
+        expected = reference(torch.tensor([tokens])).logits[0].float().log_softmax(-1)  # row p scores token p + 1
+    for got, rows, k in ((out1.prompt_logprobs[0], range(0, 5), 3), (out2.prompt_logprobs[1], range(5, 12), 2)):
+        rows = list(rows)
+        want = expected[rows, torch.tensor(tokens[1:])[rows]]
+        torch.testing.assert_close(torch.from_numpy(got.logprobs), want, atol=1e-4, rtol=1e-4)
+        top = expected[rows].topk(k, dim=-1)
+        assert got.top_ids.shape == (len(rows), k) and got.top_ids.tolist() == top.indices.tolist()
+        torch.testing.assert_close(torch.from_numpy(got.top_logprobs), top.values, atol=1e-4, rtol=1e-4)
+    assert int(out2.sampled_token_ids[1]) == int(expected[12].argmax())

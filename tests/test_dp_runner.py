@@ -13,7 +13,7 @@ from tests.test_dp_helpers import PlanBuilder
 from twinplane.dataplane.config import DataPlaneConfig
 from twinplane.dataplane.convert import describe_to_pb
 from twinplane.dataplane.model_runner import ModelRunner
-from twinplane.dataplane.plan import SamplingParams, StepPlan
+from twinplane.dataplane.plan import PromptLogprobsAsk, SamplingParams, StepPlan
 
 BLOCK = 4
 
@@ -62,15 +62,22 @@ def _bad_plans(builder: PlanBuilder) -> dict[str, StepPlan]:
             logit_bias=((49152, 1.0),))))]),
         "bias value": StepPlan(0, [builder.schedule(builder.new_seq(59, [1, 2], SamplingParams(
             logit_bias=((3, float("nan")),))))]),
+        "prompt positions": fresh(60, [1, 2], prompt_logprobs=PromptLogprobsAsk(np.array([2, 3, 4], np.int32))),
+        "prompt token": fresh(61, [1, 2], prompt_logprobs=PromptLogprobsAsk(np.array([49152], np.int32))),
+        "prompt top": fresh(62, [1, 2], prompt_logprobs=PromptLogprobsAsk(np.array([2], np.int32), num_top=21)),
     }
 
 
 BAD_PLAN_MESSAGES = {"repeated": "schedules a seq_id more than once", "bias id": "logit_bias token ids outside",
-                     "bias value": "logit_bias values not finite"}
+                     "bias value": "logit_bias values not finite",
+                     "prompt positions": "asks at 3 positions of a chunk of 2 tokens; 1 to the chunk's tokens",
+                     "prompt token": r"next token ids outside \[0, 49152\)",
+                     "prompt top": "asks for the top 21 tokens, max_logprobs is 20"}
 
 
 @pytest.mark.parametrize("case", ["unknown", "vocab", "slot", "table", "max_model_len", "block id", "batch",
-                                  "repeated", "bias id", "bias value"])
+                                  "repeated", "bias id", "bias value", "prompt positions", "prompt token",
+                                  "prompt top"])
 def test_bad_plans_fail_the_step_not_the_runner(runner: ModelRunner, case: str) -> None:
     runner.reset()
     builder = PlanBuilder(BLOCK, first_block=20)

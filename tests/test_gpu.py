@@ -22,7 +22,7 @@ import torch
 
 from tests.test_dp_helpers import PlanBuilder
 from twinplane.dataplane.config import DataPlaneConfig
-from twinplane.dataplane.plan import StepPath, StepPlan
+from twinplane.dataplane.plan import PromptLogprobsAsk, StepPath, StepPlan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -472,6 +472,37 @@ def test_bf16_logits_match_transformers_prefill_and_decode(qwen3_folder):
         err_hf = (l16 - l32).abs().max().item()
         print(f"seq {i}: max |ours - fp32| = {err_ours:.4f}, max |hf bf16 - fp32| = {err_hf:.4f}")
         assert err_ours <= 2 * err_hf + 0.02
+
+
+def test_prompt_logprobs_match_transformers_on_the_gpu(qwen3_folder):
+    """Two prompts' log-probabilities from one step, each many slices of the output projection's padded rows,
+    are transformers' within twice bf16's own error, and their top tokens are the most likely ones."""
+    import numpy as np
+
+    prompts = _prompts(2, seed=5, low=200, high=300)
+    runner = _runner(qwen3_folder)
+    builder, scheduled = PlanBuilder(16), []
+    for i, prompt in enumerate(prompts):
+        chunk = builder.schedule(builder.new_seq(i, prompt))
+        chunk.prompt_logprobs = PromptLogprobsAsk(np.array(prompt[1:], dtype=np.int32), num_top=4)
+        scheduled.append(chunk)
+    out = runner.step(StepPlan(0, scheduled))
+    runner.close()
+    ref32, ref16 = _reference(qwen3_folder, torch.float32), _reference(qwen3_folder, torch.bfloat16)
+    for i, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt], device="cuda")
+        with torch.no_grad():
+            l32, l16 = (ref(ids).logits[0, :-1].float().log_softmax(-1) for ref in (ref32, ref16))
+        target = torch.tensor(prompt[1:], device="cuda")[:, None]
+        got = out.prompt_logprobs[i]
+        mine = torch.from_numpy(got.logprobs).cuda()
+        err_ours = (mine - l32.gather(1, target)[:, 0]).abs().max().item()
+        err_hf = (l16.gather(1, target) - l32.gather(1, target)).abs().max().item()
+        print(f"prompt {i}: max |ours - fp32| = {err_ours:.4f}, max |hf bf16 - fp32| = {err_hf:.4f}")
+        assert err_ours <= 2 * err_hf + 0.02
+        top = torch.from_numpy(got.top_ids).cuda().long()
+        assert got.top_ids.shape == (len(prompt) - 1, 4)
+        assert (l32.gather(1, top)[:, 0] >= l32.max(-1).values - 2 * err_hf - 0.02).all()
 
 
 def test_cuda_graphs_give_the_same_tokens_as_eager(qwen3_folder):
