@@ -81,6 +81,8 @@ class GenerateChunk:
     reasoning_text: str = ""  # with parse_output: the reasoning since the previous chunk
     tool_calls: list[ToolCall] = field(default_factory=list)  # with parse_output: the calls completed since then
     tool_call_deltas: list[ToolCallDelta] = field(default_factory=list)  # with parse_output: the calls as written
+    # with prompt_logprobs, on the first chunk: prompt token i + 1's at entry i (given tokens 0 to i)
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,7 @@ def build_request(
     stop_token_ids: Iterable[int] = (),
     ignore_eos: bool = False,
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
     truncate_prompt_tokens: int = 0,
     skip_special_tokens: bool | None = None,
     logit_bias: dict[int, float] | None = None,
@@ -184,7 +187,8 @@ def build_request(
     request = pb.GenerateRequest(
         request_id=request_id, max_tokens=max_tokens, min_tokens=min_tokens,
         stop=[stop] if isinstance(stop, str) else list(stop), stop_token_ids=list(stop_token_ids),
-        ignore_eos=ignore_eos, logprobs=logprobs, truncate_prompt_tokens=truncate_prompt_tokens,
+        ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        truncate_prompt_tokens=truncate_prompt_tokens,
         skip_special_tokens=skip_special_tokens, logit_bias=logit_bias or {},
         include_stop_str_in_output=include_stop_str_in_output, priority=priority, parse_output=parse_output,
     )
@@ -297,6 +301,7 @@ def chunk_from_pb(response: pb.GenerateResponse) -> GenerateChunk:
         reasoning_text=response.reasoning_text,
         tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in response.tool_calls],
         tool_call_deltas=[ToolCallDelta(d.index, d.id, d.name, d.arguments) for d in response.tool_call_deltas],
+        prompt_logprobs=[_position_logprobs(p) for p in response.prompt_logprobs],
     )
 
 

@@ -71,7 +71,7 @@ class GenerateCall:
 @dataclass
 class TokenLogprobs:
     token_id: int
-    logprob: float
+    logprob: float | None  # None only for an echoed prompt's first token, which nothing scores
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
@@ -83,6 +83,7 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # first output only: entry i prompt token i's (0: None)
     finish_reason: FinishReason | None = None
     matched_stop: str = ""
     prompt_tokens: int = 0
@@ -94,6 +95,7 @@ class RequestOutput:
         self.token_ids += later.token_ids
         self.text += later.text
         self.logprobs += later.logprobs
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
         self.finish_reason, self.matched_stop = later.finish_reason, later.matched_stop
         self.prompt_tokens, self.completion_tokens = later.prompt_tokens, later.completion_tokens
         self.cached_prompt_tokens = later.cached_prompt_tokens
@@ -310,7 +312,8 @@ def request_params(limits: Limits, sampling: SamplingOptions, *, max_tokens: int
                    stop: tuple[str, ...] = (), stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False,
                    logprobs: int | None = None, skip_special_tokens: bool = True, logit_bias: dict | None = None,
                    include_stop_str_in_output: bool = False, priority: int = 0, logprobs_name: str = "logprobs",
-                   max_tokens_name: str = "max_tokens", regex: str | None = None) -> RequestParams:
+                   max_tokens_name: str = "max_tokens", regex: str | None = None,
+                   prompt_logprobs: int | None = None) -> RequestParams:
     """Validated RequestParams from plain values; max_tokens None means as many as fit. logit_bias maps
     token ids (ints) to biases; regex: structured output's, already checked (structured.py)."""
     if max_tokens is not None:
@@ -330,6 +333,8 @@ def request_params(limits: Limits, sampling: SamplingOptions, *, max_tokens: int
     _check(len(stop_token_ids) <= 64, f"stop_token_ids may hold at most 64 ids, got {len(stop_token_ids)}")
     _check(logprobs is None or 0 <= logprobs <= limits.max_logprobs,
            f"{logprobs_name} must be in [0, {limits.max_logprobs}], got {logprobs}")
+    _check(prompt_logprobs is None or 0 <= prompt_logprobs <= limits.max_logprobs,
+           f"prompt_logprobs must be in [0, {limits.max_logprobs}], got {prompt_logprobs}")
     _check(regex is None or min_tokens == 0,
            f"min_tokens ({min_tokens}) cannot go with structured output, whose text may be whole sooner; leave it 0")
     _check(priority == 0 or limits.by_priority,
@@ -339,7 +344,8 @@ def request_params(limits: Limits, sampling: SamplingOptions, *, max_tokens: int
                          stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
                          skip_special_tokens=skip_special_tokens,
                          logit_bias=checked_logit_bias(logit_bias or {}, limits),
-                         include_stop_str_in_output=include_stop_str_in_output, priority=priority, regex=regex)
+                         include_stop_str_in_output=include_stop_str_in_output, priority=priority, regex=regex,
+                         prompt_logprobs=prompt_logprobs)
 
 
 def checked_logit_bias(bias: dict, limits: Limits) -> tuple[tuple[int, float], ...]:
@@ -380,6 +386,7 @@ def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, header_reques
         include_stop_str_in_output=req.include_stop_str_in_output,
         priority=req.priority,
         regex=_output_regex_from_pb(req, prompt, tool_call_parser, reasoning_parser),
+        prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
     )
     return GenerateCall(request_id, prompt, params, req.truncate_prompt_tokens)
 
@@ -414,6 +421,15 @@ def _forced_calls_from_pb(req: pb.GenerateRequest, prompt: Prompt, parser: str |
     return checked_regex(forced_calls_regex(parser, tools, spec), "chat.tool_choice")
 
 
+def _add_logprobs(field, logprobs: list[TokenLogprobs]) -> None:
+    """Appends a PositionLogprobs to the repeated ``field`` for each entry of ``logprobs``."""
+    for lp in logprobs:
+        entry = field.add()
+        entry.sampled.token_id, entry.sampled.logprob = lp.token_id, lp.logprob
+        for token_id, logprob in lp.top:
+            entry.top.add(token_id=token_id, logprob=logprob)
+
+
 _FINISH_TO_PB = {
     None: pb.FINISH_REASON_UNSPECIFIED,
     FinishReason.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN,
@@ -426,11 +442,9 @@ _FINISH_TO_PB = {
 def output_to_pb(out: RequestOutput) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(request_id=out.request_id, token_ids=out.token_ids, text=out.text,
                               finish_reason=_FINISH_TO_PB[out.finish_reason], matched_stop=out.matched_stop)
-    for lp in out.logprobs:
-        entry = msg.logprobs.add()
-        entry.sampled.token_id, entry.sampled.logprob = lp.token_id, lp.logprob
-        for token_id, logprob in lp.top:
-            entry.top.add(token_id=token_id, logprob=logprob)
+    _add_logprobs(msg.logprobs, out.logprobs)
+    if out.prompt_logprobs is not None:
+        _add_logprobs(msg.prompt_logprobs, out.prompt_logprobs[1:])
     if out.finish_reason is not None:
         msg.usage.prompt_tokens = out.prompt_tokens
         msg.usage.completion_tokens = out.completion_tokens

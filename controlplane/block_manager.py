@@ -63,9 +63,10 @@ class BlockManager:
         """Blocks holding a computed prefix of seq's tokens (pure: changes nothing).
 
         At least the last token is always left to compute, so that the step that
-        computes it can sample.
+        computes it can sample. A sequence that wants its prompt's log-probabilities computes
+        the whole prompt: a cached position has no logits.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
             return []
         hits: list[int] = []
         prefix_hash = None

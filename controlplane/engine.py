@@ -223,11 +223,13 @@ class Engine:
         """A step's tokens: detokenizes, applies stop strings and pushes each request's new output."""
         self.snapshot(snapshot)
         by_seq, limit = self.by_seq, self.config.max_unsent_tokens_per_stream
-        for seq_id, token, position, logprobs, reason, num_cached in outputs:
+        for seq_id, token, position, logprobs, reason, num_cached, prompt_logprobs in outputs:
             state = by_seq.get(seq_id)
             if state is None:  # ended here meanwhile (cancelled, stop string)
                 continue
             state.record_token(token, position, logprobs, num_cached)
+            if prompt_logprobs is not None:
+                state.pending.prompt_logprobs = prompt_logprobs
             core_reason = reason and FinishReason(reason)
             reason = state.add_text(token, core_reason)
             if reason is not None:

@@ -37,6 +37,8 @@ class TokenOutput(NamedTuple):
     logprobs: TokenLogprobs | None
     finish_reason: str | None  # FinishReason's value, when a token rule ended the sequence here
     num_cached_tokens: int  # prompt tokens found in the prefix cache
+    # with the first output token of a request that wants them: the prompt's, entry i token i's (0: None)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 _token_output = partial(tuple.__new__, TokenOutput)  # TokenOutput from a plain tuple, without per-field checks

@@ -319,19 +319,18 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool,
     stream = _bool(body, "stream")
     if options is not None and not stream:
         _fail("stream_options is only allowed with stream: true")
+    echo = _bool(body, "echo")
+    if echo and chat:
+        _fail("echo is only for /v1/completions")
     calls = []  # prompt after prompt, n choices each: choice index = prompt index * n + j
     for prompt in prompts:
         for j in range(n):  # a prompt's choices draw as they would with that prompt alone
             sampling = replace(params.sampling, seed=choice_seed(params.sampling.seed, j))
             call_id = request_id if n * len(prompts) == 1 else f"{request_id}-{len(calls)}"
-            calls.append(GenerateCall(call_id, prompt, replace(params, sampling=sampling), truncate,
-                                      "messages" if chat else "prompt", max_tokens_name))
-    echo = _bool(body, "echo")
-    if echo and chat:
-        _fail("echo is only for /v1/completions")
-    if echo and top is not None:
-        _fail("echo: with logprobs it needs the prompt's log-probabilities, which this server does not compute; "
-              "leave out echo or logprobs")
+            # echo with logprobs: the prompt's come from its first choice, the others share them
+            scored = top if echo and j == 0 else None
+            calls.append(GenerateCall(call_id, prompt, replace(params, sampling=sampling, prompt_logprobs=scored),
+                                      truncate, "messages" if chat else "prompt", max_tokens_name))
     return OpenAIRequest(chat=chat, calls=calls, n=n, echo=echo, stream=stream,
                          include_usage=bool(options and options.get("include_usage")), logprobs=top is not None,
                          tools=tools)
@@ -376,5 +375,7 @@ def logprobs_json(chat: bool, entries: list[TokenLogprobs], tokenizer: Tokenizer
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
-    return {"tokens": tokens, "token_logprobs": [_safe(e.logprob) for e in entries],
-            "top_logprobs": [{text(t): _safe(lp) for t, lp in e.top} for e in entries], "text_offset": offsets}
+    # an echoed prompt's first token has no log-probability (logprob None): null, as its top tokens
+    return {"tokens": tokens, "token_logprobs": [None if e.logprob is None else _safe(e.logprob) for e in entries],
+            "top_logprobs": [None if e.logprob is None else {text(t): _safe(lp) for t, lp in e.top} for e in entries],
+            "text_offset": offsets}

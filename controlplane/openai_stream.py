@@ -4,7 +4,8 @@ Each choice is an engine request of its own with its prompt (a completion may se
 prompts, n choices each). The first choice of each prompt goes at once; the others are added once
 its first token is out, when its prompt's full blocks are in the prefix cache, so they share those
 blocks instead of computing the prompt again. With echo, a choice's first output starts with its
-prompt.
+prompt, and with logprobs too its log-probabilities start with the prompt's (which the first choice
+of each prompt computes for all of them).
 
 The choices' outputs pass through a queue of one slot per choice: what a slow client has not read
 stays with the engine, which merges it and ends the streams that fall too far behind
@@ -17,7 +18,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from twinplane.controlplane.api import GenerateCall, RequestOutput
+from twinplane.controlplane.api import GenerateCall, RequestOutput, TokenLogprobs
 from twinplane.controlplane.chat_text import CallDelta, ChatText
 from twinplane.controlplane.engine import Engine
 from twinplane.controlplane.errors import InvalidRequest
@@ -40,7 +41,9 @@ class Choices:
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=len(self.calls))
         self.finals: list[RequestOutput | None] = [None] * len(self.calls)
         self.started = [False] * len(self.calls)
-        self.echo: list[str] | None = [""] * len(self.calls) if request.echo else None  # each choice's prompt
+        # with echo: each choice's prompt as its first output shows it (None before it starts and after that output)
+        self.echo: list[str | None] | None = [None] * len(self.calls) if request.echo else None
+        self.scored: list[list[TokenLogprobs]] = [[] for _ in range(0, len(self.calls), self.n)]  # per prompt
 
     async def open(self) -> None:
         """Adds the first choice of every prompt (raises the engine's ServiceError for a request it
@@ -58,6 +61,8 @@ class Choices:
         self.states.append(state)
         if self.echo is not None:
             self.echo[index] = await self._prompt_text(self.calls[index], state.prompt)
+            if index % self.n == 0:  # its first token, which nothing scores (its log-probability is null)
+                self.scored[index // self.n] = [TokenLogprobs(state.prompt[0], None)]
         self.tasks.append(asyncio.create_task(self._pump(index, state)))
 
     async def _prompt_text(self, call: GenerateCall, token_ids: list[int]) -> str:
@@ -87,8 +92,12 @@ class Choices:
                 if index % self.n == 0 and not self.started[index + self.n - 1]:  # the prompt's blocks are cached now
                     for sibling in range(index + 1, index + self.n):
                         await self._start(sibling)
-                if self.echo is not None and self.echo[index]:  # the choice's first output
-                    out.text, self.echo[index] = self.echo[index] + out.text, ""
+                if out.prompt_logprobs is not None:  # the first output of a prompt's first choice
+                    self.scored[index // self.n] += out.prompt_logprobs[1:]
+                if self.echo is not None and self.echo[index] is not None:  # the choice's first output
+                    out.text, self.echo[index] = self.echo[index] + out.text, None
+                    if self.calls[index - index % self.n].params.prompt_logprobs is not None:
+                        out.logprobs = self.scored[index // self.n] + out.logprobs
                 if out.finish_reason is not None:
                     self.finals[index] = out
                     remaining -= 1

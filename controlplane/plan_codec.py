@@ -51,8 +51,15 @@ def encode_plan(out: SchedulerOutput, block_size: int, eos_token_ids: tuple[int,
     inits = []
     masked = [i for i, s in enumerate(decodes) if s.matcher is not None]
     follow = any(token_ids[i] == PENDING for i in masked)
+    asks, out.prompt_asks = [], []
     for c in out.other_chunks:
         seq, end = c.seq, c.start_pos + c.num_tokens
+        if seq.prompt_logprobs is not None and c.start_pos < seq.num_prompt_tokens - 1:
+            # position p scores prompt token p + 1; the prompt's last position samples instead
+            scored = seq.token_ids[c.start_pos + 1:min(end, seq.num_prompt_tokens - 1) + 1]
+            asks.append(dp.PromptLogprobsAsk(index=len(seq_ids), next_token_ids=np.asarray(scored, "<i4").tobytes(),
+                                             num_top=seq.params.prompt_logprobs))
+            out.prompt_asks.append((seq, c.start_pos + 1))
         if c.sample and seq.matcher is not None:
             masked.append(len(seq_ids))
             follow = follow or seq.token_ids[end - 1] == PENDING
@@ -85,6 +92,7 @@ def encode_plan(out: SchedulerOutput, block_size: int, eos_token_ids: tuple[int,
         decode_budget=np.asarray(out.decode_budget, dtype="<i4").tobytes(),
         token_masks=[] if follow else token_masks(out, masked),
         masks_follow=follow,
+        prompt_logprobs=asks,
     )
 
 
@@ -118,6 +126,9 @@ class StepTokens:
     prepare_us: int = 0
     launch_us: int = 0
     path: int = dp.STEP_PATH_EAGER  # how the data plane ran the forward pass (dataplane.proto StepPath)
+    # per prompt log-probabilities ask, in the plan's order: (log-probability, top (id, log-probability) pairs)
+    # at each of its positions
+    prompt_logprobs: list[list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=list)
 
 
 def decode_result(res: dp.StepResult) -> StepTokens:
@@ -131,4 +142,19 @@ def decode_result(res: dp.StepResult) -> StepTokens:
             ids, lps = top.get(i, ([], []))
             logprobs.append(TokenLogprobs(token_id, value, list(zip(ids, lps))))
     t = res.timings
-    return StepTokens(token_ids, logprobs, t.idle_us, t.execute_us, t.prepare_us, t.launch_us, t.path)
+    tokens = StepTokens(token_ids, logprobs, t.idle_us, t.execute_us, t.prepare_us, t.launch_us, t.path)
+    for p in res.prompt_logprobs:
+        values = np.frombuffer(p.logprobs, dtype="<f4").tolist()
+        top_ids = np.frombuffer(p.top_token_ids, dtype="<i4").reshape(len(values), -1).tolist()
+        top_lps = np.frombuffer(p.top_logprobs, dtype="<f4").reshape(len(values), -1).tolist()
+        tokens.prompt_logprobs.append([(v, list(zip(i, lp))) for v, i, lp in zip(values, top_ids, top_lps)])
+    return tokens
+
+
+def store_prompt_logprobs(out: SchedulerOutput, tokens: StepTokens) -> None:
+    """Puts a step's prompt log-probabilities into the sequences that asked for them (each keeps them
+    until its first output token takes them along)."""
+    for (seq, first), scored in zip(out.prompt_asks, tokens.prompt_logprobs):
+        if seq.prompt_logprobs is not None:
+            seq.prompt_logprobs[first:first + len(scored)] = [
+                TokenLogprobs(seq.token_ids[first + j], value, top) for j, (value, top) in enumerate(scored)]

@@ -18,7 +18,7 @@ from twinplane.controlplane.dataplane_client import DataPlaneClient, DataPlaneLo
 from twinplane.controlplane.finish import stop_token_ids, token_finish_reason
 from twinplane.controlplane.liveness import Silence
 from twinplane.controlplane.messages import Rejected, Snapshot, StepFailed, StepOutputs, TokenOutput
-from twinplane.controlplane.plan_codec import decode_result, encode_plan, masks_message
+from twinplane.controlplane.plan_codec import decode_result, encode_plan, masks_message, store_prompt_logprobs
 from twinplane.controlplane.scheduler import Scheduler, SchedulerConfig
 from twinplane.controlplane.sequence import Sequence
 from twinplane.proto import dataplane_pb2 as dp, step_path_names
@@ -147,12 +147,17 @@ class Replica:
             tokens.idle_us = 0  # the data plane waited for requests, not for the control plane
         self._count(out, tokens)
         max_model_len, logprobs, seqs = self.describe.max_model_len, tokens.logprobs, self.core.seqs
+        if out.prompt_asks:
+            store_prompt_logprobs(out, tokens)
         outputs = []
         for seq, token, index, position in self.scheduler.update(out, tokens.token_ids):
             seq_id = seq.seq_id
             entry = seqs.get(seq_id)
             if entry is None:  # aborted meanwhile
                 continue
+            prompt_logprobs = None
+            if seq.prompt_logprobs is not None and position == seq.num_prompt_tokens:  # out with the first token
+                prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
             if seq.matcher is not None:
                 seq.matcher.accept(token)
                 if seq.matcher.failure is not None:
@@ -168,7 +173,7 @@ class Replica:
                 self.scheduler.finish(seq)
                 self.core.forget(seq_id)
             outputs.append(TokenOutput(seq_id, token, position, logprobs[index] if logprobs else None,
-                                       reason and reason.value, seq.num_cached_tokens))
+                                       reason and reason.value, seq.num_cached_tokens, prompt_logprobs))
         return outputs
 
     def _count(self, out, tokens) -> None:

@@ -85,6 +85,9 @@ class SchedulerOutput:
     # the plan indexes of the masked sequences whose token masks follow the plan, as they wait for the step
     # before it (set by plan_codec.encode_plan; empty: the plan carries its masks, if any)
     masks_due: list[int] = field(default_factory=list)
+    # (sequence, position of the first prompt token scored) of each prompt log-probabilities ask, in the
+    # plan's order (set by plan_codec.encode_plan)
+    prompt_asks: list[tuple[Sequence, int]] = field(default_factory=list)
 
     @property
     def masks_follow(self) -> bool:

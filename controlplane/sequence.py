@@ -55,6 +55,7 @@ class RequestParams:
     include_stop_str_in_output: bool = False  # the stop string that ends the text stays in it
     priority: int = 0  # with scheduling by priority: lower runs first
     regex: str | None = None  # structured output: the text must match it (structured.py)
+    prompt_logprobs: int | None = None  # None = none; n = each prompt token's (after the first) plus the top n
 
     @property
     def plain_sampling(self) -> bool:
@@ -93,6 +94,9 @@ class Sequence:
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
         self.matcher = None  # structured output: its place in its grammar (structured.TokenMatcher)
+        # the prompt's log-probabilities as steps compute them, entry i prompt token i's (entry 0 stays None);
+        # None once they went out with the first output token, or when the request wants none
+        self.prompt_logprobs: list | None = None if params.prompt_logprobs is None else [None] * len(prompt_token_ids)
         self.arrival = next(_ARRIVALS)
 
     @property

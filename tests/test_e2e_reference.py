@@ -114,6 +114,32 @@ def test_logprobs_match_transformers(tiny_qwen3_dir, shared_planes):
                     assert abs(lp - reference[i, token_id].item()) < 1e-3, (i, token_id)
 
 
+def test_prompt_logprobs_match_transformers(tiny_qwen3_dir, planes_factory):
+    """prompt_logprobs: each prompt token's log-probability after the first, and the top 3 at each position,
+    equal transformers' log_softmax, for a prompt computed in three chunks; a prompt whose blocks are in the
+    prefix cache is computed whole again for them."""
+    model = _hf_model(str(tiny_qwen3_dir))
+    planes = planes_factory(tiny_qwen3_dir, "--block-size", "16", max_num_batched_tokens=24)
+    prompt = random_prompts(1, seed=29, low=50, high=50)[0]
+    with torch.no_grad():
+        reference = model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    with planes.client() as client:
+        client.generate_text(token_ids=prompt, max_tokens=1)  # its full blocks join the prefix cache
+        chunks = list(client.generate(token_ids=prompt, max_tokens=3, temperature=0, ignore_eos=True,
+                                      prompt_logprobs=3, logprobs=0))
+    assert chunks[-1].usage.cached_prompt_tokens == 0
+    scored = chunks[0].prompt_logprobs
+    assert [p.token_id for p in scored] == prompt[1:]
+    assert all(not c.prompt_logprobs for c in chunks[1:]), "they come with the first message only"
+    for i, position in enumerate(scored):
+        assert abs(position.logprob - reference[i, prompt[i + 1]].item()) < 1e-3, i
+        top = reference[i].topk(3)
+        assert [t for t, _ in position.top] == top.indices.tolist(), i
+        assert [lp for _, lp in position.top] == pytest.approx(top.values.tolist(), abs=1e-3), i
+    first = chunks[0].logprobs[0]  # the first output's own log-probability is the last prompt position's
+    assert first.token_id == int(reference[-1].argmax()) and abs(first.logprob - reference[-1].max().item()) < 1e-3
+
+
 def test_smollm2_chat_matches_transformers(smollm2_dir, planes_factory):
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(smollm2_dir))
     planes = planes_factory(smollm2_dir)

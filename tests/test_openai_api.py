@@ -69,6 +69,15 @@ def test_n_gives_distinct_seeds_and_ids():
     assert [c.params.sampling.seed for c in parse({**CHAT, "n": 2}).calls] == [None, None]
 
 
+def test_echo_with_logprobs_scores_each_prompt_once():
+    """The prompt's log-probabilities are asked of each prompt's first choice only (its siblings share them
+    and its cached blocks), and only with echo."""
+    req = parse({"prompt": ["a", "b"], "n": 2, "echo": True, "logprobs": 3}, chat=False)
+    assert [c.params.prompt_logprobs for c in req.calls] == [3, None, 3, None]
+    assert parse({"prompt": "a", "logprobs": 3}, chat=False).calls[0].params.prompt_logprobs is None
+    assert parse({"prompt": "a", "echo": True}, chat=False).calls[0].params.prompt_logprobs is None
+
+
 def test_prompt_forms():
     assert parse({"prompt": "hello"}, chat=False).calls[0].prompt.text == "hello"
     assert parse({"prompt": [1, 2, 3]}, chat=False).calls[0].prompt.token_ids == [1, 2, 3]
@@ -100,7 +109,6 @@ def test_prompt_forms():
     ({"prompt": ["a", [1, None]]}, False, "prompt[1] must be a string or a list of token ids"),
     ({"prompt": ["a"] * 33}, False, "prompt: a batch holds at most 32 prompts, got 33"),
     ({"prompt": [5000]}, False, "prompt must be in [0, 1000)"),
-    ({"prompt": "x", "echo": True, "logprobs": 2}, False, "echo: with logprobs it needs the prompt's log-probab"),
     ({**CHAT, "echo": True}, True, "echo is only for /v1/completions"),
     ({"prompt": "x", "echo": "yes"}, False, "echo must be true or false"),
     ({**CHAT, "top_k": 2**31}, True, "top_k must be in [-1, 2147483647]"),  # an int32 on the data plane

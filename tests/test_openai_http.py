@@ -209,6 +209,34 @@ def test_echo_starts_each_choice_with_its_prompt(client, base_url, model, http_p
     assert truncated.usage.prompt_tokens == 10
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, model, tiny_qwen3_dir):
+    """echo with logprobs (how evaluation harnesses score a text): each choice's log-probabilities start with
+    the prompt's, transformers' own, its first token's null; every choice of the prompt has the same ones,
+    and streamed they come in the choice's first chunk."""
+    import torch
+    import transformers
+
+    ids = list(range(300, 340, 2))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_qwen3_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    kwargs = dict(model=model, prompt=ids, max_tokens=2, temperature=0, echo=True, logprobs=2,
+                  extra_body={"ignore_eos": True})
+    batch = client.completions.create(n=2, **kwargs)
+    first, second = (c.logprobs for c in sorted(batch.choices, key=lambda c: c.index))
+    assert first.token_logprobs[:len(ids)] == second.token_logprobs[:len(ids)]
+    assert len(first.tokens) == len(ids) + 2 and first.token_logprobs[0] is None and first.top_logprobs[0] is None
+    for i in range(1, len(ids)):
+        assert abs(first.token_logprobs[i] - expected[i - 1, ids[i]].item()) < 1e-3, i
+        top = expected[i - 1].topk(2).values.tolist()
+        assert sorted(first.top_logprobs[i].values(), reverse=True) == pytest.approx(top, abs=1e-3), i
+    assert abs(first.token_logprobs[len(ids)] - expected[-1].max().item()) < 1e-3  # the first output, greedy
+    assert first.text_offset == sorted(first.text_offset) and first.text_offset[0] == 0
+    chunks = [c for chunk in client.completions.create(stream=True, **kwargs) for c in chunk.choices]
+    assert chunks[0].logprobs.token_logprobs[:len(ids)] == first.token_logprobs[:len(ids)]
+    assert sum(len(c.logprobs.tokens) for c in chunks) == len(ids) + 2
+
+
 def test_logprobs(client, model):
     answer = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=5, temperature=0,
                                             logprobs=True, top_logprobs=3)

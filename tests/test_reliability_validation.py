@@ -69,6 +69,7 @@ BAD_REQUESTS = [
     ("stop-token-beyond-vocab", request(stop_token_ids=[VOCAB + 3]), "stop_token_ids"),
     ("too-many-stop-tokens", request(stop_token_ids=[3] * 65), "stop_token_ids"),
     ("logprobs-above-limit", request(logprobs=21), "logprobs"),
+    ("prompt-logprobs-above-limit", request(prompt_logprobs=21), "prompt_logprobs must be in [0, 20]"),
     ("logit-bias-beyond-vocab", request(logit_bias={VOCAB: 1.0}), "logit_bias token ids"),
     ("logit-bias-above-100", request(logit_bias={3: 100.5}), "logit_bias[3]"),
     ("logit-bias-nan", request(logit_bias={3: math.nan}), "logit_bias[3]"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pytest
 
 
 def _prompts(count: int) -> list[list[int]]:
@@ -30,17 +31,27 @@ def test_ranks_on_cpu_give_the_tokens_of_one(planes_factory, tiny_qwen3_dir):
                   dict(token_ids=prompts[2], max_tokens=24, temperature=0.9, seed=3, ignore_eos=True,
                        choice=["alpha beta gamma delta", "epsilon zeta eta theta iota"])]
     requests += structured
+    # the prompt's log-probabilities: every rank joins the output projection of its positions
+    requests.insert(0, dict(token_ids=prompts[2], max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=2))
 
-    def run(tp: int) -> list[list[int]]:
+    def generate(client, request: dict) -> tuple[list[int], list]:
+        chunks = list(client.generate(**request))
+        return [t for c in chunks for t in c.token_ids], chunks[0].prompt_logprobs
+
+    def run(tp: int) -> tuple[list[list[int]], list]:
         planes = planes_factory(tiny_qwen3_dir, "--tensor-parallel-size", str(tp), "--block-size", "16",
                                 "--max-model-len", "256")
         with planes.client() as client, ThreadPoolExecutor(len(requests)) as pool:  # batched together
-            tokens = list(pool.map(lambda r: [t for c in client.generate(**r) for t in c.token_ids], requests))
+            tokens, scored = zip(*pool.map(lambda r: generate(client, r), requests))
         planes.stop()
         assert planes.dataplane.returncode == 0, "the data plane (and its worker) should stop cleanly"
-        return tokens
+        return list(tokens), scored[0]
 
-    one = run(1)
-    assert [len(t) for t in one[:-2]] == [24] * (len(requests) - 2) and len(one[-1]) < 24
+    one, scored = run(1)
+    assert [len(t) for t in one[1:-2]] == [24] * (len(requests) - 3) and len(one[-1]) < 24
+    assert [p.token_id for p in scored] == prompts[2][1:]
     for ranks in (2, 4):  # 4: more ranks than the model's 2 KV heads, each replicated
-        assert run(ranks) == one, f"{ranks} ranks"
+        tokens, ranked = run(ranks)
+        assert tokens == one, f"{ranks} ranks"
+        assert [p.token_id for p in ranked] == prompts[2][1:], f"{ranks} ranks"
+        assert [p.logprob for p in ranked] == pytest.approx([p.logprob for p in scored], abs=1e-4), f"{ranks} ranks"
