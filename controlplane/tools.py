@@ -40,6 +40,7 @@ import json
 import re
 import secrets
 import string
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from twinplane.controlplane.errors import InvalidRequest
@@ -442,10 +443,81 @@ class _CallStart:
         return self.state != Grammar.DEAD
 
 
-_LLAMA = _CallHeader(rf'\s*\{{\s*"name"\s*:\s*({_JSON_STRING})\s*,\s*"(?:parameters|arguments)"\s*:\s*')
+@dataclass(frozen=True)
+class _CallForm:
+    """How a parser's calls follow one another: the first one's start and a later one's, looked for where
+    the text after the last call starts (``spaced``: past its whitespace), whether a "}" closes each call
+    after its arguments, what closes the calls after the last one, and the calls' ids."""
+
+    first: _CallHeader
+    later: _CallHeader
+    spaced: bool = False
+    closed: bool = True
+    end: str = ""  # "]" of a JSON list
+    new_id: Callable[[], str] = _call_id
 
 
-class Llama3JsonParser:
+class _CallSequence:
+    """Calls one after another in a growing text (``held``), from ``at`` on, in a ``_CallForm``: each call's
+    arguments stream as written, and the text after the last call is content, whitespace alone dropped."""
+
+    def __init__(self, form: _CallForm | None = None):
+        self.held = ""
+        self.form = form
+        self.at = 0  # in held: where the first call may start, then where the text after the last whole call starts
+        self.num_calls = 0
+        self.head: _WrittenCall | None = None  # the call being written
+        self.next: _CallStart | None = None  # where a call may open next, while it is not known yet
+        self.done = False  # the calls have ended: the rest is content
+
+    @property
+    def open_call(self) -> ToolCall | None:
+        """The call being written, its arguments so far (the same id as the call it will be)."""
+        return None if self.head is None else self.head.call(self.held)
+
+    def _calls(self, final: bool) -> tuple[str, list[ToolCall]] | None:
+        """The calls the held text completes, and the content after the last one once it shows; None when
+        the text at ``at`` opens no call (the text ends, or can no longer become one)."""
+        form, calls = self.form, []
+        while True:
+            if self.head is not None:  # a call being written
+                end = self.head.value.scan(self.held)
+                closing = "" if end is None or not form.closed else self.held[end:].lstrip()  # the call's "}"
+                if (end is None or (form.closed and not closing)) and not final:
+                    return "", calls
+                calls.append(self.head.call(self.held))
+                self.head, self.num_calls = None, self.num_calls + 1
+                if end is None:
+                    self.done = True
+                    return "", calls
+                self.at = len(self.held) - len(closing) + closing.startswith("}") if form.closed else end
+                continue
+            start = form.later if self.num_calls else form.first
+            at = len(self.held) - len(self.held[self.at:].lstrip()) if form.spaced else self.at
+            self.head = _WrittenCall.starting(start.header, self.held, at, form.new_id)
+            if self.head is not None:
+                continue
+            if not final:
+                if self.next is None or self.next.start != at:
+                    self.next = _CallStart(at, start.prefix)
+                if self.next.possible(self.held):
+                    return "", calls
+            if not self.num_calls:
+                return None
+            rest = self.held[self.at:]
+            if form.end and rest.lstrip().startswith(form.end):
+                rest = rest.lstrip()[len(form.end):]  # past the end of the calls
+            if (not rest or rest.isspace()) and not final:
+                return "", calls  # whitespace alone after the calls is dropped, unless text follows
+            self.done = True
+            return ("" if rest.isspace() else rest), calls
+
+
+_LLAMA = rf'\s*\{{\s*"name"\s*:\s*({_JSON_STRING})\s*,\s*"(?:parameters|arguments)"\s*:\s*'
+_LLAMA_CALLS = _CallForm(_CallHeader(_LLAMA), _CallHeader(";" + _LLAMA), spaced=True)
+
+
+class Llama3JsonParser(_CallSequence):
     """One choice's text, fed piece by piece: content as it comes, unless it opens as JSON. A text that
     opens as a call (``{"name": "f", "parameters": {``, ``arguments`` taken too) is calls from there on:
     each call's arguments stream as written, the calls separated by ``;``, and the text after the last
@@ -453,15 +525,12 @@ class Llama3JsonParser:
     calls (``_llama3_calls``) or, when it holds none, as content."""
 
     def __init__(self):
-        self.held = ""
+        super().__init__(_LLAMA_CALLS)
         self.state = "opening"  # until the first text past whitespace (and the python tag) shows which
-        self.at = 0  # in state "calls": where the text after the last whole call starts in held
-        self.head: _WrittenCall | None = None  # the call being written
-        self.next: _CallStart | None = None  # where a call may open next, while it is not known yet
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
         """The content and the calls in text (with what was held before); final: the text ends here."""
-        if self.state == "content":
+        if self.done:
             return text, []
         self.held += text
         if self.state == "opening":
@@ -469,79 +538,35 @@ class Llama3JsonParser:
             if start.startswith(PYTHON_TAG):
                 start = start[len(PYTHON_TAG):].lstrip()
             if start.startswith("{"):
-                self.state, self.at = "json", len(self.held) - len(start)
+                self.state, self.at = "calls", len(self.held) - len(start)
             elif (not start or PYTHON_TAG.startswith(start)) and not final:
                 return "", []
             else:
-                self.state, held, self.held = "content", self.held, ""
+                self.done, held, self.held = True, self.held, ""
                 return held, []
-        if self.state == "json":
-            if self._read_head(self.at):
-                self.state = "calls"
-            elif final or not self._may_open(self.at):
-                self.state = "whole"
-        if self.state == "whole":  # JSON that is no call as it starts: read whole at the end
-            if not final:
-                return "", []
-            body = self.held.lstrip().removeprefix(PYTHON_TAG)
-            calls = _llama3_calls(body.strip())
-            return ("", calls) if calls else (self.held, [])
-        return self._calls(final) if self.state == "calls" else ("", [])
-
-    @property
-    def open_call(self) -> ToolCall | None:
-        """The call being written, its arguments so far (the same id as the call it will be)."""
-        if self.state != "calls" or self.head is None:
-            return None
-        return self.head.call(self.held)
-
-    def _may_open(self, at: int) -> bool:
-        """Whether the held text from at may still open a call (more text to come)."""
-        if self.next is None or self.next.start != at:
-            self.next = _CallStart(at, _LLAMA.prefix)
-        return self.next.possible(self.held)
-
-    def _read_head(self, at: int) -> bool:
-        self.head = _WrittenCall.starting(_LLAMA.header, self.held, at)
-        return self.head is not None
-
-    def _calls(self, final: bool) -> tuple[str, list[ToolCall]]:
-        """The calls the held text completes, and the content after the last one once it shows."""
-        calls: list[ToolCall] = []
-        while True:
-            if self.head is not None:  # a call being written
-                end = self.head.value.scan(self.held)
-                closing = "" if end is None else self.held[end:].lstrip()  # the call's "}" after its arguments
-                if (end is None or not closing) and not final:
-                    return "", calls
-                calls.append(self.head.call(self.held))
-                self.head = None
-                if end is None:
-                    return "", calls
-                self.at = len(self.held) - len(closing) + closing.startswith("}")
-                continue
-            rest = self.held[self.at:]
-            after = rest.lstrip()
-            separated = self.at + len(rest) - len(after) + 1  # just past the ";", when after opens with one
-            if after.startswith(";") and self._read_head(separated):
-                continue  # the next call
-            waits = not after or (after.startswith(";") and self._may_open(separated))
-            if waits and not final:
-                return "", calls
-            self.state = "content"
-            return ("" if rest.isspace() else rest), calls
+        found = self._calls(final) if self.state == "calls" else None
+        if found is not None:
+            return found
+        self.state = "whole"  # JSON that is no call as it starts: read whole at the end
+        if not final:
+            return "", []
+        body = self.held.lstrip().removeprefix(PYTHON_TAG)
+        calls = _llama3_calls(body.strip())
+        return ("", calls) if calls else (self.held, [])
 
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
-_MISTRAL_STARTS = {  # each form's first call's start and a later one's
-    "list": (_CallHeader(rf'\s*\[\s*\{{\s*"name"\s*:\s*({_JSON_STRING})\s*,\s*"arguments"\s*:\s*'),
-             _CallHeader(rf'\s*,\s*\{{\s*"name"\s*:\s*({_JSON_STRING})\s*,\s*"arguments"\s*:\s*')),
-    "named": (_CallHeader(r"\s*([A-Za-z0-9_\-]{1,64})\[ARGS\]"),
-              _CallHeader(r"\s*\[TOOL_CALLS\]\s*([A-Za-z0-9_\-]{1,64})\[ARGS\]")),
+_MISTRAL_FORMS = {
+    "list": _CallForm(_CallHeader(rf'\s*\[\s*\{{\s*"name"\s*:\s*({_JSON_STRING})\s*,\s*"arguments"\s*:\s*'),
+                      _CallHeader(rf'\s*,\s*\{{\s*"name"\s*:\s*({_JSON_STRING})\s*,\s*"arguments"\s*:\s*'),
+                      end="]", new_id=_mistral_call_id),
+    "named": _CallForm(_CallHeader(r"\s*([A-Za-z0-9_\-]{1,64})\[ARGS\]"),
+                       _CallHeader(r"\s*\[TOOL_CALLS\]\s*([A-Za-z0-9_\-]{1,64})\[ARGS\]"),
+                       closed=False, new_id=_mistral_call_id),
 }
 
 
-class MistralParser:
+class MistralParser(_CallSequence):
     """One choice's text, fed piece by piece: content up to ``[TOOL_CALLS]``, calls after it, in either
     of Mistral's forms: a JSON list ``[{"name": "f", "arguments": {...}}, ...]`` (tokenizers up to v7),
     or ``f[ARGS]{...}``, each later call after a ``[TOOL_CALLS]`` of its own (v11 on). Each call's
@@ -549,76 +574,34 @@ class MistralParser:
     whitespace alone dropped. A tag that no call follows is content, as written."""
 
     def __init__(self):
+        super().__init__()  # the form, once the text after the tag shows which
         self.partial = ""  # before the tag: text that may be the start of TOOL_CALLS
-        self.held: str | None = None  # the text after the tag, once it has come
-        self.form: str | None = None  # "list" or "named", once the text after the tag shows which
-        self.at = 0  # in held: where the text after the last whole call starts
-        self.num_calls = 0
-        self.head: _WrittenCall | None = None  # the call being written
-        self.next: _CallStart | None = None  # where a call may open next, while it is not known yet
-        self.done = False  # the calls have ended: the rest is content
+        self.tagged = False  # the tag has come: held is the text after it
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
         """The content and the calls in text (with what was held before); final: the text ends here."""
         if self.done:
             return text, []
         content = ""
-        if self.held is None:
+        if not self.tagged:
             text, self.partial = self.partial + text, ""
             at = text.find(TOOL_CALLS)
             if at < 0:
                 keep = 0 if final else partial_tag(text, TOOL_CALLS)
                 self.partial = text[len(text) - keep:]
                 return text[:len(text) - keep], []
-            content, text, self.held = text[:at], text[at + len(TOOL_CALLS):], ""
+            content, text, self.tagged = text[:at], text[at + len(TOOL_CALLS):], True
         self.held += text
-        more, calls = self._calls(final)
-        return content + more, calls
-
-    @property
-    def open_call(self) -> ToolCall | None:
-        """The call being written, its arguments so far (the same id as the call it will be)."""
-        return None if self.head is None else self.head.call(self.held)
-
-    def _calls(self, final: bool) -> tuple[str, list[ToolCall]]:
-        """The calls the held text completes, and the content after the last one once it shows."""
-        calls: list[ToolCall] = []
-        while True:
-            if self.head is not None:  # a call being written
-                end = self.head.value.scan(self.held)
-                closing = "" if end is None or self.form == "named" else self.held[end:].lstrip()  # its "}"
-                if (end is None or (self.form == "list" and not closing)) and not final:
-                    return "", calls
-                calls.append(self.head.call(self.held))
-                self.head, self.num_calls = None, self.num_calls + 1
-                if end is None:
-                    self.done = True
-                    return "", calls
-                self.at = end if self.form == "named" else len(self.held) - len(closing) + closing.startswith("}")
-                continue
-            if self.form is None:
-                start = self.held.lstrip()
-                if not start and not final:
-                    return "", calls
-                self.form = "list" if start.startswith("[") else "named"
-            start = _MISTRAL_STARTS[self.form][bool(self.num_calls)]
-            self.head = _WrittenCall.starting(start.header, self.held, self.at, _mistral_call_id)
-            if self.head is not None:
-                continue
-            if not final:
-                if self.next is None or self.next.start != self.at:
-                    self.next = _CallStart(self.at, start.prefix)
-                if self.next.possible(self.held):
-                    return "", calls
-            rest = self.held[self.at:]
-            if self.num_calls and self.form == "list" and rest.lstrip().startswith("]"):
-                rest = rest.lstrip()[1:]  # past the list's end
-            if self.num_calls and (not rest or rest.isspace()) and not final:
-                return "", calls  # whitespace alone after the calls is dropped, unless text follows
+        if self.form is None:
+            start = self.held.lstrip()
+            if not start and not final:
+                return content, []
+            self.form = _MISTRAL_FORMS["list" if start.startswith("[") else "named"]
+        found = self._calls(final)
+        if found is None:  # the tag led to no call: text as any other
             self.done = True
-            if not self.num_calls:  # the tag led to no call: text as any other
-                return TOOL_CALLS + self.held, calls
-            return ("" if rest.isspace() else rest), calls
+            return content + TOOL_CALLS + self.held, []
+        return content + found[0], found[1]
 
 
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}

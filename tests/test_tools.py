@@ -67,6 +67,7 @@ LLAMA_WHOLE = [
     (LLAMA, ("", [WEATHER])),
     ("<|python_tag|>" + LLAMA, ("", [WEATHER])),
     ("\n " + LLAMA + "; " + LLAMA.replace("Paris", "Lyon") + "\n", ("", [WEATHER, LYON])),
+    (LLAMA + "\xa0; " + LLAMA.replace("Paris", "Lyon"), ("", [WEATHER, LYON])),  # any whitespace before ";"
     ('{"name": "f", "arguments": {"x": 1}}', ("", [("f", '{"x": 1}')])),
     ("It is sunny.", ("It is sunny.", [])),
     ("  It is {sunny}.", ("  It is {sunny}.", [])),
