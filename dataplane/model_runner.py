@@ -344,6 +344,12 @@ class ModelRunner:
         unique = {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
         return sum(unique.values())
 
+    def drop_refused(self, seq_ids) -> None:
+        """A refused plan's drops hold all the same: those sequences ended on the control plane, also when
+        the plan was refused as it was read, before ``launch`` saw it. Not while a plan waits for its masks."""
+        if self._awaiting_masks is None:
+            self.sequences.drop(seq_ids)
+
     def reset(self) -> None:
         """Forget every sequence (e.g. when the control plane reconnects)."""
         self._awaiting_masks = None

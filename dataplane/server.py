@@ -150,6 +150,7 @@ class DataPlaneServicer(dp_grpc.DataPlaneServicer):
                 return self.runner.sample_with_masks(msg.step_id, masks_from_pb(msg))
             return self.runner.launch(plan_from_pb(msg))
         except Exception as exc:  # the step fails, the process keeps serving
+            self.runner.drop_refused(msg.dropped_seq_ids)
             return _failed(msg.step_id, exc)
 
 

@@ -88,8 +88,8 @@ def worker_main(config: DataPlaneConfig, rank: int, port: int, shm_name: str, wa
                     runner.sample_with_masks(msg.step_id, masks_from_pb(msg))
                 else:
                     runner.launch(plan_from_pb(msg))
-            except ValueError:
-                pass  # a bad plan: rank 0 fails the same check and reports it
+            except ValueError:  # a bad plan: rank 0 fails the same check and reports it
+                runner.drop_refused(msg.dropped_seq_ids)
     finally:
         shm.close()
         runner.close()

@@ -405,3 +405,19 @@ def test_a_plan_whose_masks_follow_runs_its_forward_pass_and_samples_once_they_c
                        masks_follow=True)
         bad.cols().token_masks = {0: _only(5)}
         runner.launch(bad)
+
+
+def test_a_plan_refused_as_it_is_read_still_drops_what_it_drops(runner: ModelRunner) -> None:
+    """The data plane's edge: a plan whose columns disagree is refused before the runner sees it; the
+    sequences it drops (ended on the control plane) are dropped all the same, so their rows are free."""
+    from twinplane.dataplane.server import DataPlaneServicer
+    from twinplane.proto import dataplane_pb2 as dp
+
+    runner.reset()
+    builder = PlanBuilder(BLOCK)
+    runner.step(StepPlan(1, [builder.schedule(builder.new_seq(7, [3, 4, 5]))]))
+    assert set(runner.sequences.mirrors) == {7}
+    bad = dp.StepPlan(step_id=2, seq_ids=np.array([8], "<i8").tobytes(), dropped_seq_ids=[7])  # no other column
+    result = DataPlaneServicer(runner)._launch(bad)
+    assert "plan columns disagree" in result.error
+    assert not runner.sequences.mirrors
