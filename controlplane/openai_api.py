@@ -49,6 +49,7 @@ class OpenAIRequest:
     calls: list[GenerateCall]  # n per prompt, prompt after prompt (a completion may send a batch of prompts)
     n: int = 1  # choices per prompt
     echo: bool = False  # completions: each choice's text starts with its prompt
+    prompt_only: bool = False  # completions, echo with max_tokens 0: the prompt alone (one token is drawn, unshown)
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     logprobs: bool = False  # return log-probabilities (the top ones: calls[i].params.logprobs of them)
@@ -304,9 +305,13 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool,
     if regex is not None and chat and reasoning_parser is not None:
         regex = after_reasoning(regex, reasoning_parser)
     top = _logprobs(body, chat)
+    echo = _bool(body, "echo")
+    if echo and chat:
+        _fail("echo is only for /v1/completions")
     max_tokens, max_tokens_name = _max_tokens(body)
+    prompt_only = echo and max_tokens == 0  # scores a text: its prompt computed, the token drawn after it dropped
     params = request_params(
-        limits, _sampling(body), max_tokens=max_tokens, min_tokens=_int(body, "min_tokens") or 0,
+        limits, _sampling(body), max_tokens=1 if prompt_only else max_tokens, min_tokens=_int(body, "min_tokens") or 0,
         stop=_stop(body), stop_token_ids=_int_list(body, "stop_token_ids"), ignore_eos=_bool(body, "ignore_eos"),
         logprobs=top, skip_special_tokens=_typed(body, "skip_special_tokens", (bool,), "true or false") is not False
         and not (tools.parse and special_tool_tags),
@@ -319,9 +324,6 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool,
     stream = _bool(body, "stream")
     if options is not None and not stream:
         _fail("stream_options is only allowed with stream: true")
-    echo = _bool(body, "echo")
-    if echo and chat:
-        _fail("echo is only for /v1/completions")
     calls = []  # prompt after prompt, n choices each: choice index = prompt index * n + j
     for prompt in prompts:
         for j in range(n):  # a prompt's choices draw as they would with that prompt alone
@@ -331,7 +333,7 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool,
             scored = top if echo and j == 0 else None
             calls.append(GenerateCall(call_id, prompt, replace(params, sampling=sampling, prompt_logprobs=scored),
                                       truncate, "messages" if chat else "prompt", max_tokens_name))
-    return OpenAIRequest(chat=chat, calls=calls, n=n, echo=echo, stream=stream,
+    return OpenAIRequest(chat=chat, calls=calls, n=n, echo=echo, prompt_only=prompt_only, stream=stream,
                          include_usage=bool(options and options.get("include_usage")), logprobs=top is not None,
                          tools=tools)
 

@@ -5,7 +5,7 @@ prompts, n choices each). The first choice of each prompt goes at once; the othe
 its first token is out, when its prompt's full blocks are in the prefix cache, so they share those
 blocks instead of computing the prompt again. With echo, a choice's first output starts with its
 prompt, and with logprobs too its log-probabilities start with the prompt's (which the first choice
-of each prompt computes for all of them).
+of each prompt computes for all of them); with max_tokens 0, that is all it shows.
 
 The choices' outputs pass through a queue of one slot per choice: what a slow client has not read
 stays with the engine, which merges it and ends the streams that fall too far behind
@@ -24,6 +24,7 @@ from twinplane.controlplane.engine import Engine
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.openai_api import OpenAIRequest, finish_reason, logprobs_json, usage_json
 from twinplane.controlplane.request_state import RequestState
+from twinplane.controlplane.sequence import FinishReason
 from twinplane.controlplane.tools import ToolCall
 
 
@@ -35,7 +36,7 @@ class Choices:
 
     def __init__(self, engine: Engine, request: OpenAIRequest):
         self.engine = engine
-        self.calls, self.n = request.calls, request.n
+        self.calls, self.n, self.prompt_only = request.calls, request.n, request.prompt_only
         self.states: list[RequestState] = []
         self.tasks: list[asyncio.Task] = []
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=len(self.calls))
@@ -95,6 +96,9 @@ class Choices:
                 if out.prompt_logprobs is not None:  # the first output of a prompt's first choice
                     self.scored[index // self.n] += out.prompt_logprobs[1:]
                 if self.echo is not None and self.echo[index] is not None:  # the choice's first output
+                    if self.prompt_only:  # its one output: the token drawn after the prompt is not shown
+                        out.text, out.token_ids, out.logprobs, out.matched_stop = "", [], [], ""
+                        out.finish_reason, out.completion_tokens = FinishReason.LENGTH, 0
                     out.text, self.echo[index] = self.echo[index] + out.text, None
                     if self.calls[index - index % self.n].params.prompt_logprobs is not None:
                         out.logprobs = self.scored[index // self.n] + out.logprobs

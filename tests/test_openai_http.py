@@ -237,6 +237,25 @@ def test_echo_with_logprobs_scores_the_prompt(client, model, tiny_qwen3_dir):
     assert sum(len(c.logprobs.tokens) for c in chunks) == len(ids) + 2
 
 
+def test_echo_with_max_tokens_0_gives_the_prompt_alone(client, model, http_planes):
+    """echo with max_tokens 0 scores a text: the prompt and its log-probabilities, nothing generated (the
+    token drawn after it is dropped), as a whole response and streamed."""
+    ids = list(range(300, 340, 2))
+    shown = http_planes.engine.tokenizer.decode(ids, skip_special_tokens=False)
+    kwargs = dict(model=model, prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    whole = client.completions.create(**kwargs)
+    choice = whole.choices[0]
+    assert choice.text == shown and choice.finish_reason == "length"
+    assert len(choice.logprobs.tokens) == len(ids) and choice.logprobs.token_logprobs[0] is None
+    assert None not in choice.logprobs.token_logprobs[1:]
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids), 0)
+    chunks = [c for chunk in client.completions.create(stream=True, **kwargs) for c in chunk.choices]
+    assert "".join(c.text for c in chunks) == shown and chunks[-1].finish_reason == "length"
+    assert [t for c in chunks for t in c.logprobs.token_logprobs] == choice.logprobs.token_logprobs
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be in"):
+        client.completions.create(model=model, prompt=ids, max_tokens=0)  # without echo there is nothing to show
+
+
 def test_logprobs(client, model):
     answer = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=5, temperature=0,
                                             logprobs=True, top_logprobs=3)
