@@ -155,16 +155,20 @@ class Replica:
             entry = seqs.get(seq_id)
             if entry is None:  # aborted meanwhile
                 continue
-            prompt_logprobs = None
+            prompt_logprobs, failure = None, None
             if seq.prompt_logprobs is not None and position == seq.num_prompt_tokens:  # out with the first token
                 prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
-            if seq.matcher is not None:
+                if any(lp is None for lp in prompt_logprobs[1:]):
+                    failure = "prompt_logprobs: this data plane does not compute the prompt's log-probabilities"
+            if seq.matcher is not None and failure is None:
                 seq.matcher.accept(token)
                 if seq.matcher.failure is not None:
-                    self.scheduler.finish(seq)
-                    self.core.forget(seq_id)
-                    self.core.frontend.send(Rejected(seq_id, f"structured output: {seq.matcher.failure}"))
-                    continue
+                    failure = f"structured output: {seq.matcher.failure}"
+            if failure is not None:
+                self.scheduler.finish(seq)
+                self.core.forget(seq_id)
+                self.core.frontend.send(Rejected(seq_id, failure))
+                continue
             stop_ids = entry[1]
             if seq.matcher is not None and seq.params.ignore_eos and seq.matcher.whole:
                 stop_ids = stop_token_ids(seq.params, self.core.eos_token_ids, whole=True)

@@ -10,6 +10,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
+import grpc
 import numpy as np
 import pytest
 
@@ -73,6 +74,16 @@ def test_model_info_carries_the_step_limits_and_shapes_the_roofline_needs(contro
     assert (info.max_num_seqs, info.max_num_batched_tokens) == (FULL_BATCH, QWEN3_0_6B.max_num_batched_tokens)
     assert (info.hidden_size, info.num_hidden_layers, info.num_attention_heads, info.head_dim) == (1024, 28, 16, 128)
     assert info.layer_params == QWEN3_0_6B.layer_params > 0
+
+
+def test_a_data_plane_that_returns_no_prompt_logprobs_fails_only_the_requests_that_want_them(control_plane):
+    """The stand-in computes no prompt log-probabilities: a request that wants them ends with a message
+    saying so (not with a crash in the frontend), and the next request runs."""
+    with pytest.raises(grpc.RpcError) as info:
+        list(control_plane.generate(token_ids=[5] * 20, max_tokens=4, prompt_logprobs=1))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "this data plane does not compute the prompt's log-probabilities" in info.value.details()
+    assert sum(len(c.token_ids) for c in control_plane.generate(token_ids=[5] * 20, max_tokens=4, ignore_eos=True)) == 4
 
 
 def test_engine_counts_steps_by_path(control_plane):
