@@ -445,13 +445,12 @@ class _CallStart:
 
 @dataclass(frozen=True)
 class _CallForm:
-    """How a parser's calls follow one another: the first one's start and a later one's, looked for where
-    the text after the last call starts (``spaced``: past its whitespace), whether a "}" closes each call
-    after its arguments, what closes the calls after the last one, and the calls' ids."""
+    """How a parser's calls follow one another: the first one's start and a later one's, looked for past the
+    whitespace after the last call, whether a "}" closes each call after its arguments, what closes the
+    calls after the last one, and the calls' ids."""
 
     first: _CallHeader
     later: _CallHeader
-    spaced: bool = False
     closed: bool = True
     end: str = ""  # "]" of a JSON list
     new_id: Callable[[], str] = _call_id
@@ -493,7 +492,9 @@ class _CallSequence:
                 self.at = len(self.held) - len(closing) + closing.startswith("}") if form.closed else end
                 continue
             start = form.later if self.num_calls else form.first
-            at = len(self.held) - len(self.held[self.at:].lstrip()) if form.spaced else self.at
+            # past the whitespace in Python: the grammar that tells whether a start may still come knows ASCII
+            # whitespace only, the re that reads it Unicode's
+            at = len(self.held) - len(self.held[self.at:].lstrip())
             self.head = _WrittenCall.starting(start.header, self.held, at, form.new_id)
             if self.head is not None:
                 continue
@@ -514,7 +515,7 @@ class _CallSequence:
 
 
 _LLAMA = rf'\s*\{{\s*"name"\s*:\s*({_JSON_STRING})\s*,\s*"(?:parameters|arguments)"\s*:\s*'
-_LLAMA_CALLS = _CallForm(_CallHeader(_LLAMA), _CallHeader(";" + _LLAMA), spaced=True)
+_LLAMA_CALLS = _CallForm(_CallHeader(_LLAMA), _CallHeader(";" + _LLAMA))
 
 
 class Llama3JsonParser(_CallSequence):

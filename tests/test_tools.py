@@ -140,9 +140,9 @@ def test_pieces_cut_anywhere_join_to_the_whole_parse(parser, text, expected):
     ("hermes", ["<tool_call>", "</tool_call>", "<tool_", "call>", '{"name": "f", "arguments": {"a": 1}}', '{"name"',
                 "a", " ", "\n", "}", "</tool", '{"name": "g", "arguments": ', "{", '"', "\\", "[", "]"]),
     ("llama3_json", ['{"name": "f", "parameters": {"a": 1}}', "; ", "<|python_tag|>", "<|py", "{", "}", "a", " ",
-                     "\n"]),
+                     "\n", "\xa0"]),
     ("mistral", ["[TOOL_CALLS]", "[TOOL_", '[{"name": "f", "arguments": {"a": 1}}', ", ", "]", "f[ARGS]", "[ARGS]",
-                 "{", "}", '"', "a", " ", "\n"]),
+                 "{", "}", '"', "a", " ", "\n", "\xa0"]),  # U+00A0: whitespace to Python, not to the grammars
 ])
 def test_random_texts_in_random_pieces(parser, alphabet):
     rng = random.Random(0)
