@@ -4,8 +4,9 @@ Every request is greedy (temperature 0), so its output is deterministic. Hypothe
 (/v1/completions or /v1/chat/completions), the prompt (fixed texts, random text, token ids), n (1-4),
 max_tokens (or max_completion_tokens), ignore_eos, logprobs (completions: 0-5; chat: true with
 top_logprobs 0-5), stop strings (substrings of the output without them, so that they occur, or random
-ones) and stream_options.include_usage (echo is refused by this server, as the README says). Each request
-is sent whole and streamed, and must satisfy what OpenAI's API reference and the README describe:
+ones) and stream_options.include_usage (echo, which puts the prompt first, has tests of its own in
+test_openai_http.py). Each request is sent whole and streamed, and must satisfy what OpenAI's API
+reference and the README describe:
 
 - the stream is ``data: {json}`` events ending with ``data: [DONE]``; every chunk has the stream's one id,
   the served model, the chunk's object type and choice indexes in range, and each index gets exactly one
