@@ -96,18 +96,23 @@ class Choices:
                 if out.prompt_logprobs is not None:  # the first output of a prompt's first choice
                     self.scored[index // self.n] += out.prompt_logprobs[1:]
                 if self.echo is not None and self.echo[index] is not None:  # the choice's first output
-                    if self.prompt_only:  # its one output: the token drawn after the prompt is not shown
-                        out.text, out.token_ids, out.logprobs, out.matched_stop = "", [], [], ""
-                        out.finish_reason, out.completion_tokens = FinishReason.LENGTH, 0
-                    out.text, self.echo[index] = self.echo[index] + out.text, None
-                    if self.calls[index - index % self.n].params.prompt_logprobs is not None:
-                        out.logprobs = self.scored[index // self.n] + out.logprobs
+                    self._echo(index, out)
                 if out.finish_reason is not None:
                     self.finals[index] = out
                     remaining -= 1
                 yield index, out
         finally:
             self.close()
+
+    def _echo(self, index: int, out: RequestOutput) -> None:
+        """A choice's first output, with echo: its prompt first, and the prompt's log-probabilities first
+        with logprobs; with max_tokens 0, the prompt alone."""
+        if self.prompt_only:  # its one output: the token drawn after the prompt is not shown
+            out.text, out.token_ids, out.logprobs, out.matched_stop = "", [], [], ""
+            out.finish_reason, out.completion_tokens = FinishReason.LENGTH, 0
+        out.text, self.echo[index] = self.echo[index] + out.text, None
+        if self.calls[index - index % self.n].params.prompt_logprobs is not None:
+            out.logprobs = self.scored[index // self.n] + out.logprobs
 
     def close(self) -> None:
         """Aborts what still runs (a client that went away, an error): frees the blocks now."""
