@@ -4,9 +4,8 @@ Every request is greedy (temperature 0), so its output is deterministic. Hypothe
 (/v1/completions or /v1/chat/completions), the prompt (fixed texts, random text, token ids), n (1-4),
 max_tokens (or max_completion_tokens), ignore_eos, logprobs (completions: 0-5; chat: true with
 top_logprobs 0-5), stop strings (substrings of the output without them, so that they occur, or random
-ones) and stream_options.include_usage (echo, which puts the prompt first, has tests of its own in
-test_openai_http.py). Each request is sent whole and streamed, and must satisfy what OpenAI's API
-reference and the README describe:
+ones), stream_options.include_usage and, for completions, echo (max_tokens 0 then too). Each request is
+sent whole and streamed, and must satisfy what OpenAI's API reference and the README describe:
 
 - the stream is ``data: {json}`` events ending with ``data: [DONE]``; every chunk has the stream's one id,
   the served model, the chunk's object type and choice indexes in range, and each index gets exactly one
@@ -19,6 +18,9 @@ reference and the README describe:
   the text holds no stop string);
 - completion_tokens is the number of logprobs entries and at most max_tokens; finish_reason is "length"
   exactly when max_tokens ended the choice, and "stop" when it ended earlier;
+- with echo, each choice starts with the prompt (as sent, or its tokens' text) and its logprobs with one
+  entry per prompt token, the first null; with max_tokens 0 that is the whole choice ("length", no
+  completion tokens);
 - afterwards every KV block is free and nothing is in flight.
 
 Responses are also parsed with the ``openai`` package's pydantic types, which hold OpenAI's field shapes.
@@ -130,6 +132,9 @@ def requests(draw) -> dict:
         token_ids = st.lists(st.integers(0, VOCAB_SIZE - 1), min_size=1, max_size=12)
         prompt = draw(st.sampled_from(PROMPTS) | RAW_TEXT | token_ids)
         body["prompt"] = [prompt] if draw(st.booleans()) else prompt  # a batch of one is one prompt
+        if draw(st.booleans()):
+            body["echo"] = True
+            max_tokens = 0 if draw(st.booleans()) else max_tokens  # the prompt alone
         body["max_tokens"] = max_tokens
         logprobs = draw(st.sampled_from(LOGPROBS))
         if logprobs is not None:
@@ -165,8 +170,21 @@ def post_whole(http: httpx.Client, chat: bool, body: dict) -> dict:
     response = http.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
     assert response.status_code == 200, response.text
     answer = response.json()
-    (ChatCompletion if chat else Completion).model_validate(answer)
+    (ChatCompletion if chat else Completion).model_validate(answer if chat else sdk_shaped(answer))
     return answer
+
+
+def sdk_shaped(completion: dict) -> dict:
+    """A completion as the SDK's type takes it: its logprobs hold no null, which the API sends (as OpenAI's
+    did) for an echoed prompt's first token."""
+    choices = []
+    for choice in completion["choices"]:
+        lp = choice["logprobs"]
+        if lp is not None:
+            lp = {**lp, "token_logprobs": [0.0 if v is None else v for v in lp["token_logprobs"]],
+                  "top_logprobs": [{} if t is None else t for t in lp["top_logprobs"]]}
+        choices.append({**choice, "logprobs": lp})
+    return {**completion, "choices": choices}
 
 
 def post_stream(http: httpx.Client, chat: bool, body: dict) -> list[dict]:
@@ -185,8 +203,8 @@ def post_stream(http: httpx.Client, chat: bool, body: dict) -> list[dict]:
         if chat:
             ChatCompletionChunk.model_validate(chunk)
         else:  # the SDK's type for these chunks is Completion, whose finish_reason is null until the last one
-            Completion.model_validate({**chunk, "choices": [{**c, "finish_reason": c["finish_reason"] or "stop"}
-                                                            for c in chunk["choices"]]})
+            Completion.model_validate(sdk_shaped({**chunk, "choices": [
+                {**c, "finish_reason": c["finish_reason"] or "stop"} for c in chunk["choices"]]}))
         chunks.append(chunk)
     return chunks
 
@@ -324,6 +342,26 @@ def check_whole(whole: dict, chat: bool, body: dict, stops: list[str], top: int 
     check_against_reference(first, usage["completion_tokens"] // n, ref, stops, max_tokens, body["ignore_eos"], chat)
 
 
+def without_echo(whole: dict, shown: str, top: int | None) -> dict:
+    """The whole response without the echoed prompt in front of each choice: its text, and with logprobs one
+    entry per prompt token (the first null, as nothing scores it), both checked on the way."""
+    num_prompt = whole["usage"]["prompt_tokens"]
+    choices = []
+    for choice in whole["choices"]:
+        assert choice["text"].startswith(shown), (choice["text"], shown)
+        choice = {**choice, "text": choice["text"][len(shown):]}
+        lp = choice["logprobs"]
+        if top is not None:
+            assert len(lp["tokens"]) >= num_prompt and lp["token_logprobs"][0] is None is lp["top_logprobs"][0], lp
+            assert all(v <= 0 and len(alternatives) <= top + 1 for v, alternatives in
+                       zip(lp["token_logprobs"][1:num_prompt], lp["top_logprobs"][1:num_prompt])), lp
+            base = sum(len(token) for token in lp["tokens"][:num_prompt])  # the offsets count the prompt's tokens
+            choice["logprobs"] = {name: values[num_prompt:] for name, values in lp.items()}
+            choice["logprobs"]["text_offset"] = [offset - base for offset in choice["logprobs"]["text_offset"]]
+        choices.append(choice)
+    return {**whole, "choices": choices}
+
+
 def check_stream(chunks: list[dict], whole: dict, chat: bool, n: int, top: int | None, include_usage: bool) -> None:
     """The stream's chunks, and its choices and usage against the whole response's."""
     assert chunks[0]["id"].startswith("chatcmpl-" if chat else "cmpl-")
@@ -353,16 +391,30 @@ def test_streamed_and_whole_responses_agree(planes, http, references, request, d
     if not chat and isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     max_tokens = body.get("max_completion_tokens") or body["max_tokens"]
+    top = top_count(body, chat)
+    include_usage = data.draw(st.booleans(), label="include_usage")
+    shown = None  # with echo: the prompt as each choice starts with it
+    if body.get("echo"):
+        shown = prompt if isinstance(prompt, str) else planes.engine.tokenizer.decode(prompt, skip_special_tokens=False)
+    if max_tokens == 0:  # echo alone
+        whole = post_whole(http, chat, body)
+        usage = whole["usage"]
+        assert usage["completion_tokens"] == 0 and usage["total_tokens"] == usage["prompt_tokens"]
+        for choice in without_echo(whole, shown, top)["choices"]:  # nothing but the prompt
+            assert (choice["text"], choice["finish_reason"]) == ("", "length")
+            assert top is None or not any(choice["logprobs"].values()), choice
+        streamed = {**body, "stream": True, **({"stream_options": {"include_usage": True}} if include_usage else {})}
+        check_stream(post_stream(http, chat, streamed), whole, chat, body["n"], top, include_usage)
+        wait_until(lambda: all_blocks_free(planes), 10, "every KV block free after the request")
+        return
     ref = references(prompt_field, prompt, max_tokens, body["ignore_eos"])
     stop = stop_strings(data.draw, ref.text)
     if stop is not None:
         body["stop"] = stop
     stops = [stop] if isinstance(stop, str) else stop or []
-    top = top_count(body, chat)
-    include_usage = data.draw(st.booleans(), label="include_usage")
 
     whole = post_whole(http, chat, body)
-    check_whole(whole, chat, body, stops, top, ref)
+    check_whole(whole if shown is None else without_echo(whole, shown, top), chat, body, stops, top, ref)
     streamed = {**body, "stream": True, **({"stream_options": {"include_usage": True}} if include_usage else {})}
     check_stream(post_stream(http, chat, streamed), whole, chat, body["n"], top, include_usage)
     wait_until(lambda: all_blocks_free(planes), 10, "every KV block free after the request")
