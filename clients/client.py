@@ -59,15 +59,24 @@ HEALTH_REQUEST = health_pb2.HealthCheckRequest(service="")  # "" = the server as
 # ---- channels -----------------------------------------------------------------------------
 
 
+# gRPC's own default is 4 MiB; a long prompt's log-probabilities with their top tokens come to more
+# (~210 bytes a token with the top 20), in one message. The server sends at most 16 MiB by default.
+MAX_RECEIVE_BYTES = 64 << 20
+
+
 def open_channel(
     api: Any, target: str, root_certificates: bytes | None, tls: bool | None, options: ChannelOptions
 ) -> Any:
-    """A channel from api (grpc or grpc.aio): TLS when tls, or by default iff root certificates are given."""
+    """A channel from api (grpc or grpc.aio): TLS when tls, or by default iff root certificates are given;
+    messages of up to MAX_RECEIVE_BYTES unless options say otherwise."""
     if tls is None:
         tls = root_certificates is not None
+    options = list(options)
+    if not any(name == "grpc.max_receive_message_length" for name, _ in options):
+        options.append(("grpc.max_receive_message_length", MAX_RECEIVE_BYTES))
     if not tls:
-        return api.insecure_channel(target, options=list(options))
-    return api.secure_channel(target, grpc.ssl_channel_credentials(root_certificates), options=list(options))
+        return api.insecure_channel(target, options=options)
+    return api.secure_channel(target, grpc.ssl_channel_credentials(root_certificates), options=options)
 
 
 def _auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:

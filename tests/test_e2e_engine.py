@@ -199,3 +199,21 @@ def test_stream_interval_batches_tokens_per_message(tiny_qwen3_dir, planes_facto
         chunks = list(client.generate(token_ids=prompt, max_tokens=10, temperature=0, ignore_eos=True))
     assert [len(c.token_ids) for c in chunks] == [1, 3, 3, 3]  # the first token goes out at once
     assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 10
+
+
+def test_a_long_prompts_logprobs_come_in_one_message(tmp_path, planes_factory):
+    """A 24,000-token prompt's log-probabilities with their top 20 tokens: one first message of over 4 MiB
+    (gRPC's default receive limit, which the Python client raises), every position in it."""
+    import transformers
+
+    config = transformers.Qwen3Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=24576, architectures=["Qwen3ForCausalLM"])
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path, safe_serialization=True)
+    planes = planes_factory(str(tmp_path), "--block-size", "16", "--max-model-len", "24576",
+                            "--max-num-batched-tokens", "2048")
+    prompt = [(i * 7919) % 1024 for i in range(24_000)]
+    with planes.client() as client:
+        first = next(iter(client.generate(token_ids=prompt, max_tokens=1, prompt_logprobs=20)))
+    assert [p.token_id for p in first.prompt_logprobs] == prompt[1:]
+    assert all(len(p.top) == 20 and p.top[0][1] >= p.logprob for p in first.prompt_logprobs)
