@@ -122,12 +122,17 @@ def test_a_sliding_window_shorter_than_the_context_cuts_max_model_len(tmp_path: 
     assert runner.max_model_len == 256
 
 
+def _qwen3_harness(folder: Path) -> Harness:
+    """A random Qwen3 saved in folder, and ModelRunner on it (float32, CPU, blocks of 4)."""
+    reference = _save_reference("qwen3", folder, sharded=False)
+    runner = ModelRunner(DataPlaneConfig(model=str(folder), block_size=4, num_kv_blocks=64,
+                                         dtype="float32", device="cpu", max_model_len=256))
+    return Harness(reference, runner, 4)
+
+
 def test_prefix_cache_skips_shared_blocks(tmp_path: Path) -> None:
     """A second sequence reuses two full blocks of the first and computes only its suffix."""
-    reference = _save_reference("qwen3", tmp_path, sharded=False)
-    runner = ModelRunner(DataPlaneConfig(model=str(tmp_path), block_size=4, num_kv_blocks=64,
-                                         dtype="float32", device="cpu", max_model_len=256))
-    h, g = Harness(reference, runner, 4), torch.Generator().manual_seed(2)
+    h, g = _qwen3_harness(tmp_path), torch.Generator().manual_seed(2)
     a = h.builder.new_seq(1, _prompt(g, 10))
     h.run([h.builder.schedule(a)], [a])
     d = h.builder.new_seq(2, a.tokens[:8] + _prompt(g, 3), shared_blocks=a.blocks[:2])
@@ -140,23 +145,20 @@ def test_prefix_cache_skips_shared_blocks(tmp_path: Path) -> None:
 def test_prompt_logprobs_match_transformers(tmp_path: Path) -> None:
     """A prompt in two chunks, the second beside another sequence's decode: the log-probability of each
     prompt token after the first, and the top tokens at each position, are transformers' own."""
-    reference = _save_reference("qwen3", tmp_path, sharded=False)
-    runner = ModelRunner(DataPlaneConfig(model=str(tmp_path), block_size=4, num_kv_blocks=64,
-                                         dtype="float32", device="cpu", max_model_len=256))
-    h, g = Harness(reference, runner, 4), torch.Generator().manual_seed(3)
+    h, g = _qwen3_harness(tmp_path), torch.Generator().manual_seed(3)
     other = h.builder.new_seq(1, _prompt(g, 6))
     h.run([h.builder.schedule(other)], [other])
     seq = h.builder.new_seq(2, _prompt(g, 13))
     tokens = list(seq.tokens)
     first = h.builder.schedule(seq, 5, sample=False)  # its last position scores the second chunk's first token
     first.prompt_logprobs = PromptLogprobsAsk(np.array(tokens[1:6], dtype=np.int32), num_top=3)
-    out1 = runner.step(StepPlan(10, [first]))
+    out1 = h.runner.step(StepPlan(10, [first]))
     second = h.builder.schedule(seq)  # positions 5..12: the last one samples, the others score tokens 6..12
     second.prompt_logprobs = PromptLogprobsAsk(np.array(tokens[6:], dtype=np.int32), num_top=2)
-    out2 = runner.step(StepPlan(11, [h.builder.schedule(other), second]))
+    out2 = h.runner.step(StepPlan(11, [h.builder.schedule(other), second]))
     assert list(out1.prompt_logprobs) == [0] and list(out2.prompt_logprobs) == [1]
     with torch.no_grad():
-        expected = reference(torch.tensor([tokens])).logits[0].float().log_softmax(-1)  # row p scores token p + 1
+        expected = h.reference(torch.tensor([tokens])).logits[0].float().log_softmax(-1)  # row p scores token p + 1
     for got, rows, k in ((out1.prompt_logprobs[0], range(0, 5), 3), (out2.prompt_logprobs[1], range(5, 12), 2)):
         rows = list(rows)
         want = expected[rows, torch.tensor(tokens[1:])[rows]]
