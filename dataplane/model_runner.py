@@ -42,6 +42,7 @@ from twinplane.dataplane.models.registry import sliding_window
 from twinplane.dataplane.plan import (MAX_DECODE_STEPS, PromptLogprobs, PromptLogprobsAsk, StepOutput, StepPath,
                                      StepPlan)
 from twinplane.dataplane.sampler import Sampler, SamplerOutput
+from twinplane.dataplane.sampling_batch import to_device
 from twinplane.dataplane.input_batch import GraphStep, InputBatch, PlanLimits, SampledRows, StepInputs
 
 MAX_LOGPROBS = 20
@@ -482,9 +483,9 @@ class ModelRunner:
         its chunk's first positions; the output projection takes them a slice of rows at a time (a long
         prompt's logits at once would not fit). Every rank joins the projection; rank 0 gets the result."""
         starts = np.concatenate(([0], np.cumsum(query_lens)))
-        rows = torch.from_numpy(np.concatenate(
-            [starts[i] + np.arange(len(a.next_token_ids)) for i, a in asks.items()])).to(self.device)
-        next_ids = torch.from_numpy(np.concatenate([a.next_token_ids for a in asks.values()])).to(self.device)
+        rows = to_device(np.concatenate([starts[i] + np.arange(len(a.next_token_ids)) for i, a in asks.items()]),
+                         self.device)
+        next_ids = to_device(np.concatenate([a.next_token_ids for a in asks.values()]), self.device)
         num_top = max(a.num_top for a in asks.values())
         per_slice = self.logit_rows[-1] if self.logit_rows else PROMPT_LOGPROB_ROWS
         parts = []
