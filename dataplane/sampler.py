@@ -9,8 +9,8 @@ seeded row's noise comes from a generator seeded by (seed, output position) alon
 draws do not depend on batching or recomputation; other rows share one generator.
 Log-probabilities are the log_softmax of the raw model logits.
 
-Batches whose rows use only temperature (the common case) take two Triton kernels on CUDA
-(``kernels/sampling.py``: an inverse-CDF draw, the same distribution) instead of about ten
+Batches whose rows use only temperature (the common case), and token masks, take two Triton kernels on
+CUDA (``kernels/sampling.py``: an inverse-CDF draw, the same distribution) instead of about ten
 passes over a float32 copy of the logits. There a row's uniform number is Philox keyed by
 seed_for_position(seed, output position) for seeded rows, and for the others by the draw's key plus the
 row's index: the sampler's ``draw_key``, kept on the device, which each draw advances there.
@@ -19,11 +19,12 @@ row's index: the sampler's ``draw_key``, kept on the device, which each draw adv
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
+from twinplane.dataplane.plan import SamplingParams
 from twinplane.dataplane.sampling_batch import (PenaltyTensors, SamplingBatch, build_sampling_batch, to_device,
                                                 warm_up_rows)
 
@@ -82,13 +83,12 @@ def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = logits.index_put((rows, token_ids), values, accumulate=True)
     if batch.penalties is not None:
         logits = apply_penalties(logits, batch.penalties)
-    if batch.banned is not None or batch.allowed is not None:
+    if batch.banned is not None or batch.masks is not None:
         minus_inf = torch.full((), float("-inf"), device=logits.device)  # made there: no copy from the host
     if batch.banned is not None:
         logits = logits.index_put((batch.banned[0], batch.banned[1]), minus_inf)
-    if batch.allowed is not None:
-        rows, allowed = batch.allowed
-        logits = logits.index_put((rows,), logits[rows].where(allowed, minus_inf))
+    if batch.masks is not None:
+        logits = logits.where(batch.masks.allowed(logits.shape[-1]), minus_inf)
     return logits
 
 
@@ -125,29 +125,36 @@ class Sampler:
 
     def warm_up(self, logits: torch.Tensor) -> None:
         """Samples from ``logits`` [n >= 2, vocab] once per path: the fused kernel of temperature-only
-        batches (it compiles now, not in the first request's time), then every feature of the torch
-        path. CUDA loads a kernel's module on its first launch, for ~1-20 ms of host time (measured
-        on an H200); left to the first request with top-p or penalties, that stalls every stream."""
+        batches, without and with token masks and seeds (it compiles now, not in the first request's time),
+        then every feature of the torch path. CUDA loads a kernel's module on its first launch, for ~1-20 ms
+        of host time (measured on an H200); left to the first request with top-p or penalties, that stalls
+        every stream."""
         plain = np.zeros((logits.shape[0], 4), dtype=np.float32)
         plain[:, 1], plain[::2, 0] = 1.0, 0.7  # top_p off; temperature 0.7 or greedy
+        vocab = logits.shape[1]
         if self.fused:
-            self(logits, SamplingBatch.from_plain_values(plain, logits.shape[1], self.device))
+            self(logits, SamplingBatch.from_plain_values(plain, vocab, self.device))
+            everything, greedy = warm_up_rows(vocab)
+            for seed in (None, 7):
+                masked = replace(everything, params=SamplingParams(temperature=0.7, seed=seed, masked=True))
+                self(logits[:2], build_sampling_batch([masked, greedy], vocab, self.device))
         plain[:, 1:] = 0.9, 50, 0.05  # top_p, top_k, min_p
-        self(logits, SamplingBatch.from_plain_values(plain, logits.shape[1], self.device))
-        self(logits[:2], build_sampling_batch(warm_up_rows(logits.shape[1]), logits.shape[1], self.device))
+        self(logits, SamplingBatch.from_plain_values(plain, vocab, self.device))
+        self(logits[:2], build_sampling_batch(warm_up_rows(vocab), vocab, self.device))
 
     def _fused_sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         from twinplane.kernels.sampling import KEY_STRIDE, sample_temperature
 
         temperature = batch.temperature.view(-1)
+        masks = {} if batch.masks is None else {"masks": batch.masks.packed, "mask_index": batch.masks.index}
         if not batch.seeded:
-            return sample_temperature(logits, temperature, batch.greedy, draw_key=self.draw_key)
+            return sample_temperature(logits, temperature, batch.greedy, draw_key=self.draw_key, **masks)
         seeds = torch.arange(batch.num_rows, dtype=torch.int64, device=logits.device) + self.draw_key
         rows, keys = zip(*((row, seed_for_position(seed, pos)) for row, seed, pos in batch.seeded))
         seeds[to_device(torch.tensor(rows), logits.device)] = to_device(torch.tensor(keys, dtype=torch.int64),
                                                                         logits.device)
         self.draw_key += KEY_STRIDE
-        return sample_temperature(logits, temperature, batch.greedy, seeds)
+        return sample_temperature(logits, temperature, batch.greedy, seeds, **masks)
 
     def _race_noise(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
@@ -171,7 +178,7 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, (
             f"logits {tuple(logits.shape)} do not match {batch.num_rows} sampling rows")
         raw_logits = logits
-        if self.fused and batch.temperature_only:
+        if self.fused and batch.kernel_samples:
             token_ids = self._fused_sample(logits, batch)
         else:
             token_ids = self._sample(logits.float(), batch)

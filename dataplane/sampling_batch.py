@@ -50,6 +50,20 @@ class PenaltyTensors:
 
 
 @dataclass
+class TokenMasks:
+    """Structured output's token masks on the device, packed: the tokens a masked row may sample."""
+
+    packed: torch.Tensor  # uint8 [m, ceil(vocab / 8)]: bit t % 8 of byte t // 8 allows token t
+    index: torch.Tensor  # int32 [n]: the mask each row samples within; -1 for rows without one
+
+    def allowed(self, vocab_size: int) -> torch.Tensor:
+        """bool [n, vocab]: the tokens each row may sample (all of them for a row without a mask)."""
+        bits = torch.arange(8, dtype=torch.uint8, device=self.packed.device)
+        unpacked = ((self.packed.unsqueeze(-1) >> bits) & 1).view(len(self.packed), -1)[:, :vocab_size].bool()
+        return unpacked[self.index.clamp(min=0).long()] | (self.index < 0).unsqueeze(1)
+
+
+@dataclass
 class SamplingBatch:
     num_rows: int
     all_greedy: bool
@@ -61,15 +75,16 @@ class SamplingBatch:
     penalties: PenaltyTensors | None
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) to mask to -inf (min_tokens)
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, values) of logit_bias
-    allowed: tuple[torch.Tensor, torch.Tensor] | None  # (rows, bool [rows, vocab]): the tokens each may sample
+    masks: TokenMasks | None  # structured output's token masks
     seeded: list[tuple[int, int, int]]  # (row, seed, output position)
     num_logprobs: list[int]  # per row; -1 = none
 
     @property
-    def temperature_only(self) -> bool:
-        """No row uses penalties, min_tokens masking, logit bias, token masks, min_p, top_k or top_p."""
-        return (self.penalties is None and self.banned is None and self.bias is None and self.allowed is None
-                and self.min_p is None and self.top_k is None and self.top_p is None)
+    def kernel_samples(self) -> bool:
+        """Whether the Triton sampler (``kernels/sampling.py``) takes it: rows use temperature and token masks,
+        no penalties, min_tokens masking, logit bias, min_p, top_k or top_p."""
+        return (self.penalties is None and self.banned is None and self.bias is None and self.min_p is None
+                and self.top_k is None and self.top_p is None)
 
     @property
     def max_num_logprobs(self) -> int:
@@ -102,7 +117,7 @@ class SamplingBatch:
             penalties=None,
             banned=None,
             bias=None,
-            allowed=None,
+            masks=None,
             seeded=[],
             num_logprobs=[-1] * n,
         )
@@ -110,7 +125,7 @@ class SamplingBatch:
 
 def temperature_only(values: np.ndarray, vocab_size: int) -> bool:
     """Whether plain sampling values [n, 4] (temperature, top_p, top_k, min_p) use temperature alone
-    (what ``SamplingBatch.temperature_only`` says of the batch built from them)."""
+    (what ``SamplingBatch.kernel_samples`` says of the batch built from them)."""
     _, top_p, top_k, min_p = values.T
     return bool((top_p >= 1.0).all() and ((top_k <= 0) | (top_k >= vocab_size)).all() and (min_p <= 0.0).all())
 
@@ -181,22 +196,15 @@ def _bias(rows: list[SamplingRow], device: torch.device) -> tuple[torch.Tensor, 
             to_device(torch.tensor(values, dtype=torch.float32), device))
 
 
-def _allowed(rows: list[SamplingRow], vocab_size: int, device: torch.device
-             ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The masked rows and their token masks, unpacked on the device (the packed bytes are 1/8 the copy)."""
-    masked = [(i, r.allowed) for i, r in enumerate(rows) if r.allowed is not None]
-    if not masked:
+def _masks(rows: list[SamplingRow], device: torch.device) -> TokenMasks | None:
+    """The rows' token masks, packed (a mask object several rows share is copied once), and which each takes."""
+    if all(r.allowed is None for r in rows):
         return None
-    row_ids, masks = zip(*masked)
-    distinct: dict[int, int] = {}  # a mask object several rows share is copied and unpacked once
-    which = [distinct.setdefault(id(mask), len(distinct)) for mask in masks]
-    unique = list({id(mask): mask for mask in masks}.values())
-    packed = to_device(np.frombuffer(bytearray(b"".join(unique)), dtype=np.uint8).reshape(len(unique), -1), device)
-    bits = torch.arange(8, dtype=torch.uint8, device=device)
-    allowed = ((packed.unsqueeze(-1) >> bits) & 1).view(len(unique), -1)[:, :vocab_size].bool()
-    if len(unique) < len(masks):
-        allowed = allowed[to_device(torch.tensor(which, dtype=torch.int64), device)]
-    return to_device(torch.tensor(row_ids, dtype=torch.int64), device), allowed
+    places: dict[int, int] = {}  # id of a mask object -> its row among the packed masks
+    index = [-1 if r.allowed is None else places.setdefault(id(r.allowed), len(places)) for r in rows]
+    unique = {id(r.allowed): r.allowed for r in rows if r.allowed is not None}.values()  # in the order of places
+    packed = np.frombuffer(bytearray(b"".join(unique)), dtype=np.uint8).reshape(len(places), -1)
+    return TokenMasks(to_device(packed, device), to_device(np.array(index, dtype=np.int32), device))
 
 
 def warm_up_rows(vocab_size: int) -> list[SamplingRow]:
@@ -226,7 +234,7 @@ def build_sampling_batch(rows: list[SamplingRow], vocab_size: int, device: torch
         penalties=_penalties(rows, vocab_size, device),
         banned=_banned(rows, device),
         bias=_bias(rows, device),
-        allowed=_allowed(rows, vocab_size, device),
+        masks=_masks(rows, device),
         seeded=[(i, r.params.seed, r.output_pos) for i, r in enumerate(rows)
                 if r.params.seed is not None and not r.params.greedy],
         num_logprobs=[p.num_logprobs for p in params],

@@ -1,4 +1,4 @@
-"""Triton sampling for rows that use only temperature: one pass over the logits, then a pick.
+"""Triton sampling for rows that use only temperature (and token masks): one pass over the logits, then a pick.
 
 A temperature draw is an inverse-CDF draw from softmax(logit / T): one uniform ``u`` per row,
 and the token where the cumulative probability first passes ``u``. The vocabulary is cut into
@@ -20,6 +20,10 @@ tiles of ``BLOCK`` logits, and two kernels share the work:
   decode steps stores int32 tokens where the next step reads them).
 - On sm_90 and newer both are launched with programmatic dependent launch: each launches while
   the kernel ahead of it runs and waits for it before reading anything.
+
+A row with a token mask (structured output) reads its packed mask beside its logits, a byte per eight
+tokens: both kernels see a token outside it as -inf, so the row takes the best of its allowed tokens or
+draws among them in the same one pass. Rows without a mask read none.
 
 The tiles start at multiples of ``BLOCK`` whatever the split count, and the pick adds them up
 in one fixed order, so a row's draw depends on its logits and its seed alone: not on its place
@@ -63,10 +67,32 @@ def _first_best(best_score, best_index):
 
 
 @triton.jit
-def _scaled(logits_row, cols, vocab, temperature):
-    """logit / T at cols, -inf past the vocabulary (the partial and the pick kernel compute it alike)."""
-    x = tl.load(logits_row + cols, mask=cols < vocab, other=-float("inf")).to(tl.float32)
-    return x / temperature
+def _mask_of(masks_ptr, mask_index_ptr, mask_width, row, MASKED: tl.constexpr):
+    """(where the row's token mask starts, whether it has one): row i's mask is mask_index[i] of the
+    masks (-1: none)."""
+    if MASKED:
+        which = tl.load(mask_index_ptr + row)
+        return masks_ptr + tl.maximum(which, 0).to(tl.int64) * mask_width, which >= 0
+    else:
+        return masks_ptr, False
+
+
+@triton.jit
+def _logits(logits_row, cols, end, mask_row, has_mask, MASKED: tl.constexpr):
+    """The logits at cols (float32): -inf from end on, and for a row with a token mask at the tokens it
+    does not allow (bit t % 8 of byte t // 8 clear). A row without one reads no mask: its loads are off."""
+    x = tl.load(logits_row + cols, mask=cols < end, other=-float("inf")).to(tl.float32)
+    if MASKED:
+        byte = tl.load(mask_row + (cols >> 3), mask=cols < tl.where(has_mask, end, 0), other=255).to(tl.int32)
+        x = tl.where(((byte >> (cols & 7)) & 1) != 0, x, -float("inf"))
+    return x
+
+
+@triton.jit
+def _scaled(logits_row, cols, vocab, temperature, mask_row, has_mask, MASKED: tl.constexpr):
+    """logit / T at cols, -inf past the vocabulary and outside the row's mask (the partial and the pick
+    kernel compute it alike)."""
+    return _logits(logits_row, cols, vocab, mask_row, has_mask, MASKED) / temperature
 
 
 @triton.jit
@@ -91,10 +117,11 @@ def _lane(values, chosen):
     return tl.sum(tl.where(chosen, values, 0.0), axis=0)
 
 
-@triton.jit(do_not_specialize=["stride_row", "vocab", "per_split", "num_splits", "num_tiles"])
+@triton.jit(do_not_specialize=["stride_row", "vocab", "per_split", "num_splits", "num_tiles", "mask_width"])
 def _partial_kernel(logits_ptr, stride_row, temperature_ptr, greedy_ptr, seeds_ptr, best_score_ptr,
                     best_index_ptr, tile_max_ptr, tile_sum_ptr, u_ptr, vocab, per_split, num_splits, num_tiles,
-                    ROW_SEEDS: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr):
+                    masks_ptr, mask_index_ptr, mask_width, ROW_SEEDS: tl.constexpr, MASKED: tl.constexpr,
+                    BLOCK: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -102,6 +129,7 @@ def _partial_kernel(logits_ptr, stride_row, temperature_ptr, greedy_ptr, seeds_p
     split = tl.program_id(1)
     temperature = tl.where(tl.load(greedy_ptr + row), 0.0, tl.load(temperature_ptr + row))
     logits_row = logits_ptr + row.to(tl.int64) * stride_row
+    mask_row, has_mask = _mask_of(masks_ptr, mask_index_ptr, mask_width, row, MASKED)
     start = split * per_split
     end = tl.minimum(start + per_split, vocab)
     lane = tl.arange(0, BLOCK)
@@ -116,7 +144,7 @@ def _partial_kernel(logits_ptr, stride_row, temperature_ptr, greedy_ptr, seeds_p
         tiles = tl.arange(0, TILES)
         for tile in range(start // BLOCK, tl.cdiv(end, BLOCK), TILES):  # per_split is whole tiles
             cols = (tile + tiles)[:, None] * BLOCK + lane[None, :]
-            x = _scaled(logits_row, cols, end, temperature)
+            x = _scaled(logits_row, cols, end, temperature, mask_row, has_mask, MASKED)
             top = tl.max(x, axis=1)
             total = tl.sum(_tile_weights(x, top[:, None]), axis=1)
             ours = (tile + tiles) * BLOCK < end
@@ -126,7 +154,7 @@ def _partial_kernel(logits_ptr, stride_row, temperature_ptr, greedy_ptr, seeds_p
         best_score = tl.full([BLOCK], -float("inf"), tl.float32)
         best_index = tl.full([BLOCK], 2**31 - 1, tl.int32)
         for tile in range(start, end, BLOCK):
-            x = tl.load(logits_row + tile + lane, mask=tile + lane < end, other=-float("inf")).to(tl.float32)
+            x = _logits(logits_row, tile + lane, end, mask_row, has_mask, MASKED)
             best_score, best_index = _keep_best(x, tile + lane, best_score, best_index)
         # The best score, and the first column that has it (a split whose logits are all -inf
         # reports its first column, as a lone argmax would).
@@ -135,11 +163,11 @@ def _partial_kernel(logits_ptr, stride_row, temperature_ptr, greedy_ptr, seeds_p
         tl.store(best_index_ptr + row * num_splits + split, tl.where(first == 2**31 - 1, start, first))
 
 
-@triton.jit(do_not_specialize=["stride_row", "vocab", "num_splits", "num_tiles"])
+@triton.jit(do_not_specialize=["stride_row", "vocab", "num_splits", "num_tiles", "mask_width"])
 def _pick_kernel(logits_ptr, stride_row, temperature_ptr, greedy_ptr, best_score_ptr, best_index_ptr, tile_max_ptr,
-                 tile_sum_ptr, u_ptr, out_ptr, vocab, num_splits, num_tiles, key_ptr, ADVANCE: tl.constexpr,
-                 STRIDE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, TILES_PAD: tl.constexpr,
-                 PDL: tl.constexpr):
+                 tile_sum_ptr, u_ptr, out_ptr, vocab, num_splits, num_tiles, key_ptr, masks_ptr, mask_index_ptr,
+                 mask_width, ADVANCE: tl.constexpr, MASKED: tl.constexpr, STRIDE: tl.constexpr, BLOCK: tl.constexpr,
+                 BLOCK_S: tl.constexpr, TILES_PAD: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
     row = tl.program_id(0)
@@ -162,7 +190,9 @@ def _pick_kernel(logits_ptr, stride_row, temperature_ptr, greedy_ptr, best_score
         # what is left of the target inside the chosen tile, in that tile's own units
         rest = (target - _lane(cumulative - weights, chosen)) / _lane(scale, chosen)
         cols = tl.arange(0, BLOCK)
-        x = _scaled(logits_ptr + row.to(tl.int64) * stride_row, tile * BLOCK + cols, vocab, temperature)
+        mask_row, has_mask = _mask_of(masks_ptr, mask_index_ptr, mask_width, row, MASKED)
+        x = _scaled(logits_ptr + row.to(tl.int64) * stride_row, tile * BLOCK + cols, vocab, temperature, mask_row,
+                    has_mask, MASKED)
         probs = _tile_weights(x, _lane(top, chosen))
         token = tile * BLOCK + _first_past(tl.cumsum(probs, axis=0), probs, rest, cols)
     else:
@@ -189,11 +219,16 @@ def vocab_splits(num_rows: int, vocab: int, device: torch.device) -> int:
 
 def sample_temperature(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
                        seeds: torch.Tensor | None = None, num_splits: int | None = None,
-                       out: torch.Tensor | None = None, draw_key: torch.Tensor | None = None) -> torch.Tensor:
+                       out: torch.Tensor | None = None, draw_key: torch.Tensor | None = None,
+                       masks: torch.Tensor | None = None, mask_index: torch.Tensor | None = None) -> torch.Tensor:
     """logits [n, vocab] (any float dtype, unit stride on vocab), temperature float32 [n],
     greedy bool [n] (argmax rows), and either seeds int64 [n] (one Philox key per row) or
     draw_key int64 [1] (row i's key is draw_key + i; advanced by KEY_STRIDE) -> token ids [n]:
-    ``out`` (int32 or int64, contiguous) if given, else a new int64 tensor."""
+    ``out`` (int32 or int64, contiguous) if given, else a new int64 tensor.
+
+    Token masks (structured output): ``masks`` uint8 [m, >= vocab / 8], each a packed set of tokens (bit
+    t % 8 of byte t // 8), and ``mask_index`` int32 [n], the mask row i samples within (-1: none). A masked
+    row takes the best of its allowed tokens or draws among them, as if the others' logits were -inf."""
     num_rows, vocab = logits.shape
     assert (seeds is None) != (draw_key is None), "give either seeds or draw_key"
     keys = seeds if draw_key is None else draw_key
@@ -204,6 +239,10 @@ def sample_temperature(logits: torch.Tensor, temperature: torch.Tensor, greedy: 
     if out is None:
         out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     assert out.shape == (num_rows,) and out.stride(0) == 1 and out.dtype in (torch.int32, torch.int64)
+    assert (masks is None) == (mask_index is None), "give masks with their index"
+    if masks is not None:
+        assert masks.dtype == torch.uint8 and masks.stride(1) == 1 and masks.shape[1] * 8 >= vocab
+        assert mask_index.dtype == torch.int32 and mask_index.shape == (num_rows,)
     if num_rows == 0:
         return out
     splits = num_splits or vocab_splits(num_rows, vocab, logits.device)
@@ -214,14 +253,15 @@ def sample_temperature(logits: torch.Tensor, temperature: torch.Tensor, greedy: 
     tile_max = torch.empty(num_rows, num_tiles, dtype=torch.float32, device=logits.device)
     tile_sum = torch.empty_like(tile_max)
     u = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
-    pdl = launch_pdl(logits.device)
+    pdl, masked = launch_pdl(logits.device), masks is not None
+    mask_args = (masks, mask_index, masks.stride(0)) if masked else (greedy, greedy, 0)  # unread when not masked
     _partial_kernel[(num_rows, splits)](logits, logits.stride(0), temperature, greedy, keys, best_score,
                                         best_index, tile_max, tile_sum, u, vocab, per_split, splits, num_tiles,
-                                        ROW_SEEDS=draw_key is None, BLOCK=BLOCK, TILES=TILES, PDL=pdl, num_warps=4,
-                                        launch_pdl=pdl)
+                                        *mask_args, ROW_SEEDS=draw_key is None, MASKED=masked, BLOCK=BLOCK,
+                                        TILES=TILES, PDL=pdl, num_warps=4, launch_pdl=pdl)
     _pick_kernel[(num_rows,)](logits, logits.stride(0), temperature, greedy, best_score, best_index, tile_max,
-                              tile_sum, u, out, vocab, splits, num_tiles, keys, ADVANCE=draw_key is not None,
-                              STRIDE=KEY_STRIDE, BLOCK=BLOCK, BLOCK_S=64,
+                              tile_sum, u, out, vocab, splits, num_tiles, keys, *mask_args,
+                              ADVANCE=draw_key is not None, MASKED=masked, STRIDE=KEY_STRIDE, BLOCK=BLOCK, BLOCK_S=64,
                               TILES_PAD=max(16, triton.next_power_of_2(num_tiles)), PDL=pdl, num_warps=4,
                               launch_pdl=pdl)
     return out

@@ -189,7 +189,7 @@ def test_token_masks_restrict_masked_rows_only() -> None:
     rows = [SamplingRow(p, 0, EMPTY, EMPTY, _packed(allowed, vocab)) for p in (greedy, drawn)] * (n // 3)
     rows += [SamplingRow(SamplingParams(temperature=0.0), 0, EMPTY, EMPTY)] * (n - len(rows))
     out, batch = _sample(logits, rows)
-    assert batch.allowed is not None and not batch.temperature_only
+    assert batch.masks is not None and batch.kernel_samples  # temperature and masks: the kernel's, on CUDA
     tokens = out.token_ids.tolist()
     masked = len(rows) - (n - 2 * (n // 3))
     best = [max(allowed, key=lambda t, r=r: logits[r, t].item()) for r in range(0, masked, 2)]
@@ -200,17 +200,15 @@ def test_token_masks_restrict_masked_rows_only() -> None:
     assert one.token_ids.tolist() == [202]  # the last id, in the last byte's low bits
 
 
-def test_rows_that_share_a_mask_get_it_unpacked_once_and_each_its_own() -> None:
+def test_rows_that_share_a_mask_get_it_copied_once_and_each_its_own() -> None:
     """A mask object several rows share (TokenMask.same_as) is copied to the device once; each row still
     gets the tokens of its own mask, in row order, beside rows with masks of their own and rows without."""
-    from twinplane.dataplane.sampling_batch import _allowed
-
     vocab = 203
     a, b = _packed({1, 2}, vocab), _packed({7, 202}, vocab)
-    copy_of_a = bytes(bytearray(a))  # equal bytes, another object: unpacked apart
+    copy_of_a = bytes(bytearray(a))  # equal bytes, another object: copied apart
     masks = [a, None, b, a, copy_of_a, a]
     rows = [SamplingRow(SamplingParams(masked=m is not None), 0, EMPTY, EMPTY, m) for m in masks]
-    row_ids, allowed = _allowed(rows, vocab, CPU)
-    assert row_ids.tolist() == [0, 2, 3, 4, 5]
-    wanted = [{1, 2}, {7, 202}, {1, 2}, {1, 2}, {1, 2}]
-    assert [set(np.flatnonzero(row.numpy()).tolist()) for row in allowed] == wanted
+    batch = build_sampling_batch(rows, vocab, CPU)
+    assert batch.masks.index.tolist() == [0, -1, 1, 0, 2, 0] and batch.masks.packed.shape == (3, len(a))
+    wanted = [{1, 2}, set(range(vocab)), {7, 202}, {1, 2}, {1, 2}, {1, 2}]
+    assert [set(np.flatnonzero(row.numpy()).tolist()) for row in batch.masks.allowed(vocab)] == wanted

@@ -220,6 +220,50 @@ def test_triton_sampler_on_a_full_vocabulary():
     assert (counts[hot] / n - expected_p[hot]).abs().max().item() < 0.02  # > 3 sigma at n = 8192
 
 
+def _packed_bits(allowed: torch.Tensor) -> torch.Tensor:
+    """bool [..., vocab] -> uint8 [..., vocab / 8]: token t is bit t % 8 of byte t // 8 (a TokenMask)."""
+    bits = torch.arange(8, device=allowed.device, dtype=torch.uint8)
+    return (allowed.view(*allowed.shape[:-1], -1, 8).to(torch.uint8) << bits).sum(-1).to(torch.uint8)
+
+
+def test_triton_sampler_with_token_masks_on_a_full_vocabulary():
+    """Structured output in the kernel: a masked greedy row takes its best allowed token (torch.argmax of the
+    logits with the rest -inf), a masked sampled row draws among its allowed tokens with their softmax shares,
+    and rows without a mask in the same call draw what they draw with no masks at all."""
+    from twinplane.kernels.sampling import sample_temperature
+
+    torch.manual_seed(0)
+    rows, vocab = 256, 151936
+    logits = (torch.randn(rows, vocab, device="cuda") * 4).to(torch.bfloat16)
+    allowed = torch.rand(2, vocab, device="cuda") < torch.tensor([[0.5], [0.001]], device="cuda")
+    allowed[1, 151_935] = True  # the last id, in the mask's last byte
+    packed = _packed_bits(allowed)
+    index = torch.randint(-1, 2, (rows,), dtype=torch.int32, device="cuda")
+    expected = logits.float().where(allowed[index.clamp(min=0).long()] | (index < 0)[:, None], -torch.inf).argmax(-1)
+    greedy, ones = torch.ones(rows, dtype=torch.bool, device="cuda"), torch.ones(rows, device="cuda")
+    seeds = torch.arange(rows, device="cuda")
+    for splits in (1, 5, None):
+        got = sample_temperature(logits, ones, greedy, seeds, splits, masks=packed, mask_index=index)
+        assert torch.equal(got, expected), splits
+    drawn = sample_temperature(logits, ones, ~greedy, seeds, masks=packed, mask_index=index)
+    masked = index >= 0
+    assert allowed[index[masked].long(), drawn[masked]].all()
+    assert torch.equal(drawn[~masked], sample_temperature(logits, ones, ~greedy, seeds)[~masked])
+    n, temperature = 8192, 0.7  # a row whose likeliest tokens are all outside its mask
+    hot = torch.tensor([5, 70_000, 151_935, 99_999], device="cuda")
+    base = torch.full((vocab,), 8.0, device="cuda")
+    base[hot] = torch.tensor([2.0, 1.0, 0.5, 0.0], device="cuda")
+    only_hot = torch.zeros(vocab, dtype=torch.bool, device="cuda")
+    only_hot[hot] = True
+    drawn = sample_temperature(base.to(torch.bfloat16).expand(n, vocab), torch.full((n,), temperature, device="cuda"),
+                               torch.zeros(n, dtype=torch.bool, device="cuda"), torch.arange(n, device="cuda") * 977,
+                               masks=_packed_bits(only_hot)[None], mask_index=torch.zeros(n, dtype=torch.int32,
+                                                                                          device="cuda"))
+    counts = torch.bincount(drawn, minlength=vocab).float()
+    assert counts[hot].sum() == n, "drew a token outside the mask"
+    assert (counts[hot] / n - (base[hot] / temperature).softmax(-1)).abs().max().item() < 0.02
+
+
 def _layer_by_layer(x, residual, norm_weight, weight, bias, glu):
     """What the skinny kernel folds together, one torch op at a time (bf16, as the unfused layers)."""
     import torch.nn.functional as F

@@ -1,6 +1,6 @@
 """Our Triton kernels compiled for sm_90 (an H100 / H200) without a GPU: decode attention and its
-merge, the skinny projections, RoPE/K/V store, the KV writer, SiLU-and-mul, RMSNorm and the sampler, in
-the variants their launch wrappers pick.
+merge, the skinny projections, RoPE/K/V store, the KV writer, SiLU-and-mul, RMSNorm and the sampler (with
+and without token masks), in the variants their launch wrappers pick.
 
 Triton's interpreter (test_kernels_interpreted.py) runs the kernels as Python, so it checks
 what they compute but not that they compile: Triton's compiler rejects, for example, a value
@@ -106,10 +106,11 @@ def test_kv_writer_silu_mul_and_sampler_compile():
         assert ("griddepcontrol.wait" in ptx) == pdl
     for pdl in (False, True):
         stats = {"temperature_ptr": "fp32", "greedy_ptr": "i1", "best_score_ptr": "fp32", "best_index_ptr": "i32",
-                 "tile_max_ptr": "fp32", "tile_sum_ptr": "fp32", "u_ptr": "fp32"}
-        for row_seeds in (False, True):
-            _compile(_partial_kernel, dict(ROW_SEEDS=row_seeds, BLOCK=1024, TILES=4, PDL=pdl),
+                 "tile_max_ptr": "fp32", "tile_sum_ptr": "fp32", "u_ptr": "fp32", "masks_ptr": "u8",
+                 "mask_index_ptr": "i32"}
+        for row_seeds, masked in ((False, False), (True, False), (False, True), (True, True)):
+            _compile(_partial_kernel, dict(ROW_SEEDS=row_seeds, MASKED=masked, BLOCK=1024, TILES=4, PDL=pdl),
                      {**stats, "seeds_ptr": "i64"})
-        for out, advance in (("i32", True), ("i64", False)):
-            _compile(_pick_kernel, dict(ADVANCE=advance, STRIDE=1 << 16, BLOCK=1024, BLOCK_S=64, TILES_PAD=256,
-                                        PDL=pdl), {**stats, "out_ptr": out, "key_ptr": "i64"})
+        for out, advance, masked in (("i32", True, False), ("i64", False, False), ("i32", True, True)):
+            _compile(_pick_kernel, dict(ADVANCE=advance, MASKED=masked, STRIDE=1 << 16, BLOCK=1024, BLOCK_S=64,
+                                        TILES_PAD=256, PDL=pdl), {**stats, "out_ptr": out, "key_ptr": "i64"})

@@ -4,7 +4,8 @@ splits, where 16 loads its first tile before the wait; grouped and plain heads; 
 0; a given start order), the KV writer against index_copy, the
 fused q/k norm + RoPE + K/V store against the unfused layers (with and without the norm), and
 the temperature sampler (greedy = torch.argmax with ties, draws follow softmax(logits / T),
-a row's draw depends on its seed only) alone and inside the Sampler, the skinny projections
+a row's draw depends on its seed only; token masks: the best allowed token, draws among the allowed
+ones) alone and inside the Sampler, the skinny projections
 (plain, and with the norm, residual add and SiLU-and-mul they fold in), the gated MLP's
 SiLU-and-mul, the RMSNorm with its residual add, and the streaming read that measures the
 GPU's read bandwidth.
@@ -215,7 +216,7 @@ assert ((drawn >= 0) & (drawn < 3000)).all(), drawn
 def sample(sampler, params, vocab=500):
     batch = build_sampling_batch([SamplingRow(p, 3, np.empty(0, np.int32), np.empty(0, np.int32)) for p in params],
                                  vocab, torch.device("cpu"))
-    assert batch.temperature_only
+    assert batch.kernel_samples
     return sampler(torch.zeros(len(params), vocab), batch).token_ids.tolist()
 
 seeded, other = SamplingParams(seed=7), SamplingParams()
@@ -228,6 +229,56 @@ a, b = sample(first, [other] * 8), sample(first, [other] * 8)
 assert a == sample(Sampler(1, cpu, fused=True), [other] * 8) and a != b
 first.reseed(1)  # starts its draws over
 assert sample(first, [other] * 8) == a
+
+# Token masks (structured output): a masked row takes the best of its allowed tokens, or draws among them with
+# their softmax shares, however the vocabulary is split; rows without a mask draw as with no masks at all.
+def packed(allowed, vocab):
+    bits = np.zeros(-(-vocab // 8) * 8, dtype=bool)
+    bits[sorted(allowed)] = True
+    return torch.from_numpy(np.packbits(bits, bitorder="little"))
+
+vocab = 4999  # the last byte of a mask partly padding
+logits = torch.randn(6, vocab) * 3
+logits[:, 2000] = 50.0  # far the best, and allowed by no mask
+sets = [{0, 1500, 4998}, {7, 3100}]
+masks = torch.stack([packed(s, vocab) for s in sets])
+index = torch.tensor([0, -1, 1, 0, -1, 1], dtype=torch.int32)
+greedy = torch.ones(6, dtype=torch.bool)
+for splits in (1, 3):
+    out = sample_temperature(logits, torch.ones(6), greedy, torch.arange(6), num_splits=splits, masks=masks,
+                             mask_index=index)
+    best = [max(sets[i], key=lambda t: logits[row, t].item()) if i >= 0 else 2000 for row, i in enumerate(index)]
+    assert out.tolist() == best, (splits, out.tolist(), best)
+    free = sample_temperature(logits, torch.ones(6), ~greedy, torch.arange(6), num_splits=splits, masks=masks,
+                              mask_index=index)
+    assert free[index < 0].tolist() == [2000, 2000] and all(free[r].item() in sets[i] for r, i in
+                                                             enumerate(index.tolist()) if i >= 0), free
+unmasked = sample_temperature(logits, torch.ones(6), ~greedy, torch.arange(6), num_splits=2)
+assert torch.equal(free[index < 0], unmasked[index < 0])
+n, allowed = 1000, [1, 1500, 3100, 4998]  # in three tiles; the rest, allowed or not, far likelier
+row = torch.full((vocab,), 5.0)
+row[allowed] = torch.tensor([0.5, 1.0, -0.5, 0.0])
+drawn = sample_temperature(row.repeat(n, 1), torch.full((n,), 0.8), torch.zeros(n, dtype=torch.bool),
+                           torch.arange(n), num_splits=2, masks=packed(allowed, vocab)[None],
+                           mask_index=torch.zeros(n, dtype=torch.int32))
+counts = torch.bincount(drawn, minlength=vocab).float()
+assert counts[allowed].sum() == n, "drew a token outside the mask"
+gap = (counts[allowed] / n - (row[allowed] / 0.8).softmax(-1)).abs().max().item()
+assert gap < 0.05, f"masked draw frequencies {(counts[allowed] / n).tolist()}"  # 3 sigma at n = 1,000
+
+# In the Sampler: temperature with masks takes the kernel, seeded or not, and its greedy rows give what the torch
+# path gives (each sampler's own draws differ: another generator).
+def rows_of(params, masks):
+    return [SamplingRow(p, 3, np.empty(0, np.int32), np.empty(0, np.int32), m) for p, m in zip(params, masks)]
+
+mask = packed({0, 1500, 4998}, vocab).numpy().tobytes()
+params = [SamplingParams(temperature=0.0, masked=True), SamplingParams(temperature=0.0),
+          SamplingParams(temperature=0.9, seed=3, masked=True), SamplingParams(temperature=0.9, masked=True)]
+batch = build_sampling_batch(rows_of(params, [mask, None, mask, mask]), vocab, cpu)
+assert batch.kernel_samples and batch.masks is not None
+kernel = Sampler(0, cpu, fused=True)(logits[:4], batch).token_ids.tolist()
+torch_path = Sampler(0, cpu, fused=False)(logits[:4], batch).token_ids.tolist()
+assert kernel[:2] == torch_path[:2] and kernel[1] == 2000 and set(kernel[2:]) <= {0, 1500, 4998}, kernel
 print("sampling ok")
 '''
 
