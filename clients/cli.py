@@ -96,6 +96,9 @@ def _add_controlplane_args(p: argparse.ArgumentParser, listen_default: str = DEF
                    help="most UTF-8 bytes of text (or of all chat content) a request may send (default: 64 per "
                         "token of max_model_len)")
     g.add_argument("--max-chat-messages", type=int, default=1024, help="most chat messages a request may send")
+    g.add_argument("--max-message-mb", type=int, default=16,
+                   help="largest gRPC message (either way) and HTTP request body, in MiB; a long prompt's "
+                        "log-probabilities need more")
     g.add_argument("--tokenizer-threads", type=int, default=2,
                    help="prompts tokenized at once, on threads of their own (never on the event loop)")
     g.add_argument("--max-unsent-tokens-per-stream", type=int, default=1024,
@@ -186,7 +189,8 @@ def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None, d
             stream_interval=args.stream_interval, max_steps_in_flight=args.max_steps_in_flight,
             decode_steps=args.decode_steps, decode_steps_max_seqs=args.decode_steps_max_seqs,
             metrics_port=args.metrics_port, metrics_host=args.metrics_host, max_prompt_bytes=args.max_prompt_bytes,
-            max_chat_messages=args.max_chat_messages, routing=args.routing, tokenizer_threads=args.tokenizer_threads,
+            max_chat_messages=args.max_chat_messages, max_message_bytes=args.max_message_mb << 20,
+            routing=args.routing, tokenizer_threads=args.tokenizer_threads,
             max_unsent_tokens_per_stream=args.max_unsent_tokens_per_stream, max_unsent_tokens=args.max_unsent_tokens,
             stall_timeout=args.stall_timeout, dataplane_timeout=args.dataplane_timeout, core_timeout=args.core_timeout,
             metrics_api_key=not args.metrics_no_auth, http_listen=args.http_listen,

@@ -31,7 +31,7 @@ class ControlPlaneConfig:
     max_logprobs: int = 20
     max_stop_strings: int = 16
     max_stop_string_len: int = 256
-    max_message_bytes: int = 16 * 1024 * 1024
+    max_message_bytes: int = 16 * 1024 * 1024  # largest gRPC message either way, and HTTP request body
     max_prompt_bytes: int | None = None  # text or chat bytes a request may send; default: BYTES_PER_TOKEN per token
     max_chat_messages: int = 1024  # chat messages a request may send
     tokenizer_threads: int = 2  # prompts tokenized (and chat templates rendered) at once, off the event loop
@@ -114,6 +114,8 @@ class ControlPlaneConfig:
         for name in ("max_chat_messages", "tokenizer_threads", "max_unsent_tokens_per_stream", "max_unsent_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.max_message_bytes < 1 << 31:  # gRPC's limits are 32-bit
+            raise ValueError(f"max_message_bytes must be in [1, 2 GiB), got {self.max_message_bytes}")
         if self.max_prompt_bytes is not None and self.max_prompt_bytes <= 0:
             raise ValueError(f"max_prompt_bytes must be > 0, got {self.max_prompt_bytes}")
         self._check_api_server_count()

@@ -174,6 +174,20 @@ def test_steps_in_flight_flag_reaches_the_config_and_is_checked():
         ControlPlaneConfig(dataplane="x", max_steps_in_flight=0)
 
 
+def test_max_message_flag_reaches_the_config_and_is_checked():
+    from twinplane.clients.cli import _controlplane, build_parser
+    from twinplane.controlplane.config import ControlPlaneConfig
+
+    assert _controlplane(build_parser().parse_args(["serve"]), "unix:///tmp/dp.sock", None)[0].max_message_bytes \
+        == 16 << 20
+    args = build_parser().parse_args(["serve", "--max-message-mb", "64"])
+    assert _controlplane(args, "unix:///tmp/dp.sock", None)[0].max_message_bytes == 64 << 20
+    for flag in ("0", "2048"):
+        with pytest.raises(SystemExit, match=r"max_message_bytes must be in \[1, 2 GiB\)"):
+            _controlplane(build_parser().parse_args(["serve", "--max-message-mb", flag]), "unix:///tmp/dp.sock", None)
+    assert ControlPlaneConfig(dataplane="x", max_message_bytes=1).max_message_bytes == 1
+
+
 def test_served_model_names_reach_the_config_and_are_checked():
     from twinplane.clients.cli import _controlplane, build_parser
     from twinplane.controlplane.config import ControlPlaneConfig
