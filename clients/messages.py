@@ -31,11 +31,12 @@ FINISH_REASONS: dict[int, str | None] = {
 
 @dataclass(frozen=True)
 class PositionLogprobs:
-    """Log-probabilities at one generated position."""
+    """Log-probabilities at one generated (or prompt) position."""
 
-    token_id: int  # the sampled token
+    token_id: int  # the sampled token (the prompt's, in prompt_logprobs)
     logprob: float  # its natural-log probability
     top: list[tuple[int, float]]  # (token_id, logprob) of the most likely tokens, best first
+    rank: int | None = None  # in prompt_logprobs: 1 + the number of tokens more likely than the prompt's
 
 
 @dataclass(frozen=True)
@@ -310,6 +311,7 @@ def _position_logprobs(position: pb.PositionLogprobs) -> PositionLogprobs:
         token_id=position.sampled.token_id,
         logprob=position.sampled.logprob,
         top=[(t.token_id, t.logprob) for t in position.top],
+        rank=position.sampled.rank if position.sampled.HasField("rank") else None,
     )
 
 

@@ -73,6 +73,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float | None  # None only for an echoed prompt's first token, which nothing scores
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # 1 + the number of tokens more likely; known for the prompt's tokens
 
 
 @dataclass
@@ -426,6 +427,8 @@ def _add_logprobs(field, logprobs: list[TokenLogprobs]) -> None:
     for lp in logprobs:
         entry = field.add()
         entry.sampled.token_id, entry.sampled.logprob = lp.token_id, lp.logprob
+        if lp.rank is not None:
+            entry.sampled.rank = lp.rank
         for token_id, logprob in lp.top:
             entry.top.add(token_id=token_id, logprob=logprob)
 

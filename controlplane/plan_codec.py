@@ -126,9 +126,9 @@ class StepTokens:
     prepare_us: int = 0
     launch_us: int = 0
     path: int = dp.STEP_PATH_EAGER  # how the data plane ran the forward pass (dataplane.proto StepPath)
-    # per prompt log-probabilities ask, in the plan's order: (log-probability, top (id, log-probability) pairs)
-    # at each of its positions
-    prompt_logprobs: list[list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=list)
+    # per prompt log-probabilities ask, in the plan's order: (log-probability, top (id, log-probability) pairs,
+    # rank or None) at each of its positions
+    prompt_logprobs: list[list[tuple[float, list[tuple[int, float]], int | None]]] = field(default_factory=list)
 
 
 def decode_result(res: dp.StepResult) -> StepTokens:
@@ -147,7 +147,9 @@ def decode_result(res: dp.StepResult) -> StepTokens:
         values = np.frombuffer(p.logprobs, dtype="<f4").tolist()
         top_ids = np.frombuffer(p.top_token_ids, dtype="<i4").reshape(len(values), -1).tolist()
         top_lps = np.frombuffer(p.top_logprobs, dtype="<f4").reshape(len(values), -1).tolist()
-        tokens.prompt_logprobs.append([(v, list(zip(i, lp))) for v, i, lp in zip(values, top_ids, top_lps)])
+        ranks = np.frombuffer(p.ranks, dtype="<i4").tolist() if p.ranks else [None] * len(values)
+        tokens.prompt_logprobs.append([(v, list(zip(i, lp)), rank)
+                                       for v, i, lp, rank in zip(values, top_ids, top_lps, ranks)])
     return tokens
 
 
@@ -156,5 +158,5 @@ def store_prompt_logprobs(out: SchedulerOutput, tokens: StepTokens) -> None:
     until its first output token takes them along)."""
     for (seq, first), scored in zip(out.prompt_asks, tokens.prompt_logprobs):
         if seq.prompt_logprobs is not None:
-            seq.prompt_logprobs[first:first + len(scored)] = [
-                TokenLogprobs(seq.token_ids[first + j], value, top) for j, (value, top) in enumerate(scored)]
+            seq.prompt_logprobs[first:first + len(scored)] = [TokenLogprobs(seq.token_ids[first + j], value, top, rank)
+                                                              for j, (value, top, rank) in enumerate(scored)]

@@ -85,7 +85,8 @@ def output_to_pb(out: StepOutput) -> dp.StepResult:
     for index, p in out.prompt_logprobs.items():  # in the asks' order
         result.prompt_logprobs.add(index=index, logprobs=np.ascontiguousarray(p.logprobs, dtype="<f4").tobytes(),
                                    top_token_ids=np.ascontiguousarray(p.top_ids, dtype="<i4").tobytes(),
-                                   top_logprobs=np.ascontiguousarray(p.top_logprobs, dtype="<f4").tobytes())
+                                   top_logprobs=np.ascontiguousarray(p.top_logprobs, dtype="<f4").tobytes(),
+                                   ranks=np.ascontiguousarray(p.ranks, dtype="<i4").tobytes())
     return result
 
 

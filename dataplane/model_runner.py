@@ -176,14 +176,16 @@ class PromptLogprobsOnTheWay:
     logprobs: torch.Tensor  # float32 [sum of positions]: of each next token
     top_ids: torch.Tensor  # int64 [sum of positions, largest num_top]
     top_logprobs: torch.Tensor  # float32 [sum of positions, largest num_top]
+    ranks: torch.Tensor  # int64 [sum of positions]: of each next token
 
     def split(self) -> dict[int, PromptLogprobs]:
         """Each ask's share, by plan index (valid once the step is done)."""
         lps, ids, tops = self.logprobs.numpy(), self.top_ids.numpy().astype(np.int32), self.top_logprobs.numpy()
+        ranks = self.ranks.numpy().astype(np.int32)
         out, begin = {}, 0
         for index, m, k in self.asks:
             end = begin + m
-            out[index] = PromptLogprobs(lps[begin:end], ids[begin:end, :k], tops[begin:end, :k])
+            out[index] = PromptLogprobs(lps[begin:end], ids[begin:end, :k], tops[begin:end, :k], ranks[begin:end])
             begin = end
         return out
 
@@ -496,13 +498,13 @@ class ModelRunner:
                 continue
             logprobs = logits[:len(indices)].float().log_softmax(dim=-1)
             top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
-            parts.append((logprobs.gather(1, next_ids[begin:begin + len(indices), None].long()).squeeze(1),
-                          top_ids, top_logprobs))
+            chosen = logprobs.gather(1, next_ids[begin:begin + len(indices), None].long())
+            parts.append((chosen.squeeze(1), top_ids, top_logprobs, (logprobs > chosen).sum(dim=-1) + 1))
         if not parts:
             return None
-        chosen, top_ids, top_logprobs = (torch.cat(p).to("cpu", non_blocking=True) for p in zip(*parts))
+        chosen, top_ids, top_logprobs, ranks = (torch.cat(p).to("cpu", non_blocking=True) for p in zip(*parts))
         asks_list = [(i, len(a.next_token_ids), a.num_top) for i, a in asks.items()]
-        return PromptLogprobsOnTheWay(asks_list, chosen, top_ids, top_logprobs)
+        return PromptLogprobsOnTheWay(asks_list, chosen, top_ids, top_logprobs, ranks)
 
     def _sample(self, step: LaunchedStep, inputs: StepInputs, hidden: torch.Tensor, keep_logits: bool) -> None:
         """Samples on rank 0; every rank keeps the sampled tokens for the next plan's PENDING inputs."""

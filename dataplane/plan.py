@@ -67,6 +67,7 @@ class PromptLogprobs:
     logprobs: np.ndarray  # float32 [m]: of each of the ask's next_token_ids
     top_ids: np.ndarray  # int32 [m, num_top], most likely first
     top_logprobs: np.ndarray  # float32 [m, num_top]
+    ranks: np.ndarray  # int32 [m]: 1 + the number of tokens more likely than each next token
 
 
 @dataclass

@@ -179,16 +179,18 @@ class PromptLogprobsAsk(_message.Message):
     def __init__(self, index: _Optional[int] = ..., next_token_ids: _Optional[bytes] = ..., num_top: _Optional[int] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
-    __slots__ = ("index", "logprobs", "top_token_ids", "top_logprobs")
+    __slots__ = ("index", "logprobs", "top_token_ids", "top_logprobs", "ranks")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     index: int
     logprobs: bytes
     top_token_ids: bytes
     top_logprobs: bytes
-    def __init__(self, index: _Optional[int] = ..., logprobs: _Optional[bytes] = ..., top_token_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ...) -> None: ...
+    ranks: bytes
+    def __init__(self, index: _Optional[int] = ..., logprobs: _Optional[bytes] = ..., top_token_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., ranks: _Optional[bytes] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("index", "token_ids", "logprobs")

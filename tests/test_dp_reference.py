@@ -166,4 +166,10 @@ def test_prompt_logprobs_match_transformers(tmp_path: Path) -> None:
         top = expected[rows].topk(k, dim=-1)
         assert got.top_ids.shape == (len(rows), k) and got.top_ids.tolist() == top.indices.tolist()
         torch.testing.assert_close(torch.from_numpy(got.top_logprobs), top.values, atol=1e-4, rtol=1e-4)
+        # 1 + the tokens more likely, give or take those the float rounding of the two models could swap with it
+        # (within 1e-5 of it: the token itself among them, so they count it)
+        fewest, most = ((expected[rows] > torch.from_numpy(got.logprobs)[:, None] + eps).sum(-1) + one
+                        for eps, one in ((1e-5, 1), (-1e-5, 0)))
+        ranks = torch.from_numpy(got.ranks)
+        assert ((fewest <= ranks) & (ranks <= most)).all() and ranks.max() > k  # random weights: many far down
     assert int(out2.sampled_token_ids[1]) == int(expected[12].argmax())

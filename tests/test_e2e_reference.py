@@ -133,6 +133,11 @@ def test_prompt_logprobs_match_transformers(tiny_qwen3_dir, planes_factory):
     assert all(not c.prompt_logprobs for c in chunks[1:]), "they come with the first message only"
     for i, position in enumerate(scored):
         assert abs(position.logprob - reference[i, prompt[i + 1]].item()) < 1e-3, i
+        # 1 + the tokens more likely, give or take those the float rounding of the two models could swap with it
+        # (within 1e-5 of it: the token itself among them, so they count it)
+        fewest, most = ((reference[i] > position.logprob + eps).sum().item() + one
+                        for eps, one in ((1e-5, 1), (-1e-5, 0)))
+        assert fewest <= position.rank <= most, (i, position.rank, fewest, most)
         top = reference[i].topk(3)
         assert [t for t, _ in position.top] == top.indices.tolist(), i
         assert [lp for _, lp in position.top] == pytest.approx(top.values.tolist(), abs=1e-3), i

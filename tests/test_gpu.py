@@ -547,6 +547,9 @@ def test_prompt_logprobs_match_transformers_on_the_gpu(qwen3_folder):
         top = torch.from_numpy(got.top_ids).cuda().long()
         assert got.top_ids.shape == (len(prompt) - 1, 4)
         assert (l32.gather(1, top)[:, 0] >= l32.max(-1).values - 2 * err_hf - 0.02).all()
+        ranks, first = torch.from_numpy(got.ranks).cuda(), top[:, 0] == target[:, 0]
+        assert (ranks[first] == 1).all() and (ranks[~(top == target).any(-1)] > 1).all()
+        assert ranks.max().item() <= runner.vocab_size and ranks.min().item() >= 1
 
 
 def test_cuda_graphs_give_the_same_tokens_as_eager(qwen3_folder):
