@@ -30,7 +30,7 @@ CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_templat
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}  # vLLM's older fields
 _INTS = ("top_k", "seed", "n", "max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens",
-         "top_logprobs", "truncate_prompt_tokens", "priority")
+         "top_logprobs", "truncate_prompt_tokens", "priority", "prompt_logprobs")
 # request fields an error message may start with: an error's "param"
 PARAMS = frozenset((*SAMPLING_FIELDS, *_INTS, "messages", "prompt", "stop", "stop_token_ids", "logprobs", "logit_bias",
                     "skip_special_tokens", "stream_options", "response_format", "echo", "include_stop_str_in_output",
@@ -53,6 +53,7 @@ class OpenAIRequest:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     logprobs: bool = False  # return log-probabilities (the top ones: calls[i].params.logprobs of them)
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's log-probability and rank, and the top n
     tools: ToolSpec = ToolSpec()  # chat: whether the output is parsed for tool calls
 
 
@@ -308,6 +309,7 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool,
     echo = _bool(body, "echo")
     if echo and chat:
         _fail("echo is only for /v1/completions")
+    prompt_top = _int(body, "prompt_logprobs")
     max_tokens, max_tokens_name = _max_tokens(body)
     prompt_only = echo and max_tokens == 0  # scores a text: its prompt computed, the token drawn after it dropped
     params = request_params(
@@ -317,25 +319,29 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool,
         and not (tools.parse and special_tool_tags),
         logit_bias=_logit_bias(body), include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
         priority=_int(body, "priority") or 0, logprobs_name="top_logprobs" if chat else "logprobs",
-        max_tokens_name=max_tokens_name, regex=regex)
+        max_tokens_name=max_tokens_name, regex=regex, prompt_logprobs=prompt_top)
     truncate = _int(body, "truncate_prompt_tokens") or 0
     check_truncation(truncate, limits)
     options = _typed(body, "stream_options", (dict,), "an object")
     stream = _bool(body, "stream")
     if options is not None and not stream:
         _fail("stream_options is only allowed with stream: true")
+    if prompt_top is not None and stream:
+        _fail("prompt_logprobs is not available with stream: true")
+    # the prompt's log-probabilities come from its first choice, the others share them (echo with logprobs
+    # shows them too): as many top ones as either asks for
+    scoring = [k for k in (top if echo else None, prompt_top) if k is not None]
     calls = []  # prompt after prompt, n choices each: choice index = prompt index * n + j
     for prompt in prompts:
         for j in range(n):  # a prompt's choices draw as they would with that prompt alone
             sampling = replace(params.sampling, seed=choice_seed(params.sampling.seed, j))
             call_id = request_id if n * len(prompts) == 1 else f"{request_id}-{len(calls)}"
-            # echo with logprobs: the prompt's come from its first choice, the others share them
-            scored = top if echo and j == 0 else None
+            scored = max(scoring) if scoring and j == 0 else None
             calls.append(GenerateCall(call_id, prompt, replace(params, sampling=sampling, prompt_logprobs=scored),
                                       truncate, "messages" if chat else "prompt", max_tokens_name))
     return OpenAIRequest(chat=chat, calls=calls, n=n, echo=echo, prompt_only=prompt_only, stream=stream,
                          include_usage=bool(options and options.get("include_usage")), logprobs=top is not None,
-                         tools=tools)
+                         prompt_logprobs=prompt_top, tools=tools)
 
 
 # ---- responses ------------------------------------------------------------------------------------
@@ -362,6 +368,25 @@ def _token_text(tokenizer: Tokenizer | None, token_id: int) -> str:
 
 def _safe(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else -9999.0  # JSON has no -inf
+
+
+def prompt_logprobs_json(entries: list[TokenLogprobs | None], tokenizer: Tokenizer | None) -> list[dict | None]:
+    """vLLM's prompt_logprobs: null for the first prompt token; for each other one, {token id: {logprob, rank,
+    decoded_token}} of the prompt's token and of the top ones (a top one that is the prompt's listed once)."""
+    ids = [t for e in entries if e is not None for t in (e.token_id, *(t for t, _ in e.top))]
+    texts = dict(zip(ids, tokenizer.token_texts(ids))) if tokenizer is not None and ids else {}
+    out: list[dict | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        position = {}
+        for rank, (token_id, logprob) in [(e.rank, (e.token_id, e.logprob)), *enumerate(e.top, 1)]:
+            entry = position.setdefault(str(token_id), {"logprob": _safe(logprob), "rank": rank,
+                                                        "decoded_token": texts.get(token_id, f"token_id:{token_id}")})
+            entry["rank"] = entry["rank"] or rank  # a data plane that gives no rank: the top's place, if there
+        out.append(position)
+    return out
 
 
 def logprobs_json(chat: bool, entries: list[TokenLogprobs], tokenizer: Tokenizer | None, offset: int = 0) -> dict:

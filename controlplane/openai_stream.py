@@ -4,8 +4,9 @@ Each choice is an engine request of its own with its prompt (a completion may se
 prompts, n choices each). The first choice of each prompt goes at once; the others are added once
 its first token is out, when its prompt's full blocks are in the prefix cache, so they share those
 blocks instead of computing the prompt again. With echo, a choice's first output starts with its
-prompt, and with logprobs too its log-probabilities start with the prompt's (which the first choice
-of each prompt computes for all of them); with max_tokens 0, that is all it shows.
+prompt, and with logprobs too its log-probabilities start with the prompt's; with max_tokens 0, that
+is all it shows. With prompt_logprobs, every choice's first output carries the prompt's. The first
+choice of each prompt computes them for all of them.
 
 The choices' outputs pass through a queue of one slot per choice: what a slow client has not read
 stays with the engine, which merges it and ends the streams that fall too far behind
@@ -17,12 +18,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from twinplane.controlplane.api import GenerateCall, RequestOutput, TokenLogprobs
 from twinplane.controlplane.chat_text import CallDelta, ChatText
 from twinplane.controlplane.engine import Engine
 from twinplane.controlplane.errors import InvalidRequest
-from twinplane.controlplane.openai_api import OpenAIRequest, finish_reason, logprobs_json, usage_json
+from twinplane.controlplane.openai_api import (OpenAIRequest, finish_reason, logprobs_json, prompt_logprobs_json,
+                                               usage_json)
 from twinplane.controlplane.request_state import RequestState
 from twinplane.controlplane.sequence import FinishReason
 from twinplane.controlplane.tools import ToolCall
@@ -37,6 +40,8 @@ class Choices:
     def __init__(self, engine: Engine, request: OpenAIRequest):
         self.engine = engine
         self.calls, self.n, self.prompt_only = request.calls, request.n, request.prompt_only
+        self.prompt_top = request.prompt_logprobs
+        self.echo_top = self.calls[0].params.logprobs if request.echo and request.logprobs else None
         self.states: list[RequestState] = []
         self.tasks: list[asyncio.Task] = []
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=len(self.calls))
@@ -44,7 +49,10 @@ class Choices:
         self.started = [False] * len(self.calls)
         # with echo: each choice's prompt as its first output shows it (None before it starts and after that output)
         self.echo: list[str | None] | None = [None] * len(self.calls) if request.echo else None
-        self.scored: list[list[TokenLogprobs]] = [[] for _ in range(0, len(self.calls), self.n)]  # per prompt
+        self.fresh = [True] * len(self.calls)  # no output yet
+        # per prompt: its first token and the log-probabilities of the others, once its first choice brings them
+        self.first_tokens = [0] * (len(self.calls) // self.n)
+        self.scored: list[list[TokenLogprobs]] = [[] for _ in range(0, len(self.calls), self.n)]
 
     async def open(self) -> None:
         """Adds the first choice of every prompt (raises the engine's ServiceError for a request it
@@ -60,10 +68,9 @@ class Choices:
         self.started[index] = True
         state = await self.engine.add(self.calls[index])
         self.states.append(state)
+        self.first_tokens[index // self.n] = state.prompt[0]
         if self.echo is not None:
             self.echo[index] = await self._prompt_text(self.calls[index], state.prompt)
-            if index % self.n == 0:  # its first token, which nothing scores (its log-probability is null)
-                self.scored[index // self.n] = [TokenLogprobs(state.prompt[0], None)]
         self.tasks.append(asyncio.create_task(self._pump(index, state)))
 
     async def _prompt_text(self, call: GenerateCall, token_ids: list[int]) -> str:
@@ -94,9 +101,10 @@ class Choices:
                     for sibling in range(index + 1, index + self.n):
                         await self._start(sibling)
                 if out.prompt_logprobs is not None:  # the first output of a prompt's first choice
-                    self.scored[index // self.n] += out.prompt_logprobs[1:]
-                if self.echo is not None and self.echo[index] is not None:  # the choice's first output
-                    self._echo(index, out)
+                    self.scored[index // self.n] = out.prompt_logprobs[1:]
+                if self.fresh[index]:
+                    self.fresh[index] = False
+                    self._first(index, out)
                 if out.finish_reason is not None:
                     self.finals[index] = out
                     remaining -= 1
@@ -104,15 +112,21 @@ class Choices:
         finally:
             self.close()
 
-    def _echo(self, index: int, out: RequestOutput) -> None:
-        """A choice's first output, with echo: its prompt first, and the prompt's log-probabilities first
-        with logprobs; with max_tokens 0, the prompt alone."""
+    def _first(self, index: int, out: RequestOutput) -> None:
+        """A choice's first output: with prompt_logprobs, the prompt's; with echo, its prompt first, and the
+        prompt's log-probabilities first with logprobs (its first token's null); with max_tokens 0, the
+        prompt alone."""
+        scored = self.scored[index // self.n]
+        out.prompt_logprobs = None if self.prompt_top is None else [None, *_top(scored, self.prompt_top)]
+        if self.echo is None:
+            return
         if self.prompt_only:  # its one output: the token drawn after the prompt is not shown
             out.text, out.token_ids, out.logprobs, out.matched_stop = "", [], [], ""
             out.finish_reason, out.completion_tokens = FinishReason.LENGTH, 0
         out.text, self.echo[index] = self.echo[index] + out.text, None
-        if self.calls[index - index % self.n].params.prompt_logprobs is not None:
-            out.logprobs = self.scored[index // self.n] + out.logprobs
+        if self.echo_top is not None:
+            first = TokenLogprobs(self.first_tokens[index // self.n], None)
+            out.logprobs = [first, *_top(scored, self.echo_top), *out.logprobs]
 
     def close(self) -> None:
         """Aborts what still runs (a client that went away, an error): frees the blocks now."""
@@ -124,6 +138,11 @@ class Choices:
     def usage(self) -> dict:
         """Once every choice has finished."""
         return usage_json(self.finals, self.n)
+
+
+def _top(entries: list[TokenLogprobs], k: int) -> list[TokenLogprobs]:
+    """entries with their k most likely tokens (the prompt's are computed for the most any view asks)."""
+    return [replace(e, top=e.top[:k]) if len(e.top) > k else e for e in entries]
 
 
 def tool_finish_reason(out: RequestOutput, text: ChatText) -> str | None:
@@ -159,6 +178,7 @@ class ResponseBuilder:
         self.reasonings = [""] * n  # chat: the whole response's reasoning
         self.calls: list[list[ToolCall]] = [[] for _ in range(n)]  # chat: the whole response's tool calls
         self.logprobs: list[list] = [[] for _ in range(n)]
+        self.prompt_logprobs: list[list | None] = [None] * n  # with prompt_logprobs: each choice's prompt's
         self.finals: list[RequestOutput | None] = [None] * n  # each choice's last output
         self.started = [False] * n
         self.offsets = [0] * n  # streamed completions' text_offset: the length of the tokens' texts so far
@@ -212,6 +232,8 @@ class ResponseBuilder:
     def add(self, index: int, out: RequestOutput) -> None:
         """Collects an output of choice index for the whole response (chat: split as a chunk's is)."""
         self.logprobs[index] += out.logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[index] = out.prompt_logprobs
         text = out.text
         if self.request.chat:
             reasoning, text, calls = self.parts[index].feed(text, out.finish_reason is not None, len(out.token_ids))
@@ -239,5 +261,10 @@ class ResponseBuilder:
                 choice["finish_reason"] = tool_finish_reason(self.finals[i], self.parts[i])
             else:
                 choice["text"], choice["finish_reason"] = text, finish_reason(self.finals[i])
+                if self.request.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(self.prompt_logprobs[i], self.tokenizer)
             choices.append(choice)
-        return {**self._object(False), "choices": choices, "usage": self._usage(usage)}
+        response = {**self._object(False), "choices": choices, "usage": self._usage(usage)}
+        if self.request.chat and self.request.prompt_logprobs is not None:  # one prompt: beside the choices
+            response["prompt_logprobs"] = prompt_logprobs_json(self.prompt_logprobs[0], self.tokenizer)
+        return response

@@ -237,6 +237,56 @@ def test_echo_with_logprobs_scores_the_prompt(client, model, tiny_qwen3_dir):
     assert sum(len(c.logprobs.tokens) for c in chunks) == len(ids) + 2
 
 
+def _check_prompt_logprobs(scored: list, ids: list[int], expected, top: int, tokenizer) -> None:
+    """vLLM's prompt_logprobs against transformers' log_softmax (expected: row p scores token p + 1): null for
+    the first token, then the prompt token's log-probability and rank and the top ones, each with its text."""
+    assert len(scored) == len(ids) and scored[0] is None
+    for i in range(1, len(ids)):
+        position, row = scored[i], expected[i - 1]
+        mine = position[str(ids[i])]
+        assert abs(mine["logprob"] - row[ids[i]].item()) < 1e-3, i
+        fewest, most = ((row > mine["logprob"] + eps).sum().item() + one for eps, one in ((1e-5, 1), (-1e-5, 0)))
+        assert fewest <= mine["rank"] <= most, (i, mine, fewest, most)
+        best = row.topk(top)
+        for rank, (token_id, logprob) in enumerate(zip(best.indices.tolist(), best.values.tolist()), 1):
+            entry = position[str(token_id)]
+            assert abs(entry["logprob"] - logprob) < 1e-3 and entry["rank"] == rank, (i, rank)
+        assert len(position) == top + (str(ids[i]) not in map(str, best.indices.tolist())), i
+        assert all(e["decoded_token"] == tokenizer.token_texts([int(t)])[0] for t, e in position.items())
+
+
+def test_prompt_logprobs_as_vllm_gives_them(client, base_url, model, tiny_qwen3_dir, http_planes):
+    """vLLM's prompt_logprobs: every choice of a completion carries its prompt's (transformers' own, with
+    ranks), beside echo's own view of them with fewer top tokens; a chat completion carries its prompt's
+    beside its choices; streamed or past max_logprobs they are refused with a message."""
+    import torch
+    import transformers
+
+    ids = list(range(300, 340, 2))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_qwen3_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    tokenizer = http_planes.engine.tokenizer
+    whole = client.completions.create(model=model, prompt=ids, max_tokens=2, n=2, echo=True, logprobs=1,
+                                      extra_body={"prompt_logprobs": 3})
+    for choice in whole.choices:
+        _check_prompt_logprobs(choice.model_extra["prompt_logprobs"], ids, expected, 3, tokenizer)
+        assert all(len(top) == 1 for top in choice.logprobs.top_logprobs[1:]), "echo's view keeps its top 1"
+    chat = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    prompt = httpx.post(f"{base_url}/tokenize", json={"model": model, "messages": QUESTION},
+                        headers={"authorization": f"Bearer {KEY}"}, timeout=60).json()["tokens"]
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    _check_prompt_logprobs(chat.model_extra["prompt_logprobs"], prompt, expected, 0, tokenizer)
+    assert len(prompt) == chat.usage.prompt_tokens
+    for kwargs, message in ((dict(stream=True), "prompt_logprobs is not available with stream: true"),
+                            (dict(extra_body={"prompt_logprobs": 21}), r"prompt_logprobs must be in \[0, 20\]")):
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.completions.create(model=model, prompt=ids, max_tokens=2,
+                                      **{"extra_body": {"prompt_logprobs": 1}, **kwargs})
+
+
 def test_echo_with_max_tokens_0_gives_the_prompt_alone(client, model, http_planes):
     """echo with max_tokens 0 scores a text: the prompt and its log-probabilities, nothing generated (the
     token drawn after it is dropped), as a whole response and streamed."""
