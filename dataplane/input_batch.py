@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -38,7 +38,7 @@ import torch
 from twinplane.dataplane.attention_backends.base import AttentionMetadata
 from twinplane.dataplane.plan import MAX_DECODE_STEPS, PlanColumns, SamplingParams, SequenceInit, StepPlan
 from twinplane.dataplane.sampling_batch import (SamplingBatch, SamplingRow, build_sampling_batch, plain_columns,
-                                                temperature_only)
+                                                temperature_only, token_masks)
 
 if TYPE_CHECKING:
     from twinplane.dataplane.decode_graphs import GraphInputs
@@ -197,6 +197,7 @@ class InputBatch:
         self.tokens = np.full((rows, self.limits.max_model_len), -1, dtype=np.int32)
         self.params: list[SamplingParams | None] = [None] * rows
         self.plain = np.zeros(rows, dtype=bool)
+        self.masked_plain = np.zeros(rows, dtype=bool)  # plain but for its token masks
         self.sampling_values = np.zeros((rows, 4), dtype=np.float32)  # temperature, top_p, top_k, min_p
         self.owner = np.full(rows, -1, dtype=np.int64)  # seq_id of each row, -1 = free
         self.sampled_at = np.full(rows, -1, dtype=np.int64)  # plan_index of the row's last sample
@@ -204,8 +205,8 @@ class InputBatch:
 
     def _grow(self) -> None:
         old = len(self.params)
-        arrays = ("block_table", "num_blocks", "num_prompt", "tokens", "plain", "sampling_values", "owner",
-                  "sampled_at", "last_token")
+        arrays = ("block_table", "num_blocks", "num_prompt", "tokens", "plain", "masked_plain", "sampling_values",
+                  "owner", "sampled_at", "last_token")
         saved = [getattr(self, name) for name in arrays]
         params = self.params
         self._allocate(2 * old)
@@ -247,6 +248,7 @@ class InputBatch:
         p = init.sampling
         self.params[row] = p
         self.plain[row] = _is_plain(p)
+        self.masked_plain[row] = p.masked and _is_plain(replace(p, masked=False))
         self.sampling_values[row] = (p.temperature, p.top_p, p.top_k, p.min_p)
         self.num_blocks[row] = 0
         self.num_prompt[row] = init.num_prompt_tokens
@@ -633,9 +635,14 @@ class InputBatch:
         return self._sampling(cols, rows[cols.sample], context[cols.sample])
 
     def _sampling(self, cols: PlanColumns, rows: np.ndarray, context: np.ndarray) -> SamplingBatch:
-        """Rows with penalties, seeds, log-probabilities, min_tokens or token masks (one row at a time)."""
-        sampling_rows = []
+        """Rows with penalties, seeds, log-probabilities, min_tokens or token masks: one row at a time, but for
+        rows that are plain apart from their masks (structured output's usual rows), which are built at once."""
         masks = [cols.token_masks.get(i) for i in np.flatnonzero(cols.sample).tolist()]
+        if (self.plain[rows] | self.masked_plain[rows]).all():
+            batch = SamplingBatch.from_plain_values(self.sampling_values[rows], self.limits.vocab_size, self.device)
+            batch.masks = token_masks(masks, self.device)
+            return batch
+        sampling_rows = []
         for row, ctx, allowed in zip(rows.tolist(), context.tolist(), masks):
             prompt_end = min(int(self.num_prompt[row]), ctx)
             sampling_rows.append(SamplingRow(self.params[row], ctx - int(self.num_prompt[row]),

@@ -196,13 +196,14 @@ def _bias(rows: list[SamplingRow], device: torch.device) -> tuple[torch.Tensor, 
             to_device(torch.tensor(values, dtype=torch.float32), device))
 
 
-def _masks(rows: list[SamplingRow], device: torch.device) -> TokenMasks | None:
-    """The rows' token masks, packed (a mask object several rows share is copied once), and which each takes."""
-    if all(r.allowed is None for r in rows):
+def token_masks(masks: list[bytes | None], device: torch.device) -> TokenMasks | None:
+    """Each row's token mask or None, packed on the device (a mask object several rows share is copied once),
+    and which mask each row takes."""
+    if all(m is None for m in masks):
         return None
     places: dict[int, int] = {}  # id of a mask object -> its row among the packed masks
-    index = [-1 if r.allowed is None else places.setdefault(id(r.allowed), len(places)) for r in rows]
-    unique = {id(r.allowed): r.allowed for r in rows if r.allowed is not None}.values()  # in the order of places
+    index = [-1 if m is None else places.setdefault(id(m), len(places)) for m in masks]
+    unique = {id(m): m for m in masks if m is not None}.values()  # in the order of places
     packed = np.frombuffer(bytearray(b"".join(unique)), dtype=np.uint8).reshape(len(places), -1)
     return TokenMasks(to_device(packed, device), to_device(np.array(index, dtype=np.int32), device))
 
@@ -234,7 +235,7 @@ def build_sampling_batch(rows: list[SamplingRow], vocab_size: int, device: torch
         penalties=_penalties(rows, vocab_size, device),
         banned=_banned(rows, device),
         bias=_bias(rows, device),
-        masks=_masks(rows, device),
+        masks=token_masks([r.allowed for r in rows], device),
         seeded=[(i, r.params.seed, r.output_pos) for i, r in enumerate(rows)
                 if r.params.seed is not None and not r.params.greedy],
         num_logprobs=[p.num_logprobs for p in params],

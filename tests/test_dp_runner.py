@@ -407,6 +407,40 @@ def test_a_plan_whose_masks_follow_runs_its_forward_pass_and_samples_once_they_c
         runner.launch(bad)
 
 
+def test_rows_plain_but_for_their_masks_get_their_sampling_built_at_once(runner: ModelRunner, monkeypatch) -> None:
+    """Structured output's usual rows (temperature, top-k, top-p, min-p and a mask) beside plain ones get their
+    sampling batch built at once from the rows' values, no row at a time: the batch a row-by-row build gives.
+    A masked row with a seed is still built row by row."""
+    from twinplane.dataplane import input_batch
+    from twinplane.dataplane.sampling_batch import SamplingRow, build_sampling_batch
+
+    runner.reset()
+    builder, empty = PlanBuilder(BLOCK), np.empty(0, np.int32)
+    kinds = [SamplingParams(temperature=0.0, masked=True), SamplingParams(temperature=0.9),
+             SamplingParams(temperature=0.7, top_k=5, masked=True), SamplingParams(temperature=0.0, masked=True)]
+    masks = [_only(1000), None, _only(2000), _only(1000)]
+    plan = StepPlan(1, [builder.schedule(builder.new_seq(i, [3, 4, 5], p)) for i, p in enumerate(kinds)])
+    plan.cols().token_masks = {i: m for i, m in enumerate(masks) if m is not None}
+    plan.cols().token_masks[3] = plan.cols().token_masks[0]  # a mask two rows share (TokenMask.same_as)
+    built = []
+    monkeypatch.setattr(input_batch, "build_sampling_batch", lambda *a: built.append(a) or build_sampling_batch(*a))
+    got = runner.sequences.prepare(plan, graphs=False).sampling
+    assert not built, "built row by row"
+    rows = [SamplingRow(p, 0, empty, empty, plan.cols().token_masks.get(i)) for i, p in enumerate(kinds)]
+    want = build_sampling_batch(rows, runner.vocab_size, runner.device)
+    for name in ("num_rows", "all_greedy", "seeded", "num_logprobs", "penalties", "banned", "bias", "top_p", "min_p"):
+        assert getattr(got, name) == getattr(want, name), name
+    for name in ("greedy", "temperature", "top_k"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert got.masks.index.tolist() == want.masks.index.tolist() == [0, -1, 1, 0]
+    assert torch.equal(got.masks.packed, want.masks.packed)
+    seeded = builder.new_seq(9, [3, 4], SamplingParams(temperature=0.5, seed=3, masked=True))
+    plan = StepPlan(2, [builder.schedule(seeded)])
+    plan.cols().token_masks = {0: _only(7)}
+    assert runner.sequences.prepare(plan, graphs=False).sampling.seeded == [(0, 3, 0)] and len(built) == 1
+    runner.reset()
+
+
 def test_a_plan_refused_as_it_is_read_still_drops_what_it_drops(runner: ModelRunner) -> None:
     """The data plane's edge: a plan whose columns disagree is refused before the runner sees it; the
     sequences it drops (ended on the control plane) are dropped all the same, so their rows are free."""
