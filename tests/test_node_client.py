@@ -65,6 +65,47 @@ def test_node_streams_the_same_greedy_text_as_the_python_client(node, loopback_p
     assert int(cached) <= int(prompt_tokens)
 
 
+# prints the chunks of one generate call as JSON; argv: module, address, the options as JSON
+CHUNKS_SCRIPT = """
+const { Client } = require(process.argv[1]);
+(async () => {
+  const client = new Client(process.argv[2]);
+  const chunks = [];
+  for await (const chunk of client.generate(JSON.parse(process.argv[3]))) chunks.push(chunk);
+  client.close();
+  console.log(JSON.stringify(chunks));
+})();
+"""
+
+
+def node_chunks(node: str, address: str, options: dict) -> list[dict]:
+    result = subprocess.run([node, "-e", CHUNKS_SCRIPT, str(NODE_CLIENT / "twinplane.js"), address,
+                             json.dumps(options)], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_node_chunks_carry_the_log_probabilities_and_the_prompts(node, loopback_planes):
+    """logprobs and promptLogprobs through the Node.js client: the Python client's tokens, log-probabilities,
+    top tokens and the prompt tokens' ranks."""
+    prompt = list(range(300, 320))
+    with loopback_planes.client() as client:
+        chunks = list(client.generate(token_ids=prompt, max_tokens=4, temperature=0, logprobs=2, prompt_logprobs=3))
+    got = node_chunks(node, loopback_planes.address, {"tokenIds": prompt, "maxTokens": 4, "temperature": 0,
+                                                      "logprobs": 2, "promptLogprobs": 3})
+    assert [t for c in got for t in c["tokenIds"]] == [t for c in chunks for t in c.token_ids]
+    mine = [p for c in got for p in c["logprobs"]]
+    theirs = [p for c in chunks for p in c.logprobs]
+    assert [p["sampled"]["tokenId"] for p in mine] == [p.token_id for p in theirs]
+    assert [p["sampled"]["logprob"] for p in mine] == pytest.approx([p.logprob for p in theirs], abs=1e-5)
+    assert [[t["tokenId"] for t in p["top"]] for p in mine] == [[t for t, _ in p.top] for p in theirs]
+    scored, expected = got[0]["promptLogprobs"], chunks[0].prompt_logprobs
+    assert [p["sampled"]["tokenId"] for p in scored] == prompt[1:] == [p.token_id for p in expected]
+    assert [p["sampled"]["rank"] for p in scored] == [p.rank for p in expected] and all(p.rank for p in expected)
+    assert [[t["tokenId"] for t in p["top"]] for p in scored] == [[t for t, _ in p.top] for p in expected]
+    assert not any(c["promptLogprobs"] for c in got[1:]), "the first chunk only"
+
+
 def test_node_surfaces_the_status_code_and_message_of_a_bad_request(node, loopback_planes):
     with loopback_planes.client() as client:
         with pytest.raises(grpc.RpcError) as info:

@@ -758,6 +758,27 @@ def test_the_node_client_sends_tools_and_tool_messages(node, scripted):
     assert '<tool_response id="call_1">' in text and '"description": "The weather in a city."' in text
 
 
+def test_the_node_client_gives_reasoning_and_calls_apart(node, tmp_path_factory, smollm2_dir):
+    """parseOutput through the Node.js client: its chunks carry reasoningText, text, toolCalls and toolCallDeltas
+    as the Python client's carry them (the ids are drawn per request)."""
+    from tests.test_node_client import node_chunks
+
+    scripts = [("Think", "<think>Paris is in France.</think>\n\nLet me check.\n" + CALL)]
+    question = _question("Think: the weather in Paris?")
+    with scripted_planes(tmp_path_factory.mktemp("node-parse"), smollm2_dir, scripts, tool_call_parser="hermes",
+                         reasoning_parser="qwen3") as (planes, _), planes.client() as client:
+        chunks = list(client.generate(messages=question, tools=TOOLS, parse_output=True))
+        got = node_chunks(node, planes.address, {"messages": question, "tools": TOOLS, "parseOutput": True})
+    for mine, theirs in (("reasoningText", "reasoning_text"), ("text", "text")):
+        assert "".join(c[mine] for c in got) == "".join(getattr(c, theirs) for c in chunks) != ""
+    [call] = [call for c in got for call in c["toolCalls"]]
+    [expected] = [call for c in chunks for call in c.tool_calls]
+    assert (call["name"], call["arguments"], call["id"][:5]) == (expected.name, expected.arguments, "call_")
+    deltas = [d for c in got for d in c["toolCallDeltas"]]
+    assert len(deltas) > 1 and deltas[0]["id"] == call["id"] and "".join(d["arguments"] for d in deltas) == \
+        call["arguments"]
+
+
 def test_grpc_parse_output_splits_reasoning_answer_and_calls(tmp_path_factory, smollm2_dir):
     thinking = "<think>Paris is in France.</think>\n\nLet me check.\n" + CALL
     scripts = [("Think", thinking), ("", "Plain.")]

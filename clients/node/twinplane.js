@@ -115,7 +115,12 @@ function finishReasonOf(name) {
   return name === 'FINISH_REASON_UNSPECIFIED' ? null : name.replace('FINISH_REASON_', '').toLowerCase();
 }
 
-/** One GenerateResponse as a plain chunk; finishReason and usage are set on the last one only. */
+/**
+ * One GenerateResponse as a plain chunk: every field of the message (see the proto), finishReason as
+ * 'stop_token', 'length', ... (null but on the last chunk), which also alone carries usage. With
+ * parseOutput: reasoningText, toolCalls and toolCallDeltas; with promptLogprobs, on the first chunk, the
+ * prompt's log-probabilities (each position's `sampled` holds the prompt token, its logprob and rank).
+ */
 function chunkOf(response) {
   return {
     requestId: response.requestId,
@@ -125,6 +130,10 @@ function chunkOf(response) {
     finishReason: finishReasonOf(response.finishReason),
     usage: response.usage,
     matchedStop: response.matchedStop,
+    reasoningText: response.reasoningText,
+    toolCalls: response.toolCalls,
+    toolCallDeltas: response.toolCallDeltas,
+    promptLogprobs: response.promptLogprobs,
   };
 }
 
