@@ -314,7 +314,7 @@ def request_params(limits: Limits, sampling: SamplingOptions, *, max_tokens: int
                    logprobs: int | None = None, skip_special_tokens: bool = True, logit_bias: dict | None = None,
                    include_stop_str_in_output: bool = False, priority: int = 0, logprobs_name: str = "logprobs",
                    max_tokens_name: str = "max_tokens", regex: str | None = None,
-                   prompt_logprobs: int | None = None) -> RequestParams:
+                   prompt_logprobs: int | None = None, allowed_token_ids: tuple[int, ...] = ()) -> RequestParams:
     """Validated RequestParams from plain values; max_tokens None means as many as fit. logit_bias maps
     token ids (ints) to biases; regex: structured output's, already checked (structured.py)."""
     if max_tokens is not None:
@@ -336,6 +336,11 @@ def request_params(limits: Limits, sampling: SamplingOptions, *, max_tokens: int
            f"{logprobs_name} must be in [0, {limits.max_logprobs}], got {logprobs}")
     _check(prompt_logprobs is None or 0 <= prompt_logprobs <= limits.max_logprobs,
            f"prompt_logprobs must be in [0, {limits.max_logprobs}], got {prompt_logprobs}")
+    bad = [i for i in allowed_token_ids if not 0 <= i < limits.vocab_size]
+    _check(not bad, f"allowed_token_ids must be in [0, {limits.vocab_size}); got {bad[:5]}")
+    _check(regex is None or not allowed_token_ids,
+           "allowed_token_ids cannot go with structured output (a schema, regex, choice or forced tool call); "
+           "send one of them")
     _check(regex is None or min_tokens == 0,
            f"min_tokens ({min_tokens}) cannot go with structured output, whose text may be whole sooner; leave it 0")
     _check(priority == 0 or limits.by_priority,
@@ -346,7 +351,7 @@ def request_params(limits: Limits, sampling: SamplingOptions, *, max_tokens: int
                          skip_special_tokens=skip_special_tokens,
                          logit_bias=checked_logit_bias(logit_bias or {}, limits),
                          include_stop_str_in_output=include_stop_str_in_output, priority=priority, regex=regex,
-                         prompt_logprobs=prompt_logprobs)
+                         prompt_logprobs=prompt_logprobs, allowed_token_ids=tuple(sorted(set(allowed_token_ids))))
 
 
 def checked_logit_bias(bias: dict, limits: Limits) -> tuple[tuple[int, float], ...]:
@@ -388,6 +393,7 @@ def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, header_reques
         priority=req.priority,
         regex=_output_regex_from_pb(req, prompt, tool_call_parser, reasoning_parser),
         prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
+        allowed_token_ids=tuple(req.allowed_token_ids),
     )
     return GenerateCall(request_id, prompt, params, req.truncate_prompt_tokens)
 

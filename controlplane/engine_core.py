@@ -43,7 +43,7 @@ from twinplane.controlplane.plan_codec import sequence_init
 from twinplane.controlplane.replica import STAT_NAMES, Replica
 from twinplane.controlplane.router import Router
 from twinplane.controlplane.sequence import Sequence
-from twinplane.controlplane.structured import TokenMatcher, Vocabulary, compile_shared, compiled
+from twinplane.controlplane.structured import FixedTokens, TokenMatcher, Vocabulary, compile_shared, compiled
 from twinplane.controlplane.tokenizer import Tokenizer
 from twinplane.controlplane.tools import TAGS
 from twinplane.proto import dataplane_pb2 as dp
@@ -132,6 +132,8 @@ class EngineCore:
         seq.token_ids += request.output_ids
         seq.num_cached_tokens = request.num_cached_tokens
         self.seqs[seq_id] = seq, stop_token_ids(params, self.eos_token_ids)
+        if params.allowed_token_ids:
+            seq.matcher = FixedTokens(params.allowed_token_ids, self.describe.vocab_size)
         if params.regex is None:
             self._route(seq)
         elif self._vocabulary is not None and not self._vocabulary.done():  # it waits, the steps do not

@@ -32,7 +32,8 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choi
 _INTS = ("top_k", "seed", "n", "max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens",
          "top_logprobs", "truncate_prompt_tokens", "priority", "prompt_logprobs")
 # request fields an error message may start with: an error's "param"
-PARAMS = frozenset((*SAMPLING_FIELDS, *_INTS, "messages", "prompt", "stop", "stop_token_ids", "logprobs", "logit_bias",
+PARAMS = frozenset((*SAMPLING_FIELDS, *_INTS, "messages", "prompt", "stop", "stop_token_ids", "allowed_token_ids",
+                    "logprobs", "logit_bias",
                     "skip_special_tokens", "stream_options", "response_format", "echo", "include_stop_str_in_output",
                     "tokens", *CHAT_OPTIONS, *TOOL_FIELDS, *UNSUPPORTED,
                     "input", "instructions", "text", "previous_response_id", "conversation", "background",
@@ -310,6 +311,9 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool,
     if echo and chat:
         _fail("echo is only for /v1/completions")
     prompt_top = _int(body, "prompt_logprobs")
+    allowed_token_ids = _int_list(body, "allowed_token_ids")
+    if body.get("allowed_token_ids") == []:
+        _fail("allowed_token_ids must not be empty (leave it out to allow every token)")
     max_tokens, max_tokens_name = _max_tokens(body)
     prompt_only = echo and max_tokens == 0  # scores a text: its prompt computed, the token drawn after it dropped
     params = request_params(
@@ -319,7 +323,7 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool,
         and not (tools.parse and special_tool_tags),
         logit_bias=_logit_bias(body), include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
         priority=_int(body, "priority") or 0, logprobs_name="top_logprobs" if chat else "logprobs",
-        max_tokens_name=max_tokens_name, regex=regex, prompt_logprobs=prompt_top)
+        max_tokens_name=max_tokens_name, regex=regex, prompt_logprobs=prompt_top, allowed_token_ids=allowed_token_ids)
     truncate = _int(body, "truncate_prompt_tokens") or 0
     check_truncation(truncate, limits)
     options = _typed(body, "stream_options", (dict,), "an object")

@@ -50,7 +50,7 @@ def encode_plan(out: SchedulerOutput, block_size: int, eos_token_ids: tuple[int,
     new_blocks: list[int] = []
     inits = []
     masked = [i for i, s in enumerate(decodes) if s.matcher is not None]
-    follow = any(token_ids[i] == PENDING for i in masked)
+    follow = any(token_ids[i] == PENDING and not decodes[i].matcher.fixed for i in masked)
     asks, out.prompt_asks = [], []
     for c in out.other_chunks:
         seq, end = c.seq, c.start_pos + c.num_tokens
@@ -62,7 +62,7 @@ def encode_plan(out: SchedulerOutput, block_size: int, eos_token_ids: tuple[int,
             out.prompt_asks.append((seq, c.start_pos + 1))
         if c.sample and seq.matcher is not None:
             masked.append(len(seq_ids))
-            follow = follow or seq.token_ids[end - 1] == PENDING
+            follow = follow or seq.token_ids[end - 1] == PENDING and not seq.matcher.fixed
         seq_ids.append(seq.seq_id)
         num_tokens.append(c.num_tokens)
         start_pos.append(c.start_pos)
@@ -75,7 +75,8 @@ def encode_plan(out: SchedulerOutput, block_size: int, eos_token_ids: tuple[int,
         slots.extend((table[pos // block_size] * block_size + pos % block_size).tolist())
         if c.is_new_mirror:
             inits.append(sequence_init(seq, eos_token_ids, c.start_pos))
-    out.masks_due = masked if follow else []  # a masked sequence decodes a PENDING token: its mask waits for it
+    # a sequence whose mask depends on the PENDING token it decodes: the masks wait for it
+    out.masks_due = masked if follow else []
     return dp.StepPlan(
         step_id=out.step_id,
         seq_ids=np.asarray(seq_ids, dtype="<i8").tobytes(),

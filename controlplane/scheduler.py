@@ -196,7 +196,7 @@ class Scheduler:
                 prefilling.append(seq)
             elif length_reached(num_tokens, seq.num_prompt_tokens, seq.params.max_tokens, max_model_len):
                 continue  # its last token is in flight; the result ends it
-            elif seq.matcher is not None and seq.has_pending and not self.config.masks_follow:
+            elif seq.matcher is not None and not seq.matcher.fixed and seq.has_pending and not self.config.masks_follow:
                 continue  # structured output: its next mask waits for the token in flight
             elif budget > 0 and seq.status is SequenceStatus.RUNNING:
                 if seq.num_computed_tokens < len(seq.block_table) * block_size:

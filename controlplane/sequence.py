@@ -56,6 +56,7 @@ class RequestParams:
     priority: int = 0  # with scheduling by priority: lower runs first
     regex: str | None = None  # structured output: the text must match it (structured.py)
     prompt_logprobs: int | None = None  # None = none; n = each prompt token's (after the first) plus the top n
+    allowed_token_ids: tuple[int, ...] = ()  # the only tokens it may sample; () = any
 
     @property
     def plain_sampling(self) -> bool:
@@ -64,7 +65,7 @@ class RequestParams:
         s = self.sampling
         return (s.repetition_penalty == 1.0 and s.presence_penalty == 0.0 and s.frequency_penalty == 0.0
                 and s.seed is None and self.logprobs is None and self.min_tokens == 0 and not self.logit_bias
-                and self.regex is None)
+                and self.regex is None and not self.allowed_token_ids)
 
 
 class Sequence:
@@ -93,7 +94,7 @@ class Sequence:
         self.mirrored = False  # whether the data plane holds a mirror of this sequence
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
-        self.matcher = None  # structured output: its place in its grammar (structured.TokenMatcher)
+        self.matcher = None  # structured output: its place in its grammar (structured.TokenMatcher or FixedTokens)
         # the prompt's log-probabilities as steps compute them, entry i prompt token i's (entry 0 stays None);
         # None once they went out with the first output token, or when the request wants none
         self.prompt_logprobs: list | None = None if params.prompt_logprobs is None else [None] * len(prompt_token_ids)

@@ -15,12 +15,17 @@ A masked sequence planned while its last token is still being sampled decodes it
 does, but its next mask depends on that token: the plan's masks follow it (``plan_codec.masks_message``,
 sent once the token is back), and the data plane samples when they come. It takes no part in plans
 of several decode steps.
+
+``allowed_token_ids`` (vLLM's) is the simplest constraint: the same mask at every step
+(``FixedTokens``), known before the token in flight is, so it goes in the plan itself.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+
+import numpy as np
 
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.grammar import Grammar, GrammarError, TokenVocab, allowed_tokens, regex_literal
@@ -154,6 +159,25 @@ class Vocabulary:
         self.vocab = TokenVocab(token_bytes, eos_token_ids, vocab_size)
 
 
+class FixedTokens:
+    """A sequence that may sample only the given token ids (allowed_token_ids): one mask for every step."""
+
+    fixed = True  # its mask does not depend on the tokens sampled
+    failure = None
+    whole = False
+
+    def __init__(self, token_ids, vocab_size: int):
+        bits = np.zeros(-(-vocab_size // 8) * 8, dtype=bool)
+        bits[list(token_ids)] = True
+        self._mask = np.packbits(bits, bitorder="little").tobytes()
+
+    def accept(self, token_id: int) -> None:
+        """Nothing to follow."""
+
+    def mask(self) -> bytes:
+        return self._mask
+
+
 class TokenMatcher:
     """One sequence's place in its grammar: what it may sample next.
 
@@ -161,6 +185,8 @@ class TokenMatcher:
     ``failure`` instead of raising, and allows only the stop tokens from then on: the engine core ends
     the request with that message once it sees the token.
     """
+
+    fixed = False  # its mask depends on the tokens sampled
 
     def __init__(self, grammar: Grammar, vocabulary: Vocabulary, token_ids=()):
         self.grammar, self.vocabulary = grammar, vocabulary

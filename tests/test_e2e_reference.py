@@ -177,3 +177,24 @@ def test_min_tokens_matches_transformers_min_new_tokens(smollm2_dir, planes_fact
     got = [t for c in longer for t in c.token_ids]
     expected = hf_greedy(smollm2_dir, ids, 64, ignore_eos=False, min_new_tokens=natural + 4)
     assert len(got) >= natural + 4 and got == expected
+
+
+def test_allowed_token_ids_restrict_every_token_to_them(tiny_qwen3_dir, planes_factory):
+    """allowed_token_ids: greedy output is transformers' argmax over those ids alone, token after token (their
+    mask goes in every plan, the token in flight or not); a sampled request draws only among them."""
+    model = _hf_model(str(tiny_qwen3_dir))
+    planes = planes_factory(tiny_qwen3_dir, "--block-size", "16")
+    prompt = random_prompts(1, seed=31, low=20, high=20)[0]
+    allowed = [7, 100, 2_000, 30_000, 49_151]  # the last id of the vocabulary too
+    with planes.client() as client:
+        greedy = [t for c in client.generate(token_ids=prompt, max_tokens=12, temperature=0, ignore_eos=True,
+                                             allowed_token_ids=allowed) for t in c.token_ids]
+        drawn = [t for c in client.generate(token_ids=prompt, max_tokens=40, temperature=1.5, ignore_eos=True,
+                                            allowed_token_ids=allowed, seed=5) for t in c.token_ids]
+    expected = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            logits = model(torch.tensor([expected])).logits[0, -1]
+            expected.append(max(allowed, key=lambda t: logits[t].item()))
+    assert greedy == expected[len(prompt):]
+    assert set(drawn) <= set(allowed) and len(set(drawn)) > 1 and len(drawn) == 40

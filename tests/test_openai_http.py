@@ -287,6 +287,22 @@ def test_prompt_logprobs_as_vllm_gives_them(client, base_url, model, tiny_qwen3_
                                       **{"extra_body": {"prompt_logprobs": 1}, **kwargs})
 
 
+def test_allowed_token_ids_restrict_the_tokens(client, model, http_planes):
+    """vLLM's allowed_token_ids: every generated token (its text, in logprobs) is one of them, in completions
+    and chat; an empty list is refused with a message."""
+    allowed = [300, 301, 1_000, 2_000]
+    texts = set(http_planes.engine.tokenizer.token_texts(allowed))
+    extra = {"allowed_token_ids": allowed, "ignore_eos": True}
+    completion = client.completions.create(model=model, prompt="Once upon a time", max_tokens=16, logprobs=0,
+                                           temperature=1.0, extra_body=extra)
+    assert len(completion.choices[0].logprobs.tokens) == 16 and set(completion.choices[0].logprobs.tokens) <= texts
+    chat = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=8, logprobs=True,
+                                          extra_body=extra)
+    assert {t.token for t in chat.choices[0].logprobs.content} <= texts
+    with pytest.raises(openai.BadRequestError, match="allowed_token_ids must not be empty"):
+        client.completions.create(model=model, prompt="Once", max_tokens=2, extra_body={"allowed_token_ids": []})
+
+
 def test_echo_with_max_tokens_0_gives_the_prompt_alone(client, model, http_planes):
     """echo with max_tokens 0 scores a text: the prompt and its log-probabilities, nothing generated (the
     token drawn after it is dropped), as a whole response and streamed."""

@@ -273,11 +273,35 @@ def test_by_priority_the_highest_value_is_preempted_and_goes_back_in_its_place()
 class FakeMatcher:
     """Stands in for structured output's TokenMatcher: a mask naming the tokens accepted so far."""
 
+    fixed = False  # its mask depends on the tokens sampled
+
     def __init__(self):
         self.accepted: list[int] = []
 
     def mask(self) -> bytes:
         return bytes([len(self.accepted)])
+
+
+def test_allowed_token_ids_go_in_the_plan_even_with_a_token_in_flight():
+    """allowed_token_ids: the same mask at every step, known before the token in flight is, so a plan that
+    decodes that PENDING token still carries the mask itself (its masks do not follow)."""
+    from twinplane.controlplane.structured import FixedTokens
+
+    sched = make()
+    add(sched, 1, 3)
+    seq = Sequence(2, "2", [5, 6], RequestParams(max_tokens=100, allowed_token_ids=(3, 9)))
+    seq.matcher = FixedTokens(seq.params.allowed_token_ids, 12)
+    sched.add(seq)
+    assert not seq.params.plain_sampling  # never in a plan of several decode steps
+    mask = bytes([0b1000, 0b10])  # tokens 3 and 9
+    first = sched.schedule()
+    second = sched.schedule()  # planned before the first result: it decodes its PENDING token
+    for out in (first, second):
+        plan = encode_plan(out, 4, (0,))
+        index = [s.seq_id for s in out.seqs].index(2)
+        assert [(m.index, m.allowed) for m in plan.token_masks] == [(index, mask)]
+        assert not plan.masks_follow and not out.masks_due
+    assert np.frombuffer(plan.token_ids, "<i4")[index] == PENDING
 
 
 def test_a_masked_sequence_decodes_its_token_in_flight_and_its_masks_follow_the_plan():
@@ -343,11 +367,13 @@ def test_rows_in_the_same_state_share_one_mask_on_the_wire():
     from twinplane.proto import dataplane_pb2 as dp
 
     class Fixed:
+        fixed = True
+
         def __init__(self, mask: bytes):
-            self.fixed = mask
+            self._mask = mask
 
         def mask(self) -> bytes:
-            return self.fixed
+            return self._mask
 
     sched = make()
     shared, other = b"\x05", b"\x02"
