@@ -35,6 +35,7 @@ _INTS = ("top_k", "seed", "n", "max_tokens", "max_completion_tokens", "max_outpu
 PARAMS = frozenset((*SAMPLING_FIELDS, *_INTS, "messages", "prompt", "stop", "stop_token_ids", "allowed_token_ids",
                     "logprobs", "logit_bias",
                     "skip_special_tokens", "stream_options", "response_format", "echo", "include_stop_str_in_output",
+                    "return_tokens_as_token_ids",
                     "tokens", *CHAT_OPTIONS, *TOOL_FIELDS, *UNSUPPORTED,
                     "input", "instructions", "text", "previous_response_id", "conversation", "background",
                     "structured_outputs", *GUIDED))
@@ -55,6 +56,7 @@ class OpenAIRequest:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     logprobs: bool = False  # return log-probabilities (the top ones: calls[i].params.logprobs of them)
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's log-probability and rank, and the top n
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:<id>"
     tools: ToolSpec = ToolSpec()  # chat: whether the output is parsed for tool calls
 
 
@@ -345,7 +347,8 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool,
                                       truncate, "messages" if chat else "prompt", max_tokens_name))
     return OpenAIRequest(chat=chat, calls=calls, n=n, echo=echo, prompt_only=prompt_only, stream=stream,
                          include_usage=bool(options and options.get("include_usage")), logprobs=top is not None,
-                         prompt_logprobs=prompt_top, tools=tools)
+                         prompt_logprobs=prompt_top, tokens_as_ids=_bool(body, "return_tokens_as_token_ids"),
+                         tools=tools)
 
 
 # ---- responses ------------------------------------------------------------------------------------
@@ -394,7 +397,8 @@ def prompt_logprobs_json(entries: list[TokenLogprobs | None], tokenizer: Tokeniz
 
 
 def logprobs_json(chat: bool, entries: list[TokenLogprobs], tokenizer: Tokenizer | None, offset: int = 0) -> dict:
-    """Chat: {content: [...]}; completions: the legacy columns. offset: the text before these tokens."""
+    """Chat: {content: [...]}; completions: the legacy columns. offset: the text before these tokens. Tokens are
+    named by their text, or as "token_id:<id>" without a tokenizer (and with return_tokens_as_token_ids)."""
     text = lambda token_id: _token_text(tokenizer, token_id)  # noqa: E731
     if chat:
         return {"content": [{"token": text(e.token_id), "logprob": _safe(e.logprob),

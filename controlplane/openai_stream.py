@@ -168,6 +168,8 @@ class ResponseBuilder:
         tool_call_parser: find the tool calls in it when the request lets the model call tools (``tools.py``)."""
         self.request = request
         self.id, self.model, self.tokenizer = response_id, model, tokenizer
+        # what names the tokens in logprobs: their text, or "token_id:<id>" without a tokenizer
+        self.token_names = None if request.tokens_as_ids else tokenizer
         self.created = int(time.time())
         n = len(request.calls)
         self.reasoning_parser = reasoning_parser if request.chat else None
@@ -191,7 +193,7 @@ class ResponseBuilder:
     def _logprobs(self, index: int, out: RequestOutput) -> dict | None:
         if not self.request.logprobs:
             return None
-        logprobs = logprobs_json(self.request.chat, out.logprobs, self.tokenizer, offset=self.offsets[index])
+        logprobs = logprobs_json(self.request.chat, out.logprobs, self.token_names, offset=self.offsets[index])
         if not self.request.chat:  # counted as in the whole response, not from the text sent (which may wait)
             self.offsets[index] += sum(len(token) for token in logprobs["tokens"])
         return logprobs
@@ -248,7 +250,7 @@ class ResponseBuilder:
         for i, text in enumerate(self.texts):
             logprobs = None
             if self.request.logprobs:
-                logprobs = logprobs_json(self.request.chat, self.logprobs[i], self.tokenizer)
+                logprobs = logprobs_json(self.request.chat, self.logprobs[i], self.token_names)
             choice = {"index": i, "logprobs": logprobs}
             if self.request.chat:
                 calls = self.calls[i]

@@ -287,6 +287,25 @@ def test_prompt_logprobs_as_vllm_gives_them(client, base_url, model, tiny_qwen3_
                                       **{"extra_body": {"prompt_logprobs": 1}, **kwargs})
 
 
+def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(client, model, http_planes):
+    """vLLM's return_tokens_as_token_ids: logprobs name each token (and each top one) "token_id:<id>", the ids
+    of the tokens the same greedy request names by their text; in completions (whole and streamed) and chat."""
+    tokenizer = http_planes.engine.tokenizer
+    kwargs = dict(model=model, prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=2)
+    by_text = client.completions.create(**kwargs).choices[0].logprobs
+    by_id = client.completions.create(**kwargs, extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs
+    ids = [int(token.removeprefix("token_id:")) for token in by_id.tokens]
+    assert all(token.startswith("token_id:") for token in by_id.tokens)
+    assert tokenizer.token_texts(ids) == by_text.tokens and by_id.token_logprobs == by_text.token_logprobs
+    assert [tokenizer.token_texts([int(t.removeprefix("token_id:")) for t in top]) for top in by_id.top_logprobs] \
+        == [list(top) for top in by_text.top_logprobs]
+    streamed = client.completions.create(**kwargs, stream=True, extra_body={"return_tokens_as_token_ids": True})
+    assert [t for chunk in streamed for c in chunk.choices for t in c.logprobs.tokens] == by_id.tokens
+    chat = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=4, temperature=0, logprobs=True,
+                                          extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs
+    assert all(t.token.startswith("token_id:") and t.bytes == list(t.token.encode()) for t in chat.content)
+
+
 def test_allowed_token_ids_restrict_the_tokens(client, model, http_planes):
     """vLLM's allowed_token_ids: every generated token (its text, in logprobs) is one of them, in completions
     and chat; an empty list is refused with a message."""
