@@ -164,6 +164,7 @@ def build_request(
     include_stop_str_in_output: bool = False,
     priority: int = 0,
     allowed_token_ids: Iterable[int] = (),
+    bad_words: Iterable[str] = (),
     parse_output: bool = False,
     json_schema: dict | str | None = None,
     json_object: bool = False,
@@ -193,7 +194,7 @@ def build_request(
         truncate_prompt_tokens=truncate_prompt_tokens,
         skip_special_tokens=skip_special_tokens, logit_bias=logit_bias or {},
         include_stop_str_in_output=include_stop_str_in_output, priority=priority, parse_output=parse_output,
-        allowed_token_ids=list(allowed_token_ids),
+        allowed_token_ids=list(allowed_token_ids), bad_words=list(bad_words),
     )
     if sampling.ListFields():
         request.sampling.CopyFrom(sampling)

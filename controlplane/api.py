@@ -26,6 +26,7 @@ from twinplane.proto import generation_pb2 as pb
 MAX_REQUEST_ID_LEN = 256
 MAX_TEMPLATE_NESTING = 16  # levels of objects and lists in chat_template_kwargs (the top object included)
 REQUEST_ID_HEADER = "x-request-id"  # metadata a client may send its request id in; echoed back
+MAX_BAD_WORDS = 64  # words one request may ban
 _PERCENT_ENCODE_SAFE = "".join(c for c in string.printable if c not in string.whitespace and c != "%")
 
 
@@ -314,7 +315,8 @@ def request_params(limits: Limits, sampling: SamplingOptions, *, max_tokens: int
                    logprobs: int | None = None, skip_special_tokens: bool = True, logit_bias: dict | None = None,
                    include_stop_str_in_output: bool = False, priority: int = 0, logprobs_name: str = "logprobs",
                    max_tokens_name: str = "max_tokens", regex: str | None = None,
-                   prompt_logprobs: int | None = None, allowed_token_ids: tuple[int, ...] = ()) -> RequestParams:
+                   prompt_logprobs: int | None = None, allowed_token_ids: tuple[int, ...] = (),
+                   bad_words: tuple[str, ...] = ()) -> RequestParams:
     """Validated RequestParams from plain values; max_tokens None means as many as fit. logit_bias maps
     token ids (ints) to biases; regex: structured output's, already checked (structured.py)."""
     if max_tokens is not None:
@@ -338,9 +340,15 @@ def request_params(limits: Limits, sampling: SamplingOptions, *, max_tokens: int
            f"prompt_logprobs must be in [0, {limits.max_logprobs}], got {prompt_logprobs}")
     bad = [i for i in allowed_token_ids if not 0 <= i < limits.vocab_size]
     _check(not bad, f"allowed_token_ids must be in [0, {limits.vocab_size}); got {bad[:5]}")
-    _check(regex is None or not allowed_token_ids,
-           "allowed_token_ids cannot go with structured output (a schema, regex, choice or forced tool call); "
-           "send one of them")
+    _check(len(bad_words) <= MAX_BAD_WORDS, f"bad_words may hold at most {MAX_BAD_WORDS} words, got {len(bad_words)}")
+    for i, word in enumerate(bad_words):
+        _check(0 < len(word.strip()) <= limits.max_stop_string_len,
+               f"bad_words[{i}] must be 1 to {limits.max_stop_string_len} characters long (not blank), got {len(word)}")
+    constraints = [name for name, given in (("structured output", regex is not None),
+                                            ("allowed_token_ids", allowed_token_ids), ("bad_words", bad_words))
+                   if given]
+    _check(len(constraints) < 2, f"{' and '.join(constraints)} cannot go together (a schema, regex, choice or "
+                                 "forced tool call is structured output); send one of them")
     _check(regex is None or min_tokens == 0,
            f"min_tokens ({min_tokens}) cannot go with structured output, whose text may be whole sooner; leave it 0")
     _check(priority == 0 or limits.by_priority,
@@ -351,7 +359,8 @@ def request_params(limits: Limits, sampling: SamplingOptions, *, max_tokens: int
                          skip_special_tokens=skip_special_tokens,
                          logit_bias=checked_logit_bias(logit_bias or {}, limits),
                          include_stop_str_in_output=include_stop_str_in_output, priority=priority, regex=regex,
-                         prompt_logprobs=prompt_logprobs, allowed_token_ids=tuple(sorted(set(allowed_token_ids))))
+                         prompt_logprobs=prompt_logprobs, allowed_token_ids=tuple(sorted(set(allowed_token_ids))),
+                         bad_words=tuple(bad_words))
 
 
 def checked_logit_bias(bias: dict, limits: Limits) -> tuple[tuple[int, float], ...]:
@@ -394,6 +403,7 @@ def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, header_reques
         regex=_output_regex_from_pb(req, prompt, tool_call_parser, reasoning_parser),
         prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
         allowed_token_ids=tuple(req.allowed_token_ids),
+        bad_words=tuple(req.bad_words),
     )
     return GenerateCall(request_id, prompt, params, req.truncate_prompt_tokens)
 

@@ -32,6 +32,7 @@ from twinplane.controlplane.metrics import EngineMetrics
 from twinplane.controlplane.replica import STAT_NAMES
 from twinplane.controlplane.request_state import RequestState, Unsent
 from twinplane.controlplane.sequence import FinishReason
+from twinplane.controlplane.structured import bad_words_ids
 from twinplane.controlplane.supervisor import CoreSupervisor
 from twinplane.controlplane.tokenizer import Tokenizer
 from twinplane.proto import dataplane_pb2 as dp
@@ -375,6 +376,12 @@ class Engine:
         if call.params.regex is not None and self.tokenizer is None:
             raise InvalidRequest("structured output needs the model's tokenizer, to know each token's text; this "
                                  "server has none (start it with --tokenizer FOLDER)")
+        if call.params.bad_words:
+            if self.tokenizer is None:
+                raise InvalidRequest("bad_words needs the model's tokenizer, to know each word's tokens; this "
+                                     "server has none (start it with --tokenizer FOLDER)")
+            words = await self.in_tokenizer_pool(bad_words_ids, self.tokenizer, call.params.bad_words)
+            call = replace(call, params=replace(call.params, bad_words_ids=words))
         self._check_room()
         self.num_tokenizing += 1
         try:

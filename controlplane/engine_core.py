@@ -43,7 +43,8 @@ from twinplane.controlplane.plan_codec import sequence_init
 from twinplane.controlplane.replica import STAT_NAMES, Replica
 from twinplane.controlplane.router import Router
 from twinplane.controlplane.sequence import Sequence
-from twinplane.controlplane.structured import FixedTokens, TokenMatcher, Vocabulary, compile_shared, compiled
+from twinplane.controlplane.structured import (BannedWords, FixedTokens, TokenMatcher, Vocabulary, compile_shared,
+                                               compiled)
 from twinplane.controlplane.tokenizer import Tokenizer
 from twinplane.controlplane.tools import TAGS
 from twinplane.proto import dataplane_pb2 as dp
@@ -134,6 +135,8 @@ class EngineCore:
         self.seqs[seq_id] = seq, stop_token_ids(params, self.eos_token_ids)
         if params.allowed_token_ids:
             seq.matcher = FixedTokens(params.allowed_token_ids, self.describe.vocab_size)
+        elif params.bad_words_ids:
+            seq.matcher = BannedWords(params.bad_words_ids, self.describe.vocab_size, request.output_ids)
         if params.regex is None:
             self._route(seq)
         elif self._vocabulary is not None and not self._vocabulary.done():  # it waits, the steps do not

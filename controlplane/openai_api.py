@@ -33,7 +33,7 @@ _INTS = ("top_k", "seed", "n", "max_tokens", "max_completion_tokens", "max_outpu
          "top_logprobs", "truncate_prompt_tokens", "priority", "prompt_logprobs")
 # request fields an error message may start with: an error's "param"
 PARAMS = frozenset((*SAMPLING_FIELDS, *_INTS, "messages", "prompt", "stop", "stop_token_ids", "allowed_token_ids",
-                    "logprobs", "logit_bias",
+                    "bad_words", "logprobs", "logit_bias",
                     "skip_special_tokens", "stream_options", "response_format", "echo", "include_stop_str_in_output",
                     "return_tokens_as_token_ids",
                     "tokens", *CHAT_OPTIONS, *TOOL_FIELDS, *UNSUPPORTED,
@@ -104,6 +104,13 @@ def _stop(body: dict) -> tuple[str, ...]:
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         _fail("stop must be a string or a list of strings")
     return tuple(stop)
+
+
+def _bad_words(body: dict) -> tuple[str, ...]:
+    words = body.get("bad_words") or []
+    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+        _fail("bad_words must be a list of strings")
+    return tuple(words)
 
 
 def _logit_bias(body: dict) -> dict[int, float]:
@@ -325,7 +332,8 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool,
         and not (tools.parse and special_tool_tags),
         logit_bias=_logit_bias(body), include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
         priority=_int(body, "priority") or 0, logprobs_name="top_logprobs" if chat else "logprobs",
-        max_tokens_name=max_tokens_name, regex=regex, prompt_logprobs=prompt_top, allowed_token_ids=allowed_token_ids)
+        max_tokens_name=max_tokens_name, regex=regex, prompt_logprobs=prompt_top, allowed_token_ids=allowed_token_ids,
+        bad_words=_bad_words(body))
     truncate = _int(body, "truncate_prompt_tokens") or 0
     check_truncation(truncate, limits)
     options = _typed(body, "stream_options", (dict,), "an object")

@@ -57,6 +57,8 @@ class RequestParams:
     regex: str | None = None  # structured output: the text must match it (structured.py)
     prompt_logprobs: int | None = None  # None = none; n = each prompt token's (after the first) plus the top n
     allowed_token_ids: tuple[int, ...] = ()  # the only tokens it may sample; () = any
+    bad_words: tuple[str, ...] = ()  # words it may not write (their tokens: bad_words_ids, found by the frontend)
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def plain_sampling(self) -> bool:
@@ -65,7 +67,7 @@ class RequestParams:
         s = self.sampling
         return (s.repetition_penalty == 1.0 and s.presence_penalty == 0.0 and s.frequency_penalty == 0.0
                 and s.seed is None and self.logprobs is None and self.min_tokens == 0 and not self.logit_bias
-                and self.regex is None and not self.allowed_token_ids)
+                and self.regex is None and not self.allowed_token_ids and not self.bad_words)
 
 
 class Sequence:

@@ -17,7 +17,9 @@ sent once the token is back), and the data plane samples when they come. It take
 of several decode steps.
 
 ``allowed_token_ids`` (vLLM's) is the simplest constraint: the same mask at every step
-(``FixedTokens``), known before the token in flight is, so it goes in the plan itself.
+(``FixedTokens``), known before the token in flight is, so it goes in the plan itself. ``bad_words``
+(vLLM's) ban tokens (``BannedWords``): a word of one token at every step, so its mask is fixed too,
+and the last token of a longer word right after the rest of it, a mask that follows the tokens.
 """
 
 from __future__ import annotations
@@ -176,6 +178,51 @@ class FixedTokens:
 
     def mask(self) -> bytes:
         return self._mask
+
+
+def bad_words_ids(tokenizer, words) -> tuple[tuple[int, ...], ...]:
+    """vLLM's reading of bad_words: each word's tokens at the start of a text, and after a space when the space
+    joins its first token (not when the space is a token of its own)."""
+    out = []
+    for word in words:
+        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        out.append(alone)
+        if spaced[0] != alone[0] and len(spaced) == len(alone):
+            out.append(spaced)
+    return tuple(dict.fromkeys(out))
+
+
+class BannedWords:
+    """A sequence with bad_words (their token ids): a word of one token is never sampled, and a longer word's
+    last token not right after the rest of it among the sequence's output."""
+
+    failure = None
+    whole = False
+
+    def __init__(self, words: tuple[tuple[int, ...], ...], vocab_size: int, token_ids=()):
+        self._allowed = np.zeros(-(-vocab_size // 8) * 8, dtype=bool)
+        self._allowed[:vocab_size] = True
+        self._allowed[[w[0] for w in words if len(w) == 1]] = False
+        self._base = np.packbits(self._allowed, bitorder="little").tobytes()
+        self._longer = [w for w in words if len(w) > 1]
+        self.fixed = not self._longer  # one-token words only: one mask for every step
+        self._tail: list[int] = []  # the last tokens, as many as a longer word's but one
+        self._keep = max((len(w) - 1 for w in self._longer), default=0)
+        for token_id in token_ids:
+            self.accept(token_id)
+
+    def accept(self, token_id: int) -> None:
+        if self._keep:
+            self._tail = [*self._tail, token_id][-self._keep:]
+
+    def mask(self) -> bytes:
+        ends = [w[-1] for w in self._longer if tuple(self._tail[len(self._tail) - len(w) + 1:]) == w[:-1]]
+        if not ends:
+            return self._base
+        allowed = self._allowed.copy()
+        allowed[ends] = False
+        return np.packbits(allowed, bitorder="little").tobytes()
 
 
 class TokenMatcher:

@@ -198,3 +198,39 @@ def test_allowed_token_ids_restrict_every_token_to_them(tiny_qwen3_dir, planes_f
             expected.append(max(allowed, key=lambda t: logits[t].item()))
     assert greedy == expected[len(prompt):]
     assert set(drawn) <= set(allowed) and len(set(drawn)) > 1 and len(drawn) == 40
+
+
+def test_bad_words_are_never_written(tiny_qwen3_dir, planes_factory):
+    """bad_words, as vLLM reads them: a word of one token is never generated, a longer word's last token never
+    right after the rest of it. Greedy output equals transformers' argmax over the tokens those rules leave,
+    token after token; the words are taken from the output itself, so that each ban changes it."""
+    from twinplane.controlplane.structured import bad_words_ids
+    from twinplane.controlplane.tokenizer import Tokenizer
+
+    model, tokenizer = _hf_model(str(tiny_qwen3_dir)), Tokenizer(tiny_qwen3_dir)
+    planes = planes_factory(tiny_qwen3_dir, "--block-size", "16")
+    prompt = "The quick brown fox"
+
+    def generate(words):
+        return [t for c in client.generate(prompt, max_tokens=12, temperature=0, ignore_eos=True, bad_words=words)
+                for t in c.token_ids]
+
+    with planes.client() as client:
+        free = generate([])
+        single = [tokenizer.token_texts(free[:1])[0]]
+        first = generate(single)  # without the free output's first token
+        texts = tokenizer.token_texts(first)
+        # two tokens of that output that are one word's (their text tokenizes back to them): a word to ban
+        pair = next(texts[i] + texts[i + 1] for i in range(1, 10)
+                    if (first[i], first[i + 1]) in bad_words_ids(tokenizer, [texts[i] + texts[i + 1]]))
+        banned = generate(single + [pair])
+    ids = bad_words_ids(tokenizer, single + [pair])
+    prompt_ids, out = tokenizer.encode(prompt), []
+    with torch.no_grad():
+        for _ in range(12):
+            logits = model(torch.tensor([prompt_ids + out])).logits[0, -1].clone()
+            for word in ids:  # one token: always; longer: its last right after the rest of it in the output
+                if len(word) == 1 or len(out) >= len(word) - 1 and tuple(out[len(out) - len(word) + 1:]) == word[:-1]:
+                    logits[word[-1]] = -torch.inf
+            out.append(int(logits.argmax()))
+    assert banned == out and first != free and banned != first

@@ -322,6 +322,22 @@ def test_allowed_token_ids_restrict_the_tokens(client, model, http_planes):
         client.completions.create(model=model, prompt="Once", max_tokens=2, extra_body={"allowed_token_ids": []})
 
 
+def test_bad_words_keep_a_word_out(client, model, http_planes):
+    """vLLM's bad_words over HTTP: a word the free output writes (one token) is not written with it banned."""
+    from twinplane.controlplane.structured import bad_words_ids
+
+    tokenizer = http_planes.engine.tokenizer
+    kwargs = dict(model=model, prompt="Once upon a time", max_tokens=8, temperature=0, logprobs=0)
+    free = client.completions.create(**kwargs, extra_body={"ignore_eos": True}).choices[0].logprobs.tokens
+    # vLLM's reading of a word: its tokens alone, and after a space only when that makes as many tokens
+    word = next(token for token in free if token.strip() and
+                tuple(tokenizer.encode(token, add_special_tokens=False)) in bad_words_ids(tokenizer, [token]))
+    banned = client.completions.create(**kwargs, extra_body={"ignore_eos": True, "bad_words": [word]})
+    assert word not in banned.choices[0].logprobs.tokens and banned.choices[0].logprobs.tokens != free
+    with pytest.raises(openai.BadRequestError, match="bad_words must be a list of strings"):
+        client.completions.create(**kwargs, extra_body={"bad_words": "word"})
+
+
 def test_echo_with_max_tokens_0_gives_the_prompt_alone(client, model, http_planes):
     """echo with max_tokens 0 scores a text: the prompt and its log-probabilities, nothing generated (the
     token drawn after it is dropped), as a whole response and streamed."""

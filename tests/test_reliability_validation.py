@@ -72,7 +72,11 @@ BAD_REQUESTS = [
     ("prompt-logprobs-above-limit", request(prompt_logprobs=21), "prompt_logprobs must be in [0, 20]"),
     ("allowed-token-beyond-vocab", request(allowed_token_ids=[3, VOCAB]), f"allowed_token_ids must be in [0, {VOCAB})"),
     ("allowed-tokens-and-a-regex", request(allowed_token_ids=[3], structured_output=pb.StructuredOutput(regex="a+")),
-     "allowed_token_ids cannot go with structured output"),
+     "structured output and allowed_token_ids cannot go together"),
+    ("bad-words-and-allowed-tokens", request(allowed_token_ids=[3], bad_words=["a"]),
+     "allowed_token_ids and bad_words cannot go together"),
+    ("bad-word-blank", request(bad_words=["ok", " "]), "bad_words[1] must be 1 to 256 characters long"),
+    ("too-many-bad-words", request(bad_words=["a"] * 65), "bad_words may hold at most 64 words"),
     ("logit-bias-beyond-vocab", request(logit_bias={VOCAB: 1.0}), "logit_bias token ids"),
     ("logit-bias-above-100", request(logit_bias={3: 100.5}), "logit_bias[3]"),
     ("logit-bias-nan", request(logit_bias={3: math.nan}), "logit_bias[3]"),
@@ -167,6 +171,10 @@ def test_a_model_without_a_tokenizer_takes_token_ids_and_says_so_for_text(planes
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details() == why
         assert len([t for out in stub.Generate(request(max_tokens=3, ignore_eos=True), timeout=60)
                     for t in out.token_ids]) == 3
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(request(max_tokens=3, bad_words=["hi"]), timeout=60))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "bad_words needs the model's tokenizer" in \
+            info.value.details()
     url = f"http://127.0.0.1:{planes.plane.http_port}/v1"
     for path, body in (("chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
                        ("completions", {"prompt": "hi"})):

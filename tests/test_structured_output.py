@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import grpc
 import jsonschema
+import numpy as np
 import openai
 import pytest
 
@@ -414,3 +415,23 @@ def test_forced_tool_calls_with_the_mistral_parser(smollm2_dir, planes_factory) 
             assert list(arguments) == ["city", "unit"] and arguments["unit"] in ("celsius", "fahrenheit")
         else:
             assert call.function.name == "get_time" and choice == "required" and list(arguments) == ["zone"]
+
+
+def test_banned_words_masks_follow_the_output() -> None:
+    """BannedWords: a one-token word is out of every mask (a fixed mask when all words are so); a longer word's
+    last token is out only right after the rest of it, the output replayed when a request is taken up again."""
+    from twinplane.controlplane.structured import BannedWords
+
+    def allowed(mask: bytes) -> set[int]:
+        return set(np.flatnonzero(np.unpackbits(np.frombuffer(mask, np.uint8), bitorder="little")[:20]).tolist())
+
+    everything = set(range(20))
+    singles = BannedWords(((3,), (7,)), 20)
+    assert singles.fixed and allowed(singles.mask()) == everything - {3, 7}
+    words = BannedWords(((3,), (5, 6, 9), (6, 2)), 20)
+    assert not words.fixed and allowed(words.mask()) == everything - {3}
+    for token, out in ((5, set()), (6, {9, 2}), (1, set()), (6, {2})):
+        words.accept(token)
+        assert allowed(words.mask()) == everything - {3} - out, token
+    assert allowed(BannedWords(((5, 6, 9),), 20, [1, 5, 6]).mask()) == everything - {9}  # the output replayed
+    assert len(words.mask()) == 3 and words.mask()[2] >> 4 == 0  # the bits past the vocabulary are clear
