@@ -182,7 +182,7 @@ class FixedTokens:
 
 def bad_words_ids(tokenizer, words) -> tuple[tuple[int, ...], ...]:
     """vLLM's reading of bad_words: each word's tokens at the start of a text, and after a space when the space
-    joins its first token (not when the space is a token of its own)."""
+    joins its first token and leaves as many tokens (not when the space is a token of its own)."""
     out = []
     for word in words:
         alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
@@ -201,6 +201,7 @@ class BannedWords:
     whole = False
 
     def __init__(self, words: tuple[tuple[int, ...], ...], vocab_size: int, token_ids=()):
+        words = [w for w in words if max(w) < vocab_size]  # one the model cannot write needs no ban
         self._allowed = np.zeros(-(-vocab_size // 8) * 8, dtype=bool)
         self._allowed[:vocab_size] = True
         self._allowed[[w[0] for w in words if len(w) == 1]] = False

@@ -434,4 +434,5 @@ def test_banned_words_masks_follow_the_output() -> None:
         words.accept(token)
         assert allowed(words.mask()) == everything - {3} - out, token
     assert allowed(BannedWords(((5, 6, 9),), 20, [1, 5, 6]).mask()) == everything - {9}  # the output replayed
+    assert allowed(BannedWords(((25,), (4, 30)), 20, [4]).mask()) == everything  # ids past the model's vocabulary
     assert len(words.mask()) == 3 and words.mask()[2] >> 4 == 0  # the bits past the vocabulary are clear
