@@ -376,16 +376,16 @@ class Engine:
         if call.params.regex is not None and self.tokenizer is None:
             raise InvalidRequest("structured output needs the model's tokenizer, to know each token's text; this "
                                  "server has none (start it with --tokenizer FOLDER)")
-        if call.params.bad_words:
-            if self.tokenizer is None:
-                raise InvalidRequest("bad_words needs the model's tokenizer, to know each word's tokens; this "
-                                     "server has none (start it with --tokenizer FOLDER)")
-            words = await self.in_tokenizer_pool(bad_words_ids, self.tokenizer, call.params.bad_words)
-            call = replace(call, params=replace(call.params, bad_words_ids=words))
+        if call.params.bad_words and self.tokenizer is None:
+            raise InvalidRequest("bad_words needs the model's tokenizer, to know each word's tokens; this "
+                                 "server has none (start it with --tokenizer FOLDER)")
         self._check_room()
         self.num_tokenizing += 1
         try:
             prompt = await self._prompt_tokens(call)
+            if call.params.bad_words:  # their tokens, on the tokenizer threads as the prompt's, once it has room
+                words = await self.in_tokenizer_pool(bad_words_ids, self.tokenizer, call.params.bad_words)
+                call = replace(call, params=replace(call.params, bad_words_ids=words))
         finally:
             self.num_tokenizing -= 1
         if not self.accepting:
