@@ -344,11 +344,6 @@ def request_params(limits: Limits, sampling: SamplingOptions, *, max_tokens: int
     for i, word in enumerate(bad_words):
         _check(0 < len(word.strip()) <= limits.max_stop_string_len,
                f"bad_words[{i}] must be 1 to {limits.max_stop_string_len} characters long (not blank), got {len(word)}")
-    constraints = [name for name, given in (("structured output", regex is not None),
-                                            ("allowed_token_ids", allowed_token_ids), ("bad_words", bad_words))
-                   if given]
-    _check(len(constraints) < 2, f"{' and '.join(constraints)} cannot go together (a schema, regex, choice or "
-                                 "forced tool call is structured output); send one of them")
     _check(regex is None or min_tokens == 0,
            f"min_tokens ({min_tokens}) cannot go with structured output, whose text may be whole sooner; leave it 0")
     _check(priority == 0 or limits.by_priority,

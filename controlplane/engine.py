@@ -262,7 +262,8 @@ class Engine:
     def rejected(self, seq_id: int, why: str) -> None:
         """A request the core could not put into a step plan: its values passed the checks here but
         not the plan's field types (a gap in those checks, which this keeps from taking the core down),
-        or its structured output's automaton outgrew its bound while the request ran."""
+        or what constrains its tokens failed it while it ran (structured output's automaton outgrew its
+        bound; its constraints left no token to write)."""
         self._ended_by_core(seq_id, InvalidRequest(why))
 
     def _ended_by_core(self, seq_id: int, error: ServiceError) -> None:

@@ -42,9 +42,9 @@ from twinplane.controlplane.messages import (Abort, AddRequest, Configure, Conne
 from twinplane.controlplane.plan_codec import sequence_init
 from twinplane.controlplane.replica import STAT_NAMES, Replica
 from twinplane.controlplane.router import Router
-from twinplane.controlplane.sequence import Sequence
-from twinplane.controlplane.structured import (BannedWords, FixedTokens, TokenMatcher, Vocabulary, compile_shared,
-                                               compiled)
+from twinplane.controlplane.sequence import RequestParams, Sequence
+from twinplane.controlplane.structured import (AllOf, BannedWords, FixedTokens, TokenMatcher, Vocabulary,
+                                               compile_shared, compiled, token_bits)
 from twinplane.controlplane.tokenizer import Tokenizer
 from twinplane.controlplane.tools import TAGS
 from twinplane.proto import dataplane_pb2 as dp
@@ -133,27 +133,40 @@ class EngineCore:
         seq.token_ids += request.output_ids
         seq.num_cached_tokens = request.num_cached_tokens
         self.seqs[seq_id] = seq, stop_token_ids(params, self.eos_token_ids)
-        if params.allowed_token_ids:
-            seq.matcher = FixedTokens(params.allowed_token_ids, self.describe.vocab_size)
-        elif params.bad_words_ids:
-            seq.matcher = BannedWords(params.bad_words_ids, self.describe.vocab_size, request.output_ids)
-        if params.regex is None:
-            self._route(seq)
-        elif self._vocabulary is not None and not self._vocabulary.done():  # it waits, the steps do not
-            self.reading_vocabulary.append((seq, request.output_ids))
+        if params.regex is not None and self._vocabulary is not None and not self._vocabulary.done():
+            self.reading_vocabulary.append((seq, request.output_ids))  # it waits, the steps do not
         else:
             self._constrain(seq, request.output_ids)
 
     def _constrain(self, seq: Sequence, output_ids: list[int]) -> None:
-        """Routes a structured-output sequence once it has its place in its grammar (after output_ids)."""
-        try:
-            seq.matcher = TokenMatcher(compiled(seq.params.regex), self.vocabulary(), output_ids)
-        except (ValueError, OSError) as exc:  # checked by the frontend: a tokenizer the core cannot read
-            log.error("request %s: no structured output: %s", seq.request_id, exc)
-            del self.seqs[seq.seq_id]
-            self.frontend.send(Rejected(seq.seq_id, f"structured output is not available: {exc}"))
-            return
+        """Gives a sequence what constrains its tokens (structured output: its place in its grammar after
+        output_ids; allowed_token_ids; bad_words), if anything does, and routes it."""
+        params = seq.params
+        if params.allowed_token_ids or params.bad_words_ids or params.regex is not None:
+            try:
+                parts = self._constraints(params, output_ids)
+            except (ValueError, OSError) as exc:  # checked by the frontend: a tokenizer the core cannot read
+                log.error("request %s: its tokens cannot be constrained: %s", seq.request_id, exc)
+                del self.seqs[seq.seq_id]
+                self.frontend.send(Rejected(seq.seq_id, f"what constrains its tokens is not available: {exc}"))
+                return
+            vocab_size = self.describe.vocab_size
+            stop = [t for t in self.eos_token_ids if t < vocab_size]
+            seq.matcher = AllOf(parts, token_bits(stop, vocab_size)) if len(parts) > 1 else parts[0]
         self._route(seq)
+
+    def _constraints(self, params: RequestParams, output_ids: list[int]) -> list:
+        """The matchers of a request's constraints, each after output_ids (ValueError before a data plane has
+        described the model)."""
+        if self.describe is None:
+            raise ValueError("no data plane has connected yet")
+        vocab_size = self.describe.vocab_size
+        parts = [FixedTokens(params.allowed_token_ids, vocab_size)] if params.allowed_token_ids else []
+        if params.bad_words_ids:
+            parts.append(BannedWords(params.bad_words_ids, vocab_size, output_ids))
+        if params.regex is not None:
+            parts.append(TokenMatcher(compiled(params.regex), self.vocabulary(), output_ids))
+        return parts
 
     def _vocabulary_read(self) -> None:
         """The sequences that waited for the vocabulary go on (those not aborted meanwhile)."""

@@ -162,8 +162,7 @@ class Replica:
                     failure = "prompt_logprobs: this data plane does not compute the prompt's log-probabilities"
             if seq.matcher is not None and failure is None:
                 seq.matcher.accept(token)
-                if seq.matcher.failure is not None:
-                    failure = f"structured output: {seq.matcher.failure}"
+                failure = seq.matcher.failure
             if failure is not None:
                 self.scheduler.finish(seq)
                 self.core.forget(seq_id)

@@ -96,7 +96,7 @@ class Sequence:
         self.mirrored = False  # whether the data plane holds a mirror of this sequence
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
-        self.matcher = None  # structured output: its place in its grammar (structured.TokenMatcher or FixedTokens)
+        self.matcher = None  # what constrains its tokens: structured.TokenMatcher, FixedTokens, BannedWords or AllOf
         # the prompt's log-probabilities as steps compute them, entry i prompt token i's (entry 0 stays None);
         # None once they went out with the first output token, or when the request wants none
         self.prompt_logprobs: list | None = None if params.prompt_logprobs is None else [None] * len(prompt_token_ids)

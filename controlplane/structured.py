@@ -20,6 +20,7 @@ of several decode steps.
 (``FixedTokens``), known before the token in flight is, so it goes in the plan itself. ``bad_words``
 (vLLM's) ban tokens (``BannedWords``): a word of one token at every step, so its mask is fixed too,
 and the last token of a longer word right after the rest of it, a mask that follows the tokens.
+A request may ask for several of these at once (``AllOf``): it samples what all of them allow.
 """
 
 from __future__ import annotations
@@ -164,14 +165,13 @@ class Vocabulary:
 class FixedTokens:
     """A sequence that may sample only the given token ids (allowed_token_ids): one mask for every step."""
 
+    name = "allowed_token_ids"
     fixed = True  # its mask does not depend on the tokens sampled
     failure = None
     whole = False
 
     def __init__(self, token_ids, vocab_size: int):
-        bits = np.zeros(-(-vocab_size // 8) * 8, dtype=bool)
-        bits[list(token_ids)] = True
-        self._mask = np.packbits(bits, bitorder="little").tobytes()
+        self._mask = token_bits(token_ids, vocab_size).tobytes()
 
     def accept(self, token_id: int) -> None:
         """Nothing to follow."""
@@ -197,6 +197,7 @@ class BannedWords:
     """A sequence with bad_words (their token ids): a word of one token is never sampled, and a longer word's
     last token not right after the rest of it among the sequence's output."""
 
+    name = "bad_words"
     failure = None
     whole = False
 
@@ -230,10 +231,11 @@ class TokenMatcher:
     """One sequence's place in its grammar: what it may sample next.
 
     A grammar whose automaton grows past its bound while it is used (``grammar.MAX_DFA_STATES``) sets
-    ``failure`` instead of raising, and allows only the stop tokens from then on: the engine core ends
-    the request with that message once it sees the token.
+    ``failure`` (the message the request ends with) instead of raising, and allows only the stop tokens
+    from then on: the engine core ends the request with that message once it sees the token.
     """
 
+    name = "structured output"
     fixed = False  # its mask depends on the tokens sampled
 
     def __init__(self, grammar: Grammar, vocabulary: Vocabulary, token_ids=()):
@@ -251,7 +253,7 @@ class TokenMatcher:
             try:
                 self.state = self.grammar.advance(self.state, data)
             except GrammarError as exc:
-                self.failure, self.state = str(exc), Grammar.DEAD
+                self.failure, self.state = f"structured output: {exc}", Grammar.DEAD
 
     @property
     def whole(self) -> bool:
@@ -263,5 +265,58 @@ class TokenMatcher:
         try:
             return allowed_tokens(self.grammar, self.state, self.vocabulary.vocab)
         except GrammarError as exc:
-            self.failure, self.state = str(exc), Grammar.DEAD
+            self.failure, self.state = f"structured output: {exc}", Grammar.DEAD
             return allowed_tokens(self.grammar, Grammar.DEAD, self.vocabulary.vocab)  # the stop tokens
+
+
+def token_bits(token_ids, vocab_size: int) -> np.ndarray:
+    """A mask's bytes (dataplane.proto's TokenMask: one bit per token id, the lowest first) with the bits of
+    token_ids set."""
+    bits = np.zeros(-(-vocab_size // 8) * 8, dtype=bool)
+    bits[list(token_ids)] = True
+    return np.packbits(bits, bitorder="little")
+
+
+class AllOf:
+    """A sequence under several constraints at once (structured output, ``allowed_token_ids``, ``bad_words``):
+    it may sample the tokens every one of them allows.
+
+    Where they leave no token, a grammar whose text is a match may still end it (its stop tokens stay
+    allowed); else the request fails with ``failure`` once its next token, a stop token, is back, as a
+    grammar that cannot go on does.
+    """
+
+    def __init__(self, parts: list, stop_mask: np.ndarray):
+        self.parts = parts
+        self.fixed = all(part.fixed for part in parts)
+        self._grammar = next((part for part in parts if isinstance(part, TokenMatcher)), None)
+        self._stop = stop_mask  # the end-of-sequence tokens' bits
+        self._failure: str | None = None
+        self._fixed_mask = self._combined() if self.fixed else None
+
+    @property
+    def failure(self) -> str | None:
+        return self._failure or next((part.failure for part in self.parts if part.failure), None)
+
+    @property
+    def whole(self) -> bool:
+        return self._grammar is not None and self._grammar.whole
+
+    def accept(self, token_id: int) -> None:
+        for part in self.parts:
+            part.accept(token_id)
+
+    def mask(self) -> bytes:
+        return self._fixed_mask if self._fixed_mask is not None else self._combined()
+
+    def _combined(self) -> bytes:
+        masks = [np.frombuffer(part.mask(), np.uint8) for part in self.parts]
+        allowed = np.bitwise_and.reduce(masks)
+        if allowed.any():
+            return allowed.tobytes()
+        ends = self._stop & np.frombuffer(self._grammar.mask(), np.uint8) if self._grammar is not None else allowed
+        if ends.any():
+            return ends.tobytes()
+        names = " and ".join(part.name for part in self.parts)
+        self._failure = f"{names} leave no token to write next"
+        return self._stop.tobytes()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import grpc
 import pytest
 import torch
 import transformers
@@ -198,6 +199,45 @@ def test_allowed_token_ids_restrict_every_token_to_them(tiny_qwen3_dir, planes_f
             expected.append(max(allowed, key=lambda t: logits[t].item()))
     assert greedy == expected[len(prompt):]
     assert set(drawn) <= set(allowed) and len(set(drawn)) > 1 and len(drawn) == 40
+
+
+def test_constraints_together_keep_to_all_of_them(tiny_qwen3_dir, planes_factory):
+    """allowed_token_ids with bad_words: greedy output is transformers' argmax over the allowed ids less the
+    banned ones; with a regex as well, over the allowed ids that keep to it. Where they leave no token at
+    all the request fails, naming them, and the server goes on serving."""
+    from twinplane.controlplane.tokenizer import Tokenizer
+
+    model, tokenizer = _hf_model(str(tiny_qwen3_dir)), Tokenizer(tiny_qwen3_dir)
+    planes = planes_factory(tiny_qwen3_dir, "--block-size", "16")
+    prompt = random_prompts(1, seed=37, low=20, high=20)[0]
+    digits = [tokenizer.encode(d)[0] for d in "0123456789"]
+    letter = tokenizer.encode("x")[0]
+
+    def reference(allowed: list[int], n: int) -> list[int]:
+        out: list[int] = []
+        with torch.no_grad():
+            for _ in range(n):
+                logits = model(torch.tensor([prompt + out])).logits[0, -1]
+                out.append(max(allowed, key=lambda t: logits[t].item()))
+        return out
+
+    def generate(**kwargs) -> list[int]:
+        chunks = client.generate(token_ids=prompt, max_tokens=10, temperature=0, **kwargs)
+        return [t for c in chunks for t in c.token_ids]
+
+    with planes.client() as client:
+        free = generate(allowed_token_ids=digits + [letter])
+        first = tokenizer.token_texts(free[:1])[0]  # the free output's first token, banned: the output changes
+        banned = generate(allowed_token_ids=digits + [letter], bad_words=[first])
+        low = generate(allowed_token_ids=digits + [letter], regex="[0-4]+")
+        with pytest.raises(grpc.RpcError) as error:
+            generate(allowed_token_ids=[letter], regex="[0-4]+")
+        assert generate(allowed_token_ids=digits) == reference(digits, 10)  # still serving
+    assert free == reference(digits + [letter], 10)
+    assert banned == reference([t for t in digits + [letter] if t != free[0]], 10) and banned != free
+    assert low == reference(digits[:5], 10) and set(tokenizer.decode(low)) <= set("01234")
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "allowed_token_ids and structured output leave no token to write next" in error.value.details()
 
 
 def test_bad_words_are_never_written(tiny_qwen3_dir, planes_factory):

@@ -233,6 +233,46 @@ def test_a_grammar_that_outgrows_its_bound_fails_its_request_not_the_core(monkey
     assert "automaton states" in matcher.failure
 
 
+def test_constraints_together_allow_what_all_of_them_allow() -> None:
+    """AllOf: allowed_token_ids, bad_words and a grammar together allow the tokens every one of them does. Where
+    they leave none, a grammar whose text is a match may still end it; else the request fails, naming them."""
+    from twinplane.controlplane.structured import AllOf, BannedWords, FixedTokens, token_bits
+
+    token_bytes = [b"a", b"b", b"c", b"ab", None]  # token 4 is the end of the sequence
+    vocabulary = SimpleNamespace(token_bytes=token_bytes, vocab=TokenVocab(token_bytes, [4], 5))
+    stop = token_bits([4], 5)
+
+    def allowed(matcher) -> set[int]:
+        bits = np.unpackbits(np.frombuffer(matcher.mask(), np.uint8), bitorder="little")
+        return set(np.flatnonzero(bits[:5]).tolist())
+
+    def grammar(regex: str) -> TokenMatcher:
+        return TokenMatcher(Grammar.from_regex(regex), vocabulary)
+
+    both = AllOf([FixedTokens([0, 2, 4], 5), grammar("(a|b)+")], stop)
+    assert not both.fixed and allowed(both) == {0}  # "a": not "b" (not listed), "c" (no match), "ab" (not listed)
+    both.accept(0)
+    assert allowed(both) == {0, 4} and not both.whole and both.failure is None
+    ending = AllOf([FixedTokens([0], 5), grammar("a")], stop)  # the end of the sequence is not listed
+    ending.accept(0)
+    assert ending.whole and allowed(ending) == {4} and ending.failure is None  # a whole match ends anyway
+    stuck = AllOf([FixedTokens([0], 5), grammar("b")], stop)
+    assert allowed(stuck) == {4}
+    assert stuck.failure == "allowed_token_ids and structured output leave no token to write next"
+
+    fixed = AllOf([FixedTokens([0, 1, 2], 5), BannedWords(((1,),), 5)], stop)
+    assert fixed.fixed and allowed(fixed) == {0, 2}
+    words = AllOf([FixedTokens([0, 1, 2], 5), BannedWords(((1,), (0, 2)), 5)], stop)
+    assert not words.fixed and allowed(words) == {0, 2}
+    words.accept(0)
+    assert allowed(words) == {0}  # "c" right after "a" would finish a banned word
+    banned = AllOf([FixedTokens([1], 5), BannedWords(((1,),), 5)], stop)
+    assert allowed(banned) == {4} and banned.failure == "allowed_token_ids and bad_words leave no token to write next"
+    grammar_failure = AllOf([FixedTokens([0, 1], 5), grammar("a")], stop)
+    grammar_failure.parts[1].failure = "structured output: too many states"
+    assert grammar_failure.failure == "structured output: too many states"
+
+
 NODE_SCRIPT = """
 const { Client } = require(process.argv[1]);
 (async () => {
