@@ -67,6 +67,17 @@ class GenerateCall:
     # what the client's API calls the input and max_tokens, for the messages of checks made after tokenizing
     input_name: str = "input"
     max_tokens_name: str = "max_tokens"
+    choice: int | None = None  # its place among the request's choices (n, several prompts); None: the only one
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """Its entry among the calls in flight: no two calls of one request id and choice at once."""
+        return self.request_id, self.choice or 0
+
+    @property
+    def name(self) -> str:
+        """The request id, with the choice after a dash when the request has several (for logs)."""
+        return self.request_id if self.choice is None else f"{self.request_id}-{self.choice}"
 
 
 @dataclass
@@ -112,8 +123,8 @@ def _float32(value: float) -> float:
     """value as the 32-bit float the data plane receives (a tiny value becomes 0, a huge one inf)."""
     try:
         return struct.unpack("f", struct.pack("f", value))[0]
-    except OverflowError:
-        return math.copysign(math.inf, value)
+    except (OverflowError, struct.error):  # past the float32 range, or an integer past any float
+        return math.inf if value > 0 else -math.inf
 
 
 def _range(name: str, value: float, low: float, high: float, *, low_open: bool = False) -> None:
@@ -224,10 +235,18 @@ def prompt_from_pb(req: pb.GenerateRequest | pb.TokenizeRequest, limits: Limits)
         check_tool_count(len(chat.tools), "chat.tools")
         tools = [_tool_from_pb(tool, f"chat.tools[{i}]") for i, tool in enumerate(chat.tools)]
         options = chat_options(generation_prompt, chat.continue_final_message,
-                               _plain(json_format.MessageToDict(chat.chat_template_kwargs)), tools=tools or None)
+                               _template_kwargs(chat.chat_template_kwargs), tools=tools or None)
         messages = [_message_from_pb(m, f"chat.messages[{i}]") for i, m in enumerate(chat.messages)]
         return chat_prompt(messages, limits, options=options)
     raise InvalidRequest("input is required: set one of text, token_ids or chat")
+
+
+def _template_kwargs(kwargs) -> dict:
+    """chat.chat_template_kwargs as plain values; a NaN or an infinity (no JSON value) is refused."""
+    try:
+        return _plain(json_format.MessageToDict(kwargs))
+    except ValueError as exc:
+        raise InvalidRequest(f"chat.chat_template_kwargs must hold JSON values: {exc}") from None
 
 
 def _message_from_pb(m: pb.ChatMessage, where: str) -> dict:
@@ -331,6 +350,7 @@ def request_params(limits: Limits, sampling: SamplingOptions, *, max_tokens: int
     for i, s in enumerate(stop):
         _check(0 < len(s) <= limits.max_stop_string_len,
                f"stop[{i}] must be 1 to {limits.max_stop_string_len} characters long, got {len(s)}")
+        _utf8_size(f"stop[{i}]", s)
     bad = [i for i in stop_token_ids if not 0 <= i < limits.vocab_size]
     _check(not bad, f"stop_token_ids must be in [0, {limits.vocab_size}); got {bad[:5]}")
     _check(len(stop_token_ids) <= 64, f"stop_token_ids may hold at most 64 ids, got {len(stop_token_ids)}")
@@ -344,6 +364,7 @@ def request_params(limits: Limits, sampling: SamplingOptions, *, max_tokens: int
     for i, word in enumerate(bad_words):
         _check(0 < len(word.strip()) <= limits.max_stop_string_len,
                f"bad_words[{i}] must be 1 to {limits.max_stop_string_len} characters long (not blank), got {len(word)}")
+        _utf8_size(f"bad_words[{i}]", word)
     _check(regex is None or min_tokens == 0,
            f"min_tokens ({min_tokens}) cannot go with structured output, whose text may be whole sooner; leave it 0")
     _check(priority == 0 or limits.by_priority,

@@ -54,7 +54,7 @@ class Engine:
         self.describe: dp.DescribeResponse | None = None
         self.tokenizer: Tokenizer | None = None
         self.limits: Limits | None = None
-        self.requests: dict[str, RequestState] = {}  # in flight, by request id
+        self.requests: dict[tuple[str, int], RequestState] = {}  # in flight, by request id and choice
         self.by_seq: dict[int, RequestState] = {}  # the same, by the core's seq_id
         self.unsent = Unsent()  # outputs queued for streams, finished requests' included, until sent
         self.core_snapshot = CoreSnapshot(dict.fromkeys(STAT_NAMES, 0))  # the latest the core sent
@@ -391,13 +391,12 @@ class Engine:
             self.num_tokenizing -= 1
         if not self.accepting:
             raise NotReady("the server is shutting down")
-        request_id = call.request_id
-        if request_id in self.requests:
-            raise InvalidRequest(f"request_id {request_id!r} is already in flight")
+        if call.key in self.requests:
+            raise InvalidRequest(f"request_id {call.request_id!r} is already in flight")
         params = self._resolve_max_tokens(call.params, len(prompt), call.max_tokens_name)
-        state = RequestState(next(self._seq_ids), request_id, prompt, params, self.tokenizer,
-                             self.config.stream_interval, self.metrics, arrival_time, self.unsent)
-        self.requests[request_id] = self.by_seq[state.seq_id] = state
+        state = RequestState(next(self._seq_ids), call.name, prompt, params, self.tokenizer,
+                             self.config.stream_interval, self.metrics, arrival_time, self.unsent, key=call.key)
+        self.requests[call.key] = self.by_seq[state.seq_id] = state
         if not self._replay:  # else the next core gets it with the others
             self._send_to_core(state)
         return state
@@ -439,7 +438,7 @@ class Engine:
         return params if params.max_tokens else replace(params, max_tokens=max_tokens)
 
     def _forget(self, state: RequestState, tell_core: bool) -> None:
-        self.requests.pop(state.request_id, None)
+        self.requests.pop(state.key, None)
         self.by_seq.pop(state.seq_id, None)
         if tell_core:  # the core still schedules it: free its blocks
             self.supervisor.send(messages.Abort(state.seq_id))

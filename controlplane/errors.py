@@ -8,6 +8,11 @@ class ServiceError(Exception):
 
     code_name = "INTERNAL"
 
+    def __str__(self) -> str:
+        # What a client sent may come back in the message: a lone surrogate (JSON's "\ud800") as its escape,
+        # since neither a gRPC status nor an HTTP body can carry one.
+        return super().__str__().encode("utf-8", "backslashreplace").decode("utf-8")
+
 
 class InvalidRequest(ServiceError):
     code_name = "INVALID_ARGUMENT"

@@ -7,6 +7,7 @@ and messages are those of the gRPC API (fields named as OpenAI names them).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 
 import xxhash
@@ -29,13 +30,14 @@ UNSUPPORTED = ("functions", "function_call", "suffix", "audio", "prediction", "g
 CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}  # vLLM's older fields
+_TOKEN_ID = re.compile(r"-?[0-9]{1,20}")  # a logit_bias key
 _INTS = ("top_k", "seed", "n", "max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens",
          "top_logprobs", "truncate_prompt_tokens", "priority", "prompt_logprobs")
 # request fields an error message may start with: an error's "param"
 PARAMS = frozenset((*SAMPLING_FIELDS, *_INTS, "messages", "prompt", "stop", "stop_token_ids", "allowed_token_ids",
                     "bad_words", "logprobs", "logit_bias",
                     "skip_special_tokens", "stream_options", "response_format", "echo", "include_stop_str_in_output",
-                    "return_tokens_as_token_ids",
+                    "return_tokens_as_token_ids", "ignore_eos", "stream", "best_of",
                     "tokens", *CHAT_OPTIONS, *TOOL_FIELDS, *UNSUPPORTED,
                     "input", "instructions", "text", "previous_response_id", "conversation", "background",
                     "structured_outputs", *GUIDED))
@@ -73,7 +75,12 @@ def _typed(body: dict, name: str, kinds: tuple[type, ...], what: str):
 
 def _number(body: dict, name: str) -> float | None:
     value = _typed(body, name, (int, float), "a number")
-    return None if value is None else float(value)
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an integer of hundreds of digits: past any float, as its range check then says
+        return math.inf if value > 0 else -math.inf
 
 
 def _int(body: dict, name: str) -> int | None:
@@ -118,7 +125,7 @@ def _logit_bias(body: dict) -> dict[int, float]:
     bias = _typed(body, "logit_bias", (dict,), "an object from token ids to biases") or {}
     parsed = {}
     for key, value in bias.items():
-        if not isinstance(key, str) or not key.lstrip("-").isdigit() or len(key) > 20:  # int() of 5,000 digits raises
+        if not isinstance(key, str) or not _TOKEN_ID.fullmatch(key):  # ASCII digits: int() takes others too
             _fail(f"logit_bias keys must be token ids (integers), got {key[:40]!r}")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             _fail(f"logit_bias[{key}] must be a number, got {value!r}")
@@ -340,6 +347,9 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool,
     stream = _bool(body, "stream")
     if options is not None and not stream:
         _fail("stream_options is only allowed with stream: true")
+    include_usage = options.get("include_usage") if options is not None else None
+    if include_usage is not None and not isinstance(include_usage, bool):
+        _fail(f"stream_options.include_usage must be true or false, got {type(include_usage).__name__}")
     if prompt_top is not None and stream:
         _fail("prompt_logprobs is not available with stream: true")
     # the prompt's log-probabilities come from its first choice, the others share them (echo with logprobs
@@ -349,12 +359,12 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool,
     for prompt in prompts:
         for j in range(n):  # a prompt's choices draw as they would with that prompt alone
             sampling = replace(params.sampling, seed=choice_seed(params.sampling.seed, j))
-            call_id = request_id if n * len(prompts) == 1 else f"{request_id}-{len(calls)}"
+            choice = None if n * len(prompts) == 1 else len(calls)
             scored = max(scoring) if scoring and j == 0 else None
-            calls.append(GenerateCall(call_id, prompt, replace(params, sampling=sampling, prompt_logprobs=scored),
-                                      truncate, "messages" if chat else "prompt", max_tokens_name))
+            calls.append(GenerateCall(request_id, prompt, replace(params, sampling=sampling, prompt_logprobs=scored),
+                                      truncate, "messages" if chat else "prompt", max_tokens_name, choice))
     return OpenAIRequest(chat=chat, calls=calls, n=n, echo=echo, prompt_only=prompt_only, stream=stream,
-                         include_usage=bool(options and options.get("include_usage")), logprobs=top is not None,
+                         include_usage=bool(include_usage), logprobs=top is not None,
                          prompt_logprobs=prompt_top, tokens_as_ids=_bool(body, "return_tokens_as_token_ids"),
                          tools=tools)
 

@@ -45,8 +45,8 @@ def _server_version() -> str:
 
 
 SERVER_VERSION = _server_version()
-_STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429,
-           "UNAVAILABLE": 503, "INTERNAL": 500}
+_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404,
+           "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "INTERNAL": 500}
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           413: "invalid_request_error", 405: "invalid_request_error", 429: "rate_limit_error",
           503: "service_unavailable", 500: "server_error"}
@@ -102,8 +102,19 @@ class OpenAIService:
                   Route("/detokenize", self.detokenize, methods=["POST"]),
                   Route("/health", self.health, methods=["GET"]),
                   Route("/version", self.version, methods=["GET"])]
-        handlers = {Exception: lambda request, exc: response_of(exc),
-                    HTTPException: lambda request, exc: response_of(exc)}
+        listing = ", ".join(f"{min(route.methods - {'HEAD'})} {route.path}" for route in routes)
+
+        def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+            """Starlette's own errors, saying what the server has: no such route, or not with that method."""
+            path = request.url.path
+            if exc.status_code == 404:
+                return error_response(404, f"{path} is not a route of this server: it has {listing}")
+            if exc.status_code == 405:
+                allowed = (exc.headers or {}).get("Allow", "")
+                return error_response(405, f"{request.method} is not allowed on {path}; use {allowed}")
+            return response_of(exc)
+
+        handlers = {Exception: lambda request, exc: response_of(exc), HTTPException: http_error}
         return Starlette(routes=routes, exception_handlers=handlers)
 
     def _authorize(self, request: Request) -> None:
@@ -185,7 +196,8 @@ class OpenAIService:
         async for part in request.stream():
             data += part
             if len(data) > self.max_body_bytes:
-                raise InvalidRequest(f"the request body is over {self.max_body_bytes} bytes")
+                raise HTTPException(413, f"the request body is over {self.max_body_bytes} bytes, the most this "
+                                         "server takes (--max-message-mb)")
         try:  # never echo the body back
             body = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError):

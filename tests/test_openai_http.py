@@ -537,6 +537,57 @@ def test_bodies_json_cannot_hold_get_400(base_url):
             assert error["type"] == "invalid_request_error" and words in error["message"]
 
 
+def test_odd_values_get_a_4xx_saying_what_is_allowed(base_url, model):
+    """Values that once reached code that could not take them (a 500, or a stream left hanging) get a client
+    error that says what was wrong; the server keeps serving."""
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"\ud800": {"type": "banana"}}}}}
+    cases = [  # (raw JSON body, status, param, words of the message)
+        ('{"prompt": "Hi", "logit_bias": {"--5": 1}}', 400, "logit_bias", "keys must be token ids"),
+        ('{"prompt": "Hi", "logit_bias": {"\u0661\u0662": 1}}', 400, "logit_bias", "keys must be token ids"),
+        ('{"prompt": "Hi", "temperature": 1' + "0" * 400 + "}", 400, "temperature", "must be a finite number"),
+        ('{"prompt": "Hi", "logit_bias": {"5": 1' + "0" * 400 + "}}", 400, "logit_bias", "logit_bias[5]"),
+        ('{"prompt": "Hi", "bad_words": ["\\ud800"]}', 400, "bad_words", "bad_words[0] is not valid Unicode"),
+        ('{"prompt": "Hi", "stop": ["\\ud800"]}', 400, "stop", "stop[0] is not valid Unicode"),
+        (json.dumps({"prompt": "Hi", "response_format": schema}), 400, "response_format", "properties.\\ud800"),
+        ('{"prompt": "Hi", "stream": true, "stream_options": {"include_usage": "no"}}', 400, "stream_options",
+         "stream_options.include_usage must be true or false"),
+        ('{"prompt": "Hi", "ignore_eos": "yes"}', 400, "ignore_eos", "ignore_eos must be true or false"),
+    ]
+    headers = {"authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    with httpx.Client(timeout=30, headers=headers) as http:
+        for body, status, param, words in cases:
+            body = body.replace('"Hi"', f'"Hi", "model": "{model}"')
+            response = http.post(base_url + "/v1/completions", content=body)
+            error = response.json()["error"]
+            assert response.status_code == status and words in error["message"], (body[:80], response.text)
+            assert error["param"] == param, (body[:80], error)
+        response = http.post(base_url + "/v1/completions", content=b" " * (16 << 20) + b"{}")
+        assert response.status_code == 413 and "over 16777216 bytes" in response.json()["error"]["message"]
+        response = http.get(base_url + "/v1/chat/completions")
+        assert response.status_code == 405 and "GET is not allowed on /v1/chat/completions; use POST" in response.text
+        response = http.get(base_url + "/v1/nowhere")
+        assert response.status_code == 404 and "/v1/nowhere is not a route" in response.json()["error"]["message"]
+        assert http.get(base_url + "/health").json() == {"status": "SERVING"}
+
+
+def test_a_choice_never_takes_another_request_s_id(base_url, model, http_planes):
+    """A request of several choices ("x-request-id: dup", n=2) runs beside a gRPC request that a client named
+    "dup-1"; the id a client names stays its own: a second "dup-1" is refused while the first runs."""
+    with http_planes.client(api_key=KEY) as grpc_client:
+        running = grpc_client.generate(LONG_PROMPT, max_tokens=400, ignore_eos=True, request_id="dup-1")
+        next(iter(running))
+        headers = {"authorization": f"Bearer {KEY}", "x-request-id": "dup"}
+        both = httpx.post(base_url + "/v1/completions", headers=headers, timeout=60,
+                          json={"model": model, "prompt": "Once upon a time", "max_tokens": 4, "n": 2})
+        assert both.status_code == 200 and len(both.json()["choices"]) == 2, both.text
+        again = httpx.post(base_url + "/v1/completions", headers={**headers, "x-request-id": "dup-1"}, timeout=60,
+                           json={"model": model, "prompt": "Hi", "max_tokens": 4})
+        assert again.status_code == 400 and "request_id 'dup-1' is already in flight" in again.text
+        running.cancel()
+    wait_until(lambda: all_blocks_free(http_planes), 20, "every KV block free")
+
+
 def test_values_the_data_plane_cannot_take_get_400_and_spare_other_requests(base_url, model, http_planes):
     body = {"model": model, "prompt": LONG_PROMPT, "max_tokens": 60, "stream": True, "ignore_eos": True}
     headers = {"authorization": f"Bearer {KEY}"}

@@ -11,6 +11,7 @@ import math
 import grpc
 import httpx
 import pytest
+from google.protobuf import struct_pb2
 
 from tests.reliability import all_blocks_free, wait_until
 from twinplane.proto import generation_pb2 as pb
@@ -83,6 +84,13 @@ BAD_REQUESTS = [
         messages=[pb.ChatMessage(role="user", content="hi")], continue_final_message=True)),
      "chat.continue_final_message needs chat.add_generation_prompt false"),
     ("request-id-too-long", request(request_id="r" * 257), "request_id"),
+    # a client's text that comes back in the message: a lone surrogate as its escape (a status cannot carry it)
+    ("schema-key-a-lone-surrogate", request(structured_output=pb.StructuredOutput(
+        json_schema='{"type": "object", "properties": {"\\ud800": {"type": "banana"}}}')), "properties.\\ud800"),
+    ("template-kwargs-nan", request(None, chat=pb.ChatInput(
+        messages=[pb.ChatMessage(role="user", content="hi")],
+        chat_template_kwargs=struct_pb2.Struct(fields={"x": struct_pb2.Value(number_value=math.nan)}))),
+     "chat.chat_template_kwargs must hold JSON values"),
     ("text-over-max-prompt-bytes", request(None, text="é" * (16 << 10) + "a"), "max_prompt_bytes"),  # 64 per token
     ("too-many-chat-messages", request(None, chat=chat(*["user"] * 1025)), "max_chat_messages"),
     ("chat-content-forging-a-turn", request(None, chat=pb.ChatInput(messages=[pb.ChatMessage(
