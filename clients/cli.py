@@ -32,8 +32,9 @@ def _add_dataplane_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per KV block, also the prefix-cache granularity (default: 256 on GPU, 16 on CPU)")
     g.add_argument("--max-model-len", type=int, default=4096, help="longest sequence, prompt plus output")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                   help="most tokens in one step, and the size of the GPU memory warm-up")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="most tokens in one step, and the size of the GPU memory warm-up (default: 8192 on GPU, "
+                        "512 on CPU, where a step of thousands of prompt tokens takes tens of seconds)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of GPU memory for weights, activations and KV cache")
     g.add_argument("--num-kv-blocks", type=int, default=0,
@@ -49,13 +50,15 @@ def _add_dataplane_args(p: argparse.ArgumentParser) -> None:
 def _dataplane_config(args: argparse.Namespace):
     from twinplane.dataplane.config import DataPlaneConfig
 
-    block_size = args.block_size
-    if block_size is None:
-        block_size = 16 if args.device == "cpu" or not _has_cuda() else 256
+    cpu = args.device == "cpu" or not _has_cuda()
+    block_size = args.block_size if args.block_size is not None else 16 if cpu else 256
+    max_tokens = args.max_num_batched_tokens
+    if max_tokens is None:
+        max_tokens = max(512, args.max_num_seqs) if cpu else 8192
     return DataPlaneConfig(
         model=args.model, device=args.device, dtype=args.dtype, block_size=block_size,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         num_kv_blocks=args.num_kv_blocks, cpu_kv_cache_gib=args.cpu_kv_cache_gib,
         tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend, seed=args.weights_seed)

@@ -161,6 +161,23 @@ def test_metrics_flags_reach_the_control_plane_config():
     assert (config.metrics_port, config.metrics_host) == (9400, "0.0.0.0")
 
 
+def test_step_size_and_block_size_default_by_device(monkeypatch):
+    """On CPU a step holds at most 512 tokens (a prompt of thousands, in one step, would run for tens of
+    seconds, past the control plane's stall and data-plane timeouts) unless the flag says otherwise."""
+    from twinplane.clients import cli
+
+    def config(*flags: str, cuda: bool):
+        monkeypatch.setattr(cli, "_has_cuda", lambda: cuda)
+        return cli._dataplane_config(cli.build_parser().parse_args(["dataplane", "--model", "m", *flags]))
+
+    cpu, gpu = config(cuda=False), config(cuda=True)
+    assert (cpu.max_num_batched_tokens, cpu.block_size) == (512, 16)
+    assert (gpu.max_num_batched_tokens, gpu.block_size) == (8192, 256)
+    assert config("--device", "cpu", cuda=True).max_num_batched_tokens == 512
+    assert config("--max-num-seqs", "1024", cuda=False).max_num_batched_tokens == 1024
+    assert config("--max-num-batched-tokens", "4096", "--block-size", "32", cuda=False).max_num_batched_tokens == 4096
+
+
 def test_steps_in_flight_flag_reaches_the_config_and_is_checked():
     import pytest
 
