@@ -49,6 +49,7 @@ from twinplane.controlplane.tokenizer import Tokenizer
 from twinplane.controlplane.tools import TAGS
 from twinplane.proto import dataplane_pb2 as dp
 
+GRAMMARS_KEPT = 64  # compiled grammars the core keeps at hand (the latest)
 log = logging.getLogger("twinplane.controlplane")
 
 def never_fits(seq: Sequence, desc: dp.DescribeResponse) -> str | None:
@@ -89,8 +90,8 @@ class EngineCore:
         self.seqs: dict[int, tuple[Sequence, frozenset[int]]] = {}  # unfinished sequences and their stop tokens
         self.replica_of: dict[int, Replica] = {}  # where each routed sequence runs
         self.unrouted: deque[Sequence] = deque()  # sequences waiting for any data plane to connect
-        # structured-output sequences that came while the vocabulary was being read, with their output so far
-        self.reading_vocabulary: list[tuple[Sequence, list[int]]] = []
+        # structured-output sequences waiting for the vocabulary or their grammar, with their output so far
+        self.preparing: list[tuple[Sequence, list[int]]] = []
         self.describe: dp.DescribeResponse | None = None  # the connected data planes' common limits
         self.eos_token_ids: frozenset[int] = frozenset()
         self.stopped = asyncio.Event()
@@ -103,6 +104,9 @@ class EngineCore:
         self.dataplane_step = self.carried.dataplane_step
         self._stalled = False  # the frontend was told every connected data plane stalled
         self._vocabulary: concurrent.futures.Future | None = None  # read once a data plane connects
+        # grammars compiled off the step loop (a schema's can take 0.1-1 s), by regex: the latest ones
+        self._grammars: dict[str, concurrent.futures.Future] = {}
+        self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="twinplane-grammar")
 
     # ---- messages from the frontends ----------------------------------------------------
 
@@ -133,10 +137,25 @@ class EngineCore:
         seq.token_ids += request.output_ids
         seq.num_cached_tokens = request.num_cached_tokens
         self.seqs[seq_id] = seq, stop_token_ids(params, self.eos_token_ids)
-        if params.regex is not None and self._vocabulary is not None and not self._vocabulary.done():
-            self.reading_vocabulary.append((seq, request.output_ids))  # it waits, the steps do not
+        if params.regex is not None and not self._prepared(params.regex):
+            self.preparing.append((seq, request.output_ids))  # it waits, the steps do not
         else:
             self._constrain(seq, request.output_ids)
+
+    def _prepared(self, regex: str) -> bool:
+        """Whether a sequence constrained by regex can be given its matcher now: the vocabulary has been read
+        (or failed to be, or no data plane has connected, which ``_constrain`` reports) and the grammar compiled;
+        the compilation starts, off the step loop, if it has not."""
+        if self._vocabulary is None:
+            return True
+        future = self._grammars.get(regex)
+        if future is None:
+            future = self._grammars[regex] = self._compiler.submit(compiled, regex)
+            loop = asyncio.get_running_loop()
+            future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._preparations_done))
+            while len(self._grammars) > GRAMMARS_KEPT and next(iter(self._grammars.values())).done():
+                del self._grammars[next(iter(self._grammars))]
+        return self._vocabulary.done() and future.done()
 
     def _constrain(self, seq: Sequence, output_ids: list[int]) -> None:
         """Gives a sequence what constrains its tokens (structured output: its place in its grammar after
@@ -165,15 +184,21 @@ class EngineCore:
         if params.bad_words_ids:
             parts.append(BannedWords(params.bad_words_ids, vocab_size, output_ids))
         if params.regex is not None:
-            parts.append(TokenMatcher(compiled(params.regex), self.vocabulary(), output_ids))
+            vocabulary, grammar = self.vocabulary(), self._grammars.get(params.regex)
+            grammar = grammar.result() if grammar is not None else compiled(params.regex)
+            parts.append(TokenMatcher(grammar, vocabulary, output_ids))
         return parts
 
-    def _vocabulary_read(self) -> None:
-        """The sequences that waited for the vocabulary go on (those not aborted meanwhile)."""
-        waiting, self.reading_vocabulary = self.reading_vocabulary, []
+    def _preparations_done(self) -> None:
+        """The sequences whose vocabulary and grammar are ready go on (those not aborted meanwhile)."""
+        waiting, self.preparing = self.preparing, []
         for seq, output_ids in waiting:
-            if seq.seq_id in self.seqs:
+            if seq.seq_id not in self.seqs:
+                continue
+            if self._prepared(seq.params.regex):
                 self._constrain(seq, output_ids)
+            else:
+                self.preparing.append((seq, output_ids))
 
     def vocabulary(self) -> Vocabulary:
         """Every token's bytes, for structured output's masks (ValueError or OSError when there is no
@@ -202,7 +227,7 @@ class EngineCore:
             compile_shared(self.config.reasoning_parser)
 
         loop = asyncio.get_running_loop()
-        future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._vocabulary_read))
+        future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._preparations_done))
         threading.Thread(target=read, daemon=True, name="twinplane-vocabulary").start()
 
     def abort(self, seq_id: int) -> None:
@@ -292,7 +317,7 @@ class EngineCore:
             self.frontend.send(Stalled(stalled))
 
     def snapshot(self) -> CoreSnapshot:
-        unrouted = len(self.unrouted) + len(self.reading_vocabulary)
+        unrouted = len(self.unrouted) + len(self.preparing)
         snap = CoreSnapshot(dict(self.carried.stats), self.num_added, unrouted, earlier=self.earlier,
                             dataplane_step=self.dataplane_step, dataplanes=[replica_snapshot(r) for r in self.replicas])
         for replica in self.replicas:
@@ -307,7 +332,7 @@ class EngineCore:
         if count == 1:
             return (waiting,)
         shares = [0] * count
-        queues = [self.unrouted, [seq for seq, _ in self.reading_vocabulary],
+        queues = [self.unrouted, [seq for seq, _ in self.preparing],
                   *(r.scheduler.waiting for r in self.replicas if r.scheduler is not None)]
         for queue in queues:
             for seq in queue:

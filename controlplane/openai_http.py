@@ -234,8 +234,10 @@ class OpenAIService:
             config = self.engine.config
             fields = chat_body(body) if kind == "response" else body
             chat, tokenizer, parser = kind != "completion", self.engine.tokenizer, config.tool_call_parser
-            parsed = parse_request(fields, self.engine.limits, request_id, chat, parser,
-                                   tags_are_special(parser, tokenizer), config.reasoning_parser)
+            # on a tokenizer thread: a large schema's grammar takes 0.1-1 s to compile
+            parsed = await self.engine.in_tokenizer_pool(parse_request, fields, self.engine.limits, request_id, chat,
+                                                         parser, tags_are_special(parser, tokenizer),
+                                                         config.reasoning_parser)
             choices = Choices(self.engine, parsed)
             await choices.open()
         except ClientDisconnect:

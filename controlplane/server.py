@@ -128,7 +128,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         await engine.wait_ready(queued=True)
         header = dict(context.invocation_metadata() or ()).get(REQUEST_ID_HEADER)
         config = engine.config
-        call = generate_call_from_pb(request, engine.limits, header, config.tool_call_parser, config.reasoning_parser)
+        # on a tokenizer thread: a large schema's grammar takes 0.1-1 s to compile
+        call = await engine.in_tokenizer_pool(generate_call_from_pb, request, engine.limits, header,
+                                              config.tool_call_parser, config.reasoning_parser)
         call, parts = self._output_parts(request, call) if request.parse_output else (call, None)
         state = await engine.add(call)
         # cancelled, deadline passed or connection lost: free the blocks now, not when the handler unwinds

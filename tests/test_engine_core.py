@@ -156,6 +156,26 @@ class Frontend:
         self.messages.append(message)
 
 
+
+def connected_core(frontend: Frontend, tokenizer_dir):
+    """An engine core whose one replica has just connected to a data plane (of 16 KV blocks of 4 tokens, the
+    vocabulary of the tokenizer in tokenizer_dir) that it never talks to: the core, and the replica."""
+    from twinplane.controlplane import engine_core
+    from twinplane.controlplane.block_manager import BlockManager
+    from twinplane.controlplane.config import ControlPlaneConfig
+    from twinplane.controlplane.scheduler import Scheduler, SchedulerConfig
+    from twinplane.proto import dataplane_pb2 as dp
+
+    core = engine_core.EngineCore(ControlPlaneConfig(dataplane="unix:///nowhere"), frontend)
+    replica = core.replicas[0]
+    replica.describe = dp.DescribeResponse(max_model_len=64, eos_token_ids=[2], num_kv_blocks=16, block_size=4,
+                                           vocab_size=49152, tokenizer_path=str(tokenizer_dir))
+    replica.scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
+                                  BlockManager(16, 4, True))
+    replica._set_connected(True)
+    return core, replica
+
+
 def test_a_request_its_plans_cannot_carry_fails_alone():
     """The API checks every value; should one slip through that a plan's protobuf fields cannot
     hold (top_k past int32), the core fails that request instead of dying on the plan."""
@@ -339,6 +359,10 @@ def test_the_vocabulary_is_read_off_the_step_loop_once_a_data_plane_connects(smo
             reading.result(timeout=60)
         core.add(AddRequest(7, "json", [5, 6], RequestParams(max_tokens=3, regex="yes|no")))
         core.add(AddRequest(8, "free", [5, 6], RequestParams(max_tokens=3)))
+        for _ in range(600):  # its grammar compiles off the loop
+            if not core.preparing:
+                break
+            await asyncio.sleep(0.05)
         return core, reading, frontend.messages
 
     compiled.cache_clear()
@@ -366,11 +390,7 @@ def test_structured_requests_that_come_while_the_vocabulary_is_read_wait_for_it_
     import threading
 
     from twinplane.controlplane import engine_core
-    from twinplane.controlplane.block_manager import BlockManager
-    from twinplane.controlplane.config import ControlPlaneConfig
     from twinplane.controlplane.messages import Rejected
-    from twinplane.controlplane.scheduler import Scheduler, SchedulerConfig
-    from twinplane.proto import dataplane_pb2 as dp
 
     release = threading.Event()
 
@@ -383,13 +403,7 @@ def test_structured_requests_that_come_while_the_vocabulary_is_read_wait_for_it_
 
     async def run():
         frontend = Frontend()
-        core = engine_core.EngineCore(ControlPlaneConfig(dataplane="unix:///nowhere"), frontend)
-        replica = core.replicas[0]
-        replica.describe = dp.DescribeResponse(max_model_len=64, eos_token_ids=[2], num_kv_blocks=16, block_size=4,
-                                               vocab_size=49152, tokenizer_path=str(smollm2_dir))
-        replica.scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
-                                      BlockManager(16, 4, True))
-        replica._set_connected(True)  # the vocabulary is being read
+        core, replica = connected_core(frontend, smollm2_dir)  # the vocabulary is being read
         core.add(AddRequest(7, "json", [5, 6], RequestParams(max_tokens=3, regex="yes|no")))
         core.add(AddRequest(8, "free", [5, 6], RequestParams(max_tokens=3)))
         core.add(AddRequest(9, "gone", [5, 6], RequestParams(max_tokens=3, regex="yes")))
@@ -398,7 +412,7 @@ def test_structured_requests_that_come_while_the_vocabulary_is_read_wait_for_it_
         release.set()
         for _ in range(600):
             await asyncio.sleep(0.05)
-            if not core.reading_vocabulary:
+            if not core.preparing:
                 break
         return core, replica, waiting, snapshot, frontend.messages
 
@@ -407,3 +421,41 @@ def test_structured_requests_that_come_while_the_vocabulary_is_read_wait_for_it_
     assert [s.seq_id for s in replica.scheduler.waiting] == [8, 7] and list(core.seqs) == [7, 8]
     assert core.seqs[7][0].matcher is not None
     assert not [m for m in messages if isinstance(m, Rejected)]
+
+
+def test_a_grammar_compiles_off_the_step_loop(smollm2_dir, monkeypatch):
+    """A structured-output request whose grammar takes long to compile (a large schema's) waits for it in a
+    thread of its own; the core goes on (a free request is routed at once), a second request of the same
+    grammar waits for the same compilation, and both go on once it is done."""
+    import threading
+
+    from twinplane.controlplane import engine_core
+    from twinplane.controlplane.structured import compiled
+
+    release, threads = threading.Event(), []
+
+    def slow(regex):
+        threads.append(threading.current_thread().name)
+        release.wait(30)
+        return compiled(regex)
+
+    monkeypatch.setattr(engine_core, "compiled", slow)
+
+    async def run():
+        frontend = Frontend()
+        core, replica = connected_core(frontend, smollm2_dir)
+        core._vocabulary.result(timeout=60)
+        for seq_id, regex in ((7, "a+b"), (8, None), (9, "a+b")):
+            core.add(AddRequest(seq_id, "r", [5, 6], RequestParams(max_tokens=3, regex=regex)))
+        routed = [s.seq_id for s in replica.scheduler.waiting]
+        release.set()
+        for _ in range(600):
+            await asyncio.sleep(0.05)
+            if not core.preparing:
+                break
+        return core, replica, routed
+
+    core, replica, routed = asyncio.run(run())
+    assert routed == [8] and threads == ["twinplane-grammar_0"]  # compiled once, in its thread
+    assert [s.seq_id for s in replica.scheduler.waiting] == [8, 7, 9]
+    assert core.seqs[7][0].matcher.grammar is core.seqs[9][0].matcher.grammar
