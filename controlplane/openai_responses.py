@@ -23,6 +23,7 @@ from twinplane.controlplane.chat_text import CallDelta, ChatText
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.openai_api import OpenAIRequest
 from twinplane.controlplane.sequence import FinishReason
+from twinplane.controlplane.tools import template_tool_call
 
 # fields that go to the chat completion request as they are
 PASSED = (*SAMPLING_FIELDS, "stream", "parallel_tool_calls", "max_output_tokens", "min_tokens",
@@ -71,7 +72,8 @@ def _messages(value) -> list[dict]:
             if item.get("role") not in ROLES:
                 _fail(f"{where}.role must be one of {', '.join(ROLES)}, got {str(item.get('role'))[:40]!r}")
             messages.append({"role": item["role"], "content": _text(item.get("content"), where)})
-        elif kind == "function_call":
+        elif kind == "function_call":  # checked here, to be named as the client sent it
+            template_tool_call(None, item.get("name"), item.get("arguments"), f"{where}.")
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
             if messages and messages[-1]["role"] == "assistant":

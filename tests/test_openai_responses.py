@@ -146,8 +146,10 @@ def test_max_output_tokens_leaves_the_response_incomplete(client):
     ({"input": "hi", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice",
      "the tools are get_weather"),
     ({"input": "hi", "instructions": 3}, "instructions", "instructions must be a string"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": "[1]"}]}, "input",
+     "input[0].arguments must be the JSON text of an object"),
 ], ids=["previous-response", "built-in-tool", "image-item", "image-part", "no-input", "max-output-tokens",
-        "unknown-format", "unknown-function", "instructions-number"])
+        "unknown-format", "unknown-function", "instructions-number", "call-arguments"])
 def test_what_the_server_cannot_do_gets_400(client, request_fields, param, words):
     reply = httpx.post(f"{client.base_url}responses", json={"model": "scripted", **request_fields}, timeout=30)
     assert reply.status_code == 400, reply.text
