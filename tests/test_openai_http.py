@@ -575,7 +575,7 @@ def test_a_choice_never_takes_another_request_s_id(base_url, model, http_planes)
     """A request of several choices ("x-request-id: dup", n=2) runs beside a gRPC request that a client named
     "dup-1"; the id a client names stays its own: a second "dup-1" is refused while the first runs."""
     with http_planes.client(api_key=KEY) as grpc_client:
-        running = grpc_client.generate(LONG_PROMPT, max_tokens=400, ignore_eos=True, request_id="dup-1")
+        running = grpc_client.generate(LONG_PROMPT, max_tokens=3000, ignore_eos=True, request_id="dup-1")
         next(iter(running))
         headers = {"authorization": f"Bearer {KEY}", "x-request-id": "dup"}
         both = httpx.post(base_url + "/v1/completions", headers=headers, timeout=60,
