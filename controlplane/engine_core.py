@@ -258,7 +258,8 @@ class EngineCore:
         self.replica_of.pop(seq_id, None)
 
     def _route(self, seq: Sequence) -> None:
-        """Gives seq to a connected data plane that can hold it, or refuses it if none can."""
+        """Gives seq to a connected data plane that can hold it (one that answers, while any does), or refuses
+        it if none can."""
         live = [r for r in self.replicas if r.connected]
         if not live:
             self.unrouted.append(seq)
@@ -269,6 +270,7 @@ class EngineCore:
             why = never_fits(seq, max(live, key=lambda r: r.capacity).describe)
             self.frontend.send(Refused([(seq.seq_id, why)]))
             return
+        able = [r for r in able if not r.stalled] or able
         replica = able[0] if len(self.replicas) == 1 else self.router.pick(seq, able)
         self.replica_of[seq.seq_id] = replica
         replica.add(seq)

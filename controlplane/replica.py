@@ -101,7 +101,8 @@ class Replica:
         max_in_flight = self.config.max_steps_in_flight
         draining = False  # a step failed: the steps sent after it come back before anything new is planned
         while True:
-            if self.dataplane.lost:
+            if self.dataplane.lost:  # the stream ended while a result it had sent was read: that one's tokens first
+                self._send_deferred()
                 await self._reconnect("the step stream ended")
                 in_flight.clear()  # lost with the stream; the reset recomputes their sequences
                 draining = False

@@ -13,12 +13,14 @@ import signal
 import subprocess
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from tests.conftest import Planes
 from tests.reliability import GREEDY, all_blocks_free, greedy_references, tokens_async, wait_until
 from tests.test_e2e_reference import random_prompts
 from twinplane.clients.client import AsyncClient
+from twinplane.controlplane.messages import AddRequest
 from twinplane.controlplane.router import BALANCE_SLACK, Router, prompt_block_hashes
 from twinplane.controlplane.sequence import RequestParams, Sequence
 
@@ -72,6 +74,104 @@ def test_the_route_table_is_bounded():
     for i in range(5):
         router.pick(seq([i] * 9), [FakeReplica(0)])  # two blocks each
     assert len(router.routes) == 3
+
+
+class ScriptedStream:
+    """A data plane's step stream that answers each plan at once (token 100 + step id for each sampled row);
+    with lose_at, the stream ends while that result is being read: gRPC runs the call's done callback first,
+    then hands over the result it had already buffered."""
+
+    def __init__(self, replica, lose_at: int | None = None):
+        self.replica, self.lose_at, self.lost, self.num_read = replica, lose_at, False, 0
+        self.results: asyncio.Queue = asyncio.Queue()
+
+    async def send(self, plan) -> None:
+        from twinplane.proto import dataplane_pb2 as dp
+
+        sampled = np.full(int(np.frombuffer(plan.sample, np.uint8).sum()), 100 + plan.step_id, "<i4")
+        await self.results.put(dp.StepResult(step_id=plan.step_id, sampled_token_ids=sampled.tobytes()))
+
+    async def receive(self):
+        result = await self.results.get()
+        self.num_read += 1
+        if self.num_read == self.lose_at:
+            self.lost = True
+            self.replica._on_dataplane_lost()
+        return result
+
+    async def close(self) -> None:
+        pass
+
+
+def _core_of_two(frontend, lose_at: int | None = None):
+    """An engine core over two data planes that answer through ScriptedStream; the first one's stream ends at
+    its lose_at-th result, and it never comes back."""
+    from twinplane.controlplane.block_manager import BlockManager
+    from twinplane.controlplane.config import ControlPlaneConfig
+    from twinplane.controlplane.engine_core import EngineCore
+    from twinplane.controlplane.scheduler import Scheduler, SchedulerConfig
+    from twinplane.proto import dataplane_pb2 as dp
+
+    core = EngineCore(ControlPlaneConfig(dataplane="unix:///a,unix:///b"), frontend)
+    for replica, lose in zip(core.replicas, (lose_at, None)):
+        replica.dataplane = ScriptedStream(replica, lose)
+        replica.describe = dp.DescribeResponse(max_model_len=64, eos_token_ids=[2], num_kv_blocks=16, block_size=4)
+        replica.scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
+                                      BlockManager(16, 4, True))
+        replica.connected = True
+    core.replicas[0]._connect = asyncio.Event().wait  # gone for good
+    return core
+
+
+class TokensSeen:
+    """Stands in for the frontend: the (sequence, position) of every token the core sends it."""
+
+    def __init__(self):
+        self.positions: list[tuple[int, int]] = []
+
+    def send(self, message) -> None:
+        from twinplane.controlplane.messages import StepOutputs
+
+        if isinstance(message, StepOutputs):
+            self.positions += [(out.seq_id, out.position) for out in message.outputs]
+
+
+def test_tokens_applied_as_a_stream_ends_go_out_before_their_sequence_moves():
+    """A result read just as its data plane's stream ended (the stream found ended at the top of the step
+    loop, not by the read failing) has its tokens sent before the sequence is recomputed elsewhere: the
+    frontend sees every position once, in order."""
+    async def run():
+        frontend = TokensSeen()
+        core = _core_of_two(frontend, lose_at=3)
+        core.add(AddRequest(7, "r7", [5, 6, 7], RequestParams(max_tokens=8)))
+        first = core.replica_of[7].index
+        loops = [asyncio.create_task(r._step_loop()) for r in core.replicas]
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if len(frontend.positions) >= 8:
+                break
+        for loop in loops:
+            loop.cancel()
+        return first, frontend.positions, core.replicas[0]._deferred
+
+    first, positions, left = asyncio.run(run())
+    assert first == 0 and positions == [(7, p) for p in range(3, 11)] and not left
+
+
+def test_new_requests_go_to_a_data_plane_that_answers():
+    """While one data plane counts as stalled, new requests go to the others; with every one stalled, they
+    are routed as before."""
+    async def run():
+        core = _core_of_two(TokensSeen())
+        core.replicas[0].stalled = True
+        for seq_id in (1, 2, 3):
+            core.add(AddRequest(seq_id, f"r{seq_id}", [5, 6, 7], RequestParams(max_tokens=4)))
+        core.replicas[1].stalled = True
+        core.add(AddRequest(4, "r4", [5, 6, 7], RequestParams(max_tokens=4)))
+        return {seq_id: replica.index for seq_id, replica in core.replica_of.items()}
+
+    placed = asyncio.run(run())
+    assert [placed[i] for i in (1, 2, 3)] == [1, 1, 1] and placed[4] == 0  # the less loaded
 
 
 class DataParallelPlanes(Planes):
