@@ -357,13 +357,16 @@ class Scheduler:
 
     def evict_all(self) -> list[Sequence]:
         """The data plane lost its KV cache: returns every sequence, ready to be recomputed, running
-        ones first (oldest first), and leaves the scheduler empty (it needs a new BlockManager)."""
+        ones first (oldest first), and leaves the scheduler empty, every block free (the data plane it
+        reconnects to gets a BlockManager of its own)."""
         seqs = self.running + list(self.waiting)
         for seq in seqs:
             seq.status = SequenceStatus.WAITING
             seq.drop_pending()  # the step that was sampling it is lost
             seq.forget_kv()
         self.running, self.waiting, self.dropped_seq_ids = [], deque(), []
+        bm = self.block_manager
+        self.block_manager = BlockManager(bm.num_blocks, bm.block_size, bm.enable_prefix_caching)
         return seqs
 
     # ---- helpers ------------------------------------------------------------------------
