@@ -38,7 +38,7 @@ from twinplane.controlplane.ipc import Channel, child_argv, start_process
 from twinplane.controlplane.liveness import ticks
 from twinplane.controlplane.messages import (Abort, AddRequest, Configure, Connected, CoreMessage, CoreSnapshot,
                                              DataPlaneSnapshot, Heartbeat, Lost, Refused, Rejected, Shutdown,
-                                             Stalled)
+                                             Snapshot, Stalled)
 from twinplane.controlplane.plan_codec import sequence_init
 from twinplane.controlplane.replica import STAT_NAMES, Replica
 from twinplane.controlplane.router import Router
@@ -295,6 +295,7 @@ class EngineCore:
         for seq in moved:
             del self.replica_of[seq.seq_id]
             self._route(seq)
+        self.frontend.send(Snapshot(self.snapshot()))  # its gauges: those sequences moved, its blocks free
 
     def _tell_frontend(self) -> None:
         """NOT_SERVING once no data plane is connected; otherwise the limits they all meet."""

@@ -159,6 +159,31 @@ def test_tokens_applied_as_a_stream_ends_go_out_before_their_sequence_moves():
     assert lost.scheduler.block_manager.num_free_blocks == 16  # its KV cache is gone: nothing counts as used
 
 
+def test_the_frontend_hears_where_a_lost_data_plane_s_requests_went():
+    """Once every data plane is lost, the requests they ran count as waiting and no block as used, in the
+    snapshot the frontend gets at once (its gauges: /metrics, GetStats)."""
+    from twinplane.controlplane.messages import Snapshot
+
+    class Snapshots(TokensSeen):
+        def send(self, message) -> None:
+            self.last = message.snapshot if isinstance(message, Snapshot) else getattr(self, "last", None)
+
+    async def run():
+        frontend = Snapshots()
+        core = _core_of_two(frontend)
+        for seq_id in (1, 2, 3):
+            core.add(AddRequest(seq_id, f"r{seq_id}", [5, 6, 7, 8, 9], RequestParams(max_tokens=4)))
+        for replica in core.replicas:
+            replica.scheduler.schedule()  # running, with blocks
+            replica.connected = False
+            core.recompute(replica, replica.scheduler.evict_all())
+        return frontend.last
+
+    snapshot = asyncio.run(run())
+    assert (snapshot.running, snapshot.waiting) == (0, 3)
+    assert all(dp.free_kv_blocks == 16 for dp in snapshot.dataplanes), snapshot.dataplanes
+
+
 def test_new_requests_go_to_a_data_plane_that_answers():
     """While one data plane counts as stalled, new requests go to the others; with every one stalled, they
     are routed as before."""
