@@ -163,20 +163,17 @@ class EngineCore:
         params = seq.params
         if params.allowed_token_ids or params.bad_words_ids or params.regex is not None:
             try:
-                parts = self._constraints(params, output_ids)
+                seq.matcher = self._matcher(params, output_ids)
             except (ValueError, OSError) as exc:  # checked by the frontend: a tokenizer the core cannot read
                 log.error("request %s: its tokens cannot be constrained: %s", seq.request_id, exc)
                 del self.seqs[seq.seq_id]
                 self.frontend.send(Rejected(seq.seq_id, f"what constrains its tokens is not available: {exc}"))
                 return
-            vocab_size = self.describe.vocab_size
-            stop = [t for t in self.eos_token_ids if t < vocab_size]
-            seq.matcher = AllOf(parts, token_bits(stop, vocab_size)) if len(parts) > 1 else parts[0]
         self._route(seq)
 
-    def _constraints(self, params: RequestParams, output_ids: list[int]) -> list:
-        """The matchers of a request's constraints, each after output_ids (ValueError before a data plane has
-        described the model)."""
+    def _matcher(self, params: RequestParams, output_ids: list[int]):
+        """What a request's constraints allow it to sample, after output_ids: the one constraint's matcher, or
+        all of them together (ValueError before a data plane has described the model)."""
         if self.describe is None:
             raise ValueError("no data plane has connected yet")
         vocab_size = self.describe.vocab_size
@@ -187,7 +184,9 @@ class EngineCore:
             vocabulary, grammar = self.vocabulary(), self._grammars.get(params.regex)
             grammar = grammar.result() if grammar is not None else compiled(params.regex)
             parts.append(TokenMatcher(grammar, vocabulary, output_ids))
-        return parts
+        if len(parts) == 1:
+            return parts[0]
+        return AllOf(parts, token_bits([t for t in self.eos_token_ids if t < vocab_size], vocab_size))
 
     def _preparations_done(self) -> None:
         """The sequences whose vocabulary and grammar are ready go on (those not aborted meanwhile)."""
