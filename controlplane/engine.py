@@ -345,14 +345,16 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         """Requests not yet admitted: queued in the core (from every frontend), and this frontend's
-        waiting for a data plane, being tokenized, or on their way to the core."""
+        waiting for a data plane, being tokenized, on their way to the core, or waiting for a new
+        core (every request in flight, once a core died)."""
         return self.core_snapshot.waiting + self._num_not_in_core
 
     @property
     def _num_not_in_core(self) -> int:
         core, own = self.core_snapshot, self.index
         added = core.added_by_frontend[own] if core.added_by_frontend else 0
-        return self.num_waiting_ready + self.num_tokenizing + self._num_added - added
+        replaying = len(self.requests) if self._replay else 0  # all of them wait for the next core
+        return self.num_waiting_ready + self.num_tokenizing + replaying + self._num_added - added
 
     @property
     def _per_frontend(self) -> str:

@@ -74,6 +74,11 @@ class _Link:
                 kill()
                 return
 
+    def _gone(self) -> None:
+        """The core exited or was killed: the next one starts unhung (the frontend forgets the stall)."""
+        self.hung = False
+        self.frontend.core_died()
+
     def _set_hung(self, hung: bool) -> None:
         if hung != self.hung:
             self.hung = hung
@@ -105,8 +110,7 @@ class CoreSupervisor(_Link):
             code = await asyncio.to_thread(wait_exit, self.process, CORE_STOP_TIMEOUT)
             delay = backoff.delay(time.monotonic() - started)
             log.error("the engine core exited (code %s); starting a new one in %.1f s", code, delay)
-            self._set_hung(False)
-            self.frontend.core_died()
+            self._gone()
             await asyncio.sleep(delay)
 
     async def _run_once(self) -> None:
@@ -149,8 +153,7 @@ class CoreLink(_Link):
             if self.stopped:
                 return
             log.error("the engine core is gone; waiting for the next one")
-            self._set_hung(False)
-            self.frontend.core_died()
+            self._gone()
 
     async def stop(self) -> None:
         self.stopped = True

@@ -91,3 +91,51 @@ def test_calls_waiting_for_a_data_plane_count_against_the_queue(small_queue):
     served = [r for r in results if r[0] == "ok"]
     assert len(served) == MAX_WAITING and all(len(r[2]) == MAX_TOKENS for r in served)
     wait_until(lambda: all_blocks_free(small_queue), 10, "every KV block to be free")
+
+
+def test_requests_waiting_for_a_new_engine_core_count_as_waiting():
+    """A core that dies leaves every request in flight waiting for the next one: they count as waiting
+    (gauges, max_waiting_requests) until the new core reports them admitted."""
+    from twinplane.controlplane.api import GenerateCall, Prompt
+    from twinplane.controlplane.config import ControlPlaneConfig
+    from twinplane.controlplane.engine import Engine
+    from twinplane.controlplane.errors import Overloaded
+    from twinplane.controlplane.messages import AddRequest, CoreSnapshot, DataPlaneSnapshot
+    from twinplane.controlplane.replica import STAT_NAMES
+    from twinplane.controlplane.sequence import RequestParams
+    from twinplane.proto import dataplane_pb2 as dp
+
+    class Link:
+        def __init__(self, config, engine):
+            self.sent = []
+
+        def send(self, message):
+            self.sent.append(message)
+
+    def snapshot(added: int, running: int) -> CoreSnapshot:
+        return CoreSnapshot(dict.fromkeys(STAT_NAMES, 0), num_added=added, added_by_frontend=(added,),
+                            waiting_by_frontend=(0,), dataplanes=[DataPlaneSnapshot("dp", True, 0, running)])
+
+    engine = Engine(ControlPlaneConfig(dataplane="unix:///nowhere", max_waiting_requests=3), link=Link)
+    describe = dp.DescribeResponse(model="m", vocab_size=100, max_model_len=64, num_kv_blocks=16, block_size=16,
+                                   max_logprobs=5)
+
+    async def run():
+        engine.connected(describe, snapshot(0, 0))
+        for i in range(3):
+            await engine.add(GenerateCall(f"r{i}", Prompt(token_ids=[1, 2, 3]), RequestParams(max_tokens=8)))
+        engine.snapshot(snapshot(3, 3))  # the core admitted all three
+        assert engine.num_waiting == 0
+        engine.core_died()
+        assert engine.num_waiting == 3
+        with pytest.raises(Overloaded, match="too many waiting requests \\(3, max_waiting_requests 3\\)"):
+            await engine.add(GenerateCall("r3", Prompt(token_ids=[1]), RequestParams(max_tokens=8)))
+        engine.supervisor.sent.clear()
+        engine.connected(describe, snapshot(0, 0))  # the new core: the three go to it
+        assert [m.seq_id for m in engine.supervisor.sent if isinstance(m, AddRequest)] == [1, 2, 3]
+        assert engine.num_waiting == 3  # on their way to it
+        engine.snapshot(snapshot(3, 3))
+        assert engine.num_waiting == 0
+
+    asyncio.run(run())
+    engine._tokenizer_pool.shutdown()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import time
@@ -143,9 +144,10 @@ async def _count_calls(engine, name: str, calls: list) -> None:
 
 
 @pytest.mark.parametrize("core_timeout", [120.0, 3.0], ids=["resumed", "restarted"])
-def test_a_hung_engine_core_is_noticed_and_its_streams_finish(tiny_qwen3_dir, planes_factory, core_timeout):
+def test_a_hung_engine_core_is_noticed_and_its_streams_finish(tiny_qwen3_dir, planes_factory, core_timeout, caplog):
     """Stopped for 8 s: with a long core_timeout the core carries on; with a short one it is
     killed and a new core takes over the streams."""
+    caplog.set_level(logging.WARNING, "twinplane.controlplane")
     planes = planes_factory(tiny_qwen3_dir, *DP_ARGS, stall_timeout=STALL, core_timeout=core_timeout)
     prompts = random_prompts(NUM_STREAMS, seed=502, low=10, high=60)
     expected = asyncio.run(greedy_references(planes.address, prompts, MAX_TOKENS))
@@ -155,6 +157,8 @@ def test_a_hung_engine_core_is_noticed_and_its_streams_finish(tiny_qwen3_dir, pl
     _check(report, expected, planes)
     restarted = planes.engine.supervisor.process is not core
     assert restarted == (core_timeout < 8.0)
+    said = [r.getMessage() for r in caplog.records]
+    assert said.count("the engine core answers again") == (0 if restarted else 1), said  # a killed core never does
     assert planes.dataplane.poll() is None
 
 
