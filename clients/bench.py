@@ -38,6 +38,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -357,7 +358,12 @@ def _paths(before: dict, after: dict) -> str:
 def _start_server(args) -> tuple[subprocess.Popen, str]:
     from twinplane.clients.cli import _dataplane_argv
 
-    address = f"unix://{tempfile.mkdtemp(prefix='twinplane-bench-')}/api.sock"
+    if args.api_server_count > 1:  # frontends share a TCP port (the kernel spreads connections over them)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            address = f"127.0.0.1:{s.getsockname()[1]}"
+    else:
+        address = f"unix://{tempfile.mkdtemp(prefix='twinplane-bench-')}/api.sock"
     log_level = getattr(args, "log_level", None) or "WARNING"  # the service logs at the benchmark's level
     command = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", log_level, "serve",
                *_dataplane_argv(args), "--listen", address, "--max-waiting-requests", str(args.num_requests + 16)]
@@ -368,7 +374,8 @@ def _start_server(args) -> tuple[subprocess.Popen, str]:
         command += ["--tokenizer", resolve_model("default")]
     command += ["--stream-interval", str(args.stream_interval), "--max-steps-in-flight", str(args.max_steps_in_flight),
                 "--decode-steps", str(args.decode_steps), "--decode-steps-max-seqs", str(args.decode_steps_max_seqs),
-                "--data-parallel-size", str(args.data_parallel_size), "--routing", args.routing]
+                "--data-parallel-size", str(args.data_parallel_size), "--routing", args.routing,
+                "--api-server-count", str(args.api_server_count)]
     return subprocess.Popen(command, stdin=subprocess.DEVNULL), address
 
 
@@ -472,6 +479,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--channels", type=int, default=1,
                    help="connections per client process, the requests spread over them (several let the kernel "
                         "spread them over a server's --api-server-count frontends)")
+    g.add_argument("--api-server-count", type=int, default=1,
+                   help="passed to the server it starts (more than 1: it serves on a loopback TCP port; spread the "
+                        "requests with --client-processes and --channels)")
     g.add_argument("--max-prefill-tokens-with-decode", type=int, default=None,
                    help="passed to the server it starts (default: no cap)")
     g.add_argument("--save-result", metavar="PATH", default=None,

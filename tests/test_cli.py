@@ -329,11 +329,16 @@ def test_bench_passes_its_server_flags_on(monkeypatch):
     started = []
     monkeypatch.setattr(bench.subprocess, "Popen", lambda command, **_: started.append(command))
     args = build_parser().parse_args(["bench", "--stream-interval", "2", "--max-steps-in-flight", "3"])
-    bench._start_server(args)
+    _, address = bench._start_server(args)
     command = started[0]
     assert command[command.index("--stream-interval") + 1] == "2"
     assert command[command.index("--max-steps-in-flight") + 1] == "3"
     assert command[command.index("--max-waiting-requests") + 1] == str(args.num_requests + 16)
+    assert command[command.index("--api-server-count") + 1] == "1" and "unix://" in address
+    _, address = bench._start_server(build_parser().parse_args(["bench", "--api-server-count", "2"]))
+    command = started[1]  # several frontends share a loopback TCP port, which a unix socket cannot be
+    assert command[command.index("--api-server-count") + 1] == "2"
+    assert command[command.index("--listen") + 1] == address and address.startswith("127.0.0.1:")
 
 
 def test_serve_refuses_a_data_parallel_size_its_addresses_or_gpus_cannot_serve(monkeypatch):
