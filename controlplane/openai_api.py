@@ -141,7 +141,7 @@ def _int_list(body: dict, name: str) -> tuple[int, ...]:
 
 
 def _content(content, where: str) -> str:
-    """A message's content: a string, or a list of text parts joined."""
+    """A message's content: a string, or a list of text parts joined by newlines (as vLLM joins them)."""
     if isinstance(content, str):
         return content
     if content is None:
@@ -154,7 +154,7 @@ def _content(content, where: str) -> str:
             _fail(f"{where}.content[{j}] must be a text part ({{\"type\": \"text\", \"text\": ...}}); "
                   "only text input is supported")
         texts.append(part["text"])
-    return "".join(texts)
+    return "\n".join(texts)
 
 
 def _messages(body: dict, limits: Limits) -> Prompt:
@@ -428,7 +428,9 @@ def logprobs_json(chat: bool, entries: list[TokenLogprobs], tokenizer: Tokenizer
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
-    # an echoed prompt's first token has no log-probability (logprob None): null, as its top tokens
+    # an echoed prompt's first token has no log-probability (logprob None): null, as its top tokens. The token
+    # itself comes first among its top ones, as OpenAI's (up to logprobs + 1 of them)
+    top = [None if e.logprob is None else {text(t): _safe(lp) for t, lp in [(e.token_id, e.logprob), *e.top]}
+           for e in entries]
     return {"tokens": tokens, "token_logprobs": [None if e.logprob is None else _safe(e.logprob) for e in entries],
-            "top_logprobs": [None if e.logprob is None else {text(t): _safe(lp) for t, lp in e.top} for e in entries],
-            "text_offset": offsets}
+            "top_logprobs": top, "text_offset": offsets}

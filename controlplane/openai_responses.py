@@ -42,7 +42,7 @@ def _fail(message: str) -> None:
 
 
 def _text(content, where: str) -> str:
-    """A message's content: a string, or text parts joined."""
+    """A message's content: a string, or text parts joined by newlines (as chat's)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -53,7 +53,7 @@ def _text(content, where: str) -> str:
             _fail(f"{where}.content[{j}] must be a text part ({{\"type\": \"input_text\", \"text\": ...}}); "
                   "only text input is supported")
         texts.append(part["text"])
-    return "".join(texts)
+    return "\n".join(texts)
 
 
 def _messages(value) -> list[dict]:

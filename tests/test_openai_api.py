@@ -58,7 +58,7 @@ def test_content_parts_and_developer_role():
                               {"role": "user", "content": [{"type": "text", "text": "a"},
                                                            {"type": "text", "text": "b"}]}]})
     assert req.calls[0].prompt.messages == [{"role": "system", "content": "be brief"},
-                                            {"role": "user", "content": "ab"}]
+                                            {"role": "user", "content": "a\nb"}]  # joined as vLLM joins them
 
 
 def test_n_gives_distinct_seeds_and_ids():

@@ -229,7 +229,9 @@ def test_echo_with_logprobs_scores_the_prompt(client, model, tiny_qwen3_dir):
     for i in range(1, len(ids)):
         assert abs(first.token_logprobs[i] - expected[i - 1, ids[i]].item()) < 1e-3, i
         top = expected[i - 1].topk(2).values.tolist()
-        assert sorted(first.top_logprobs[i].values(), reverse=True) == pytest.approx(top, abs=1e-3), i
+        scored = first.top_logprobs[i]  # the prompt's token first, then the top 2 (up to 3, as OpenAI's)
+        assert next(iter(scored.values())) == first.token_logprobs[i] and 2 <= len(scored) <= 3, i
+        assert sorted(scored.values(), reverse=True)[:2] == pytest.approx(top, abs=1e-3), i
     assert abs(first.token_logprobs[len(ids)] - expected[-1].max().item()) < 1e-3  # the first output, greedy
     assert first.text_offset == sorted(first.text_offset) and first.text_offset[0] == 0
     chunks = [c for chunk in client.completions.create(stream=True, **kwargs) for c in chunk.choices]
@@ -271,7 +273,7 @@ def test_prompt_logprobs_as_vllm_gives_them(client, base_url, model, tiny_qwen3_
                                       extra_body={"prompt_logprobs": 3})
     for choice in whole.choices:
         _check_prompt_logprobs(choice.model_extra["prompt_logprobs"], ids, expected, 3, tokenizer)
-        assert all(len(top) == 1 for top in choice.logprobs.top_logprobs[1:]), "echo's view keeps its top 1"
+        assert all(1 <= len(top) <= 2 for top in choice.logprobs.top_logprobs[1:]), "echo's view: its token, top 1"
     chat = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=2,
                                           extra_body={"prompt_logprobs": 0})
     prompt = httpx.post(f"{base_url}/tokenize", json={"model": model, "messages": QUESTION},
@@ -369,7 +371,13 @@ def test_logprobs(client, model):
                                      extra_body={"ignore_eos": True})
     lp = text.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
-    assert all(len(top) <= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+    assert all(len(top) <= 3 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+    # the sampled token comes first among its top ones, always (OpenAI's "up to logprobs + 1")
+    assert all(list(top.items())[0] == (token, logprob)
+               for top, token, logprob in zip(lp.top_logprobs, lp.tokens, lp.token_logprobs))
+    sampled = client.completions.create(model=model, prompt="Hello", max_tokens=8, temperature=1.5, seed=3,
+                                        logprobs=0, extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert sampled.top_logprobs == [{token: logprob} for token, logprob in zip(sampled.tokens, sampled.token_logprobs)]
 
 
 def test_stop_string(client, model):

@@ -108,7 +108,7 @@ def references(planes):
 
 
 def plain_content(content: str | list[dict]) -> str:
-    return content if isinstance(content, str) else "".join(part["text"] for part in content)
+    return content if isinstance(content, str) else "\n".join(part["text"] for part in content)
 
 
 # ---- requests -------------------------------------------------------------------------------------
