@@ -98,8 +98,10 @@ def _sampling(body: dict):
         if value is not None:
             values[name] = value
     seed = values.get("seed")
-    if seed is not None and not 0 <= seed < 1 << 64:
-        _fail(f"seed must be in [0, 2**64), got {seed}")
+    if seed is not None:  # OpenAI's is signed (int64), the gRPC API's unsigned: the same 64 bits either way
+        if not -(1 << 63) <= seed < 1 << 64:
+            _fail(f"seed must be a 64-bit integer, in [-2**63, 2**64), got {seed}")
+        values["seed"] = seed % (1 << 64)
     return sampling_options(values, prefix="")
 
 

@@ -61,6 +61,12 @@ def test_content_parts_and_developer_role():
                                             {"role": "user", "content": "a\nb"}]  # joined as vLLM joins them
 
 
+def test_a_signed_seed_is_taken_as_its_64_bits():
+    """OpenAI's seed is an int64, the gRPC API's a uint64: a negative one is the same bits unsigned."""
+    seeds = [parse({**CHAT, "seed": s}).calls[0].params.sampling.seed for s in (-1, 2**64 - 1, -2**63, 7)]
+    assert seeds == [2**64 - 1, 2**64 - 1, 2**63, 7]
+
+
 def test_n_gives_distinct_seeds_and_ids():
     req = parse({**CHAT, "n": 3, "seed": 11})
     assert [c.name for c in req.calls] == ["rid-0", "rid-1", "rid-2"]
@@ -99,7 +105,8 @@ def test_prompt_forms():
     ({**CHAT, "tools": [{"type": "function"}]}, True, "tools[0] must be {\"type\": \"function\""),
     ({**CHAT, "functions": [{"name": "f"}]}, True, "functions is not supported"),
     ({**CHAT, "stop": ["a", 3]}, True, "stop must be a string or a list of strings"),
-    ({**CHAT, "seed": -1}, True, "seed must be in"),
+    ({**CHAT, "seed": -2**63 - 1}, True, "seed must be a 64-bit integer, in [-2**63, 2**64)"),
+    ({**CHAT, "seed": 2**64}, True, "seed must be a 64-bit integer"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, True, "messages[0].role must be one of"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, True, "only text input"),
     ({}, True, "messages is required"),
