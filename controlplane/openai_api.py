@@ -421,10 +421,11 @@ def logprobs_json(chat: bool, entries: list[TokenLogprobs], tokenizer: Tokenizer
     named by their text, or as "token_id:<id>" without a tokenizer (and with return_tokens_as_token_ids)."""
     text = lambda token_id: _token_text(tokenizer, token_id)  # noqa: E731
     if chat:
-        return {"content": [{"token": text(e.token_id), "logprob": _safe(e.logprob),
-                             "bytes": list(text(e.token_id).encode()),
-                             "top_logprobs": [{"token": text(t), "logprob": _safe(lp), "bytes": list(text(t).encode())}
-                                              for t, lp in e.top]} for e in entries]}
+        def token(token_id: int, logprob: float) -> dict:
+            raw = tokenizer.logprob_bytes([token_id])[0] if tokenizer is not None else text(token_id).encode()
+            return {"token": text(token_id), "logprob": _safe(logprob), "bytes": list(raw)}
+        return {"content": [{**token(e.token_id, e.logprob), "top_logprobs": [token(t, lp) for t, lp in e.top]}
+                            for e in entries]}
     tokens = [text(e.token_id) for e in entries]
     offsets = []
     for token in tokens:

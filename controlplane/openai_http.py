@@ -169,7 +169,8 @@ class OpenAIService:
             if engine.tokenizer is None:
                 raise InvalidRequest("this model has no tokenizer: there is no text for token ids")
             ids = detokenize_ids(body, engine.limits)
-            return {"prompt": await engine.in_tokenizer_pool(engine.tokenizer.decode, ids)}
+            # special tokens kept, as vLLM's: a chat prompt from /tokenize comes back with its template's markers
+            return {"prompt": await engine.in_tokenizer_pool(engine.tokenizer.decode, ids, False)}
         return await self._json(request, answer)
 
     async def _json(self, request: Request, answer) -> Response:

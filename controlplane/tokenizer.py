@@ -168,19 +168,37 @@ class Tokenizer:
         masks of structured outputs: byte-level BPE tokens through GPT-2's byte alphabet, SentencePiece
         ones with "\u2581" as a space and "<0xHH>" as that byte; other added tokens as their UTF-8 text."""
         if self._token_bytes is None:
-            decoder = json.loads(self._tok.to_str()).get("decoder") or {}
-            kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
-            if "ByteLevel" in kinds:
-                piece_bytes = _byte_level_bytes
-            elif kinds & {"Metaspace", "Replace", "ByteFallback"}:
-                piece_bytes = _sentencepiece_bytes
-            else:
+            kinds, piece_bytes = self._pieces
+            if piece_bytes is None:
                 raise ValueError(f"token bytes: the tokenizer's decoder ({', '.join(map(str, kinds))}) is neither "
                                  "byte-level BPE nor SentencePiece")
             added = self._tok.get_added_tokens_decoder()
             self._token_bytes = [(None if added[i].special else added[i].content.encode()) if i in added
                                  else piece_bytes(self._tok.id_to_token(i)) for i in range(self.vocab_size)]
         return self._token_bytes
+
+    @functools.cached_property
+    def _pieces(self):
+        """The decoder's kinds, and how one of its vocabulary's pieces maps to the bytes it adds to decoded text
+        (None: neither byte-level BPE nor SentencePiece)."""
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
+        if "ByteLevel" in kinds:
+            return kinds, _byte_level_bytes
+        if kinds & {"Metaspace", "Replace", "ByteFallback"}:
+            return kinds, _sentencepiece_bytes
+        return kinds, None
+
+    def logprob_bytes(self, token_ids: list[int]) -> list[bytes]:
+        """Each token's bytes (OpenAI's logprobs ``bytes``): its text's, but a token that holds part of a
+        character (whose text alone is a replacement character) as the bytes of that part, so that the
+        parts of one character join into it."""
+        piece_bytes = self._pieces[1]
+        out = []
+        for token_id, text in zip(token_ids, self.token_texts(token_ids)):
+            part = piece_bytes(self._tok.id_to_token(token_id)) if "\ufffd" in text and piece_bytes else None
+            out.append(text.encode() if part is None else part)
+        return out
 
     def render_chat(self, messages: list[dict], options: ChatOptions = ChatOptions()) -> str:
         """The template's text for messages: InvalidRequest when the template refuses them (or fails

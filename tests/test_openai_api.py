@@ -242,3 +242,22 @@ def test_usage_counts_each_prompt_once_and_every_completion():
                                        "prompt_tokens_details": {"cached_tokens": 2}}
     assert usage_json(finals[:1]) == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
                                       "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_chat_logprobs_bytes_join_the_parts_of_a_character(smollm2_dir):
+    """OpenAI's ``bytes``: tokens that each hold part of a character give that part's bytes (their text alone is
+    a replacement character), so that joined they are the character; a whole token's are its text's."""
+    from twinplane.controlplane.api import TokenLogprobs
+    from twinplane.controlplane.openai_api import logprobs_json
+    from twinplane.controlplane.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(smollm2_dir)
+    for text in ("🙂", "日本語"):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert "\ufffd" in "".join(tokenizer.token_texts(ids))  # parts of characters among them
+        content = logprobs_json(True, [TokenLogprobs(i, -0.5, top=[(i, -0.5)]) for i in ids], tokenizer)["content"]
+        assert b"".join(bytes(entry["bytes"]) for entry in content).decode() == text
+        assert all(entry["top_logprobs"][0]["bytes"] == entry["bytes"] for entry in content)
+    (paris,) = tokenizer.encode(" Paris", add_special_tokens=False)
+    entry = logprobs_json(True, [TokenLogprobs(paris, -0.1)], tokenizer)["content"][0]
+    assert entry["token"] == " Paris" and bytes(entry["bytes"]) == b" Paris"

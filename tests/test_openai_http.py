@@ -459,6 +459,9 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(base_url, model, http_plane
                 assert answer["max_model_len"] == http_planes.engine.limits.max_model_len
         ids = http.post("/tokenize", json={"prompt": "Once upon a time"}).json()["tokens"]
         assert http.post("/detokenize", json={"tokens": ids}).json() == {"prompt": "Once upon a time"}
+        chat = http.post("/tokenize", json={"model": model, "messages": QUESTION}).json()["tokens"]
+        text = http.post("/detokenize", json={"tokens": chat}).json()["prompt"]  # special tokens kept, as vLLM's
+        assert text == http_planes.engine.tokenizer.render_chat(QUESTION) and "<|im_start|>" in text
         for path, body, words in (("/tokenize", {"prompt": [1, 2]}, "prompt is required: a string"),
                                   ("/tokenize", {"messages": "hi"}, "messages is required"),
                                   ("/detokenize", {"tokens": "hi"}, "tokens is required"),
