@@ -84,8 +84,8 @@ class RequestState:
         """
         if self.detokenizer is None:
             return reason
-        if reason is not FinishReason.STOP_TOKEN:  # a stop token's text is never part of the output
-            self.detokenizer.add_token(token_id)
+        if reason is not FinishReason.STOP_TOKEN or self.params.include_stop_str_in_output:
+            self.detokenizer.add_token(token_id)  # a stop token's text only when the client keeps stops
         if reason is not None:  # the last token: no later one completes a character
             self.detokenizer.flush()
         if stop_strings_apply(self.num_outputs, self.params):

@@ -393,6 +393,20 @@ def test_stop_string(client, model):
     assert kept.finish_reason == "stop" and kept.text == free[:free.index(stop) + len(stop)]
 
 
+def test_include_stop_str_in_output_keeps_a_stop_tokens_text_too(client, model):
+    """As vLLM's: the text of a stop_token_ids token that ended the request is kept with the flag, else left out."""
+    kwargs = dict(model=model, prompt="Once upon a time", max_tokens=12, temperature=0, logprobs=0)
+    ids = [int(t.removeprefix("token_id:")) for t in client.completions.create(
+        **kwargs, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}).choices[0].logprobs.tokens]
+    texts = client.completions.create(**kwargs, extra_body={"ignore_eos": True}).choices[0].logprobs.tokens
+    k = next(k for k in range(1, len(ids)) if ids[k] not in ids[:k] and texts[k].strip()
+             and "\ufffd" not in "".join(texts[:k + 1]))  # a token seen first there, whole characters up to it
+    for keep in (False, True):
+        choice = client.completions.create(**kwargs, extra_body={"ignore_eos": True, "stop_token_ids": [ids[k]],
+                                                                 "include_stop_str_in_output": keep}).choices[0]
+        assert choice.finish_reason == "stop" and choice.text == "".join(texts[:k + keep]), (keep, texts, k)
+
+
 def test_logit_bias_forces_bans_and_leaves_logprobs_alone(client, model, http_planes):
     """OpenAI's logit_bias (token ids as JSON keys): +100 makes greedy decoding emit that token, -100
     keeps the greedy choice out, and the log-probabilities reported stay the model's own."""
