@@ -143,6 +143,9 @@ def _add_controlplane_args(p: argparse.ArgumentParser, listen_default: str = DEF
                         "its prompt's blocks (else the least loaded), the least loaded, or each in turn")
     g.add_argument("--http-listen", default=None,
                    help="serve the OpenAI-compatible HTTP API here: host:port, or a port on 127.0.0.1 (default: off)")
+    g.add_argument("--http-client-timeout", type=float, default=60.0,
+                   help="seconds an HTTP client has to send a whole request, and to take a response waiting for it "
+                        "to read; past them its connection is closed")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the names clients may ask for the model by; the first is the one reported "
                         "(default: the data plane's model as given to it)")
@@ -197,6 +200,7 @@ def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None, d
             max_unsent_tokens_per_stream=args.max_unsent_tokens_per_stream, max_unsent_tokens=args.max_unsent_tokens,
             stall_timeout=args.stall_timeout, dataplane_timeout=args.dataplane_timeout, core_timeout=args.core_timeout,
             metrics_api_key=not args.metrics_no_auth, http_listen=args.http_listen,
+            http_client_timeout=args.http_client_timeout,
             api_server_count=args.api_server_count, served_model_names=tuple(args.served_model_name or ()),
             reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
             scheduling_policy=args.scheduling_policy)

@@ -54,6 +54,9 @@ class ControlPlaneConfig:
     dataplane_timeout: float = 30.0
     core_timeout: float = 30.0
     http_listen: str | None = None  # OpenAI-compatible HTTP API: "host:port" or a port (loopback); None: off
+    # Seconds an HTTP client has to send a whole request, and to take a response that waits for it to read;
+    # past them its connection is closed.
+    http_client_timeout: float = 60.0
     routing: str = "prefix"  # which data plane a new request goes to, with several (router.py)
     # Frontend processes (gRPC and HTTP servers, tokenizing, streaming) sharing the listening ports and
     # one engine core (frontends.py); the request limits above are split evenly between them.
@@ -116,6 +119,8 @@ class ControlPlaneConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 < self.max_message_bytes < 1 << 31:  # gRPC's limits are 32-bit
             raise ValueError(f"max_message_bytes must be in [1, 2 GiB), got {self.max_message_bytes}")
+        if not 0 < self.http_client_timeout < float("inf"):
+            raise ValueError(f"http_client_timeout must be > 0 seconds, got {self.http_client_timeout}")
         if self.max_prompt_bytes is not None and self.max_prompt_bytes <= 0:
             raise ValueError(f"max_prompt_bytes must be > 0, got {self.max_prompt_bytes}")
         self._check_api_server_count()

@@ -63,7 +63,8 @@ class ControlPlane:
 
             self.http_server = HttpServer(self.engine, config.http_listen, security.api_key, config.max_message_bytes,
                                           security.tls_cert, security.tls_key,
-                                          reuse_port=config.api_server_count > 1)
+                                          reuse_port=config.api_server_count > 1,
+                                          client_timeout=config.http_client_timeout)
         self._start_task: asyncio.Task | None = None
 
     async def start(self) -> None:

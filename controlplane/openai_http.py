@@ -8,15 +8,19 @@ metrics. Errors become OpenAI's JSON error objects here and nowhere else.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import importlib.metadata
 import json
 import logging
 import re
+import resource
 import socket
 from contextlib import contextmanager
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
@@ -338,12 +342,85 @@ class _Server(uvicorn.Server):
         yield
 
 
+_FULL = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\nconnection: close\r\ncontent-length: 45"
+         b"\r\n\r\nthis server holds all the connections it can\n")
+
+
+class _Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1, bounded against clients that hold connections without using them: each request
+    must arrive whole within client_timeout seconds (of the connection's start, or of the response before
+    it), and a response the client does not take for client_timeout ends its connection; past
+    max_connections open ones, a new connection gets 503 and is closed, so that HTTP clients never take
+    the file descriptors gRPC and the engine core's channels need."""
+
+    def __init__(self, *args, client_timeout: float, max_connections: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.client_timeout, self.max_connections = client_timeout, max_connections
+        self._request_due: asyncio.TimerHandle | None = None  # the next request must be in by then
+        self._write_due: asyncio.TimerHandle | None = None  # the client must take the paused output by then
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            log.warning("HTTP: %d connections open, the most this frontend holds; refusing another",
+                        self.max_connections)
+            transport.write(_FULL)
+            transport.close()
+            return
+        self._await_request()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._await_request()
+
+    def _await_request(self) -> None:
+        if self._request_due is not None:
+            self._request_due.cancel()
+        self._request_due = self.loop.call_later(self.client_timeout, self._request_late)
+
+    def _request_late(self) -> None:
+        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY):  # no request yet, or part of one
+            self.transport.abort()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._write_due = self.loop.call_later(self.client_timeout, self.transport.abort)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._write_due is not None:
+            self._write_due.cancel()
+            self._write_due = None
+
+    def connection_lost(self, exc) -> None:
+        for due in (self._request_due, self._write_due):
+            if due is not None:
+                due.cancel()
+        super().connection_lost(exc)
+
+
+def connection_cap() -> int:
+    """The most HTTP connections a frontend holds: three quarters of its open-file limit, which is first
+    raised to the hard limit (as vLLM raises it); the rest stays for gRPC, the core's channels and files."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    hard = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return max(16, min(soft, hard) * 3 // 4)
+
+
 class HttpServer:
     """The HTTP API on an event loop that already runs (the control plane's)."""
 
     def __init__(self, engine: Engine, listen: str, api_key: str | None = None, max_body_bytes: int = 16 << 20,
-                 tls_cert: str | None = None, tls_key: str | None = None, reuse_port: bool = False):
-        """reuse_port: share the port with the other frontend processes (SO_REUSEPORT)."""
+                 tls_cert: str | None = None, tls_key: str | None = None, reuse_port: bool = False,
+                 client_timeout: float = 60.0, max_connections: int | None = None):
+        """reuse_port: share the port with the other frontend processes (SO_REUSEPORT); client_timeout and
+        max_connections (None: ``connection_cap()``): what a client is allowed (``_Protocol``)."""
         self.host, port = parse_listen(listen)
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         # bound now: errors come early
@@ -353,7 +430,9 @@ class HttpServer:
             raise OSError(f"--http-listen {listen}: cannot listen there: {exc.strerror or exc}") from None
         self.port = self.socket.getsockname()[1]
         app = OpenAIService(engine, api_key, max_body_bytes).app()
-        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", ws="none", http="h11",
+        protocol = functools.partial(_Protocol, client_timeout=client_timeout,
+                                     max_connections=max_connections or connection_cap())
+        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", ws="none", http=protocol,
                                 timeout_graceful_shutdown=1, ssl_certfile=tls_cert, ssl_keyfile=tls_key)
         self.server = _Server(config)
         self.task: asyncio.Task | None = None

@@ -8,6 +8,7 @@ template's special tokens, and a template that refuses or fails gives a clean st
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import socket
@@ -202,3 +203,52 @@ def test_chat_templates_that_refuse_or_fail_give_clean_statuses(stub):
         assert info.value.code() == code, info.value.details()
     assert "no such requests" in info.value.details() or "ZeroDivisionError" in info.value.details()
     assert list(stub.Generate(chat_request("hello"), timeout=60))
+
+
+def test_http_clients_that_hold_a_connection_without_using_it_are_let_go(tiny_qwen3_dir, planes_factory):
+    """A connection that sends nothing, or part of a request, is closed after --http-client-timeout; so is
+    one whose client stops reading its stream (once that request was aborted for it); past the most
+    connections a frontend holds, a new one gets 503. Whole requests are served meanwhile."""
+    planes = planes_factory(tiny_qwen3_dir, "--block-size", "16", "--max-model-len", "512",
+                            http_listen="127.0.0.1:0", http_client_timeout=2.0, max_unsent_tokens_per_stream=64)
+    port, http = planes.plane.http_port, planes.plane.http_server.server
+    connections = http.server_state.connections
+    silent = socket.create_connection(("127.0.0.1", port))
+    partial = socket.create_connection(("127.0.0.1", port))
+    partial.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{")  # 99 bytes short
+    unread = socket.create_connection(("127.0.0.1", port))
+    payload = json.dumps({"prompt": [11, 12, 13, 14], "max_tokens": 480, "temperature": 0, "ignore_eos": True,
+                          "stream": True, "logprobs": 20, "n": 16}).encode()  # ~15 MB of events: more than buffers
+    unread.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                   b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
+    wait_until(lambda: len(connections) == 3, 10, "three connections")
+    assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
+    wait_until(lambda: all_blocks_free(planes) and not planes.engine.requests, 120, "the unread stream's abort")
+    wait_until(lambda: not connections, 60, "every connection closed by the server")
+    for sock in (silent, partial, unread):
+        sock.settimeout(10)
+        with contextlib.suppress(ConnectionResetError):
+            while sock.recv(1 << 20):  # what the server had sent, then the end
+                pass
+        sock.close()
+    protocol = http.config.http_protocol_class
+    protocol.keywords["max_connections"] = 1  # a frontend's cap (three quarters of its open-file limit) made small
+    with socket.create_connection(("127.0.0.1", port)) as first:
+        wait_until(lambda: len(connections) == 1, 10, "the first connection")
+        with socket.create_connection(("127.0.0.1", port)) as second:
+            second.settimeout(10)
+            assert second.recv(1 << 10).startswith(b"HTTP/1.1 503 ")
+        first.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        first.settimeout(10)
+        assert first.recv(1 << 10).startswith(b"HTTP/1.1 200 ")
+
+
+def test_an_http_frontend_may_hold_most_of_its_open_file_limit():
+    import resource
+
+    from twinplane.controlplane.openai_http import connection_cap
+
+    cap = connection_cap()  # raises the soft limit to the hard one first
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert soft == hard or hard == resource.RLIM_INFINITY
+    assert cap == max(16, soft * 3 // 4)
