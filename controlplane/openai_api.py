@@ -422,8 +422,9 @@ def logprobs_json(chat: bool, entries: list[TokenLogprobs], tokenizer: Tokenizer
     text = lambda token_id: _token_text(tokenizer, token_id)  # noqa: E731
     if chat:
         def token(token_id: int, logprob: float) -> dict:
-            raw = tokenizer.logprob_bytes([token_id])[0] if tokenizer is not None else text(token_id).encode()
-            return {"token": text(token_id), "logprob": _safe(logprob), "bytes": list(raw)}
+            name = text(token_id)
+            raw = tokenizer.logprob_bytes(token_id, name) if tokenizer is not None else name.encode()
+            return {"token": name, "logprob": _safe(logprob), "bytes": list(raw)}
         return {"content": [{**token(e.token_id, e.logprob), "top_logprobs": [token(t, lp) for t, lp in e.top]}
                             for e in entries]}
     tokens = [text(e.token_id) for e in entries]

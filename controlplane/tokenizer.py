@@ -189,16 +189,13 @@ class Tokenizer:
             return kinds, _sentencepiece_bytes
         return kinds, None
 
-    def logprob_bytes(self, token_ids: list[int]) -> list[bytes]:
-        """Each token's bytes (OpenAI's logprobs ``bytes``): its text's, but a token that holds part of a
-        character (whose text alone is a replacement character) as the bytes of that part, so that the
-        parts of one character join into it."""
+    def logprob_bytes(self, token_id: int, text: str) -> bytes:
+        """A token's bytes (OpenAI's logprobs ``bytes``), given its text (``token_texts``): the text's, but
+        for a token that holds part of a character (its text alone a replacement character) the bytes of
+        that part, so that the parts of one character join into it."""
         piece_bytes = self._pieces[1]
-        out = []
-        for token_id, text in zip(token_ids, self.token_texts(token_ids)):
-            part = piece_bytes(self._tok.id_to_token(token_id)) if "\ufffd" in text and piece_bytes else None
-            out.append(text.encode() if part is None else part)
-        return out
+        part = piece_bytes(self._tok.id_to_token(token_id)) if "\ufffd" in text and piece_bytes else None
+        return text.encode() if part is None else part
 
     def render_chat(self, messages: list[dict], options: ChatOptions = ChatOptions()) -> str:
         """The template's text for messages: InvalidRequest when the template refuses them (or fails
