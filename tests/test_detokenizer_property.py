@@ -15,7 +15,8 @@ cut and perturbed. Each sequence is fed to a ``RequestState`` token by token, as
   string, so it never sends half a character or any part of a stop string; every message appends to
   what was sent (the text sent so far is always a prefix of the final text);
 - the request ends at the right token with the right finish reason: a stop token (whose own text is
-  never part of the output), max_tokens, or a stop string (which outranks both at its token).
+  part of the output only with include_stop_str_in_output), max_tokens, or a stop string (which
+  outranks both at its token).
 """
 
 from __future__ import annotations
@@ -185,7 +186,9 @@ def reference(tokenizer: Tokenizer, request: Request) -> Outcome:
     known, unsent_from, sent = "", 0, []  # text known so far; where stop strings are looked for past min_tokens
     for k in range(1, len(tokens) + 1):
         reason = token_rule(request, k)
-        text = tokenizer.decode(tokens[:k - 1] if reason is FinishReason.STOP_TOKEN else tokens[:k],
+        # a stop token's text only with include_stop_str_in_output (as vLLM's)
+        dropped = reason is FinishReason.STOP_TOKEN and not params.include_stop_str_in_output
+        text = tokenizer.decode(tokens[:k - 1] if dropped else tokens[:k],
                                 skip_special_tokens=params.skip_special_tokens)
         if reason is not None or not text.endswith(REPLACEMENT):  # else it may end in half a character
             known = text
