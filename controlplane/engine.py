@@ -121,6 +121,13 @@ class Engine:
             self._fail(state, NotReady("the server shut down before this request finished"))
         return len(ended)
 
+    async def streams_closed(self, timeout: float) -> None:
+        """Returns once every call has taken its last output (its handler then ends it), or after timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.unsent.streams and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+
     async def stop(self) -> None:
         self.stop_accepting()
         for state in list(self.requests.values()):

@@ -22,12 +22,12 @@ from twinplane.controlplane.tls import is_unix, server_credentials
 
 log = logging.getLogger("twinplane.controlplane")
 
-# Once the drain has ended the calls still running, their handlers send each status (the
-# server's stop waits up to STATUS_GRACE for that), and the process stays up LINGER seconds
-# more: a client reading its last tokens when the process exits loses the status with the
-# connection ("Stream removed") instead of reading why its call ended.
+# Once the drain has ended the calls still running, their handlers send each status (up to
+# STATUS_GRACE), and the servers stay up LINGER seconds more before they close their connections:
+# a client still reading its last tokens when its connection closes loses the status with it
+# ("Stream removed") instead of reading why its call ended.
 STATUS_GRACE = 5.0
-LINGER = 0.5
+LINGER = 1.0
 
 
 @dataclass(frozen=True)
@@ -105,11 +105,12 @@ class ControlPlane:
         ended = await self.engine.drain(grace) if self.engine.describe is not None else 0
         if self.secondaries is not None:
             await self.secondaries.wait_stopped(grace)  # before the core stops
+        if ended:
+            await self.engine.streams_closed(STATUS_GRACE)
+            await asyncio.sleep(LINGER)
         if self.http_server is not None:
             await self.http_server.stop()
         await self.server.stop(STATUS_GRACE)
-        if ended:
-            await asyncio.sleep(LINGER)
         if self._start_task is not None and not self._start_task.done():
             self._start_task.cancel()
         await self.engine.stop()
