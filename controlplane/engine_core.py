@@ -34,6 +34,7 @@ from twinplane.controlplane import event_loop
 from twinplane.controlplane.config import ControlPlaneConfig
 from twinplane.controlplane.fanout import Frontends, owner
 from twinplane.controlplane.finish import Limit, misfit, stop_token_ids
+from twinplane.controlplane.grammar import Grammar
 from twinplane.controlplane.ipc import Channel, child_argv, start_process
 from twinplane.controlplane.liveness import ticks
 from twinplane.controlplane.messages import (Abort, AddRequest, Configure, Connected, CoreMessage, CoreSnapshot,
@@ -149,8 +150,9 @@ class EngineCore:
         if self._vocabulary is None:
             return True
         future = self._grammars.get(regex)
-        if future is None:
-            future = self._grammars[regex] = self._compiler.submit(compiled, regex)
+        crowded = future is not None and future.done() and future.exception() is None and future.result().crowded
+        if future is None or crowded:  # a crowded automaton is left to the sequences in it; new ones get their own
+            future = self._grammars[regex] = self._compiler.submit(Grammar.from_regex if crowded else compiled, regex)
             loop = asyncio.get_running_loop()
             future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._preparations_done))
             while len(self._grammars) > GRAMMARS_KEPT and next(iter(self._grammars.values())).done():

@@ -515,6 +515,12 @@ class Grammar:
             state = following
         return int(state)
 
+    @property
+    def crowded(self) -> bool:
+        """Its automaton holds most of the states it may build (MAX_DFA_STATES): new requests are better given a
+        fresh one, so that those matching in it keep the states left (``EngineCore._prepared``)."""
+        return len(self._sets) >= MAX_DFA_STATES * 3 // 4
+
     def is_accepting(self, state: int) -> bool:
         """The output so far is a full match."""
         return self._accepting[state]

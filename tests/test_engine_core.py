@@ -459,3 +459,34 @@ def test_a_grammar_compiles_off_the_step_loop(smollm2_dir, monkeypatch):
     assert routed == [8] and threads == ["twinplane-grammar_0"]  # compiled once, in its thread
     assert [s.seq_id for s in replica.scheduler.waiting] == [8, 7, 9]
     assert core.seqs[7][0].matcher.grammar is core.seqs[9][0].matcher.grammar
+
+
+def test_a_grammar_whose_automaton_is_crowded_is_compiled_afresh_for_new_requests(smollm2_dir, monkeypatch):
+    """A grammar's automaton grows as requests walk it, up to MAX_DFA_STATES; once most of them are built, a new
+    request of the same grammar gets a fresh automaton, and the sequences in the crowded one keep the rest (so
+    that one schema's earlier requests never fail its later ones)."""
+    from twinplane.controlplane import grammar as grammar_module
+
+    monkeypatch.setattr(grammar_module, "MAX_DFA_STATES", 40)
+    regex = "[a-z]{0,60}"  # a state per letter written
+
+    async def add(core, seq_id):
+        core.add(AddRequest(seq_id, "r", [5, 6], RequestParams(max_tokens=3, regex=regex)))
+        for _ in range(600):
+            if not core.preparing:
+                break
+            await asyncio.sleep(0.05)
+        return core.seqs[seq_id][0].matcher.grammar
+
+    async def run():
+        core, _ = connected_core(Frontend(), smollm2_dir)
+        core._vocabulary.result(timeout=60)
+        first = await add(core, 7)
+        assert await add(core, 8) is first  # not crowded yet: shared
+        state = first.advance(first.initial_state, b"abcdefghijklmnopqrstuvwxyzabcd")  # 32 of its 40 states built
+        assert first.crowded
+        fresh = await add(core, 9)
+        assert fresh is not first and not fresh.crowded and await add(core, 10) is fresh
+        assert first.is_accepting(first.advance(state, b"abcdefgh"))  # the crowded one still serves its sequences
+
+    asyncio.run(run())
