@@ -485,6 +485,12 @@ class _Builder:
         if "const" in schema:
             const = _json(schema["const"])
             values = [v for v in values if _json(v) == const] if "enum" in schema else [schema["const"]]
+        for value in values:
+            try:
+                json.dumps(value, allow_nan=False)
+            except ValueError:  # NaN or an infinity (1e400 reads as one): no JSON text writes it
+                raise SchemaError(f"{path}.{'enum' if 'enum' in schema else 'const'}: {value} is no JSON value; "
+                                  "NaN and infinities cannot be written") from None
         rest = {key: value for key, value in schema.items() if key not in ("enum", "const")}
         if set(rest) - _ANNOTATIONS:
             allowed = re.compile(self.regex(rest, path, depth))

@@ -172,7 +172,8 @@ def forced_calls_regex(parser: str, tools: list[dict], spec: ToolSpec) -> str:
         function = tool["function"]
         if function["name"] not in spec.forced:
             continue
-        schema = function.get("parameters") or {"type": "object"}
+        # no parameters: an empty parameter list (OpenAI's reading), so the arguments are {}
+        schema = function.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
         arguments = json_schema_regex(schema, f"tools[{i}].function.parameters")
         name, key = regex_literal(function["name"]), "parameters" if parser == "llama3_json" else "arguments"
         objects.append(rf'\{{"name":[ ]?"{name}",[ ]?"{key}":[ ]?{arguments}\}}')

@@ -585,6 +585,8 @@ REFUSED = [  # (schema, the path the message starts with)
     ({"type": "array", "items": {"type": "string", "format": "hostname"}}, "schema.items.format"),
     ({"type": "string", "contentEncoding": "base64"}, "schema.contentEncoding"),
     ({"enum": []}, "schema.enum"),
+    ({"const": float("nan")}, "schema.const"),  # no JSON text writes NaN or an infinity (1e400 reads as one)
+    ({"enum": [1, float("inf")]}, "schema.enum"),
     ({"type": "integer", "enum": ["a"]}, "schema.enum"),
     ({"anyOf": []}, "schema.anyOf"),
     ({"oneOf": {}}, "schema.oneOf"),

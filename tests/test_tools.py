@@ -233,6 +233,24 @@ def test_forced_calls_match_the_parser_form():
             assert not grammar.is_accepting(grammar.advance(grammar.initial_state, bad.encode())), (parser, bad)
 
 
+def test_a_function_without_parameters_is_forced_to_take_none():
+    """OpenAI reads a function without parameters as one of an empty parameter list: its forced arguments are
+    {}, so many such tools stay a small automaton (a free-form object each made 4 of them too large)."""
+    from twinplane.controlplane.grammar import Grammar
+    from twinplane.controlplane.tools import ToolSpec, forced_calls_regex
+
+    tools = [{"type": "function", "function": {"name": f"tool_{i}"}} for i in range(16)]
+    names = tuple(t["function"]["name"] for t in tools)
+    for parser, text in (("hermes", '<tool_call>\n{"name": "tool_3", "arguments": {}}\n</tool_call>'),
+                         ("llama3_json", '{"name": "tool_3", "parameters": {}}'),
+                         ("mistral", "[TOOL_CALLS]tool_3[ARGS]{}")):
+        grammar = Grammar.from_regex(forced_calls_regex(parser, tools, ToolSpec(True, True, names)))
+        assert grammar.is_accepting(grammar.advance(grammar.initial_state, text.encode())), parser
+        with_arguments = text.replace("{}", '{"a": 1}')
+        assert not grammar.is_accepting(grammar.advance(grammar.initial_state, with_arguments.encode())), parser
+        assert parse_tool_calls(parser, text)[1][0].arguments == "{}"
+
+
 def test_streamed_calls_come_once_their_block_closes():
     parser = parser_for("hermes")
     assert parser.feed("Sure.\n<tool_call>\n{\"name\": \"get_weather\", ") == ("Sure.\n", [])
