@@ -145,10 +145,11 @@ def _top(entries: list[TokenLogprobs], k: int) -> list[TokenLogprobs]:
     return [replace(e, top=e.top[:k]) if len(e.top) > k else e for e in entries]
 
 
-def tool_finish_reason(out: RequestOutput, text: ChatText) -> str | None:
-    """"tool_calls" once the model stopped after calling tools."""
+def tool_finish_reason(out: RequestOutput, text: ChatText, named: bool) -> str | None:
+    """"tool_calls" once the model stopped after calling tools, unless the request named the function to call
+    ("stop" then, as OpenAI's and vLLM's)."""
     reason = finish_reason(out)
-    return "tool_calls" if reason == "stop" and text.calls else reason
+    return "tool_calls" if reason == "stop" and text.calls and not named else reason
 
 
 def _call_delta(delta: CallDelta) -> dict:
@@ -212,7 +213,8 @@ class ResponseBuilder:
                 delta["content"] = content
             if deltas:
                 delta["tool_calls"] = [_call_delta(d) for d in deltas]
-            choice["delta"], choice["finish_reason"] = delta, tool_finish_reason(out, self.parts[index])
+            choice["delta"] = delta
+            choice["finish_reason"] = tool_finish_reason(out, self.parts[index], self.request.tools.named)
         else:
             choice["text"], choice["finish_reason"] = out.text, finish_reason(out)
         self.started[index] = True
@@ -260,7 +262,7 @@ class ResponseBuilder:
                 if calls:
                     message["tool_calls"] = [call.json() for call in calls]
                 choice["message"] = message
-                choice["finish_reason"] = tool_finish_reason(self.finals[i], self.parts[i])
+                choice["finish_reason"] = tool_finish_reason(self.finals[i], self.parts[i], self.request.tools.named)
             else:
                 choice["text"], choice["finish_reason"] = text, finish_reason(self.finals[i])
                 if self.request.prompt_logprobs is not None:

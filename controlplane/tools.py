@@ -95,6 +95,7 @@ class ToolSpec:
     parallel: bool = True  # parallel_tool_calls: false keeps the first call only
     # tool_choice "required" (every tool's name) or a named function: the output is nothing but calls of these
     forced: tuple[str, ...] = ()
+    named: bool = False  # tool_choice names a function: its reply ends "stop", not "tool_calls", as OpenAI's
 
 
 def function_name(value, where: str) -> str:
@@ -160,7 +161,7 @@ def tool_spec(body: dict, tools: list[dict] | None, parser: str | None) -> ToolS
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         _fail(f"parallel_tool_calls must be true or false, got {type(parallel).__name__}")
-    return ToolSpec(choice != "none", parallel is not False and choice != "named", forced)
+    return ToolSpec(choice != "none", parallel is not False and choice != "named", forced, choice == "named")
 
 
 def forced_calls_regex(parser: str, tools: list[dict], spec: ToolSpec) -> str:

@@ -488,6 +488,15 @@ def test_chunks_and_message_carry_tool_calls():
         cut.add(0, out)
     choice = cut.response({})["choices"][0]
     assert choice["finish_reason"] == "length" and choice["message"]["content"] is None  # stopped by the limit
+    named = parse_request(chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+                          LIMITS, "r", chat=True, tool_call_parser="hermes")
+    for stream in (True, False):  # a call of the function the request named ends "stop", as OpenAI's
+        builder = ResponseBuilder(named, "chatcmpl-r", "m", None, tool_call_parser="hermes")
+        for out in _outputs([CALL]):
+            chunk = builder.chunk(0, out)["choices"][0] if stream else builder.add(0, out)
+        choice = chunk if stream else builder.response({})["choices"][0]
+        assert choice["finish_reason"] == "stop" and len((choice["delta"] if stream else choice["message"])
+                                                             ["tool_calls"]) == 1, (stream, choice)
     plain = ResponseBuilder(parse_request(chat(tools=TOOLS, tool_choice="none"), LIMITS, "r", chat=True), "c", "m",
                             None, tool_call_parser="hermes")
     for out in _outputs([CALL]):
