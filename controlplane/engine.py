@@ -18,7 +18,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from twinplane.controlplane.api import GenerateCall, Limits, Prompt, RequestOutput
 from twinplane.controlplane.config import BYTES_PER_TOKEN, ControlPlaneConfig
@@ -112,10 +112,7 @@ class Engine:
         """Lets in-flight requests finish for up to grace seconds, then ends the rest (UNAVAILABLE);
         returns how many it ended."""
         self.stop_accepting()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace
-        while self.requests and loop.time() < deadline:
-            await asyncio.sleep(0.05)
+        await _wait_until(lambda: not self.requests, grace, interval=0.05)
         ended = list(self.requests.values())
         for state in ended:
             self._fail(state, NotReady("the server shut down before this request finished"))
@@ -123,10 +120,7 @@ class Engine:
 
     async def streams_closed(self, timeout: float) -> None:
         """Returns once every call has taken its last output (its handler then ends it), or after timeout."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while self.unsent.streams and loop.time() < deadline:
-            await asyncio.sleep(0.02)
+        await _wait_until(lambda: not self.unsent.streams, timeout, interval=0.02)
 
     async def stop(self) -> None:
         self.stop_accepting()
@@ -472,3 +466,11 @@ async def first_of(*events: asyncio.Event) -> None:
     finally:
         for w in waiters:
             w.cancel()
+
+
+async def _wait_until(done: Callable[[], bool], timeout: float, interval: float) -> None:
+    """Polls done every interval seconds until it holds or timeout seconds have passed."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not done() and loop.time() < deadline:
+        await asyncio.sleep(interval)
