@@ -381,22 +381,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if not chat:
                 raise SystemExit("twinplane generate: --chat-template-kwargs is for chat prompts; leave out --no-chat")
             prompt["chat_template_kwargs"] = args.chat_template_kwargs
-        return _stream_to_terminal(client.generate(**prompt, priority=args.priority, **_sampling_kwargs(args)))
+        try:
+            stream = client.generate(**prompt, priority=args.priority, ignore_eos=args.ignore_eos,
+                                     **_sampling_kwargs(args))
+        except (TypeError, ValueError) as error:
+            raise SystemExit(f"twinplane generate: {error}") from None
+        return _stream_to_terminal(stream)
 
 
 def cmd_health(args: argparse.Namespace) -> int:
     """One health check, for container health checks: exit 0 when the server says SERVING, else 1."""
-    import grpc
-
     from twinplane.clients.client import Client
 
     if not args.timeout > 0:
         raise SystemExit(f"twinplane health: --timeout must be > 0 seconds, got {args.timeout}")
     with Client(args.server) as client:
-        try:
-            status = client.health_status(args.timeout)
-        except grpc.RpcError as error:
-            status = f"{error.code().name} ({error.details()})"
+        status = client.health_check(args.timeout)  # a failed call raises: main prints its code and details
     if status != "SERVING":
         print(f"twinplane health: {args.server} is {status}", file=sys.stderr)
         return 1
@@ -405,11 +405,17 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def _stream_to_terminal(stream) -> int:
+    """Writes the text as it comes, then the finish reason and usage; Ctrl-C cancels the request (exit 130)."""
     finish = None
-    for chunk in stream:
-        sys.stdout.write(chunk.text)
-        sys.stdout.flush()
-        finish = chunk
+    try:
+        for chunk in stream:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            finish = chunk
+    except KeyboardInterrupt:
+        stream.cancel()
+        print("\n[cancelled]", file=sys.stderr)
+        return 130
     sys.stdout.write("\n")
     if finish is not None and finish.usage is not None:
         u = finish.usage
@@ -556,6 +562,7 @@ def _add_generate_command(sub) -> None:
                         'default: none)')
     p.add_argument("--priority", type=int, default=0,
                    help="the request's priority on a server started with --scheduling-policy priority (lower first)")
+    p.add_argument("--ignore-eos", action="store_true", help="go on past end-of-sequence tokens, up to --max-tokens")
     _add_sampling_args(p)
 
 

@@ -198,16 +198,20 @@ class Client:
                 raise _not_ready(status)
             time.sleep(min(READY_POLL_S, _deadline_left(deadline)))
 
+    def health_check(self, timeout: float) -> str:
+        """One grpc.health.v1 Check: the serving status (SERVING, NOT_SERVING, ...); a failed call raises."""
+        reply = self._health.Check(HEALTH_REQUEST, timeout=max(timeout, 0.01), metadata=self._metadata)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
     def health_status(self, timeout: float) -> str:
-        """One grpc.health.v1 Check: the serving status (SERVING, NOT_SERVING, ...), or the code name of a
-        failure that may pass later (UNAVAILABLE, DEADLINE_EXCEEDED); other failures raise."""
+        """health_check's status, or the code name of a failure that may pass later (UNAVAILABLE,
+        DEADLINE_EXCEEDED); other failures raise."""
         try:
-            reply = self._health.Check(HEALTH_REQUEST, timeout=max(timeout, 0.01), metadata=self._metadata)
+            return self.health_check(timeout)
         except grpc.RpcError as error:
             if not _is_transient(error):
                 raise
             return error.code().name
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     def close(self) -> None:
         """Closes the channel; calls in flight are cancelled."""
@@ -325,16 +329,20 @@ class AsyncClient:
                 raise _not_ready(status)
             await asyncio.sleep(min(READY_POLL_S, _deadline_left(deadline)))
 
+    async def health_check(self, timeout: float) -> str:
+        """One grpc.health.v1 Check: the serving status (SERVING, NOT_SERVING, ...); a failed call raises."""
+        reply = await self._health.Check(HEALTH_REQUEST, timeout=max(timeout, 0.01), metadata=self._metadata)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
     async def health_status(self, timeout: float) -> str:
-        """One grpc.health.v1 Check: the serving status (SERVING, NOT_SERVING, ...), or the code name of a
-        failure that may pass later (UNAVAILABLE, DEADLINE_EXCEEDED); other failures raise."""
+        """health_check's status, or the code name of a failure that may pass later (UNAVAILABLE,
+        DEADLINE_EXCEEDED); other failures raise."""
         try:
-            reply = await self._health.Check(HEALTH_REQUEST, timeout=max(timeout, 0.01), metadata=self._metadata)
+            return await self.health_check(timeout)
         except grpc.aio.AioRpcError as error:
             if not _is_transient(error):
                 raise
             return error.code().name
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     async def close(self) -> None:
         """Closes the channel; calls in flight are cancelled."""

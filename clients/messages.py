@@ -9,6 +9,7 @@ the plain dataclasses below. No generated message class leaves this module and
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -180,15 +181,17 @@ def build_request(
     unless exactly one input is given, when messages are malformed or when several constraints are.
     """
     _check_one_input(prompt=prompt, token_ids=token_ids, messages=messages)
+    if unknown := sorted(set(chat) - CHAT_OPTIONS):
+        raise TypeError(f"unknown argument {', '.join(unknown)}")
     if chat and messages is None:
         raise TypeError(f"{', '.join(sorted(chat))}: options of chat messages, given without messages")
-    sampling = pb.SamplingParams(
-        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+    sampling = _message(
+        pb.SamplingParams, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, seed=seed,
     )
-    request = pb.GenerateRequest(
-        request_id=request_id, max_tokens=max_tokens, min_tokens=min_tokens,
+    request = _message(
+        pb.GenerateRequest, request_id=request_id, max_tokens=max_tokens, min_tokens=min_tokens,
         stop=[stop] if isinstance(stop, str) else list(stop), stop_token_ids=list(stop_token_ids),
         ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         truncate_prompt_tokens=truncate_prompt_tokens,
@@ -242,6 +245,24 @@ def chat_input(messages: Iterable[Message], *, add_generation_prompt: bool | Non
     if chat_template_kwargs:
         chat.chat_template_kwargs.update(chat_template_kwargs)
     return chat
+
+
+CHAT_OPTIONS = frozenset(name for name, p in inspect.signature(chat_input).parameters.items()
+                         if p.kind is p.KEYWORD_ONLY)
+
+
+def _message(cls: type, **fields: Any) -> Any:
+    """cls(**fields); a value the field cannot hold (out of its range, of another type) raises
+    ValueError naming the field."""
+    try:
+        return cls(**fields)
+    except (TypeError, ValueError) as error:
+        for name, value in fields.items():
+            try:
+                cls(**{name: value})
+            except (TypeError, ValueError) as culprit:
+                raise ValueError(f"{name}={value!r}: {culprit}") from None
+        raise ValueError(str(error)) from None
 
 
 def _check_one_input(**inputs: object) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Planes
+from tests.reliability import all_blocks_free, wait_until
 from twinplane.clients.client import Client
 
 CLI = [sys.executable, "-m", "twinplane.clients.cli"]
@@ -100,6 +103,22 @@ def test_generate_says_in_one_line_when_it_cannot_reach_the_server(tmp_path):
         result.stderr)
 
 
+def test_ctrl_c_on_generate_cancels_the_request_and_frees_its_blocks(loopback_planes):
+    command = [*CLI, "generate", "--server", loopback_planes.address, "--no-chat", "--max-tokens", "3000",
+               "--ignore-eos", "The quick brown fox"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL) as proc:
+        try:
+            assert select.select([proc.stdout], [], [], 60)[0], "no text streamed within 60 s"
+            assert loopback_planes.engine.requests  # still generating
+            proc.send_signal(signal.SIGINT)
+            stdout, stderr = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+    assert proc.returncode == 130, stderr
+    assert stderr.decode().strip() == "[cancelled]" and stdout  # no traceback
+    wait_until(lambda: all_blocks_free(loopback_planes), 10, "the cancelled request's blocks to be freed")
+
+
 def test_every_flag_has_a_help_text_and_shows_its_default(monkeypatch):
     import argparse
 
@@ -150,7 +169,15 @@ def test_health_fails_on_a_dead_address(tmp_path):
     for address in (f"unix://{tmp_path}/nobody.sock", "127.0.0.1:1"):
         result = _health(address)
         assert result.returncode == 1
-        assert f"{address} is UNAVAILABLE" in result.stderr
+        # one line that says why: the connection was refused, or the socket is not there
+        assert result.stderr.startswith("error: UNAVAILABLE: failed to connect"), result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_generate_refuses_a_value_its_field_cannot_hold_in_one_line(tmp_path):
+    result = _generate(f"unix://{tmp_path}/nobody.sock", "hi", "--no-chat", "--max-tokens", "-1")
+    assert result.returncode == 1
+    assert result.stderr == "twinplane generate: max_tokens=-1: Value out of range: -1\n"
 
 
 def test_metrics_flags_reach_the_control_plane_config():

@@ -55,6 +55,20 @@ def test_rejects_zero_or_several_inputs(inputs: dict) -> None:
         build_request(**inputs)
 
 
+@pytest.mark.parametrize("field, value", [("max_tokens", -1), ("max_tokens", 2**32 + 2), ("top_k", 2**32 + 1),
+                                          ("seed", 2**64), ("temperature", "hot"), ("logit_bias", {5: "up"})])
+def test_a_value_its_field_cannot_hold_is_refused_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}="):
+        build_request("Hi", **{field: value})
+
+
+def test_a_misspelled_argument_is_refused_as_unknown() -> None:
+    with pytest.raises(TypeError, match="unknown argument max_token$"):
+        build_request("Hi", max_token=3)
+    with pytest.raises(TypeError, match="given without messages"):
+        build_request("Hi", add_generation_prompt=False)
+
+
 @pytest.mark.parametrize("messages", [[("user",)], [{"role": "user"}], ["hi"], [("user", 3)]])
 def test_rejects_malformed_messages(messages: list) -> None:
     with pytest.raises(ValueError, match="chat"):
