@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import select
+import signal
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -70,3 +73,18 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def interrupt_mid_stream(command: list[str], planes) -> tuple[int, bytes, bytes]:
+    """Runs a client command, sends it SIGINT once its text streams, and checks that the request's
+    blocks are freed; returns its exit code, stdout and stderr."""
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL) as proc:
+        try:
+            assert select.select([proc.stdout], [], [], 60)[0], "no text streamed within 60 s"
+            assert planes.engine.requests  # still generating
+            proc.send_signal(signal.SIGINT)
+            stdout, stderr = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+    wait_until(lambda: all_blocks_free(planes), 10, "the cancelled request's blocks to be freed")
+    return proc.returncode, stdout, stderr

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-import select
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Planes
-from tests.reliability import all_blocks_free, wait_until
+from tests.reliability import interrupt_mid_stream
 from twinplane.clients.client import Client
 
 CLI = [sys.executable, "-m", "twinplane.clients.cli"]
@@ -106,17 +104,9 @@ def test_generate_says_in_one_line_when_it_cannot_reach_the_server(tmp_path):
 def test_ctrl_c_on_generate_cancels_the_request_and_frees_its_blocks(loopback_planes):
     command = [*CLI, "generate", "--server", loopback_planes.address, "--no-chat", "--max-tokens", "3000",
                "--ignore-eos", "The quick brown fox"]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL) as proc:
-        try:
-            assert select.select([proc.stdout], [], [], 60)[0], "no text streamed within 60 s"
-            assert loopback_planes.engine.requests  # still generating
-            proc.send_signal(signal.SIGINT)
-            stdout, stderr = proc.communicate(timeout=30)
-        finally:
-            proc.kill()
-    assert proc.returncode == 130, stderr
+    returncode, stdout, stderr = interrupt_mid_stream(command, loopback_planes)
+    assert returncode == 130, stderr
     assert stderr.decode().strip() == "[cancelled]" and stdout  # no traceback
-    wait_until(lambda: all_blocks_free(loopback_planes), 10, "the cancelled request's blocks to be freed")
 
 
 def test_every_flag_has_a_help_text_and_shows_its_default(monkeypatch):

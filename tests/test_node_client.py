@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import json
 import re
-import select
-import signal
 import subprocess
 
 import grpc
 import pytest
 
 from tests.conftest import NODE_CLIENT
-from tests.reliability import all_blocks_free, wait_until
+from tests.reliability import all_blocks_free, interrupt_mid_stream, wait_until
 
 SUMMARY = re.compile(r"^\[(\w+); prompt (\d+) tokens, completion (\d+), cached (\d+)\]$", re.M)
 PROMPT = "The quick brown fox"
@@ -140,14 +138,117 @@ def test_node_tokenize_and_model_info_match_the_python_client(node, loopback_pla
 def test_ctrl_c_cancels_the_request_and_frees_its_blocks(node, loopback_planes):
     command = [node, str(NODE_CLIENT / "generate.js"), "--server", loopback_planes.address,
                "--max-tokens", "3000", "--ignore-eos", PROMPT]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL) as proc:
-        try:
-            assert select.select([proc.stdout], [], [], 60)[0], "no text streamed within 60 s"
-            assert loopback_planes.engine.requests  # still generating
-            proc.send_signal(signal.SIGINT)
-            stdout, stderr = proc.communicate(timeout=30)
-        finally:
-            proc.kill()
-    assert proc.returncode == 130, stderr
+    returncode, stdout, stderr = interrupt_mid_stream(command, loopback_planes)
+    assert returncode == 130, stderr
     assert b"[cancelled]" in stderr and stdout
-    wait_until(lambda: all_blocks_free(loopback_planes), 10, "the cancelled request's blocks to be freed")
+
+
+# tries buildRequest (or Client.tokenize, offline) on each case and prints what came out, as JSON:
+# {"ok": the request} or {"error": the TypeError's message}; argv: module, the cases as JSON
+BUILD_SCRIPT = """
+const { Client, buildRequest } = require(process.argv[1]);
+const client = new Client('127.0.0.1:1');
+const outcome = (build) => {
+  try { return { ok: build() }; } catch (error) { return { error: `${error.constructor.name}: ${error.message}` }; }
+};
+const results = JSON.parse(process.argv[2]).map(([what, options]) => outcome(() => (what === 'tokenize'
+  ? (client.tokenize(options).catch(() => {}), 'sent') : buildRequest(options))));
+results.push(outcome(() => buildRequest({ prompt: 'x', seed: 2n ** 64n - 1n })));
+client.close();
+console.log(JSON.stringify(results));
+"""
+
+
+def test_node_refuses_what_the_proto_cannot_hold_before_sending_it(node):
+    """Numbers past their field's range, fractions, keys a message does not have (at any depth) and
+    malformed inputs are a TypeError naming the field, never a request the encoder wraps or drops."""
+    refused = [
+        ({"prompt": "x", "maxTokens": 2**32 + 2}, "request.maxTokens must be an integer in [0, 4294967295]"),
+        ({"prompt": "x", "maxTokens": 1.7}, "request.maxTokens must be an integer"),
+        ({"prompt": "x", "maxTokens": -1}, "got -1"),
+        ({"prompt": "x", "maxTokens": "abc"}, "got 'abc'"),
+        ({"prompt": "x", "topK": 2**31}, "request.sampling.topK must be an integer in [-2147483648, 2147483647]"),
+        ({"prompt": "x", "seed": -1}, "request.sampling.seed must be an integer in [0, 18446744073709551615]"),
+        ({"prompt": "x", "temperature": "hot"}, "request.sampling.temperature must be a finite number"),
+        ({"tokenIds": [-1]}, "request.tokenIds.ids[0] must be an integer"),
+        ({"prompt": "x", "stop": [3]}, "request.stop[0] must be a string"),
+        ({"prompt": "x", "logitBias": {"5": "up"}}, "request.logitBias[5] must be a finite number"),
+        ({"messages": [{"role": "tool", "content": "20C", "tool_call_id": "c1"}]},
+         "request.chat.messages[0] has no field tool_call_id; its fields: role, content, toolCalls, toolCallId"),
+        ({"prompt": "x", "structuredOutput": {"json_schema": "{}"}},
+         "request.structuredOutput has no field json_schema"),
+        ({"messages": [{"role": "user"}]}, "messages[0] needs a role and content"),
+    ]
+    sent = [
+        {"prompt": "x", "stop": ","},
+        {"prompt": "x", "seed": "18446744073709551615", "maxTokens": 4294967295, "topK": -1},
+        {"messages": [{"role": "assistant", "toolCalls": [{"id": "c1", "name": "f", "arguments": "{}"}]},
+                      {"role": "tool", "content": "20C", "toolCallId": "c1"}]},
+    ]
+    tokenize_refused = [({"text": "a", "messages": [["user", "b"]]}, "give exactly one of text or messages"),
+                        ({}, "give exactly one of text or messages"),
+                        ({"text": "a", "chatTemplateKwargs": {"x": 1}}, "given without messages")]
+    cases = [["generate", o] for o, _ in refused] + [["generate", o] for o in sent] + [
+        ["tokenize", o] for o, _ in tokenize_refused]
+    result = subprocess.run([node, "-e", BUILD_SCRIPT, str(NODE_CLIENT / "twinplane.js"), json.dumps(cases)],
+                            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr
+    outcomes = json.loads(result.stdout)
+    expected = [message for _, message in refused] + [None] * len(sent) + [m for _, m in tokenize_refused]
+    for (what, options), want, got in zip(cases, expected, outcomes):
+        if want is None:
+            assert "ok" in got, (options, got)
+        else:
+            assert got.get("error", "").startswith("TypeError: ") and want in got["error"], (options, got)
+    stop, wide, calls = (o["ok"] for o in outcomes[len(refused):len(refused) + len(sent)])
+    assert stop["stop"] == [","]
+    assert wide["sampling"]["seed"] == "18446744073709551615" and wide["maxTokens"] == 4294967295
+    assert calls["chat"]["messages"][1]["toolCallId"] == "c1"
+    assert outcomes[-1] == {"ok": {"text": "x", "sampling": {"seed": str(2**64 - 1)}}}  # a BigInt seed
+
+
+# starts a long generation, then (argv[3]) closes the client, aborts its signal or lets its timeout pass;
+# prints how the stream ended as JSON; argv: module, address, how
+END_SCRIPT = """
+const { Client } = require(process.argv[1]);
+(async () => {
+  const client = new Client(process.argv[2]);
+  const how = process.argv[3];
+  const controller = new AbortController();
+  const stream = client.generate({ prompt: 'The quick brown fox', maxTokens: 3000, ignoreEos: true,
+    ...(how === 'timeout' ? { timeout: 1.5 } : {}), ...(how === 'signal' ? { signal: controller.signal } : {}) });
+  let chunks = 0;
+  let code = null;
+  try {
+    for await (const chunk of stream) {
+      chunks += 1;
+      if (chunks === 1 && how === 'close') client.close();
+      if (chunks === 1 && how === 'signal') controller.abort();
+    }
+  } catch (error) {
+    code = error.code;
+  }
+  const aborted = new AbortController();
+  aborted.abort();
+  const other = new Client(process.argv[2]);
+  const unary = await other.modelInfo({ signal: aborted.signal }).then(() => null, (error) => error.code);
+  other.close();
+  client.close();
+  console.log(JSON.stringify({ chunks, code, final: stream.final, unary }));
+})();
+"""
+
+
+@pytest.mark.parametrize("how, code", [("close", grpc.StatusCode.CANCELLED), ("signal", None),
+                                       ("timeout", grpc.StatusCode.DEADLINE_EXCEEDED)])
+def test_node_close_signal_and_timeout_end_the_call_on_the_server(node, loopback_planes, how, code):
+    """close() cancels the calls in flight, an aborted signal cancels its call (a stream then ends
+    quietly), a timeout ends it with DEADLINE_EXCEEDED; the server frees the request's blocks each time."""
+    result = subprocess.run([node, "-e", END_SCRIPT, str(NODE_CLIENT / "twinplane.js"), loopback_planes.address, how],
+                            capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr
+    ended = json.loads(result.stdout)
+    assert ended["code"] == (code.value[0] if code else None), ended
+    assert ended["final"] is None and 0 < ended["chunks"] < 3000, ended
+    assert ended["unary"] == grpc.StatusCode.CANCELLED.value[0]  # a signal aborted before the call
+    wait_until(lambda: all_blocks_free(loopback_planes), 10, "the ended request's blocks to be freed")

@@ -11,7 +11,7 @@
  */
 
 const { parseArgs } = require('node:util');
-const { Client, status } = require('./twinplane');
+const { Client, buildRequest, status } = require('./twinplane');
 
 const USAGE = `usage: generate.js [--server HOST:PORT] [--chat] [--max-tokens N] [--temperature T]
                    [--top-p P] [--top-k K] [--seed S] [--ignore-eos] [--api-key KEY] PROMPT`;
@@ -31,13 +31,28 @@ const OPTIONS = {
 
 class UsageError extends Error {}
 
-/** A numeric option as a number (undefined when not given). */
+/** A numeric option as a number (undefined when not given); --seed, a 64-bit integer, stays decimal text. */
 function number(values, name) {
   const text = values[name];
   if (text === undefined) return undefined;
   const value = Number(text);
   if (text.trim() === '' || Number.isNaN(value)) throw new UsageError(`--${name} must be a number, got '${text}'`);
-  return value;
+  return name === 'seed' ? text.trim() : value;
+}
+
+/** The request's options by the flags that set them, for the checks' messages. */
+const FLAGS = { maxTokens: '--max-tokens', temperature: '--temperature', topP: '--top-p', topK: '--top-k',
+  seed: '--seed' };
+
+/** The request, checked as the client checks it (a value its field cannot hold is a UsageError). */
+function checkedRequest(request) {
+  try {
+    buildRequest(request);
+  } catch (error) {
+    if (!(error instanceof TypeError)) throw error;
+    throw new UsageError(error.message.replace(/^request\.(?:sampling\.)?(\w+)/, (m, name) => FLAGS[name] ?? m));
+  }
+  return request;
 }
 
 /** Command-line arguments as the prompt, the server address and the options of Client.generate. */
@@ -55,7 +70,7 @@ function parse(argv) {
   return {
     server: values.server,
     apiKey: values['api-key'] || process.env.TWINPLANE_API_KEY,
-    request: {
+    request: checkedRequest({
       ...(values.chat ? { messages: [{ role: 'user', content: prompt }] } : { prompt }),
       maxTokens: number(values, 'max-tokens'),
       temperature: number(values, 'temperature'),
@@ -63,7 +78,7 @@ function parse(argv) {
       topK: number(values, 'top-k'),
       seed: number(values, 'seed'),
       ignoreEos: values['ignore-eos'],
-    },
+    }),
   };
 }
 

@@ -10,9 +10,12 @@
  *     client.close();
  *
  * The contract, proto/generation.proto, is loaded at run time with @grpc/proto-loader, so
- * nothing is generated. Field names are camelCase (max_tokens is maxTokens), enums are strings
- * and 64-bit integers are numbers. A failed call rejects (or throws from the iteration) with
- * grpc-js's ServiceError: `code` (a grpc.status value), `details` (the server's message).
+ * nothing is generated. Field names are camelCase (max_tokens is maxTokens) and enums are strings.
+ * Requests are checked against the proto before they are sent: a field it does not have, or a value
+ * its field cannot hold (a negative or fractional count, a number past 32 bits), throws a TypeError
+ * naming the field. 64-bit integers (seed) take a number, a BigInt or a decimal string; replies
+ * give numbers. A failed call rejects (or throws from the iteration) with grpc-js's ServiceError:
+ * `code` (a grpc.status value), `details` (the server's message).
  */
 
 const path = require('node:path');
@@ -31,6 +34,93 @@ function fieldNames(message) {
 const SAMPLING_FIELDS = fieldNames('SamplingParams');
 const INPUT_FIELDS = new Set(['text', 'tokenIds', 'chat', 'sampling']); // set from the options below
 const REQUEST_FIELDS = new Set([...fieldNames('GenerateRequest')].filter((name) => !INPUT_FIELDS.has(name)));
+
+const INTEGER_RANGES = {
+  TYPE_INT32: [-(2n ** 31n), 2n ** 31n - 1n],
+  TYPE_UINT32: [0n, 2n ** 32n - 1n],
+  TYPE_INT64: [-(2n ** 63n), 2n ** 63n - 1n],
+  TYPE_UINT64: [0n, 2n ** 64n - 1n],
+};
+
+/** A value as the TypeError that refuses it quotes it. */
+function shown(value) {
+  return typeof value === 'string' ? `'${value}'` : String(value);
+}
+
+/** An integer of a proto integer type; 64-bit ones as decimal text, which the encoder takes whole. */
+function checkedInteger(type, value, where) {
+  const [low, high] = INTEGER_RANGES[type];
+  const wide = type.endsWith('64');
+  let integer = null;
+  if (typeof value === 'number' && Number.isSafeInteger(value)) integer = BigInt(value);
+  else if (wide && typeof value === 'bigint') integer = value;
+  else if (wide && typeof value === 'string' && /^-?\d+$/.test(value)) integer = BigInt(value);
+  if (integer === null || integer < low || integer > high) {
+    throw new TypeError(`${where} must be an integer in [${low}, ${high}]${wide ? ' (a number, BigInt or decimal '
+      + 'string)' : ''}, got ${shown(value)}`);
+  }
+  return wide ? integer.toString() : Number(integer);
+}
+
+/** A value of a scalar field, as the encoder takes it; a TypeError when the field cannot hold it. */
+function checkedScalar(field, value, where) {
+  if (field.type in INTEGER_RANGES) return checkedInteger(field.type, value, where);
+  const expected = {
+    TYPE_STRING: ['string', 'a string'], TYPE_BOOL: ['boolean', 'true or false'],
+    TYPE_FLOAT: ['number', 'a finite number'], TYPE_DOUBLE: ['number', 'a finite number'],
+  }[field.type];
+  if (expected === undefined) return value; // enums and bytes: the encoder checks them
+  if (typeof value !== expected[0] || (expected[0] === 'number' && !Number.isFinite(value))) {
+    throw new TypeError(`${where} must be ${expected[1]}, got ${shown(value)}`);
+  }
+  return value;
+}
+
+/** The descriptor of a field's message type: the package's, or one nested in its parent (a map's entry). */
+function messageType(parent, typeName) {
+  const nested = parent.nestedType.find((type) => type.name === typeName);
+  return nested ?? definition[`twinplane.v1.${typeName}`]?.type;
+}
+
+/**
+ * A plain object checked against a message's descriptor, all the way down: every key must be one of
+ * its fields and every value one the field can hold (else a TypeError naming the field, `where`).
+ * Returns the object as the encoder takes it (64-bit integers as decimal text); google.protobuf
+ * values pass as they are.
+ */
+function checked(type, object, where) {
+  if (object === null || typeof object !== 'object' || Array.isArray(object)) {
+    throw new TypeError(`${where} must be an object, got ${shown(object)}`);
+  }
+  const fields = new Map(type.field.map((field) => [field.name, field]));
+  const out = {};
+  for (const [key, value] of Object.entries(object)) {
+    const field = fields.get(key);
+    if (field === undefined) {
+      throw new TypeError(`${where} has no field ${key}; its fields: ${[...fields.keys()].join(', ')}`);
+    }
+    if (value === undefined || value === null) continue;
+    out[key] = checkedValue(type, field, value, `${where}.${key}`);
+  }
+  return out;
+}
+
+function checkedValue(parent, field, value, where) {
+  const type = field.type === 'TYPE_MESSAGE' ? messageType(parent, field.typeName) : null;
+  if (type?.options?.mapEntry) {
+    const [keyField, valueField] = type.field;
+    if (value === null || typeof value !== 'object') throw new TypeError(`${where} must be an object`);
+    return Object.fromEntries(Object.entries(value).map(([k, v]) => [
+      checkedScalar(keyField, keyField.type === 'TYPE_STRING' ? k : Number(k), `${where} key ${k}`),
+      checkedValue(type, valueField, v, `${where}[${k}]`)]));
+  }
+  if (field.label === 'LABEL_REPEATED') {
+    if (!Array.isArray(value)) throw new TypeError(`${where} must be an array, got ${shown(value)}`);
+    return value.map((item, i) => checkedValue(parent, { ...field, label: 'LABEL_OPTIONAL' }, item, `${where}[${i}]`));
+  }
+  if (field.type !== 'TYPE_MESSAGE') return checkedScalar(field, value, where);
+  return type === undefined ? value : checked(type, value, where);
+}
 
 /** A JSON value as a google.protobuf.Value. */
 function valueOf(value) {
@@ -67,13 +157,23 @@ function toolOf(tool) {
  */
 function chatInput(messages, options = {}) {
   const { addGenerationPrompt, continueFinalMessage, chatTemplateKwargs, tools, toolChoice } = options;
-  const chat = { messages: messages.map((m) => (Array.isArray(m) ? { role: m[0], content: m[1] } : m)) };
+  if (!Array.isArray(messages)) throw new TypeError(`messages must be an array, got ${shown(messages)}`);
+  const chat = { messages: messages.map(messageOf) };
   if (addGenerationPrompt !== undefined) chat.addGenerationPrompt = addGenerationPrompt;
   if (continueFinalMessage !== undefined) chat.continueFinalMessage = continueFinalMessage;
   if (chatTemplateKwargs !== undefined) chat.chatTemplateKwargs = structOf(chatTemplateKwargs);
   if (tools !== undefined) chat.tools = tools.map(toolOf);
   if (toolChoice !== undefined) chat.toolChoice = toolChoice;
   return chat;
+}
+
+/** A chat message from {role, content, ...} or [role, content]: it needs a role, and content unless it makes calls. */
+function messageOf(message, i) {
+  const m = Array.isArray(message) ? { role: message[0], content: message[1] } : message;
+  if (m === null || typeof m !== 'object' || m.role === undefined || (m.content === undefined && !m.toolCalls)) {
+    throw new TypeError(`messages[${i}] needs a role and content (or toolCalls), got ${JSON.stringify(message)}`);
+  }
+  return m;
 }
 
 /** The prompt of a request: exactly one of `prompt` (text), `tokenIds` or `messages` (chat, with its options). */
@@ -104,14 +204,16 @@ function buildRequest(options) {
   for (const [key, value] of Object.entries(rest)) {
     if (value === undefined || value === null) continue;
     if (SAMPLING_FIELDS.has(key)) request.sampling[key] = value;
-    else if (REQUEST_FIELDS.has(key)) request[key] = value;
+    else if (REQUEST_FIELDS.has(key)) request[key] = key === 'stop' && typeof value === 'string' ? [value] : value;
     else throw new TypeError(`unknown option ${key}`);
   }
-  return request;
+  return checked(definition['twinplane.v1.GenerateRequest'].type, request, 'request');
 }
 
-/** 'FINISH_REASON_STOP_TOKEN' -> 'stop_token'; null while the stream runs. */
+/** 'FINISH_REASON_STOP_TOKEN' -> 'stop_token'; null while the stream runs; 'unknown' for a reason newer than
+ * this copy of the proto (which arrives as a number). */
 function finishReasonOf(name) {
+  if (typeof name !== 'string') return 'unknown';
   return name === 'FINISH_REASON_UNSPECIFIED' ? null : name.replace('FINISH_REASON_', '').toLowerCase();
 }
 
@@ -177,41 +279,80 @@ class GenerateStream {
   }
 }
 
+/**
+ * Per-call options beside a request's: `timeout`, the seconds the call may take (DEADLINE_EXCEEDED
+ * after), and `signal`, an AbortSignal that cancels the call (a Generate stream then ends quietly, a
+ * unary call rejects with CANCELLED).
+ */
+function callOptionsOf({ timeout, signal } = {}) {
+  if (timeout !== undefined && !(typeof timeout === 'number' && timeout > 0)) {
+    throw new TypeError(`timeout must be a number of seconds > 0, got ${shown(timeout)}`);
+  }
+  return { options: timeout === undefined ? {} : { deadline: Date.now() + timeout * 1000 }, signal };
+}
+
 /** Client of one server. `credentials`: grpc.credentials.createSsl(...) for TLS; plaintext by default. */
 class Client {
   constructor(address, { apiKey = null, credentials = grpc.credentials.createInsecure() } = {}) {
     this.stub = new Generation(address, credentials);
     this.metadata = new grpc.Metadata();
     if (apiKey) this.metadata.set('authorization', `Bearer ${apiKey}`);
+    this.calls = new Set(); // in flight, for close()
   }
 
-  /** Starts a generation; options are those of buildRequest. */
-  generate(options) {
-    return new GenerateStream(this.stub.generate(buildRequest(options), this.metadata));
+  /** Starts a generation; options are those of buildRequest, and callOptionsOf's timeout and signal. */
+  generate({ timeout, signal, ...options }) {
+    const call = callOptionsOf({ timeout, signal });
+    const stream = new GenerateStream(this.track(this.stub.generate(buildRequest(options), this.metadata,
+      call.options)));
+    this.onAbort(call.signal, () => stream.cancel());
+    return stream;
   }
 
   /**
-   * Token ids (and the text of each) of `text`, or of chat `messages` rendered with the chat
-   * template (with chatInput's options).
+   * Token ids (and the text of each) of exactly one of `text` and chat `messages` (rendered with the
+   * chat template, with chatInput's options); callOptionsOf's timeout and signal.
    */
-  tokenize({ text, messages, ...chatOptions }) {
+  tokenize({ text, messages, timeout, signal, ...chatOptions } = {}) {
+    if ((text === undefined) === (messages === undefined)) throw new TypeError('give exactly one of text or messages');
+    if (messages === undefined && Object.values(chatOptions).some((value) => value !== undefined)) {
+      throw new TypeError(`${Object.keys(chatOptions).join(', ')}: options of chat messages, given without messages`);
+    }
     const request = messages === undefined ? { text } : { chat: chatInput(messages, chatOptions) };
-    return this.unary('tokenize', request);
+    return this.unary('tokenize', checked(definition['twinplane.v1.TokenizeRequest'].type, request, 'request'),
+      { timeout, signal });
   }
 
-  /** The served model and the limits that requests must respect. */
-  modelInfo() {
-    return this.unary('getModelInfo', {});
+  /** The served model and the limits that requests must respect; callOptionsOf's timeout and signal. */
+  modelInfo({ timeout, signal } = {}) {
+    return this.unary('getModelInfo', {}, { timeout, signal });
   }
 
-  unary(method, request) {
+  unary(method, request, callOptions) {
+    const { options, signal } = callOptionsOf(callOptions);
     return new Promise((resolve, reject) => {
-      this.stub[method](request, this.metadata, (error, reply) => (error ? reject(error) : resolve(reply)));
+      const call = this.track(this.stub[method](request, this.metadata, options,
+        (error, reply) => (error ? reject(error) : resolve(reply))));
+      this.onAbort(signal, () => call.cancel());
     });
   }
 
-  /** Closes the channel; calls in flight are cancelled. */
+  /** Keeps a call in this.calls until it ends. */
+  track(call) {
+    this.calls.add(call);
+    call.on('status', () => this.calls.delete(call));
+    return call;
+  }
+
+  onAbort(signal, cancel) {
+    if (signal === undefined) return;
+    if (signal.aborted) cancel();
+    else signal.addEventListener('abort', cancel, { once: true });
+  }
+
+  /** Cancels the calls in flight (they end with CANCELLED) and closes the channel. */
   close() {
+    for (const call of this.calls) call.cancel();
     this.stub.close();
   }
 }
