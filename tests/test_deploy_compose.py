@@ -179,3 +179,34 @@ def test_the_two_data_plane_file_gives_each_its_gpu_and_socket_and_the_control_p
     differs = ("command", "depends_on")
     assert {k: v for k, v in controlplane.items() if k not in differs} == {k: v for k, v in single.items()
                                                                            if k not in differs}
+
+
+def _seconds(duration: str) -> float:
+    """A compose duration ("30s", "1m30s") in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1}
+    return sum(float(n) * units[u] for n, u in re.findall(r"([\d.]+)([hms])", duration))
+
+
+def test_every_service_has_the_time_to_stop_it_needs():
+    """Docker's default 10 s cuts a data plane's shutdown short: each data plane has 30 s, each
+    control plane more than its --shutdown-grace."""
+    for file in (*FILES, "docker-compose.dp2.yml"):
+        for name, service in compose_config(file)["services"].items():
+            if name.startswith("dataplane"):
+                assert _seconds(service["stop_grace_period"]) >= 30, (file, name)
+            else:
+                assert _seconds(service["stop_grace_period"]) > _args(service).shutdown_grace, (file, name)
+
+
+def test_every_image_runs_as_an_unprivileged_user_who_owns_what_it_writes(services):
+    """The same uid in every image (the planes share the socket volume), which owns the cache and the
+    socket folder; the images' last USER is that uid, never root."""
+    socket_dir = str(Path(_args(services["dataplane"]).listen.removeprefix("unix://")).parent)
+    for service in services.values():
+        text = _dockerfile(service).read_text().replace("\\\n", " ")
+        users = re.findall(r"^USER (\S+)", text, re.M)
+        assert users and users[-1] == "10001:10001", (service["image"], users)
+        assert "useradd --uid 10001 " in text
+        (chown,) = re.findall(r"chown twinplane:twinplane ([^&\n]*)", text)
+        assert {"/cache", socket_dir} <= set(chown.split()), chown
+    assert "clients/node/node_modules" in (ROOT / ".dockerignore").read_text().splitlines()

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -22,8 +23,8 @@ FOLDER = ROOT / "deploy" / "kubernetes"
 
 
 @functools.cache
-def _rendered() -> tuple[dict, ...]:
-    out = subprocess.run(["kubectl", "kustomize", str(FOLDER)], capture_output=True, text=True, timeout=60)
+def _rendered(folder: Path = FOLDER) -> tuple[dict, ...]:
+    out = subprocess.run(["kubectl", "kustomize", str(folder)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return tuple(r for r in yaml.safe_load_all(out.stdout) if r)
 
@@ -48,13 +49,14 @@ def _container(workload: dict) -> dict:
     return container
 
 
-def _env(container: dict, config: dict) -> dict[str, str]:
+def _env(container: dict, resources: dict) -> dict[str, str]:
     """The container's environment: ConfigMap values resolved, Secret keys as <secret/key>."""
     env = {}
     for var in container["env"]:
         source = var.get("valueFrom", {})
         if "configMapKeyRef" in source:
-            env[var["name"]] = config["data"][source["configMapKeyRef"]["key"]]
+            ref = source["configMapKeyRef"]
+            env[var["name"]] = resources[("ConfigMap", ref["name"])]["data"][ref["key"]]
         elif "secretKeyRef" in source:
             ref = source["secretKeyRef"]
             env[var["name"]] = f"<{ref['name']}/{ref['key']}>"
@@ -82,7 +84,7 @@ def test_data_planes_are_a_gpu_statefulset_behind_a_headless_service(resources):
     assert service["spec"]["selector"] == sts["spec"]["template"]["metadata"]["labels"]
     container = _container(sts)
     assert container["resources"]["limits"]["nvidia.com/gpu"] >= 1
-    env = _env(container, _one(resources, "ConfigMap"))
+    env = _env(container, resources)
     assert env["TWINPLANE_DATAPLANE_TOKEN"] == "<twinplane-secrets/dataplane-token>"
     args = build_parser().parse_args(_args(container, env))
     assert args.command == "dataplane" and args.listen == "0.0.0.0:50061"
@@ -115,10 +117,9 @@ def test_the_planes_speak_tls_verified_by_the_service_name(resources):
     """The data planes serve TLS with a mounted certificate; the control plane verifies it with the CA
     alone (never the key), for the name the certificate carries: the headless Service's."""
     sts, deployment = _one(resources, "StatefulSet"), _one(resources, "Deployment")
-    config = _one(resources, "ConfigMap")
     dp_container, cp_container = _container(sts), _container(deployment)
-    dp_args = build_parser().parse_args(_args(dp_container, _env(dp_container, config)))
-    cp_args = build_parser().parse_args(_args(cp_container, _env(cp_container, config)))
+    dp_args = build_parser().parse_args(_args(dp_container, _env(dp_container, resources)))
+    cp_args = build_parser().parse_args(_args(cp_container, _env(cp_container, resources)))
     secret = "twinplane-dataplane-tls"
     assert _mounted_secret(sts, dp_args.tls_cert) == (secret, "tls.crt")
     assert _mounted_secret(sts, dp_args.tls_key) == (secret, "tls.key")
@@ -134,7 +135,7 @@ def test_the_control_plane_addresses_every_data_plane_pod(resources):
     sts, deployment = _one(resources, "StatefulSet"), _one(resources, "Deployment")
     assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
     container = _container(deployment)
-    env = _env(container, _one(resources, "ConfigMap"))
+    env = _env(container, resources)
     assert env["TWINPLANE_DATAPLANE_TOKEN"] == "<twinplane-secrets/dataplane-token>"
     assert env["TWINPLANE_API_KEY"] == "<twinplane-secrets/api-key>"
     args = build_parser().parse_args(_args(container, env))
@@ -155,3 +156,33 @@ def test_only_the_control_plane_reaches_the_data_planes(resources):
     (source,) = rule["from"]
     assert source == {"podSelector": {"matchLabels": deployment["spec"]["selector"]["matchLabels"]}}
     assert rule["ports"] == [{"protocol": "TCP", "port": 50061}]
+
+
+def test_a_longer_data_plane_list_restarts_the_control_plane_and_no_data_plane(resources, tmp_path):
+    """Scaling out changes the list of data planes: the control plane's pod must change (it reads the
+    list at start), the running data planes' must not (each would reload its weights)."""
+    folder = tmp_path / "kubernetes"
+    shutil.copytree(FOLDER, folder)
+    kustomization = (folder / "kustomization.yaml").read_text()
+    listed = re.search(r"DATAPLANES=(\S+)", kustomization).group(1)
+    third = "twinplane-dataplane-2.twinplane-dataplane:50061"
+    (folder / "kustomization.yaml").write_text(kustomization.replace(listed, f"{listed},{third}"))
+    scaled = {(r["kind"], r["metadata"]["name"]): r for r in _rendered(folder)}
+    deployment, before = _one(scaled, "Deployment"), _one(resources, "Deployment")
+    assert _env(_container(deployment), scaled)["DATAPLANES"].endswith(third)
+    assert deployment["spec"]["template"] != before["spec"]["template"]
+    assert _one(scaled, "StatefulSet") == _one(resources, "StatefulSet")
+
+
+def test_every_pod_runs_unprivileged_and_the_data_planes_are_not_evicted_first(resources):
+    for workload in (_one(resources, "StatefulSet"), _one(resources, "Deployment")):
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] == 10001  # the images' user (docker/*.Dockerfile)
+        container = _container(workload)["securityContext"]
+        assert container["allowPrivilegeEscalation"] is False and container["capabilities"]["drop"] == ["ALL"]
+        # the Secrets' files are readable by the pod's group, which fsGroup gives them
+        for volume in pod["volumes"]:
+            if "secret" in volume:
+                assert volume["secret"]["defaultMode"] & 0o040 and pod["securityContext"]["fsGroup"] == 10001
+        assert {"cpu", "memory"} <= set(_container(workload)["resources"]["requests"])
