@@ -18,6 +18,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 
 from twinplane.controlplane.api import GenerateCall, Limits, Prompt, RequestOutput
@@ -28,7 +29,7 @@ from twinplane.controlplane import fanout
 from twinplane.controlplane.finish import Limit, misfit, output_room
 from twinplane.controlplane import messages
 from twinplane.controlplane.messages import CoreSnapshot, TokenOutput
-from twinplane.controlplane.metrics import EngineMetrics
+from twinplane.controlplane.metrics import DATAPLANE_COUNTERS, EngineMetrics
 from twinplane.controlplane.replica import STAT_NAMES
 from twinplane.controlplane.request_state import RequestState, Unsent
 from twinplane.controlplane.sequence import FinishReason
@@ -69,6 +70,8 @@ class Engine:
         self._num_added = 0  # requests sent to the core (core_snapshot.num_added: those it had seen)
         self._seq_ids = fanout.seq_ids(index, config.api_server_count)
         self.metrics = EngineMetrics()
+        # each data plane's counters as the engine cores before this one left them, by (target, name)
+        self.dataplane_counters_carried: Counter[tuple[str, str]] = Counter()
         self.on_readiness: list = []  # callbacks(bool), e.g. the health service
         self.supervisor = link(config, self)
         self._core_task: asyncio.Task | None = None
@@ -164,6 +167,11 @@ class Engine:
         else the data plane's (once one has connected)."""
         return self.config.served_model_names or (self.describe.model,)
 
+    @property
+    def model_name(self) -> str:
+        """The name reported first ("" until a data plane has told it, when none is configured)."""
+        return self.model_names[0] if self.config.served_model_names or self.describe else ""
+
     def connected(self, desc: dp.DescribeResponse, snapshot: CoreSnapshot) -> None:
         if self.describe is None:
             folder = self.config.tokenizer or desc.tokenizer_path
@@ -208,8 +216,12 @@ class Engine:
         self._stalls.clear()
         self._update_ready()
         core = self.core_snapshot
+        for part in core.dataplanes:  # the next core counts each data plane's work from 0 again
+            for name in DATAPLANE_COUNTERS:
+                self.dataplane_counters_carried[part.target, name] += getattr(part, name)
+        zeroed = dict.fromkeys(("waiting", "running", *DATAPLANE_COUNTERS), 0)
         self.core_snapshot = replace(core, num_added=0, unrouted=0, added_by_frontend=(), waiting_by_frontend=(),
-                                     dataplanes=[replace(d, waiting=0, running=0) for d in core.dataplanes])
+                                     dataplanes=[replace(d, **zeroed) for d in core.dataplanes])
         self._num_added = 0
         self._replay = True
         for state in list(self.requests.values()):
@@ -225,10 +237,12 @@ class Engine:
         """A step's tokens: detokenizes, applies stop strings and pushes each request's new output."""
         self.snapshot(snapshot)
         by_seq, limit = self.by_seq, self.config.max_unsent_tokens_per_stream
+        touched: dict[int, RequestState] = {}  # a request's tokens of this step go out in one message
         for seq_id, token, position, logprobs, reason, num_cached, prompt_logprobs in outputs:
             state = by_seq.get(seq_id)
             if state is None:  # ended here meanwhile (cancelled, stop string)
                 continue
+            touched[seq_id] = state
             state.record_token(token, position, logprobs, num_cached)
             if prompt_logprobs is not None:
                 state.pending.prompt_logprobs = prompt_logprobs
@@ -236,7 +250,8 @@ class Engine:
             reason = state.add_text(token, core_reason)
             if reason is not None:
                 self._finish(state, reason, tell_core=core_reason is None)
-            else:
+        for state in touched.values():
+            if not state.finished:
                 state.emit()
             if state.unsent > limit:
                 self._end_unread(state, f"max_unsent_tokens_per_stream {limit}")
@@ -320,6 +335,7 @@ class Engine:
                               f"({limit}); the request was aborted")
         if not state.finished:
             self._forget(state, tell_core=True)
+            self._count_ended(state, "error")
             request_log.info(state.summary(f"error:{error.code_name}"))
         state.end_unread(error)
 
@@ -449,13 +465,18 @@ class Engine:
     def _finish(self, state: RequestState, reason: FinishReason, tell_core: bool = True) -> None:
         self._forget(state, tell_core)
         state.emit(reason)
-        self.metrics.request_finished(reason, time.monotonic() - state.arrival_time)
+        self._count_ended(state, reason.value)
         request_log.info(state.summary(reason.value))
 
     def _fail(self, state: RequestState, error: ServiceError, tell_core: bool = True) -> None:
         self._forget(state, tell_core)
         state.fail(error)
+        self._count_ended(state, "error")
         request_log.info(state.summary(f"error:{error.code_name}"))
+
+    def _count_ended(self, state: RequestState, ending: str) -> None:
+        self.metrics.request_finished(ending, time.monotonic() - state.arrival_time, state.num_prompt_tokens,
+                                      state.num_outputs)
 
 
 async def first_of(*events: asyncio.Event) -> None:

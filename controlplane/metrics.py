@@ -7,7 +7,11 @@ waiting, KV usage), the scheduler's counters and the data-plane step times come
 from the engine core's latest snapshot. Only the event loop writes, and the scrape
 copies each list before it reads it, so no lock is needed.
 
-Names follow vLLM's (``vllm:`` becomes ``twinplane:``) where the meaning is the same.
+Names follow vLLM's (``vllm:`` becomes ``twinplane:``) where the meaning is the same, and every
+series carries vLLM's ``model_name`` label (the first served model name), so dashboards and alert
+rules written for vLLM select it. The text is always Prometheus's 0.0.4 format, whatever the scrape
+asks for: its names keep their colons (the OpenMetrics output of prometheus_client would rewrite
+them for a scraper that does not ask for UTF-8 names).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
@@ -33,12 +38,22 @@ if TYPE_CHECKING:
     from twinplane.controlplane.frontends import Secondaries
 
 PREFIX = "twinplane:"
-# Bucket upper bounds, in seconds.
-TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # what generate_latest writes
+# Bucket upper bounds, in seconds: finer than vLLM's at the low end (a decode step here takes a few
+# milliseconds), up to vLLM's highest bounds at the other.
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+                160.0, 640.0, 2560.0)
 INTER_TOKEN_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
-                       0.25, 0.5, 1.0, 2.5)
-E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0)
+                       0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# Token counts per request: 1, 2, 5, 10, 20, 50, ... (vLLM's 1-2-5 series), up to 5 million.
+TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))
+# How a request ended: the finish reasons, and "error" for one that ended with an error status
+# (its stream not read, its step failed, the server shut down, ...), as vLLM's finished_reason.
+ENDINGS = (*(reason.value for reason in FinishReason), "error")
+# The per-data-plane counters (DataPlaneSnapshot fields) on /metrics, which carry on across engine cores.
+DATAPLANE_COUNTERS = ("computed_tokens", "prefix_cache_hits")
 
 
 class Histogram:
@@ -61,13 +76,15 @@ class Histogram:
         self.counts = [a + b for a, b in zip(self.counts, list(other.counts))]
         self.sum += other.sum
 
-    def family(self, name: str, documentation: str) -> HistogramMetricFamily:
+    def family(self, name: str, documentation: str, model: str) -> HistogramMetricFamily:
         counts, total = list(self.counts), self.sum
         cumulative, buckets = 0, []
         for bound, count in zip((*self.bounds, math.inf), counts):
             cumulative += count
             buckets.append((floatToGoString(bound), cumulative))
-        return HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=total)
+        family = HistogramMetricFamily(name, documentation, labels=["model_name"])
+        family.add_metric([model], buckets, total)
+        return family
 
 
 class EngineMetrics:
@@ -76,14 +93,19 @@ class EngineMetrics:
     def __init__(self) -> None:
         self.prompt_tokens = 0  # counted when a request's first token goes out (its prefill is done)
         self.generation_tokens = 0  # counted as streamed
-        self.finished = dict.fromkeys(FinishReason, 0)  # every label exists from the start
+        self.finished = dict.fromkeys(ENDINGS, 0)  # every label exists from the start
         self.time_to_first_token = Histogram(TTFT_BUCKETS)
         self.inter_token_latency = Histogram(INTER_TOKEN_BUCKETS)
         self.e2e_request_latency = Histogram(E2E_BUCKETS)
+        self.request_prompt_tokens = Histogram(TOKEN_BUCKETS)
+        self.request_generation_tokens = Histogram(TOKEN_BUCKETS)
 
-    def request_finished(self, reason: FinishReason, seconds: float) -> None:
-        self.finished[reason] += 1
+    def request_finished(self, ending: str, seconds: float, prompt_tokens: int, generation_tokens: int) -> None:
+        """A request ended: ending is an ENDINGS value; seconds since it arrived."""
+        self.finished[ending] += 1
         self.e2e_request_latency.observe(seconds)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generation_tokens)
 
     @classmethod
     def total(cls, parts: list[EngineMetrics]) -> EngineMetrics:
@@ -94,9 +116,13 @@ class EngineMetrics:
             total.generation_tokens += part.generation_tokens
             for reason, count in list(part.finished.items()):
                 total.finished[reason] += count
-            for name in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
+            for name in HISTOGRAMS:
                 getattr(total, name).add(getattr(part, name))
         return total
+
+
+HISTOGRAMS = ("time_to_first_token", "inter_token_latency", "e2e_request_latency", "request_prompt_tokens",
+              "request_generation_tokens")
 
 
 class EngineCollector:
@@ -112,14 +138,16 @@ class EngineCollector:
         m = self.engine.metrics
         if self.secondaries is not None:
             m = EngineMetrics.total([m, *list(self.secondaries.metrics.values())])
-        yield from self._gauges()
-        yield from self._counters(m)
-        yield from self._histograms(m)
-        yield from self._per_dataplane()
+        model = self.engine.model_name
+        yield from self._gauges(model)
+        yield from self._counters(m, model)
+        yield from self._histograms(m, model)
+        yield from self._per_dataplane(model)
 
-    def _per_dataplane(self) -> Iterator[Metric]:
-        """Each data plane's share, labelled by its address (several with data parallelism)."""
-        parts = self.engine.core_snapshot.dataplanes
+    def _per_dataplane(self, model: str) -> Iterator[Metric]:
+        """Each data plane's share, labelled by its address (several with data parallelism); its
+        counters carry on across engine-core restarts."""
+        parts, carried = self.engine.core_snapshot.dataplanes, self.engine.dataplane_counters_carried
         families = (
             (GaugeMetricFamily, "dataplane_connected", "1 while the control plane is connected to the data plane.",
              lambda d: int(d.connected)),
@@ -130,58 +158,67 @@ class EngineCollector:
             (GaugeMetricFamily, "dataplane_free_kv_blocks", "Free KV blocks on the data plane.",
              lambda d: d.free_kv_blocks),
             (CounterMetricFamily, "dataplane_computed_tokens", "Tokens the data plane computed.",
-             lambda d: d.computed_tokens),
+             lambda d: d.computed_tokens + carried[d.target, "computed_tokens"]),
             (CounterMetricFamily, "dataplane_prefix_cache_hits", "Tokens found in the data plane's prefix cache.",
-             lambda d: d.prefix_cache_hits),
+             lambda d: d.prefix_cache_hits + carried[d.target, "prefix_cache_hits"]),
         )
         for kind, name, documentation, value in families:
-            family = kind(f"{PREFIX}{name}", documentation, labels=["dataplane"])
+            family = kind(f"{PREFIX}{name}", documentation, labels=["model_name", "dataplane"])
             for part in parts:
-                family.add_metric([part.target], value(part))
+                family.add_metric([model, part.target], value(part))
             yield family
 
-    def _gauges(self) -> Iterator[Metric]:
+    def _gauges(self, model: str) -> Iterator[Metric]:
         core = self.engine.core_snapshot
         usage = 0.0
         if core.num_kv_blocks:
             usage = min(1.0, max(0.0, 1.0 - core.free_kv_blocks / core.num_kv_blocks))
-        yield GaugeMetricFamily(f"{PREFIX}num_requests_running", "Requests holding KV blocks and scheduled "
-                                "every step.", value=core.running)
-        yield GaugeMetricFamily(f"{PREFIX}num_requests_waiting", "Requests queued for admission (including "
-                                "preempted ones and those waiting for a data plane).", value=self.engine.num_waiting)
-        yield GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc", "Share of KV-cache blocks held by requests "
-                                "(0 to 1).", value=usage)
+        yield _one(GaugeMetricFamily, "num_requests_running", "Requests holding KV blocks and scheduled every step.",
+                   model, core.running)
+        yield _one(GaugeMetricFamily, "num_requests_waiting", "Requests queued for admission (including preempted "
+                   "ones and those waiting for a data plane).", model, self.engine.num_waiting)
+        yield _one(GaugeMetricFamily, "kv_cache_usage_perc", "Share of KV-cache blocks held by requests (0 to 1).",
+                   model, usage)
 
-    def _counters(self, m: EngineMetrics) -> Iterator[Metric]:
+    def _counters(self, m: EngineMetrics, model: str) -> Iterator[Metric]:
         core = self.engine.core_snapshot
-
-        def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
-            return CounterMetricFamily(f"{PREFIX}{name}", documentation, value=value)
-
-        yield counter("prefix_cache_queries", "Tokens looked up in the prefix cache at admission.",
-                      core.prefix_cache_queries)
-        yield counter("prefix_cache_hits", "Tokens found in the prefix cache at admission.",
-                      core.prefix_cache_hits)
-        yield counter("num_preemptions", "Sequences preempted (KV blocks freed, recomputed later).",
-                      core.num_preemptions)
-        yield counter("prompt_tokens", "Prompt tokens of requests that produced a first token.", m.prompt_tokens)
-        yield counter("generation_tokens", "Tokens generated and streamed.", m.generation_tokens)
-        success = CounterMetricFamily(f"{PREFIX}request_success", "Requests finished, by finish reason.",
-                                      labels=["finished_reason"])
-        for reason, count in list(m.finished.items()):
-            success.add_metric([reason.value], count)
+        yield _one(CounterMetricFamily, "prefix_cache_queries", "Tokens looked up in the prefix cache at admission.",
+                   model, core.prefix_cache_queries)
+        yield _one(CounterMetricFamily, "prefix_cache_hits", "Tokens found in the prefix cache at admission.",
+                   model, core.prefix_cache_hits)
+        yield _one(CounterMetricFamily, "num_preemptions", "Sequences preempted (KV blocks freed, recomputed later).",
+                   model, core.num_preemptions)
+        yield _one(CounterMetricFamily, "prompt_tokens", "Prompt tokens of requests that produced a first token.",
+                   model, m.prompt_tokens)
+        yield _one(CounterMetricFamily, "generation_tokens", "Tokens generated and streamed.", model,
+                   m.generation_tokens)
+        success = CounterMetricFamily(f"{PREFIX}request_success", "Requests ended, by finish reason ('error': "
+                                      "ended with an error status).", labels=["model_name", "finished_reason"])
+        for ending, count in list(m.finished.items()):
+            success.add_metric([model, ending], count)
         yield success
 
-    def _histograms(self, m: EngineMetrics) -> Iterator[Metric]:
+    def _histograms(self, m: EngineMetrics, model: str) -> Iterator[Metric]:
         step = self.engine.core_snapshot.dataplane_step
         yield m.time_to_first_token.family(f"{PREFIX}time_to_first_token_seconds",
-                                           "Seconds from admission to the first streamed token.")
+                                           "Seconds from arrival to the first streamed token.", model)
         yield m.inter_token_latency.family(f"{PREFIX}inter_token_latency_seconds",
-                                           "Seconds between streamed tokens (a message's gap over its tokens).")
+                                           "Seconds between streamed tokens (a message's gap over its tokens).", model)
         yield m.e2e_request_latency.family(f"{PREFIX}e2e_request_latency_seconds",
-                                           "Seconds from admission to the end of a request.")
+                                           "Seconds from arrival to the end of a request.", model)
+        yield m.request_prompt_tokens.family(f"{PREFIX}request_prompt_tokens",
+                                             "Prompt tokens of each request that ended.", model)
+        yield m.request_generation_tokens.family(f"{PREFIX}request_generation_tokens",
+                                                 "Tokens generated for each request that ended.", model)
         yield step.family(f"{PREFIX}dataplane_step_seconds",
-                          "Seconds the data plane spent on one step (plan decoding, forward, sampling).")
+                          "Seconds the data plane spent on one step (plan decoding, forward, sampling).", model)
+
+
+def _one(kind: type, name: str, documentation: str, model: str, value: float) -> Metric:
+    """A gauge or counter family of one sample, labelled with the model's name."""
+    family = kind(f"{PREFIX}{name}", documentation, labels=["model_name"])
+    family.add_metric([model], value)
+    return family
 
 
 def registry_for(engine: Engine, secondaries: Secondaries | None = None) -> CollectorRegistry:
@@ -189,6 +226,17 @@ def registry_for(engine: Engine, secondaries: Secondaries | None = None) -> Coll
     registry = CollectorRegistry()
     registry.register(EngineCollector(engine, secondaries))
     return registry
+
+
+def metrics_app(registry: CollectorRegistry):
+    """A WSGI app serving registry's metrics in the text format 0.0.4 at any path."""
+
+    def app(environ, start_response):
+        body = generate_latest(registry)
+        start_response("200 OK", [("Content-Type", CONTENT_TYPE), ("Content-Length", str(len(body)))])
+        return [body] if environ.get("REQUEST_METHOD") != "HEAD" else [b""]
+
+    return app
 
 
 def require_api_key(app, api_key: str):
@@ -213,7 +261,7 @@ class _QuietHandler(WSGIRequestHandler):
 def serve_metrics(registry: CollectorRegistry, host: str, port: int, api_key: str | None = None) -> WSGIServer:
     """Serves registry over HTTP (/metrics) on its own daemon thread; port 0 lets the OS choose.
     With api_key, a scrape must send it as a bearer token."""
-    app = make_wsgi_app(registry)
+    app = metrics_app(registry)
     if api_key:
         app = require_api_key(app, api_key)
     try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import urllib.error
 import urllib.request
+from dataclasses import replace
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -27,14 +29,24 @@ def planes(tiny_qwen3_dir, tmp_path_factory):
     planes.stop()
 
 
-def scrape(planes) -> dict[str, float]:
-    """Every sample of /metrics, keyed by name and labels: 'name{label="value"}'."""
+# Prometheus 2.x's Accept header: OpenMetrics first, then the text format
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                     "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+
+
+def scrape(planes, accept: str = PROMETHEUS_ACCEPT) -> dict[str, float]:
+    """Every sample of /metrics, keyed by name and labels but model_name (which every sample carries,
+    the served model's name): 'name{label="value"}'."""
     url = f"http://127.0.0.1:{planes.plane.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as response:
+    request = urllib.request.Request(url, headers={"Accept": accept})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
         text = response.read().decode()
-    samples = {}
+    samples, model = {}, planes.engine.model_name
     for family in text_string_to_metric_families(text):
+        assert family.name.startswith("twinplane:") and family.type != "unknown", family
         for s in family.samples:
+            assert s.name.startswith("twinplane:") and s.labels.pop("model_name") == model != "", s
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
             samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return samples
@@ -196,3 +208,72 @@ def test_metrics_can_be_opened_explicitly(tmp_path):
     assert _controlplane(args, args.dataplane, None)[0].metrics_api_key is False
     _, statuses = _control_plane_metrics(tmp_path, metrics_api_key=False)
     assert statuses == [200, 200, 200]
+
+
+# ---- the engine's counting, without the planes ------------------------------------------
+
+
+def _engine_with_a_request(seq_id: int = 7):
+    from twinplane.controlplane.config import ControlPlaneConfig
+    from twinplane.controlplane.engine import Engine
+    from twinplane.controlplane.request_state import RequestState
+    from twinplane.controlplane.sequence import RequestParams
+
+    engine = Engine(ControlPlaneConfig(dataplane="unix:///nowhere"))
+    state = RequestState(seq_id, "r", [1, 2, 3], RequestParams(max_tokens=8), None, 1, engine.metrics, 0.0,
+                         engine.unsent)
+    engine.requests[state.key] = engine.by_seq[seq_id] = state
+    return engine, state
+
+
+def _family(engine, name: str):
+    from twinplane.controlplane.metrics import EngineCollector
+
+    (family,) = [f for f in EngineCollector(engine).collect() if f.name == f"twinplane:{name}"]
+    return family
+
+
+def test_a_steps_tokens_of_one_request_go_out_in_one_message_that_times_each_token(monkeypatch):
+    """A plan of several decode steps returns a request's tokens at once: one message carries them,
+    and each counts the message's gap over its token count (not the whole gap, then zeros)."""
+    from twinplane.controlplane.messages import TokenOutput
+
+    engine, state = _engine_with_a_request()
+    clock = iter([1.0, 1.3])
+    monkeypatch.setattr("twinplane.controlplane.request_state.time", SimpleNamespace(monotonic=lambda: next(clock)))
+    engine.step([TokenOutput(7, 5, 3, None, None, 0)], engine.core_snapshot)  # the first token, at 1.0
+    engine.step([TokenOutput(7, token, 4 + i, None, None, 0) for i, token in enumerate((6, 7, 8))],
+                engine.core_snapshot)  # three more, at 1.3
+    assert [out.token_ids for out in state.outputs] == [[5], [6, 7, 8]]
+    itl = engine.metrics.inter_token_latency
+    assert sum(itl.counts) == 3 and itl.sum == pytest.approx(0.3)
+    assert max(itl.counts) == 3  # three gaps of 0.1 s, in one bucket
+    assert engine.metrics.time_to_first_token.sum == pytest.approx(1.0)
+
+
+def test_a_request_that_ends_with_an_error_is_counted_as_one():
+    engine, state = _engine_with_a_request()
+    engine.step_failed([7], "out of memory")
+    assert engine.metrics.finished["error"] == 1 and sum(engine.metrics.finished.values()) == 1
+    assert sum(engine.metrics.e2e_request_latency.counts) == 1
+    prompt_tokens = engine.metrics.request_prompt_tokens
+    assert sum(prompt_tokens.counts) == 1 and prompt_tokens.sum == 3
+    samples = {s.labels["finished_reason"]: s.value for s in _family(engine, "request_success").samples}
+    assert samples["error"] == 1 and samples["length"] == 0
+
+
+def test_a_data_planes_counters_carry_on_across_engine_cores():
+    from twinplane.controlplane.messages import DataPlaneSnapshot
+
+    engine, _ = _engine_with_a_request()
+    part = DataPlaneSnapshot("dp:1", connected=True, computed_tokens=500, prefix_cache_hits=64)
+    engine.snapshot(replace(engine.core_snapshot, dataplanes=[part]))
+    engine.core_died()
+
+    def values(name: str) -> list[float]:
+        return [s.value for s in _family(engine, name).samples]
+
+    assert values("dataplane_computed_tokens") == [500] and values("dataplane_prefix_cache_hits") == [64]
+    restarted = replace(part, computed_tokens=20, prefix_cache_hits=16)  # the new core counts from 0
+    engine.snapshot(replace(engine.core_snapshot, dataplanes=[restarted]))
+    assert values("dataplane_computed_tokens") == [520] and values("dataplane_prefix_cache_hits") == [80]

@@ -14,7 +14,6 @@ import pytest
 from tests.conftest import Planes
 from tests.reliability import all_blocks_free, wait_until
 from twinplane.controlplane.main import Security
-from twinplane.controlplane.sequence import FinishReason
 from twinplane.controlplane.tokenizer import ChatOptions, Tokenizer
 
 KEY = "sk-test-key"
@@ -634,7 +633,7 @@ def test_values_the_data_plane_cannot_take_get_400_and_spare_other_requests(base
 
 def test_disconnect_mid_stream_frees_the_blocks(base_url, model, http_planes):
     metrics = http_planes.engine.metrics
-    tokens_before, aborted_before = metrics.generation_tokens, metrics.finished[FinishReason.ABORTED]
+    tokens_before, aborted_before = metrics.generation_tokens, metrics.finished["aborted"]
     body = {"model": model, "prompt": LONG_PROMPT, "max_tokens": 3000, "stream": True, "ignore_eos": True}
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", base_url + "/v1/completions", json=body,
@@ -643,17 +642,17 @@ def test_disconnect_mid_stream_frees_the_blocks(base_url, model, http_planes):
             assert next(lines).startswith("data: ")
             assert http_planes.free_blocks()[0] < http_planes.free_blocks()[1]
     wait_until(lambda: all_blocks_free(http_planes), 20, "every KV block free after the client left")
-    assert metrics.finished[FinishReason.ABORTED] == aborted_before + 1  # ended by the disconnect, not max_tokens
+    assert metrics.finished["aborted"] == aborted_before + 1  # ended by the disconnect, not max_tokens
     assert metrics.generation_tokens > tokens_before  # HTTP requests count in the same metrics
 
 
 def test_disconnect_while_waiting_for_a_whole_response_aborts(base_url, model, http_planes):
-    aborted_before = http_planes.engine.metrics.finished[FinishReason.ABORTED]
+    aborted_before = http_planes.engine.metrics.finished["aborted"]
     body = {"model": model, "prompt": LONG_PROMPT, "max_tokens": 3000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(base_url + "/v1/completions", json=body, headers={"authorization": f"Bearer {KEY}"}, timeout=1.5)
     wait_until(lambda: all_blocks_free(http_planes), 20, "every KV block free after the client left")
-    assert http_planes.engine.metrics.finished[FinishReason.ABORTED] == aborted_before + 1
+    assert http_planes.engine.metrics.finished["aborted"] == aborted_before + 1
 
 
 def test_503_without_a_data_plane(tmp_path):
