@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from twinplane.clients.launcher import CONFIG_ERROR_EXIT, TOKEN_ENV, DataPlaneProcess, gpu_groups, new_token
+from twinplane.controlplane.ipc import SUPERVISED_ENV, ignore_group_signals
 from twinplane.controlplane.event_loop import run as run_event_loop
 
 log = logging.getLogger("twinplane")
@@ -261,6 +262,8 @@ def _dataplane_credentials(args: argparse.Namespace):
 
 
 def cmd_dataplane(args: argparse.Namespace) -> int:
+    if os.environ.get(SUPERVISED_ENV) == "1":  # a child of serve or run, which stops it (see DataPlaneProcess)
+        ignore_group_signals()
     token = _dataplane_token(args)  # before the model loads
     credentials = _dataplane_credentials(args)
     from twinplane.dataplane.embedded import EmbeddedModelError

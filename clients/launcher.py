@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 
+from twinplane.controlplane.ipc import SUPERVISED_ENV, popen_shielded
 from twinplane.controlplane.liveness import Backoff
 
 log = logging.getLogger("twinplane")
@@ -47,8 +48,7 @@ class DataPlaneProcess:
         self.address = address or f"unix://{os.path.join(self._folder, 'dataplane.sock')}"
         self.command = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", log_level, "dataplane", *args,
                         "--listen", self.address]
-        extra = {**(env or {}), **({TOKEN_ENV: token} if token else {})}
-        self.env = {**os.environ, **extra} if extra else None
+        self.env = {**os.environ, **(env or {}), **({TOKEN_ENV: token} if token else {}), SUPERVISED_ENV: "1"}
         self.restart = restart
         self.process: subprocess.Popen | None = None
         self._watch: asyncio.Task | None = None
@@ -57,7 +57,9 @@ class DataPlaneProcess:
 
     def start(self) -> None:
         self.started = time.monotonic()
-        self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, env=self.env)
+        # its stdin stays open until stop() (or this process's end) closes it: that stops it; it
+        # ignores signals to the process group, which would stop it while this process drains
+        self.process = popen_shielded(self.command, stdin=subprocess.PIPE, env=self.env)
 
     async def watch(self) -> None:
         """Restarts the child whenever it exits, until stop(); backs off while it keeps failing.
@@ -78,6 +80,7 @@ class DataPlaneProcess:
             await asyncio.sleep(delay)
             if not self.restart:
                 return
+            self.process.stdin.close()
             self.start()
 
     def start_watching(self, refused: asyncio.Event | None = None) -> None:
@@ -89,8 +92,8 @@ class DataPlaneProcess:
         self.restart = False
         if self._watch is not None:
             self._watch.cancel()
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
+        if self.process is not None:
+            self.process.stdin.close()
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -397,7 +397,7 @@ def start_core_process(config: ControlPlaneConfig) -> tuple[subprocess.Popen, so
     core_ends = [core_end for _, core_end in pairs]
     fds = [end.fileno() for end in core_ends]
     try:
-        process = start_process(__name__, [str(fd) for fd in fds], fds)  # SIGINT blocked: see main()
+        process = start_process(__name__, [str(fd) for fd in fds], fds)  # see main()
     finally:
         for end in core_ends:
             end.close()
@@ -406,8 +406,8 @@ def start_core_process(config: ControlPlaneConfig) -> tuple[subprocess.Popen, so
 
 def main() -> None:
     """The engine core's process: ``main()`` with argv [one socket fd per frontend, log level]."""
-    # Ctrl-C reaches the whole process group; the frontend shuts the core down in order (a
-    # Shutdown message, or the channel closing when the frontend is gone).
+    # Ctrl-C or SIGTERM to the whole process group is ignored: the frontend shuts the core down in
+    # order (a Shutdown message, or the channel closing when the frontend is gone).
     fds, _ = child_argv()
     event_loop.run(_serve_core([socket.socket(fileno=int(fd)) for fd in fds]))
 

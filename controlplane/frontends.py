@@ -17,7 +17,8 @@ keeps its requests and replays them to the next core, as the primary does.
 
 Over its control socket a secondary also reports its request metrics every HEARTBEAT_INTERVAL
 (the primary's /metrics sums them) and gets told to stop (SIGTERM on the primary drains every
-frontend). A secondary that exits stops the whole control plane (drained, non-zero exit), for
+frontend; a signal sent to the whole process group reaches the primary that way, the secondaries
+ignore it). A secondary that exits stops the whole control plane (drained, non-zero exit), for
 whatever runs it to restart; the primary going away stops every secondary.
 """
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import socket
 import subprocess
 from dataclasses import replace
@@ -150,7 +150,6 @@ async def _serve_secondary(sock: socket.socket) -> None:
     frozen = asyncio.create_task(freeze_heap_once_ready(plane.engine, f"frontend {index}"))
     log.info("frontend %d serving on %s", index, config.listen)
     stop: asyncio.Future = asyncio.get_running_loop().create_future()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: stop.done() or stop.set_result(None))
     report = asyncio.create_task(_report_metrics(control, plane.engine))
     commands = asyncio.create_task(_follow(control, cores, stop))
     await asyncio.wait((stop, asyncio.ensure_future(plane.engine.crashed.wait())),

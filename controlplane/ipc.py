@@ -24,28 +24,45 @@ _LENGTH = struct.Struct("<I")
 MAX_CONTROL_BYTES = 1 << 18  # a Control message: a configuration, or a frontend's metrics
 
 
-def start_process(module: str, args: list[str], fds: list[int]) -> subprocess.Popen:
-    """Runs ``module.main()`` in a child process of this control plane, with argv args plus the log
-    level, inheriting fds.
+# What a child that its parent stops in order ignores: a signal sent to the whole process group
+# (Ctrl-C in a terminal; systemd, which signals every process of the service, stopping it) reaches the
+# parent too, which needs its children while it drains, then stops them itself.
+GROUP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+# In the environment of a data plane that `twinplane serve` or `run` started: it ignores GROUP_SIGNALS
+# and stops when its stdin closes (the parent closes it to stop it, or exits).
+SUPERVISED_ENV = "TWINPLANE_SUPERVISED"
 
-    The child starts with SIGINT blocked (a signal mask survives fork and exec): a Ctrl-C that
-    reaches the process group while the child is still starting Python and importing stays
-    pending, and its main() discards it by ignoring SIGINT before it unblocks the signal (see
-    ignore_sigint); the parent shuts its children down in order.
-    """
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+def popen_shielded(argv: list[str], **kwargs) -> subprocess.Popen:
+    """subprocess.Popen(argv, **kwargs) for a child that calls ignore_group_signals: it starts with
+    GROUP_SIGNALS blocked (a signal mask survives fork and exec), so one that reaches the process
+    group while it is still starting Python and importing stays pending until it ignores them."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, GROUP_SIGNALS)
     try:
-        return subprocess.Popen([sys.executable, "-c", f"from {module} import main; main()", *args,
-                                 str(logging.getLogger().level)], pass_fds=fds, stdin=subprocess.DEVNULL)
+        return subprocess.Popen(argv, **kwargs)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
+def ignore_group_signals() -> None:
+    """In a child of popen_shielded: GROUP_SIGNALS ignored from now on (the pending ones discarded)."""
+    for sig in GROUP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, GROUP_SIGNALS)
+
+
+def start_process(module: str, args: list[str], fds: list[int]) -> subprocess.Popen:
+    """Runs ``module.main()`` in a child process of this control plane (shielded from the process
+    group's signals: the parent shuts its children down in order), with argv args plus the log
+    level, inheriting fds."""
+    return popen_shielded([sys.executable, "-c", f"from {module} import main; main()", *args,
+                           str(logging.getLogger().level)], pass_fds=fds, stdin=subprocess.DEVNULL)
+
+
 def child_argv() -> tuple[list[str], int]:
-    """In a child of start_process: SIGINT ignored from now on (see start_process), logging set up;
+    """In a child of start_process: the process group's signals ignored from now on, logging set up;
     returns its args and log level."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    ignore_group_signals()
     args, log_level = sys.argv[1:-1], int(sys.argv[-1])
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return args, log_level

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
 from twinplane.controlplane.event_loop import freeze_heap
+from twinplane.controlplane.ipc import SUPERVISED_ENV
 from twinplane.dataplane.config import DataPlaneConfig
 from twinplane.dataplane.embedded import model_name, resolve_model
 from twinplane.dataplane.server import create_health_server, create_server
@@ -38,6 +41,23 @@ def _projections(runner) -> str:
     return ", quack's GEMM for projections of one wave" if wave_gemm.in_use(runner.device, runner.dtype) else ""
 
 
+def stop_requested() -> threading.Event:
+    """Set once this data plane should stop: on SIGTERM or SIGINT; or, when `twinplane serve` or
+    `run` started it (SUPERVISED_ENV), once its stdin closes, which the parent does to stop it (or
+    its exit does): such a child ignores signals to the process group (see ipc.GROUP_SIGNALS)."""
+    stop = threading.Event()
+    if os.environ.get(SUPERVISED_ENV) == "1":
+        def watch() -> None:
+            sys.stdin.buffer.read()  # returns at end of file
+            stop.set()
+
+        threading.Thread(target=watch, daemon=True, name="twinplane-parent").start()
+    else:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
 def serve(config: DataPlaneConfig, listen: str, token: str | None = None, credentials=None,
           health_listen: str | None = None) -> None:
     """Serves until SIGTERM or SIGINT (over TLS with grpc.ServerCredentials, and health alone in
@@ -60,10 +80,7 @@ def serve(config: DataPlaneConfig, listen: str, token: str | None = None, creden
     log.info("data plane ready on %s%s: %s, %s, %d KV blocks of %d tokens, attention %s%s",
              listen, " (TLS)" if credentials is not None else "", desc.model, desc.dtype, desc.num_kv_blocks,
              desc.block_size, desc.attention_backend, _projections(runner))
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    stop_requested().wait()
     for each in servers:
         each.stop(grace=2.0).wait()
     servicer.close()  # waits for a Step stream's last launch, then stops the workers and the runner

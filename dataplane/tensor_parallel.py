@@ -16,12 +16,13 @@ import enum
 import logging
 import socket
 import struct
-from multiprocessing import get_context, resource_tracker
+from multiprocessing import get_context
 from multiprocessing.shared_memory import SharedMemory
 
 import torch
 import torch.distributed as dist
 
+from twinplane.controlplane.ipc import ignore_group_signals
 from twinplane.dataplane.config import DataPlaneConfig
 
 log = logging.getLogger("twinplane.dataplane")
@@ -65,11 +66,13 @@ def worker_main(config: DataPlaneConfig, rank: int, port: int, shm_name: str, wa
     from twinplane.dataplane.model_runner import ModelRunner
     from twinplane.proto import dataplane_pb2 as dp
 
+    ignore_group_signals()  # rank 0 stops the workers (EXIT), after a signal to the process group too
     init_process_group(config, rank, port)
     runner = ModelRunner(config)
     freeze_heap(f"data plane rank {rank}")
+    # rank 0 owns the block and unlinks it; a spawned worker shares rank 0's resource tracker, which
+    # holds it once however many attach, so the worker leaves the tracker alone
     shm = SharedMemory(name=shm_name)
-    resource_tracker.unregister(shm._name, "shared_memory")  # rank 0 owns and unlinks it
     try:
         while True:
             wake.wait()
@@ -142,8 +145,8 @@ class TensorParallelWorkers:
         for p in self.processes:
             p.join(timeout)
             if p.is_alive():
-                log.warning("tensor-parallel worker %s did not exit; terminating it", p.name)
-                p.terminate()
+                log.warning("tensor-parallel worker %s did not exit; killing it", p.name)
+                p.kill()
                 p.join(5)
         self.shm.close()
         self.shm.unlink()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -41,14 +43,14 @@ async def _read_until_it_ends(stream) -> tuple:
     return grpc.StatusCode.OK, "", time.monotonic()
 
 
-async def _sigterm_with_streams_in_flight(address: str, control_plane: subprocess.Popen) -> dict:
+async def _sigterm_with_streams_in_flight(address: str, sigterm: Callable[[], None]) -> dict:
     report = {}
     async with AsyncClient(address) as client:
         short = client.generate(token_ids=[11] * 20, max_tokens=100, **GREEDY).__aiter__()
         long = client.generate(token_ids=[12] * 20, max_tokens=4000, **GREEDY).__aiter__()
         firsts = [await short.__anext__(), await long.__anext__()]
         long_ends = asyncio.create_task(_read_until_it_ends(long))
-        control_plane.send_signal(signal.SIGTERM)
+        sigterm()
         started = time.monotonic()
         await asyncio.sleep(0.3)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -60,6 +62,14 @@ async def _sigterm_with_streams_in_flight(address: str, control_plane: subproces
     return report
 
 
+def _assert_drained(report: dict) -> None:
+    assert report["new_request"] == grpc.StatusCode.UNAVAILABLE  # stops accepting at once
+    assert len(report["short"]) == 100  # in-flight streams may finish within the grace period
+    code, details, waited = report["long"]
+    assert code == grpc.StatusCode.UNAVAILABLE and "shut down" in details
+    assert GRACE - 0.5 < waited < GRACE + 5  # ended when the grace period ran out, not at once
+
+
 def test_sigterm_on_the_control_plane_drains_then_ends_the_rest(tmp_path):
     dp_address, cp_address = f"unix://{tmp_path}/dp.sock", f"unix://{tmp_path}/cp.sock"
     dataplane = _start("dataplane", "--model", "dummy:tiny-qwen3", "--device", "cpu", "--block-size", "16",
@@ -69,18 +79,38 @@ def test_sigterm_on_the_control_plane_drains_then_ends_the_rest(tmp_path):
     try:
         with Client(cp_address) as client:
             client.wait_ready(timeout=120)
-        report = asyncio.run(_sigterm_with_streams_in_flight(cp_address, control))
-        assert report["new_request"] == grpc.StatusCode.UNAVAILABLE  # stops accepting at once
-        assert len(report["short"]) == 100  # in-flight streams may finish within the grace period
-        code, details, waited = report["long"]
-        assert code == grpc.StatusCode.UNAVAILABLE and "shut down" in details
-        assert GRACE - 0.5 < waited < GRACE + 5  # ended when the grace period ran out, not at once
+        _assert_drained(asyncio.run(_sigterm_with_streams_in_flight(cp_address, lambda: control.send_signal(
+            signal.SIGTERM))))
         assert control.wait(GRACE + 10) == 0
         dataplane.send_signal(signal.SIGTERM)
         assert dataplane.wait(30) == 0
     finally:
         _stop(control)
         _stop(dataplane)
+
+
+def test_sigterm_to_the_process_group_of_serve_drains_as_sigterm_to_serve_alone(tmp_path):
+    """systemd stopping a service (it signals every process of it), `kill 0`, or a terminal: serve's
+    engine core and data plane ignore the signal, serve drains its streams with them, then stops them."""
+    address = f"unix://{tmp_path}/cp.sock"
+    serve = subprocess.Popen([*CLI, "serve", "--model", "dummy:tiny-qwen3", "--device", "cpu", "--block-size", "16",
+                              "--listen", address, "--shutdown-grace", str(GRACE)],
+                             stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        with Client(address) as client:
+            client.wait_ready(timeout=120)
+        _assert_drained(asyncio.run(_sigterm_with_streams_in_flight(address, lambda: os.killpg(serve.pid,
+                                                                                               signal.SIGTERM))))
+        _, stderr = serve.communicate(timeout=GRACE + 20)
+        assert serve.returncode == 0, stderr.decode()
+        # no child stopped by the signal: neither restarted nor missed
+        assert b"exited" not in stderr and b"restarting" not in stderr, stderr.decode()
+    finally:
+        try:
+            os.killpg(serve.pid, signal.SIGKILL)
+        except ProcessLookupError:  # every process of the group has exited
+            pass
+        serve.wait(10)
 
 
 def test_sigterm_on_the_data_plane_exits_cleanly_and_nothing_is_lost(tiny_qwen3_dir, planes_factory):
