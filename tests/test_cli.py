@@ -101,6 +101,34 @@ def test_generate_says_in_one_line_when_it_cannot_reach_the_server(tmp_path):
         result.stderr)
 
 
+def test_a_data_plane_without_torch_says_what_to_install(tmp_path):
+    """`pip install .` alone is the control plane: a data plane there says which extra it needs and
+    exits as one that refused its configuration (serve then stops instead of restarting it)."""
+    code = ("import sys; sys.modules['torch'] = None; from twinplane.clients.cli import main; "
+            f"sys.exit(main(['dataplane', '--model', 'dummy:tiny-qwen3', '--listen', 'unix://{tmp_path}/dp.sock']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 78, result.stderr
+    assert result.stderr == ("twinplane dataplane: error: the data plane needs torch, which is not installed: "
+                             "pip install -e '.[embedded]' (with the embedded model) or '.[dataplane]'\n")
+
+
+def test_serve_on_port_0_says_the_port_it_serves_on(tmp_path):
+    server = subprocess.Popen([*CLI, "serve", "--model", "dummy:tiny-qwen3", "--device", "cpu", "--block-size", "16",
+                               "--listen", "127.0.0.1:0"], stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        while "serving on" not in (line := server.stderr.readline()):
+            assert line, "serve ended before it said where it serves"
+        address = line.split("serving on ")[1].strip()
+        host, _, port = address.rpartition(":")
+        assert host == "127.0.0.1" and int(port) > 0, line
+        with Client(address) as client:
+            assert client.health_check(10) == "SERVING"
+    finally:
+        server.terminate()
+        server.communicate(timeout=60)
+
+
 def test_ctrl_c_on_generate_cancels_the_request_and_frees_its_blocks(loopback_planes):
     command = [*CLI, "generate", "--server", loopback_planes.address, "--no-chat", "--max-tokens", "3000",
                "--ignore-eos", "The quick brown fox"]
@@ -460,12 +488,16 @@ def test_dataplane_refuses_bad_addresses_and_sizes_in_one_line(taken_port, tmp_p
          f"model '{broken}': It looks like the config file"),
         (["dataplane", "--model", str(weightless), "--device", "cpu", "--listen", socket_path],
          "holds no *.safetensors files"),
-        ([*dataplane, "--listen", f"127.0.0.1:{taken_port}", "--insecure"],
-         f"--listen 127.0.0.1:{taken_port}: cannot listen there"),
+        ([*dataplane, "--listen", "127.0.0.1:0"], "127.0.0.1:0 is a TCP address, which needs a token"),
+        ([*dataplane, "--listen", "127.0.0.1:0", "--insecure", "--tls-cert", str(tmp_path / "cert.pem")],
+         "--tls-cert and --tls-key go together"),
     ]
-    for argv, message in cases:
+    for argv, message in cases:  # EX_CONFIG: serve does not restart a data plane that refused its flags
         result = _refused(*argv, timeout=120)
-        assert message in result.stderr, (argv, result.stderr)
+        assert message in result.stderr and result.returncode == 78, (argv, result.returncode, result.stderr)
+    # a port that is taken may come free: serve restarts that one
+    result = _refused(*dataplane, "--listen", f"127.0.0.1:{taken_port}", "--insecure")
+    assert f"--listen 127.0.0.1:{taken_port}: cannot listen there" in result.stderr and result.returncode == 1
     # a KV cache larger than the host's memory is refused once the model is loaded, not allocated
     for flags, asked in ((["--num-kv-blocks", str(10**13)], f"num_kv_blocks={10**13}"),
                          (["--cpu-kv-cache-gib", "1e9"], "cpu_kv_cache_gib=1000000000.0")):

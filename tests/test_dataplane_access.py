@@ -157,7 +157,7 @@ def _dataplane(*args: str, env: dict | None = None) -> subprocess.CompletedProce
 def test_dataplane_on_tcp_needs_a_token_or_insecure():
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
     result = _dataplane("--listen", "127.0.0.1:0", env=env)
-    assert result.returncode == 1
+    assert result.returncode == 78  # EX_CONFIG
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "127.0.0.1:0 is a TCP address, which needs a token" in lines[0], result.stderr
     assert "--insecure" in lines[0] and "Traceback" not in result.stderr

@@ -199,7 +199,7 @@ def test_unusable_tls_files_stop_either_plane_at_start_with_one_line_naming_the_
     result = subprocess.run([sys.executable, "-m", "twinplane.clients.cli", "dataplane", "--model", "dummy:tiny-qwen3",
                              "--device", "cpu", "--insecure", "--tls-cert", str(cert), "--tls-key", str(other_key)],
                             capture_output=True, text=True, timeout=60)
-    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert result.returncode == 78 and result.stderr.count("\n") == 1, result.stderr  # EX_CONFIG
     assert "--tls-key" in result.stderr and "do not make a key pair" in result.stderr
 
     def controlplane_error(*argv: str) -> str:
