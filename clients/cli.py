@@ -620,7 +620,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-DATAPLANE_PACKAGES = ("torch", "transformers", "safetensors")  # the [dataplane] extra's, which `pip install .` leaves out
+# the [dataplane] extra's packages, which `pip install .` leaves out
+DATAPLANE_PACKAGES = ("torch", "transformers", "safetensors")
 
 
 def _rpc_error_line(exc: BaseException) -> str | None:
