@@ -228,6 +228,9 @@ DEVICE_OPTIONS = ("--launch-ms", "--prompt-token-us", "--context-us-per-1k")
 
 def main() -> int:
     args = sys.argv[1:]
+    if "-h" in args or "--help" in args:  # this tool's own options; the rest are the benchmark client's
+        print(__doc__.strip() + "\n\ntwinplane bench options: see `twinplane bench --help`.")
+        return 0
     step_ms = float(_take(args, "--device-step-ms", "0"))
     device = [float(_take(args, name, "0")) for name in DEVICE_OPTIONS]
     if any(device) and not step_ms:

@@ -373,3 +373,11 @@ def test_emulated_device_behind_the_real_data_plane_server_serves_a_control_plan
         control.terminate()
         control.wait(30)
         server.stop(0)
+
+
+def test_bench_stream_help_names_its_own_options_and_starts_nothing():
+    result = subprocess.run([sys.executable, "-m", "twinplane.controlplane.bench_stream", "--help"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stderr == ""
+    for option in ("--device-step-ms", "--launch-ms", "--prompt-token-us", "--context-us-per-1k", "twinplane bench"):
+        assert option in result.stdout, option
