@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import NoReturn
 
 from twinplane.clients.launcher import CONFIG_ERROR_EXIT, TOKEN_ENV, DataPlaneProcess, gpu_groups, new_token
-from twinplane.controlplane.ipc import SUPERVISED_ENV, ignore_group_signals
 from twinplane.controlplane.event_loop import run as run_event_loop
 
 log = logging.getLogger("twinplane")
@@ -269,15 +268,16 @@ def _dataplane_credentials(args: argparse.Namespace):
 
 
 def cmd_dataplane(args: argparse.Namespace) -> int:
-    if os.environ.get(SUPERVISED_ENV) == "1":  # a child of serve or run, which stops it (see DataPlaneProcess)
-        ignore_group_signals()
+    from twinplane.dataplane.stopping import Stop
+
+    stop = Stop()  # first: a child of serve or run ignores the process group's signals from here on
     token = _dataplane_token(args)  # before the model loads
     credentials = _dataplane_credentials(args)
     from twinplane.dataplane.embedded import EmbeddedModelError
     from twinplane.dataplane.main import serve
 
     try:  # serve checks the model first (check_config), before any rank starts or the model loads
-        serve(_dataplane_config(args), args.listen, token, credentials, args.health_listen)
+        serve(_dataplane_config(args), args.listen, token, credentials, args.health_listen, stop)
     except OSError as exc:  # an address it cannot listen on (in use, or not this host's)
         raise SystemExit(f"twinplane dataplane: error: {exc}") from None
     except (ValueError, EmbeddedModelError) as exc:  # the model, the TP size or the KV cache size

@@ -220,8 +220,9 @@ class Engine:
             for name in DATAPLANE_COUNTERS:
                 self.dataplane_counters_carried[part.target, name] += getattr(part, name)
         zeroed = dict.fromkeys(("waiting", "running", *DATAPLANE_COUNTERS), 0)
+        earlier = replace(core.earlier, prefix_cache_hits=core.prefix_cache_hits)  # the total carries on
         self.core_snapshot = replace(core, num_added=0, unrouted=0, added_by_frontend=(), waiting_by_frontend=(),
-                                     dataplanes=[replace(d, **zeroed) for d in core.dataplanes])
+                                     earlier=earlier, dataplanes=[replace(d, **zeroed) for d in core.dataplanes])
         self._num_added = 0
         self._replay = True
         for state in list(self.requests.values()):

@@ -132,7 +132,7 @@ def main() -> None:
 
 
 async def _serve_secondary(sock: socket.socket) -> None:
-    """Serves until the primary says stop (or goes away), or SIGTERM."""
+    """Serves until the primary says stop (or goes away); signals to the process group are ignored."""
     from twinplane.controlplane.main import ControlPlane, freeze_heap_once_ready
     from twinplane.controlplane.supervisor import CoreLink
 

@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import signal
-import sys
-import threading
 from pathlib import Path
 
 from twinplane.controlplane.event_loop import freeze_heap
-from twinplane.controlplane.ipc import SUPERVISED_ENV
 from twinplane.dataplane.config import DataPlaneConfig
 from twinplane.dataplane.embedded import model_name, resolve_model
 from twinplane.dataplane.server import create_health_server, create_server
+from twinplane.dataplane.stopping import Stop
 
 log = logging.getLogger("twinplane.dataplane")
 
@@ -41,46 +37,36 @@ def _projections(runner) -> str:
     return ", quack's GEMM for projections of one wave" if wave_gemm.in_use(runner.device, runner.dtype) else ""
 
 
-def stop_requested() -> threading.Event:
-    """Set once this data plane should stop: on SIGTERM or SIGINT; or, when `twinplane serve` or
-    `run` started it (SUPERVISED_ENV), once its stdin closes, which the parent does to stop it (or
-    its exit does): such a child ignores signals to the process group (see ipc.GROUP_SIGNALS)."""
-    stop = threading.Event()
-    if os.environ.get(SUPERVISED_ENV) == "1":
-        def watch() -> None:
-            sys.stdin.buffer.read()  # returns at end of file
-            stop.set()
-
-        threading.Thread(target=watch, daemon=True, name="twinplane-parent").start()
-    else:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-    return stop
-
-
 def serve(config: DataPlaneConfig, listen: str, token: str | None = None, credentials=None,
-          health_listen: str | None = None) -> None:
-    """Serves until SIGTERM or SIGINT (over TLS with grpc.ServerCredentials, and health alone in
-    plaintext on health_listen when given); then stops the servers and releases the runner."""
+          health_listen: str | None = None, stop: Stop | None = None) -> None:
+    """Serves until stop (stopping.py; by default SIGTERM or SIGINT), over TLS with
+    grpc.ServerCredentials, and health alone in plaintext on health_listen when given; then stops
+    the servers and releases the runner."""
     from twinplane.dataplane.model_runner import ModelRunner  # imports torch
 
+    stop = stop or Stop()
     config = check_config(config)  # before any rank starts
     workers = None
     if config.tensor_parallel_size > 1:
         from twinplane.dataplane.tensor_parallel import TensorParallelWorkers
 
         workers = TensorParallelWorkers(config)  # spawns ranks 1..N-1; this process becomes rank 0
-    runner = ModelRunner(config)
-    server, _, servicer = create_server(runner, listen, token, workers, credentials)
-    servers = [server] + ([create_health_server(health_listen)[0]] if health_listen else [])
-    freeze_heap("data plane")
-    for each in servers:
-        each.start()
+    try:
+        runner = ModelRunner(config)
+        server, _, servicer = create_server(runner, listen, token, workers, credentials)
+        servers = [server] + ([create_health_server(health_listen)[0]] if health_listen else [])
+        freeze_heap("data plane")
+        for each in servers:
+            each.start()
+    except BaseException:  # an address it cannot listen on, a model that does not fit, Ctrl-C
+        if workers is not None:
+            workers.kill()  # they ignore signals; nothing else would end them
+        raise
     desc = runner.describe()
     log.info("data plane ready on %s%s: %s, %s, %d KV blocks of %d tokens, attention %s%s",
              listen, " (TLS)" if credentials is not None else "", desc.model, desc.dtype, desc.num_kv_blocks,
              desc.block_size, desc.attention_backend, _projections(runner))
-    stop_requested().wait()
+    stop.wait()
     for each in servers:
         each.stop(grace=2.0).wait()
     servicer.close()  # waits for a Step stream's last launch, then stops the workers and the runner

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import socket
 import struct
 from multiprocessing import get_context
@@ -28,6 +29,7 @@ from twinplane.dataplane.config import DataPlaneConfig
 log = logging.getLogger("twinplane.dataplane")
 BUFFER_BYTES = 64 << 20  # the largest plan: max_num_batched_tokens tokens and slots, and block tables
 HEADER = struct.Struct("<II")  # command, payload length
+PARENT_POLL_S = 1.0  # how often an idle worker checks that rank 0 is still there
 
 
 class Command(enum.IntEnum):
@@ -67,6 +69,7 @@ def worker_main(config: DataPlaneConfig, rank: int, port: int, shm_name: str, wa
     from twinplane.proto import dataplane_pb2 as dp
 
     ignore_group_signals()  # rank 0 stops the workers (EXIT), after a signal to the process group too
+    parent = os.getppid()
     init_process_group(config, rank, port)
     runner = ModelRunner(config)
     freeze_heap(f"data plane rank {rank}")
@@ -75,7 +78,9 @@ def worker_main(config: DataPlaneConfig, rank: int, port: int, shm_name: str, wa
     shm = SharedMemory(name=shm_name)
     try:
         while True:
-            wake.wait()
+            while not wake.wait(PARENT_POLL_S):
+                if os.getppid() != parent:  # rank 0 is gone (killed): no EXIT will come
+                    os._exit(1)
             wake.clear()
             command, length = HEADER.unpack_from(shm.buf, 0)
             payload = bytes(shm.buf[HEADER.size:HEADER.size + length])
@@ -138,9 +143,17 @@ class TensorParallelWorkers:
     def reset(self) -> None:
         self._send(Command.RESET)
 
+    def kill(self) -> None:
+        """Ends every worker at once (rank 0 failed before serving) and releases the shared memory."""
+        for p in self.processes:
+            p.kill()
+            p.join(5)
+        self.shm.close()
+        self.shm.unlink()
+
     def stop(self, timeout: float = 30.0) -> None:
         """Stops and joins every worker, then releases the shared memory and the NCCL group."""
-        if any(p.is_alive() for p in self.processes):
+        if all(p.is_alive() for p in self.processes):  # one that died would never take the message
             self._send(Command.EXIT)
         for p in self.processes:
             p.join(timeout)

@@ -112,6 +112,25 @@ def test_a_data_plane_without_torch_says_what_to_install(tmp_path):
                              "pip install -e '.[embedded]' (with the embedded model) or '.[dataplane]'\n")
 
 
+def test_a_data_plane_stopped_while_it_loads_exits_at_once(tmp_path):
+    """serve and run stop their data plane by closing its stdin; one still loading its model has
+    nothing to finish and exits then, rather than being killed once the stop's timeout runs out."""
+    from twinplane.clients.launcher import DataPlaneProcess
+
+    child = DataPlaneProcess(["--model", "dummy:qwen3-0.6b", "--device", "cpu"], restart=False)
+    child.start()
+    time.sleep(3)  # importing torch, or building the model (Qwen3-0.6B's shapes take longer on a CPU)
+    child.stop(timeout=5)
+    assert child.process.returncode == 0  # -9: killed when the timeout ran out
+
+
+def test_a_tensor_parallel_data_plane_that_cannot_listen_exits_with_its_workers(taken_port):
+    """Rank 0 fails after its workers started (they ignore signals): it ends them and exits."""
+    result = _refused("dataplane", "--model", "dummy:tiny-qwen3", "--device", "cpu", "--tensor-parallel-size", "2",
+                      "--listen", f"127.0.0.1:{taken_port}", "--insecure", timeout=120)
+    assert f"127.0.0.1:{taken_port}: cannot listen there" in result.stderr and result.returncode == 1
+
+
 def test_serve_on_port_0_says_the_port_it_serves_on(tmp_path):
     server = subprocess.Popen([*CLI, "serve", "--model", "dummy:tiny-qwen3", "--device", "cpu", "--block-size", "16",
                                "--listen", "127.0.0.1:0"], stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,

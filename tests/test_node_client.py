@@ -178,6 +178,11 @@ def test_node_refuses_what_the_proto_cannot_hold_before_sending_it(node):
         ({"prompt": "x", "structuredOutput": {"json_schema": "{}"}},
          "request.structuredOutput has no field json_schema"),
         ({"messages": [{"role": "user"}]}, "messages[0] needs a role and content"),
+        ({"prompt": "x", "temperature": 1e40}, "request.sampling.temperature must be a finite number (32-bit)"),
+        ({"prompt": "x", "logitBias": {"": 1.5}}, "request.logitBias key  must be an integer"),
+        ({"prompt": "x", "logitBias": {"0x10": 1.5}}, "request.logitBias key 0x10 must be an integer"),
+        ({"prompt": "x", "structuredOutput": {"jsonObject": True, "regex": "a+"}},
+         "structuredOutput takes one of jsonSchema, jsonObject, regex and choice, got jsonObject, regex"),
     ]
     sent = [
         {"prompt": "x", "stop": ","},
@@ -187,7 +192,9 @@ def test_node_refuses_what_the_proto_cannot_hold_before_sending_it(node):
     ]
     tokenize_refused = [({"text": "a", "messages": [["user", "b"]]}, "give exactly one of text or messages"),
                         ({}, "give exactly one of text or messages"),
-                        ({"text": "a", "chatTemplateKwargs": {"x": 1}}, "given without messages")]
+                        ({"text": "a", "chatTemplateKwargs": {"x": 1}}, "given without messages"),
+                        ({"messages": [["user", "b"]], "addGenerationPromt": False},
+                         "unknown option addGenerationPromt")]
     cases = [["generate", o] for o, _ in refused] + [["generate", o] for o in sent] + [
         ["tokenize", o] for o, _ in tokenize_refused]
     result = subprocess.run([node, "-e", BUILD_SCRIPT, str(NODE_CLIENT / "twinplane.js"), json.dumps(cases)],
@@ -232,9 +239,13 @@ const { Client } = require(process.argv[1]);
   aborted.abort();
   const other = new Client(process.argv[2]);
   const unary = await other.modelInfo({ signal: aborted.signal }).then(() => null, (error) => error.code);
+  const shared = new AbortController(); // one long-lived signal for many calls: each call's listener goes with it
+  for (let i = 0; i < 3; i += 1) await other.modelInfo({ signal: shared.signal });
+  const { getEventListeners } = require('node:events');
   other.close();
   client.close();
-  console.log(JSON.stringify({ chunks, code, final: stream.final, unary }));
+  console.log(JSON.stringify({ chunks, code, final: stream.final, unary,
+    listeners: getEventListeners(shared.signal, 'abort').length }));
 })();
 """
 
@@ -251,4 +262,5 @@ def test_node_close_signal_and_timeout_end_the_call_on_the_server(node, loopback
     assert ended["code"] == (code.value[0] if code else None), ended
     assert ended["final"] is None and 0 < ended["chunks"] < 3000, ended
     assert ended["unary"] == grpc.StatusCode.CANCELLED.value[0]  # a signal aborted before the call
+    assert ended["listeners"] == 0  # calls that ended left nothing on the signal they were given
     wait_until(lambda: all_blocks_free(loopback_planes), 10, "the ended request's blocks to be freed")

@@ -269,6 +269,7 @@ def test_a_data_planes_counters_carry_on_across_engine_cores():
     part = DataPlaneSnapshot("dp:1", connected=True, computed_tokens=500, prefix_cache_hits=64)
     engine.snapshot(replace(engine.core_snapshot, dataplanes=[part]))
     engine.core_died()
+    assert engine.core_snapshot.prefix_cache_hits == 64  # the total too, which the next core is given
 
     def values(name: str) -> list[float]:
         return [s.value for s in _family(engine, name).samples]

@@ -35,6 +35,7 @@ const SAMPLING_FIELDS = fieldNames('SamplingParams');
 const INPUT_FIELDS = new Set(['text', 'tokenIds', 'chat', 'sampling']); // set from the options below
 const REQUEST_FIELDS = new Set([...fieldNames('GenerateRequest')].filter((name) => !INPUT_FIELDS.has(name)));
 
+const FLOAT32_MAX = 3.4028234663852886e38;
 const INTEGER_RANGES = {
   TYPE_INT32: [-(2n ** 31n), 2n ** 31n - 1n],
   TYPE_UINT32: [0n, 2n ** 32n - 1n],
@@ -70,8 +71,10 @@ function checkedScalar(field, value, where) {
     TYPE_FLOAT: ['number', 'a finite number'], TYPE_DOUBLE: ['number', 'a finite number'],
   }[field.type];
   if (expected === undefined) return value; // enums and bytes: the encoder checks them
-  if (typeof value !== expected[0] || (expected[0] === 'number' && !Number.isFinite(value))) {
-    throw new TypeError(`${where} must be ${expected[1]}, got ${shown(value)}`);
+  const tooWide = field.type === 'TYPE_FLOAT' && Math.abs(value) > FLOAT32_MAX; // the wire would carry inf
+  if (typeof value !== expected[0] || (expected[0] === 'number' && !Number.isFinite(value)) || tooWide) {
+    throw new TypeError(`${where} must be ${expected[1]}${field.type === 'TYPE_FLOAT' ? ' (32-bit)' : ''}, `
+      + `got ${shown(value)}`);
   }
   return value;
 }
@@ -111,7 +114,8 @@ function checkedValue(parent, field, value, where) {
     const [keyField, valueField] = type.field;
     if (value === null || typeof value !== 'object') throw new TypeError(`${where} must be an object`);
     return Object.fromEntries(Object.entries(value).map(([k, v]) => [
-      checkedScalar(keyField, keyField.type === 'TYPE_STRING' ? k : Number(k), `${where} key ${k}`),
+      checkedScalar(keyField, keyField.type === 'TYPE_STRING' || !/^-?\d+$/.test(k) ? k : Number(k),
+        `${where} key ${k}`),
       checkedValue(type, valueField, v, `${where}[${k}]`)]));
   }
   if (field.label === 'LABEL_REPEATED') {
@@ -156,6 +160,8 @@ function toolOf(tool) {
  * calls); undefined leaves the server's default.
  */
 function chatInput(messages, options = {}) {
+  const unknown = Object.keys(options).filter((key) => !CHAT_OPTIONS.includes(key));
+  if (unknown.length) throw new TypeError(`unknown option ${unknown.join(', ')}`);
   const { addGenerationPrompt, continueFinalMessage, chatTemplateKwargs, tools, toolChoice } = options;
   if (!Array.isArray(messages)) throw new TypeError(`messages must be an array, got ${shown(messages)}`);
   const chat = { messages: messages.map(messageOf) };
@@ -166,6 +172,8 @@ function chatInput(messages, options = {}) {
   if (toolChoice !== undefined) chat.toolChoice = toolChoice;
   return chat;
 }
+
+const CHAT_OPTIONS = ['addGenerationPrompt', 'continueFinalMessage', 'chatTemplateKwargs', 'tools', 'toolChoice'];
 
 /** A chat message from {role, content, ...} or [role, content]: it needs a role, and content unless it makes calls. */
 function messageOf(message, i) {
@@ -206,6 +214,11 @@ function buildRequest(options) {
     if (SAMPLING_FIELDS.has(key)) request.sampling[key] = value;
     else if (REQUEST_FIELDS.has(key)) request[key] = key === 'stop' && typeof value === 'string' ? [value] : value;
     else throw new TypeError(`unknown option ${key}`);
+  }
+  const kinds = Object.keys(request.structuredOutput ?? {}).filter((key) => request.structuredOutput[key] != null);
+  if (request.structuredOutput !== undefined && kinds.length !== 1) { // a oneof: the encoder would send them all
+    throw new TypeError(`structuredOutput takes one of jsonSchema, jsonObject, regex and choice, got ${
+      kinds.join(', ') || 'none'}`);
   }
   return checked(definition['twinplane.v1.GenerateRequest'].type, request, 'request');
 }
@@ -291,6 +304,17 @@ function callOptionsOf({ timeout, signal } = {}) {
   return { options: timeout === undefined ? {} : { deadline: Date.now() + timeout * 1000 }, signal };
 }
 
+/** Cancels call when signal (an AbortSignal, or undefined) aborts, until the call ends. */
+function onAbort(signal, call, cancel) {
+  if (signal === undefined) return;
+  if (signal.aborted) {
+    cancel();
+    return;
+  }
+  signal.addEventListener('abort', cancel, { once: true });
+  call.on('status', () => signal.removeEventListener('abort', cancel));
+}
+
 /** Client of one server. `credentials`: grpc.credentials.createSsl(...) for TLS; plaintext by default. */
 class Client {
   constructor(address, { apiKey = null, credentials = grpc.credentials.createInsecure() } = {}) {
@@ -303,9 +327,9 @@ class Client {
   /** Starts a generation; options are those of buildRequest, and callOptionsOf's timeout and signal. */
   generate({ timeout, signal, ...options }) {
     const call = callOptionsOf({ timeout, signal });
-    const stream = new GenerateStream(this.track(this.stub.generate(buildRequest(options), this.metadata,
-      call.options)));
-    this.onAbort(call.signal, () => stream.cancel());
+    const grpcCall = this.track(this.stub.generate(buildRequest(options), this.metadata, call.options));
+    const stream = new GenerateStream(grpcCall);
+    onAbort(call.signal, grpcCall, () => stream.cancel());
     return stream;
   }
 
@@ -333,7 +357,7 @@ class Client {
     return new Promise((resolve, reject) => {
       const call = this.track(this.stub[method](request, this.metadata, options,
         (error, reply) => (error ? reject(error) : resolve(reply))));
-      this.onAbort(signal, () => call.cancel());
+      onAbort(signal, call, () => call.cancel());
     });
   }
 
@@ -342,12 +366,6 @@ class Client {
     this.calls.add(call);
     call.on('status', () => this.calls.delete(call));
     return call;
-  }
-
-  onAbort(signal, cancel) {
-    if (signal === undefined) return;
-    if (signal.aborted) cancel();
-    else signal.addEventListener('abort', cancel, { once: true });
   }
 
   /** Cancels the calls in flight (they end with CANCELLED) and closes the channel. */

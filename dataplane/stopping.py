@@ -1,0 +1,49 @@
+"""When a data plane stops.
+
+Run on its own, on SIGTERM or SIGINT: a signal while it loads ends it at once (a model half loaded
+has nothing to finish), one while it serves stops it in order. Started by `twinplane serve` or
+`run` (SUPERVISED_ENV in its environment), it ignores those signals, which reach its parent too
+when they are sent to the whole process group (Ctrl-C, systemd stopping the service) and the
+parent needs its data plane while its streams drain; it stops when its stdin closes instead,
+which the parent does to stop it, and which its exit does too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+from twinplane.controlplane.ipc import SUPERVISED_ENV, ignore_group_signals
+
+
+class Stop:
+    """Create it first thing; ``wait()`` once serving."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self.serving = False
+        self.supervised = os.environ.get(SUPERVISED_ENV) == "1"
+        if self.supervised:
+            ignore_group_signals()
+            threading.Thread(target=self._watch_stdin, daemon=True, name="twinplane-parent").start()
+
+    def _watch_stdin(self) -> None:
+        # the file descriptor, not sys.stdin: a daemon thread blocked in a buffered read holds its
+        # lock, which the interpreter's shutdown then cannot take (a fatal error at exit)
+        while os.read(0, 4096):  # b"" at end of file
+            pass
+        self._request()
+
+    def _request(self, *_) -> None:
+        if not self.serving:
+            os._exit(0)  # tensor-parallel workers see rank 0 gone and exit too
+        self.requested.set()
+
+    def wait(self) -> None:
+        """Serving from now on: returns once a stop is requested."""
+        self.serving = True
+        if not self.supervised:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._request)
+        self.requested.wait()
