@@ -184,14 +184,21 @@ function messageOf(message, i) {
   return m;
 }
 
+/** Exactly one of inputs ({name: value}, messages among them) must be given, and chat options only with messages. */
+function checkOneInput(inputs, chatOptions) {
+  const names = Object.keys(inputs);
+  if (Object.values(inputs).filter((value) => value !== undefined).length !== 1) {
+    throw new TypeError(`give exactly one of ${names.slice(0, -1).join(', ')} or ${names.at(-1)}`);
+  }
+  const options = Object.keys(chatOptions).filter((key) => chatOptions[key] !== undefined);
+  if (inputs.messages === undefined && options.length) {
+    throw new TypeError(`${options.join(', ')}: options of chat messages, given without messages`);
+  }
+}
+
 /** The prompt of a request: exactly one of `prompt` (text), `tokenIds` or `messages` (chat, with its options). */
 function inputOf({ prompt, tokenIds, messages, ...chatOptions }) {
-  const given = [prompt, tokenIds, messages].filter((value) => value !== undefined);
-  if (given.length !== 1) throw new TypeError('give exactly one of prompt, tokenIds or messages');
-  if (messages === undefined && Object.values(chatOptions).some((value) => value !== undefined)) {
-    throw new TypeError('addGenerationPrompt, continueFinalMessage, chatTemplateKwargs, tools and toolChoice go with '
-      + 'messages');
-  }
+  checkOneInput({ prompt, tokenIds, messages }, chatOptions);
   if (prompt !== undefined) return { text: prompt };
   if (tokenIds !== undefined) return { tokenIds: { ids: tokenIds } };
   return { chat: chatInput(messages, chatOptions) };
@@ -338,10 +345,7 @@ class Client {
    * chat template, with chatInput's options); callOptionsOf's timeout and signal.
    */
   tokenize({ text, messages, timeout, signal, ...chatOptions } = {}) {
-    if ((text === undefined) === (messages === undefined)) throw new TypeError('give exactly one of text or messages');
-    if (messages === undefined && Object.values(chatOptions).some((value) => value !== undefined)) {
-      throw new TypeError(`${Object.keys(chatOptions).join(', ')}: options of chat messages, given without messages`);
-    }
+    checkOneInput({ text, messages }, chatOptions);
     const request = messages === undefined ? { text } : { chat: chatInput(messages, chatOptions) };
     return this.unary('tokenize', checked(definition['twinplane.v1.TokenizeRequest'].type, request, 'request'),
       { timeout, signal });
