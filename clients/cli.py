@@ -415,14 +415,24 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 def _stream_to_terminal(stream) -> int:
     """Writes the text as it comes, then the finish reason and usage; Ctrl-C cancels the request (exit 130)."""
-    finish = None
+    import signal
+    import threading
+
+    finish, interrupted = None, threading.Event()
+
+    def interrupt(*_) -> None:  # no KeyboardInterrupt: raised inside grpc's iteration, it breaks the call's lock
+        interrupted.set()
+        threading.Thread(target=stream.cancel).start()  # off the handler, which may run inside that lock
+
+    previous = signal.signal(signal.SIGINT, interrupt)
     try:
-        for chunk in stream:
+        for chunk in stream:  # ends quietly once cancelled
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
             finish = chunk
-    except KeyboardInterrupt:
-        stream.cancel()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if interrupted.is_set():
         print("\n[cancelled]", file=sys.stderr)
         return 130
     sys.stdout.write("\n")
