@@ -156,10 +156,13 @@ class Scheduler:
 
     def recompute(self, seqs: list[Sequence]) -> None:
         """The steps that computed these sequences will not report back: each running one starts
-        over from its tokens so far (its KV recomputed, prefix cache permitting), ahead of the queue."""
+        over from its tokens so far (its KV recomputed, prefix cache permitting), ahead of the queue.
+        One preempted since (waiting) drops the tokens those steps owed it too, else the queue would
+        wait for them forever."""
         for seq in reversed(seqs):
             if seq.status is SequenceStatus.RUNNING:
                 self._preempt(seq)
+            if seq.status is not SequenceStatus.FINISHED:
                 seq.drop_pending()
 
     def schedule(self) -> SchedulerOutput | None:

@@ -225,6 +225,25 @@ def test_sequences_of_a_step_that_will_not_report_back_start_over_ahead_of_the_q
     assert all(chunk.is_new_mirror for chunk in again.chunks)  # sent to the data plane again from scratch
 
 
+def test_a_sequence_preempted_while_its_step_fails_drops_its_pending_token():
+    """Three steps in flight: the second admits s, the third preempts it (still owed the second's token);
+    the first two fail. recompute() must drop s's pending token, else the waiting queue stops at s."""
+    sched = make(num_blocks=2, max_num_seqs=4)
+    a = add(sched, 1, 3, first_token=10)
+    sched.schedule()  # step 1: a's prompt
+    s = add(sched, 2, 3, first_token=20)
+    second = sched.schedule()  # a decodes, s's prompt: both owed a token
+    third = sched.schedule()  # a needs a second block: s, the newest, is preempted
+    assert s.status is SequenceStatus.WAITING and s.has_pending
+    sched.finish(a)  # step 1 failed: its request is aborted
+    sched.recompute([seq for seq in second.seqs if seq.status is not SequenceStatus.FINISHED])  # step 2 failed
+    sched.update(third, [7] * sum(c.sample for c in third.chunks))  # a finished: ignored
+    assert not s.has_pending and s.token_ids == [20, 21, 22]
+    add(sched, 3, 1, first_token=30)
+    out = sched.schedule()
+    assert out is not None and {seq.seq_id for seq in out.seqs} == {2, 3}
+
+
 def make_by_priority(**kwargs) -> Scheduler:
     sched = make(**kwargs)
     sched.config = SchedulerConfig(**{**sched.config.__dict__, "by_priority": True})
