@@ -264,3 +264,99 @@ def test_node_close_signal_and_timeout_end_the_call_on_the_server(node, loopback
     assert ended["unary"] == grpc.StatusCode.CANCELLED.value[0]  # a signal aborted before the call
     assert ended["listeners"] == 0  # calls that ended left nothing on the signal they were given
     wait_until(lambda: all_blocks_free(loopback_planes), 10, "the ended request's blocks to be freed")
+
+
+# A program that uses every part of the client, which the declarations must type without an error.
+TYPED_PROGRAM = """
+import * as grpc from '@grpc/grpc-js';
+import { Chunk, Client, ModelInfo, PositionLogprobs, TokenizeResult, buildRequest, status } from 'twinplane';
+
+async function main(): Promise<void> {
+  const client = new Client('127.0.0.1:1', { apiKey: 'key', credentials: grpc.credentials.createInsecure() });
+  const stream = client.generate({
+    messages: [{ role: 'user', content: 'Hi' }, ['assistant', 'Hello'], { role: 'assistant', toolCalls: [
+      { id: 'c1', name: 'f', arguments: '{}' }] }, { role: 'tool', content: '1', toolCallId: 'c1' }],
+    addGenerationPrompt: true, chatTemplateKwargs: { enable_thinking: false, n: [1, 'a', null] },
+    tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'object' } } }, { name: 'g' }],
+    toolChoice: 'required', maxTokens: 8, minTokens: null, temperature: 0, topP: 0.9, topK: 5, seed: 2n ** 63n,
+    stop: 'x', stopTokenIds: [2], logitBias: { 5: -100 }, logprobs: 2, promptLogprobs: 1, parseOutput: true,
+    structuredOutput: { choice: { choices: ['a', 'b'] } }, priority: 1, requestId: 'r', timeout: 5,
+    signal: new AbortController().signal,
+  });
+  for await (const chunk of stream) {
+    const top: PositionLogprobs[] = chunk.logprobs;
+    const rank: number | undefined = top[0]?.sampled?.rank;
+    process.stdout.write(chunk.text + chunk.tokenIds.length + (rank ?? 0) + chunk.toolCallDeltas.length);
+  }
+  const last: Chunk | null = stream.final;
+  const reason: string | null = last?.finishReason ?? null;
+  const used: number = last?.usage?.completionTokens ?? 0;
+  const text: string = await client.generate({ tokenIds: [1, 2], ignoreEos: true }).text();
+  const tokens: TokenizeResult = await client.tokenize({ messages: [['user', 'Hi']], continueFinalMessage: true });
+  const info: ModelInfo = await client.modelInfo({ timeout: 1 });
+  buildRequest({ prompt: 'x', structuredOutput: { jsonSchema: '{}' }, seed: '18446744073709551615' });
+  console.log(reason, used, text, tokens.tokenIds[0], info.maxModelLen + info.eosTokenIds[0], status.CANCELLED);
+  client.close();
+}
+main();
+"""
+
+# Mistakes the declarations must refuse, one a line.
+MISTYPED_LINES = """
+client.generate({ prompt: 'x', maxTokenz: 3 });
+client.generate({ prompt: 'x', temperature: 'hot' });
+client.generate({ prompt: 'x', tokenIds: [1] });
+client.generate({ maxTokens: 3 });
+client.generate({ prompt: 'x', tools: [] });
+client.generate({ prompt: 'x', structuredOutput: { regex: 'a+', jsonObject: true } });
+client.generate({ prompt: 'x', seed: true });
+client.generate({ messages: [{ content: 'no role' }] });
+client.tokenize({ text: 'x', addGenerationPrompt: true });
+client.modelInfo({ timeout: '1' });
+const reason: 'stop' = client.generate({ prompt: 'x' }).final!.finishReason;
+""".strip().splitlines()
+
+
+def _tsc(node: str, tmp_path, name: str, source: str) -> subprocess.CompletedProcess:
+    """Type-checks source (strict) against clients/node's declarations; 'twinplane' names the client."""
+    (tmp_path / f"{name}.ts").write_text(source)
+    modules = NODE_CLIENT / "node_modules"
+    (tmp_path / "tsconfig.json").write_text(json.dumps({
+        "compilerOptions": {"strict": True, "noEmit": True, "target": "es2022", "module": "commonjs",
+                            "moduleResolution": "node", "types": ["node"], "typeRoots": [str(modules / "@types")],
+                            "baseUrl": str(modules), "paths": {"twinplane": [str(NODE_CLIENT / "twinplane")]}},
+        "files": [f"{name}.ts"]}))
+    return subprocess.run([node, str(modules / "typescript" / "bin" / "tsc"), "-p", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+
+
+def test_typescript_declarations_type_a_whole_program_and_refuse_each_mistake(node, tmp_path):
+    typed = _tsc(node, tmp_path, "typed", TYPED_PROGRAM)
+    assert typed.returncode == 0, typed.stdout + typed.stderr
+    header = "import { Client } from 'twinplane';\nconst client = new Client('127.0.0.1:1');\n"
+    mistyped = _tsc(node, tmp_path, "mistyped", header + "\n".join(MISTYPED_LINES) + "\n")
+    lines = {int(line) - 3 for line in re.findall(r"^mistyped\.ts\((\d+),\d+\): error", mistyped.stdout, re.M)}
+    assert lines == set(range(len(MISTYPED_LINES))), mistyped.stdout
+
+
+def _declared(interface: str) -> set[str]:
+    """The property names of an interface in twinplane.d.ts."""
+    source = (NODE_CLIENT / "twinplane.d.ts").read_text()
+    body = re.search(rf"^export interface {interface} {{\n(.*?)^}}", source, re.M | re.S).group(1)
+    return set(re.findall(r"^  (\w+)\??:", body, re.M))
+
+
+def test_typescript_declarations_name_every_field_of_the_proto():
+    from twinplane.proto import generation_pb2 as pb
+
+    def fields(message, *leave_out: str) -> set[str]:
+        return {f.camelcase_name for f in message.DESCRIPTOR.fields if f.name not in leave_out}
+
+    assert _declared("SamplingOptions") == fields(pb.SamplingParams)
+    assert _declared("RequestOptions") == fields(pb.GenerateRequest, "text", "token_ids", "chat", "sampling")
+    assert _declared("ChatOptions") == fields(pb.ChatInput, "messages")
+    for interface, message in [("Chunk", pb.GenerateResponse), ("ModelInfo", pb.ModelInfo), ("Usage", pb.Usage),
+                               ("ChatMessage", pb.ChatMessage), ("ToolCall", pb.ToolCall),
+                               ("ToolCallDelta", pb.ToolCallDelta), ("TokenLogprob", pb.TokenLogprob),
+                               ("PositionLogprobs", pb.PositionLogprobs), ("TokenizeResult", pb.TokenizeResponse)]:
+        assert _declared(interface) == fields(message), interface
