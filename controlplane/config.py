@@ -79,6 +79,9 @@ class ControlPlaneConfig:
     def __post_init__(self) -> None:
         if not self.dataplanes:
             raise ValueError("dataplane: give at least one data-plane address")
+        if len(set(self.dataplanes)) < len(self.dataplanes):
+            twice = sorted({t for t in self.dataplanes if self.dataplanes.count(t) > 1})
+            raise ValueError(f"dataplane: {', '.join(twice)} given more than once; give each data plane once")
         check_listen(self.listen)
         if self.http_listen is not None:
             parse_listen(self.http_listen)

@@ -18,12 +18,14 @@ FATAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIE
 
 class DataPlaneLost(Exception):
     """The data plane went away (crash, restart, network), or refused us (fatal: wrong token);
-    not_up: nothing listens at its address yet (a data plane still loading its model)."""
+    not_up: nothing listens at its address yet (a data plane still loading its model); declined: we
+    refused it (connect's refusal)."""
 
-    def __init__(self, message: str, fatal: bool = False, not_up: bool = False):
+    def __init__(self, message: str, fatal: bool = False, not_up: bool = False, declined: bool = False):
         super().__init__(message)
-        self.fatal = fatal
+        self.fatal = fatal or declined
         self.not_up = not_up
+        self.declined = declined
 
 
 def _nothing_listens(exc: grpc.aio.AioRpcError) -> bool:
@@ -74,9 +76,11 @@ class DataPlaneClient:
         self.abandoned: str | None = None  # why abandon() dropped the Step stream
         self.on_lost = lambda: None  # called once when that happens
 
-    async def connect(self, timeout: float | None = None) -> dp.DescribeResponse:
+    async def connect(self, timeout: float | None = None, refusal=lambda desc: None) -> dp.DescribeResponse:
         """Opens a channel and the Step stream. A data plane that cannot be reached fails at once, with
-        the reason (connection refused, a failed TLS handshake), rather than at the timeout."""
+        the reason (connection refused, a failed TLS handshake), rather than at the timeout.
+        refusal(desc): why this control plane will not drive the data plane it describes (None: it
+        will); a reason ends the attempt before the data plane is reset (DataPlaneLost, declined)."""
         await self.close()
         if self.credentials is None:
             self.channel = grpc.aio.insecure_channel(self.target, options=self.options)
@@ -85,6 +89,8 @@ class DataPlaneClient:
         self.stub = dp_grpc.DataPlaneStub(self.channel)
         try:
             desc = await self.stub.Describe(dp.DescribeRequest(), timeout=timeout, metadata=self.metadata)
+            if (why := refusal(desc)) is not None:
+                raise DataPlaneLost(why, declined=True)
             await self.stub.Reset(dp.ResetRequest(), timeout=timeout, metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
             raise DataPlaneLost(_why(self.target, exc, self.credentials is not None),

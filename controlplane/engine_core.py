@@ -67,6 +67,21 @@ def never_fits(seq: Sequence, desc: dp.DescribeResponse) -> str | None:
             "send it again with fewer tokens")
 
 
+# What every data plane of one control plane must have alike: the model (by its shapes, as its name or
+# path may differ between hosts), its end-of-sequence tokens, and the block size that prefix routes hash by.
+SAME_MODEL = ("architecture", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+              "layer_params", "eos_token_ids", "block_size")
+
+
+def model_differences(desc: dp.DescribeResponse, reference: dp.DescribeResponse) -> list[str]:
+    """What desc has unlike reference, of SAME_MODEL (empty: the same model)."""
+    def value(d, name):
+        v = getattr(d, name)
+        return list(v) if name == "eos_token_ids" else v
+    return [f"{name} {value(desc, name)!r} (the others: {value(reference, name)!r})" for name in SAME_MODEL
+            if value(desc, name) != value(reference, name)]
+
+
 def common_describe(descs: list[dp.DescribeResponse]) -> dp.DescribeResponse:
     """What the frontend checks requests against: the limits every connected data plane meets."""
     common = dp.DescribeResponse()
@@ -258,14 +273,33 @@ class EngineCore:
         del self.seqs[seq_id]
         self.replica_of.pop(seq_id, None)
 
+    def refusal(self, replica: Replica, desc: dp.DescribeResponse) -> str | None:
+        """Why replica may not drive the data plane that desc describes (None: it may): one that another
+        replica drives already (reached by a second address), or one whose model differs from the
+        connected data planes'."""
+        for other in self.replicas:
+            if other is not replica and desc.instance_id and desc.instance_id == other.instance_id:
+                return (f"it is the data plane that {other} drives already: give each data plane one address "
+                        "(this one is left alone)")
+        others = [r for r in self.replicas if r is not replica and r.connected]
+        if others and (differences := model_differences(desc, others[0].describe)):
+            return (f"it serves another model than the connected data planes: {'; '.join(differences)}. Every "
+                    "data plane of one control plane must serve the same model with the same block size")
+        return None
+
     def _route(self, seq: Sequence) -> None:
-        """Gives seq to a connected data plane that can hold it (one that answers, while any does), or refuses
-        it if none can."""
+        """Gives seq to a connected data plane that can hold it (one that answers, while any does). With
+        none that can, it waits for one that could and is not connected now (as with none connected), or
+        is refused."""
         live = [r for r in self.replicas if r.connected]
         if not live:
             self.unrouted.append(seq)
             return
         able = [r for r in live if never_fits(seq, r.describe) is None]
+        if not able and any(never_fits(seq, r.describe) is None for r in self.replicas
+                            if not r.connected and r.describe is not None):
+            self.unrouted.append(seq)
+            return
         if not able:
             del self.seqs[seq.seq_id]
             why = never_fits(seq, max(live, key=lambda r: r.capacity).describe)
@@ -378,7 +412,8 @@ def replica_snapshot(replica: Replica) -> DataPlaneSnapshot:
     if sched is not None:
         bm = sched.block_manager
         part.waiting, part.running, part.num_preemptions = len(sched.waiting), len(sched.running), sched.num_preemptions
-        part.free_kv_blocks, part.num_kv_blocks = bm.num_free_blocks, bm.num_blocks
+        if replica.connected:  # a lost data plane's KV cache is none to count, free or used
+            part.free_kv_blocks, part.num_kv_blocks = bm.num_free_blocks, bm.num_blocks
         part.prefix_cache_queries, part.prefix_cache_hits = sched.num_prefix_cache_queries, sched.num_prefix_cache_hits
     return part
 

@@ -49,6 +49,7 @@ class Replica:
                                          self.config.dataplane_tls)
         self.dataplane.on_lost = self._on_dataplane_lost
         self.describe: dp.DescribeResponse | None = None
+        self.instance_id = ""  # of the data plane this replica drives or is connecting to (empty: none, or not told)
         self.scheduler: Scheduler | None = None
         self.connected = False  # a data plane answered and its Step stream is open
         self.wakeup = asyncio.Event()  # new work arrived, or the data plane was lost
@@ -72,6 +73,13 @@ class Replica:
         """Sequences queued or running here (the router's measure of how busy a replica is)."""
         sched = self.scheduler
         return len(sched.waiting) + len(sched.running) if sched is not None else 0
+
+    @property
+    def has_room(self) -> bool:
+        """Whether a new sequence would find a place among its running ones (fewer queued or running than
+        max_num_seqs)."""
+        sched = self.scheduler
+        return sched is not None and self.load < sched.config.max_num_seqs
 
     @property
     def capacity(self) -> int:
@@ -288,11 +296,14 @@ class Replica:
         said = None
         while True:
             try:
-                desc = await self.dataplane.connect(timeout=RECONNECT_TIMEOUT)
+                self.instance_id = ""
+                desc = await self.dataplane.connect(timeout=RECONNECT_TIMEOUT, refusal=self._refusal)
                 break
             except DataPlaneLost as exc:
                 if str(exc) != said:
-                    if exc.fatal:
+                    if exc.declined:
+                        log.error("%s is not taken: %s", self, exc)
+                    elif exc.fatal:
                         log.error("%s refused the control plane: %s", self, exc)
                     elif exc.not_up:  # expected while it loads its model
                         log.info("%s is not up yet, retrying every %.1f s: %s", self, RECONNECT_DELAY, exc)
@@ -317,6 +328,15 @@ class Replica:
             self.scheduler.config, self.scheduler.block_manager = sched_config, block_manager
         self._set_connected(True)
         self.wakeup.set()
+
+    def _refusal(self, desc: dp.DescribeResponse) -> str | None:
+        """connect()'s check of the data plane it reached: why the core will not have this replica drive it,
+        else None, and its instance is this replica's from now on (another replica that reaches it is refused,
+        even before this one's stream is open)."""
+        why = self.core.refusal(self, desc)
+        if why is None:
+            self.instance_id = desc.instance_id
+        return why
 
     async def close(self) -> None:
         await self.dataplane.close()

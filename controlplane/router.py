@@ -2,8 +2,9 @@
 
 ``prefix`` (the default) sends a sequence to the data plane that was given the longest run of
 its leading blocks before, so requests that share a system prompt or a conversation share one
-KV cache and its prefix hits; a sequence whose prefix is new, or whose data plane is much
-busier than the least loaded one, goes to the least loaded. The router remembers routes by
+KV cache and its prefix hits; a sequence whose prefix is new, or whose data plane is full (as
+many sequences as max_num_seqs) while another has room, or much busier than the least loaded
+one, goes to the least loaded. The router remembers routes by
 the same chained block hashes the BlockManager uses, in a bounded table (least recently used
 routes are forgotten first). ``least-loaded`` and ``round-robin`` ignore prefixes.
 """
@@ -51,9 +52,15 @@ class Router:
             return least
         hashes = prompt_block_hashes(seq.token_ids, replicas[0].describe.block_size)
         holder = self._holder(hashes, replicas)
-        choice = holder if holder is not None and holder.load - least.load <= BALANCE_SLACK else least
+        choice = holder if holder is not None and self._may_take(holder, least) else least
         self._remember(hashes, choice.index)
         return choice
+
+    @staticmethod
+    def _may_take(holder: Replica, least: Replica) -> bool:
+        """Whether the replica that holds a sequence's prefix takes it rather than the least loaded: while
+        it has room for it, or neither has; and not past BALANCE_SLACK more sequences than the other."""
+        return holder.load - least.load <= BALANCE_SLACK and (holder.has_room or not least.has_room)
 
     def forget(self, index: int) -> None:
         """A data plane lost its KV cache: its routes no longer lead to cached blocks."""

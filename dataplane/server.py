@@ -25,6 +25,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections import deque
 from concurrent import futures
 
@@ -87,9 +88,12 @@ class DataPlaneServicer(dp_grpc.DataPlaneServicer):
         self.workers = workers  # TensorParallelWorkers, or None with one rank
         self.lock = threading.Lock()  # held by the Step stream, a Reset, or close()
         self._pipeline: _StepPipeline | None = None  # the Step stream holding the lock
+        self.instance_id = uuid.uuid4().hex  # Describe's: this data plane's own, whatever address reached it
 
     def Describe(self, request, context) -> dp.DescribeResponse:
-        return describe_to_pb(self.runner.describe())
+        desc = describe_to_pb(self.runner.describe())
+        desc.instance_id = self.instance_id
+        return desc
 
     def _take_over(self) -> None:
         """Takes the lock, ending the Step stream that holds it (the newest session wins)."""

@@ -28,9 +28,13 @@ DATAPLANE_ARGS = ("--block-size", "16", "--max-model-len", "512")
 
 
 class FakeReplica:
-    def __init__(self, index: int, load: int = 0):
-        self.index, self.load = index, load
+    def __init__(self, index: int, load: int = 0, max_num_seqs: int = 256):
+        self.index, self.load, self.max_num_seqs = index, load, max_num_seqs
         self.describe = type("Describe", (), {"block_size": 4})()
+
+    @property
+    def has_room(self) -> bool:
+        return self.load < self.max_num_seqs
 
 
 def seq(tokens: list[int]) -> Sequence:
@@ -60,6 +64,20 @@ def test_prefix_routing_follows_the_longest_prefix_unless_that_plane_is_much_bus
     router.forget(1)  # r1 lost its cache
     assert router.pick(seq(shared + [6]), [r0, r1]) is r0
     assert router.pick(seq(shared + [6]), [r1]) is r1  # only connected, able replicas are candidates
+
+
+def test_a_full_prefix_holder_passes_new_sequences_to_one_with_room():
+    """Requests that share a system prompt fill its data plane up to max_num_seqs, then go to the other,
+    which holds the prefix from then on; once both are full, the prefix's holder takes them."""
+    r0, r1 = FakeReplica(0, max_num_seqs=4), FakeReplica(1, max_num_seqs=4)
+    router = Router("prefix")
+    shared = list(range(100, 116))
+    placed = []
+    for i in range(12):
+        choice = router.pick(seq(shared + [i]), [r0, r1])
+        choice.load += 1
+        placed.append(choice.index)
+    assert placed == [0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1]
 
 
 def test_round_robin_and_least_loaded_ignore_prefixes():
@@ -181,7 +199,76 @@ def test_the_frontend_hears_where_a_lost_data_plane_s_requests_went():
 
     snapshot = asyncio.run(run())
     assert (snapshot.running, snapshot.waiting) == (0, 3)
-    assert all(dp.free_kv_blocks == 16 for dp in snapshot.dataplanes), snapshot.dataplanes
+    assert all((dp.free_kv_blocks, dp.num_kv_blocks) == (0, 0) for dp in snapshot.dataplanes), snapshot.dataplanes
+    assert (snapshot.free_kv_blocks, snapshot.num_kv_blocks) == (0, 0)  # no KV cache: none free, none used
+
+
+def test_a_request_only_a_lost_data_plane_can_hold_waits_for_it():
+    """Prompt + max_tokens past the connected data plane's max_model_len but within the lost one's (a request
+    that ran there, or came while only it was connected): it waits for that one, as with none connected, and
+    runs there once it is back; past both, it is refused."""
+    from twinplane.controlplane.messages import Refused
+
+    class Seen(TokensSeen):
+        def __init__(self):
+            super().__init__()
+            self.refused = []
+
+        def send(self, message) -> None:
+            if isinstance(message, Refused):
+                self.refused += message.reasons
+
+    async def run():
+        frontend = Seen()
+        core = _core_of_two(frontend)
+        big, small = core.replicas
+        big.describe.max_model_len, small.describe.max_model_len = 64, 16
+        big.connected = False
+        core.add(AddRequest(1, "r1", [5] * 10, RequestParams(max_tokens=20)))  # 30 tokens: only big's
+        core.add(AddRequest(2, "r2", [5] * 10, RequestParams(max_tokens=60)))  # 70: neither's
+        waiting = [s.seq_id for s in core.unrouted]
+        big.connected = True
+        core.connections_changed(True)
+        return waiting, frontend.refused, core.replica_of[1].index, list(core.unrouted)
+
+    waiting, refused, placed, still = asyncio.run(run())
+    assert waiting == [1] and [seq_id for seq_id, _ in refused] == [2] and "max_model_len" in refused[0][1]
+    assert placed == 0 and still == []
+
+
+def _desc(**fields):
+    from twinplane.proto import dataplane_pb2 as dp
+
+    model = dict(architecture="Qwen3ForCausalLM", vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                 num_attention_heads=4, head_dim=8, layer_params=1000, eos_token_ids=[2], block_size=4,
+                 max_model_len=64, num_kv_blocks=16)
+    return dp.DescribeResponse(**{**model, **fields})
+
+
+def test_a_data_plane_of_another_model_or_one_driven_already_is_not_taken():
+    async def run():
+        core = _core_of_two(TokensSeen())
+        first, second = core.replicas
+        first.describe, first.instance_id = _desc(instance_id="a"), "a"
+        second.connected = False
+        return {what: core.refusal(second, desc) for what, desc in [
+            ("same model", _desc(instance_id="b", max_model_len=32, num_kv_blocks=8, model="/elsewhere")),
+            ("not told", _desc()), ("the same one", _desc(instance_id="a")),
+            ("other shapes", _desc(instance_id="b", hidden_size=64, eos_token_ids=[2, 3])),
+            ("other blocks", _desc(instance_id="b", block_size=16))]}, core.refusal(first, _desc(hidden_size=64))
+
+    why, alone = asyncio.run(run())
+    assert why["same model"] is None and why["not told"] is None and alone is None  # no other one connected
+    assert "data plane 0 (unix:///a) drives already" in why["the same one"]
+    assert "hidden_size 64 (the others: 32); eos_token_ids [2, 3] (the others: [2])" in why["other shapes"]
+    assert "block_size 16 (the others: 4)" in why["other blocks"]
+
+
+def test_an_address_given_twice_is_refused():
+    from twinplane.controlplane.config import ControlPlaneConfig
+
+    with pytest.raises(ValueError, match="unix:///a given more than once"):
+        ControlPlaneConfig(dataplane="unix:///a,unix:///b, unix:///a")
 
 
 def test_new_requests_go_to_a_data_plane_that_answers():
@@ -297,3 +384,56 @@ def test_a_data_plane_killed_under_load_loses_no_request_and_rejoins(dp_planes, 
 
 async def _rest(chunks) -> list[int]:
     return [t async for chunk in chunks for t in chunk.token_ids]
+
+
+class Stderr:
+    """What the processes have written to stderr so far (the engine core's log among it), read as it grows."""
+
+    def __init__(self, capfd):
+        self.capfd, self.text = capfd, ""
+
+    def __contains__(self, line: str) -> bool:
+        self.text += self.capfd.readouterr().err
+        return line in self.text
+
+
+def test_one_data_plane_reached_by_two_addresses_is_driven_by_one_replica(tiny_qwen3_dir, tmp_path_factory,
+                                                                          shared_planes, capfd):
+    """The second address (a link to the first's socket) finds the data plane another replica drives, by its
+    instance id, and leaves it alone: no replica takes the Step stream from the other, outputs are as with
+    one address."""
+    folder = tmp_path_factory.mktemp("twice")
+    planes = Planes(folder, tiny_qwen3_dir, DATAPLANE_ARGS)
+    (folder / "link.sock").symlink_to(folder / "dp.sock")
+    planes.config = replace(planes.config, dataplane=f"{planes.dp_address},unix://{folder}/link.sock")
+    prompts = random_prompts(6, seed=506, low=10, high=60)
+    expected = asyncio.run(greedy_references(shared_planes.address, prompts, 16))
+    log = Stderr(capfd)
+    try:
+        planes.start()
+        wait_until(lambda: "drives already" in log, 30, "the second address to be declined")
+        assert asyncio.run(greedy_references(planes.address, prompts, 16)) == expected
+        seen = [[d["connected"] for d in _stats(planes)["dataplanes"]] for _ in range(5)]
+        assert sorted(seen[0]) == [False, True] and all(s == seen[0] for s in seen), seen
+        assert "recomputing" not in log and " lost (" not in log, log.text  # no replica lost its stream
+    finally:
+        planes.stop()
+
+
+def test_a_data_plane_with_another_block_size_is_not_taken(tiny_qwen3_dir, tmp_path_factory, capfd):
+    planes = DataParallelPlanes(tmp_path_factory.mktemp("mixed"), tiny_qwen3_dir, DATAPLANE_ARGS)
+    log = Stderr(capfd)
+    try:
+        planes.start_controlplane()
+        planes.start_dataplane(0)
+        planes.wait_ready()
+        planes.dp_command[planes.dp_command.index("--block-size") + 1] = "32"
+        planes.start_dataplane(1)
+        wait_until(lambda: "is not taken" in log, 60, "the data plane of another block size to be declined")
+        assert "block_size 32 (the others: 16)" in log
+        asyncio.run(greedy_references(planes.address, random_prompts(4, seed=507, low=10, high=30), 4))
+        stats = _stats(planes)
+        assert [d["connected"] for d in stats["dataplanes"]] == [True, False]
+        assert stats["dataplanes"][0]["steps"] > 0 and stats["dataplanes"][1]["steps"] == 0
+    finally:
+        planes.stop()
