@@ -68,9 +68,10 @@ def never_fits(seq: Sequence, desc: dp.DescribeResponse) -> str | None:
 
 
 # What every data plane of one control plane must have alike: the model (by its shapes, as its name or
-# path may differ between hosts), its end-of-sequence tokens, and the block size that prefix routes hash by.
+# path may differ between hosts) and dtype, so that a sequence recomputed on another one goes on as it
+# would have; its end-of-sequence tokens; and the block size that prefix routes hash by.
 SAME_MODEL = ("architecture", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-              "layer_params", "eos_token_ids", "block_size")
+              "dtype", "eos_token_ids", "block_size")
 
 
 def model_differences(desc: dp.DescribeResponse, reference: dp.DescribeResponse) -> list[str]:
@@ -276,13 +277,13 @@ class EngineCore:
     def refusal(self, replica: Replica, desc: dp.DescribeResponse) -> str | None:
         """Why replica may not drive the data plane that desc describes (None: it may): one that another
         replica drives already (reached by a second address), or one whose model differs from the
-        connected data planes'."""
-        for other in self.replicas:
-            if other is not replica and desc.instance_id and desc.instance_id == other.instance_id:
+        data planes that the others drive (or connect to, checked)."""
+        others = [r for r in self.replicas if r is not replica and r.claimed is not None]
+        for other in others:
+            if desc.instance_id and desc.instance_id == other.claimed.instance_id:
                 return (f"it is the data plane that {other} drives already: give each data plane one address "
                         "(this one is left alone)")
-        others = [r for r in self.replicas if r is not replica and r.connected]
-        if others and (differences := model_differences(desc, others[0].describe)):
+        if others and (differences := model_differences(desc, others[0].claimed)):
             return (f"it serves another model than the connected data planes: {'; '.join(differences)}. Every "
                     "data plane of one control plane must serve the same model with the same block size")
         return None

@@ -49,7 +49,7 @@ class Replica:
                                          self.config.dataplane_tls)
         self.dataplane.on_lost = self._on_dataplane_lost
         self.describe: dp.DescribeResponse | None = None
-        self.instance_id = ""  # of the data plane this replica drives or is connecting to (empty: none, or not told)
+        self.claimed: dp.DescribeResponse | None = None  # the data plane it drives or connects to, once checked
         self.scheduler: Scheduler | None = None
         self.connected = False  # a data plane answered and its Step stream is open
         self.wakeup = asyncio.Event()  # new work arrived, or the data plane was lost
@@ -296,10 +296,12 @@ class Replica:
         said = None
         while True:
             try:
-                self.instance_id = ""
+                self.claimed = None
                 desc = await self.dataplane.connect(timeout=RECONNECT_TIMEOUT, refusal=self._refusal)
                 break
             except DataPlaneLost as exc:
+                if exc.declined:
+                    self._declined()
                 if str(exc) != said:
                     if exc.declined:
                         log.error("%s is not taken: %s", self, exc)
@@ -331,12 +333,19 @@ class Replica:
 
     def _refusal(self, desc: dp.DescribeResponse) -> str | None:
         """connect()'s check of the data plane it reached: why the core will not have this replica drive it,
-        else None, and its instance is this replica's from now on (another replica that reaches it is refused,
-        even before this one's stream is open)."""
+        else None, and it is this replica's from now on (claimed: the replicas that connect after it are
+        checked against it even before its stream is open)."""
         why = self.core.refusal(self, desc)
         if why is None:
-            self.instance_id = desc.instance_id
+            self.claimed = desc
         return why
+
+    def _declined(self) -> None:
+        """Its data plane was not taken: what it was before no longer stands, so requests that waited for it
+        alone are refused."""
+        if self.describe is not None:
+            self.describe = None
+            self.core.connections_changed(False)
 
     async def close(self) -> None:
         await self.dataplane.close()

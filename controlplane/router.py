@@ -2,9 +2,9 @@
 
 ``prefix`` (the default) sends a sequence to the data plane that was given the longest run of
 its leading blocks before, so requests that share a system prompt or a conversation share one
-KV cache and its prefix hits; a sequence whose prefix is new, or whose data plane is full (as
-many sequences as max_num_seqs) while another has room, or much busier than the least loaded
-one, goes to the least loaded. The router remembers routes by
+KV cache and its prefix hits. A sequence whose data plane is full (as many sequences as
+max_num_seqs) goes to the least loaded one with room; one whose prefix is new, or whose data
+plane is much busier than the least loaded one, to the least loaded. The router remembers routes by
 the same chained block hashes the BlockManager uses, in a bounded table (least recently used
 routes are forgotten first). ``least-loaded`` and ``round-robin`` ignore prefixes.
 """
@@ -52,15 +52,14 @@ class Router:
             return least
         hashes = prompt_block_hashes(seq.token_ids, replicas[0].describe.block_size)
         holder = self._holder(hashes, replicas)
-        choice = holder if holder is not None and self._may_take(holder, least) else least
+        if holder is None or holder.load - least.load > BALANCE_SLACK:
+            choice = least
+        elif holder.has_room:
+            choice = holder
+        else:  # full: the least loaded replica with room, if any has
+            choice = min((r for r in replicas if r.has_room), key=lambda r: r.load, default=holder)
         self._remember(hashes, choice.index)
         return choice
-
-    @staticmethod
-    def _may_take(holder: Replica, least: Replica) -> bool:
-        """Whether the replica that holds a sequence's prefix takes it rather than the least loaded: while
-        it has room for it, or neither has; and not past BALANCE_SLACK more sequences than the other."""
-        return holder.load - least.load <= BALANCE_SLACK and (holder.has_room or not least.has_room)
 
     def forget(self, index: int) -> None:
         """A data plane lost its KV cache: its routes no longer lead to cached blocks."""

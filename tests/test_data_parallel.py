@@ -9,6 +9,7 @@ recomputed on the other one, and it rejoins when it is back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 from dataclasses import replace
@@ -67,17 +68,20 @@ def test_prefix_routing_follows_the_longest_prefix_unless_that_plane_is_much_bus
 
 
 def test_a_full_prefix_holder_passes_new_sequences_to_one_with_room():
-    """Requests that share a system prompt fill its data plane up to max_num_seqs, then go to the other,
-    which holds the prefix from then on; once both are full, the prefix's holder takes them."""
-    r0, r1 = FakeReplica(0, max_num_seqs=4), FakeReplica(1, max_num_seqs=4)
+    """Requests that share a system prompt fill its data plane up to max_num_seqs (4 here), then go to the
+    other, which holds the prefix from then on; once both are full, the prefix's holder takes them."""
+    async def run():
+        core = _core_of_two(TokensSeen())
+        shared = list(range(100, 116))
+        for seq_id in range(12):
+            core.add(AddRequest(seq_id, f"r{seq_id}", shared + [seq_id], RequestParams(max_tokens=4)))
+        return [core.replica_of[seq_id].index for seq_id in range(12)]
+
+    assert asyncio.run(run()) == [0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1]
+    holder, full, roomy = FakeReplica(0, 4, max_num_seqs=4), FakeReplica(1, 2, max_num_seqs=2), FakeReplica(2, 3)
     router = Router("prefix")
-    shared = list(range(100, 116))
-    placed = []
-    for i in range(12):
-        choice = router.pick(seq(shared + [i]), [r0, r1])
-        choice.load += 1
-        placed.append(choice.index)
-    assert placed == [0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1]
+    router.pick(seq(list(range(100, 117))), [holder])
+    assert router.pick(seq(list(range(100, 118))), [holder, full, roomy]) is roomy  # the least loaded is full too
 
 
 def test_round_robin_and_least_loaded_ignore_prefixes():
@@ -240,28 +244,69 @@ def _desc(**fields):
     from twinplane.proto import dataplane_pb2 as dp
 
     model = dict(architecture="Qwen3ForCausalLM", vocab_size=64, hidden_size=32, num_hidden_layers=2,
-                 num_attention_heads=4, head_dim=8, layer_params=1000, eos_token_ids=[2], block_size=4,
-                 max_model_len=64, num_kv_blocks=16)
+                 num_attention_heads=4, head_dim=8, dtype="bfloat16", layer_params=1000, eos_token_ids=[2],
+                 block_size=4, max_model_len=64, num_kv_blocks=16)
     return dp.DescribeResponse(**{**model, **fields})
 
 
 def test_a_data_plane_of_another_model_or_one_driven_already_is_not_taken():
+    """Checked against the data planes the other replicas have taken, connected or still connecting (as at
+    start-up, when they all connect at once)."""
     async def run():
         core = _core_of_two(TokensSeen())
         first, second = core.replicas
-        first.describe, first.instance_id = _desc(instance_id="a"), "a"
-        second.connected = False
+        first.connected = second.connected = False
+        assert first._refusal(_desc(instance_id="a")) is None  # taken: claimed before its stream is open
         return {what: core.refusal(second, desc) for what, desc in [
-            ("same model", _desc(instance_id="b", max_model_len=32, num_kv_blocks=8, model="/elsewhere")),
+            ("same model", _desc(instance_id="b", max_model_len=32, num_kv_blocks=8, model="/elsewhere",
+                                 layer_params=2000, tensor_parallel_size=2)),
             ("not told", _desc()), ("the same one", _desc(instance_id="a")),
             ("other shapes", _desc(instance_id="b", hidden_size=64, eos_token_ids=[2, 3])),
+            ("other dtype", _desc(instance_id="b", dtype="float16")),
             ("other blocks", _desc(instance_id="b", block_size=16))]}, core.refusal(first, _desc(hidden_size=64))
 
     why, alone = asyncio.run(run())
-    assert why["same model"] is None and why["not told"] is None and alone is None  # no other one connected
+    assert why["same model"] is None and why["not told"] is None and alone is None  # no other one taken
     assert "data plane 0 (unix:///a) drives already" in why["the same one"]
     assert "hidden_size 64 (the others: 32); eos_token_ids [2, 3] (the others: [2])" in why["other shapes"]
+    assert "dtype 'float16' (the others: 'bfloat16')" in why["other dtype"]
     assert "block_size 16 (the others: 4)" in why["other blocks"]
+
+
+def test_requests_that_waited_for_a_data_plane_not_taken_again_are_refused():
+    """A lost data plane comes back with another model: the request that only it could hold (it waited for
+    it) is refused with the reason, not left waiting."""
+    from twinplane.controlplane.dataplane_client import DataPlaneLost
+    from twinplane.controlplane.messages import Refused
+
+    class Declined:
+        async def connect(self, timeout=None, refusal=lambda desc: None):
+            raise DataPlaneLost(refusal(_desc(instance_id="z", hidden_size=99)), declined=True)
+
+    class Seen(TokensSeen):
+        def __init__(self):
+            super().__init__()
+            self.refused = []
+
+        def send(self, message) -> None:
+            if isinstance(message, Refused):
+                self.refused += message.reasons
+
+    async def run():
+        frontend = Seen()
+        core = _core_of_two(frontend)
+        small, big = core.replicas
+        small.claimed, small.describe.max_model_len, big.describe.max_model_len = _desc(), 16, 64
+        big.connected = False
+        core.add(AddRequest(1, "r1", [5] * 10, RequestParams(max_tokens=20)))
+        waited = [s.seq_id for s in core.unrouted]
+        big.dataplane = Declined()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(big._connect(), 0.2)
+        return waited, frontend.refused, big.describe
+
+    waited, refused, describe = asyncio.run(run())
+    assert waited == [1] and [seq_id for seq_id, _ in refused] == [1] and describe is None
 
 
 def test_an_address_given_twice_is_refused():

@@ -314,6 +314,10 @@ client.generate({ messages: [{ content: 'no role' }] });
 client.tokenize({ text: 'x', addGenerationPrompt: true });
 client.modelInfo({ timeout: '1' });
 const reason: 'stop' = client.generate({ prompt: 'x' }).final!.finishReason;
+buildRequest({});
+buildRequest({ prompt: 'x', tokenIds: [1] });
+buildRequest({ prompt: 'x', timeout: 1 });
+client.generate({ messages: [{ role: 'user' }] });
 """.strip().splitlines()
 
 
@@ -333,7 +337,7 @@ def _tsc(node: str, tmp_path, name: str, source: str) -> subprocess.CompletedPro
 def test_typescript_declarations_type_a_whole_program_and_refuse_each_mistake(node, tmp_path):
     typed = _tsc(node, tmp_path, "typed", TYPED_PROGRAM)
     assert typed.returncode == 0, typed.stdout + typed.stderr
-    header = "import { Client } from 'twinplane';\nconst client = new Client('127.0.0.1:1');\n"
+    header = "import { Client, buildRequest } from 'twinplane';\nconst client = new Client('127.0.0.1:1');\n"
     mistyped = _tsc(node, tmp_path, "mistyped", header + "\n".join(MISTYPED_LINES) + "\n")
     lines = {int(line) - 3 for line in re.findall(r"^mistyped\.ts\((\d+),\d+\): error", mistyped.stdout, re.M)}
     assert lines == set(range(len(MISTYPED_LINES))), mistyped.stdout

@@ -14,7 +14,7 @@ export interface ToolCall {
   arguments?: string;
 }
 
-/** A chat message; `content` may be left out only when it makes `toolCalls`. */
+/** A chat message, as replies and the proto hold it. */
 export interface ChatMessage {
   role: string;
   content?: string;
@@ -23,6 +23,9 @@ export interface ChatMessage {
   name?: string;
   reasoningContent?: string;
 }
+
+/** A chat message to send: it needs content, unless it makes tool calls. */
+export type SentMessage = ChatMessage & ({ content: string } | { toolCalls: ToolCall[] });
 
 /** A function the model may call: the OpenAI API's `{ type: 'function', function }`, or the function alone. */
 export interface FunctionTool {
@@ -99,7 +102,7 @@ export interface CallOptions {
 }
 
 /** A chat message as an object or as a [role, content] pair. */
-export type Message = ChatMessage | [string, string];
+export type Message = SentMessage | [string, string];
 
 /** The prompt: exactly one of text, token ids or chat messages (with their options). */
 export type Input =
@@ -112,7 +115,10 @@ type NoChatOptions = { [K in keyof ChatOptions]?: never };
 /** A value left null or undefined takes the server's default. */
 type Unset<T> = { [K in keyof T]?: T[K] | null };
 
-export type GenerateOptions = Input & Unset<SamplingOptions> & Unset<RequestOptions> & CallOptions;
+/** What a GenerateRequest is built from: the input, and any field of SamplingParams or GenerateRequest. */
+export type RequestFields = Input & Unset<SamplingOptions> & Unset<RequestOptions>;
+
+export type GenerateOptions = RequestFields & CallOptions;
 
 export type TokenizeOptions =
   | ({ text: string; messages?: never } & NoChatOptions & CallOptions)
@@ -223,7 +229,7 @@ export class Client {
 }
 
 /** The GenerateRequest that `generate` sends for these options (without the call options). */
-export function buildRequest(options: Omit<GenerateOptions, keyof CallOptions>): object;
+export function buildRequest(options: RequestFields): object;
 
 export const status: typeof grpcStatus;
 export const PROTO_PATH: string;
