@@ -158,6 +158,20 @@ class TokensSeen:
             self.positions += [(out.seq_id, out.position) for out in message.outputs]
 
 
+class RefusalsSeen(TokensSeen):
+    """Also keeps the (sequence, reason) of each request the core refuses."""
+
+    def __init__(self):
+        super().__init__()
+        self.refused: list[tuple[int, str]] = []
+
+    def send(self, message) -> None:
+        from twinplane.controlplane.messages import Refused
+
+        if isinstance(message, Refused):
+            self.refused += message.reasons
+
+
 def test_tokens_applied_as_a_stream_ends_go_out_before_their_sequence_moves():
     """A result read just as its data plane's stream ended (the stream found ended at the top of the step
     loop, not by the read failing) has its tokens sent before the sequence is recomputed elsewhere: the
@@ -211,19 +225,8 @@ def test_a_request_only_a_lost_data_plane_can_hold_waits_for_it():
     """Prompt + max_tokens past the connected data plane's max_model_len but within the lost one's (a request
     that ran there, or came while only it was connected): it waits for that one, as with none connected, and
     runs there once it is back; past both, it is refused."""
-    from twinplane.controlplane.messages import Refused
-
-    class Seen(TokensSeen):
-        def __init__(self):
-            super().__init__()
-            self.refused = []
-
-        def send(self, message) -> None:
-            if isinstance(message, Refused):
-                self.refused += message.reasons
-
     async def run():
-        frontend = Seen()
+        frontend = RefusalsSeen()
         core = _core_of_two(frontend)
         big, small = core.replicas
         big.describe.max_model_len, small.describe.max_model_len = 64, 16
@@ -277,23 +280,12 @@ def test_requests_that_waited_for_a_data_plane_not_taken_again_are_refused():
     """A lost data plane comes back with another model: the request that only it could hold (it waited for
     it) is refused with the reason, not left waiting."""
     from twinplane.controlplane.dataplane_client import DataPlaneLost
-    from twinplane.controlplane.messages import Refused
-
     class Declined:
         async def connect(self, timeout=None, refusal=lambda desc: None):
             raise DataPlaneLost(refusal(_desc(instance_id="z", hidden_size=99)), declined=True)
 
-    class Seen(TokensSeen):
-        def __init__(self):
-            super().__init__()
-            self.refused = []
-
-        def send(self, message) -> None:
-            if isinstance(message, Refused):
-                self.refused += message.reasons
-
     async def run():
-        frontend = Seen()
+        frontend = RefusalsSeen()
         core = _core_of_two(frontend)
         small, big = core.replicas
         small.claimed, small.describe.max_model_len, big.describe.max_model_len = _desc(), 16, 64
