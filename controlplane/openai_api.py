@@ -6,6 +6,7 @@ and messages are those of the gRPC API (fields named as OpenAI names them).
 
 from __future__ import annotations
 
+import codecs
 import math
 import re
 from dataclasses import dataclass, replace
@@ -416,25 +417,50 @@ def prompt_logprobs_json(entries: list[TokenLogprobs | None], tokenizer: Tokeniz
     return out
 
 
-def logprobs_json(chat: bool, entries: list[TokenLogprobs], tokenizer: Tokenizer | None, offset: int = 0) -> dict:
-    """Chat: {content: [...]}; completions: the legacy columns. offset: the text before these tokens. Tokens are
-    named by their text, or as "token_id:<id>" without a tokenizer (and with return_tokens_as_token_ids)."""
-    text = lambda token_id: _token_text(tokenizer, token_id)  # noqa: E731
+def _token_name(tokenizer: Tokenizer | None, token_id: int) -> tuple[str, bytes]:
+    """A token's name in log-probabilities, and its bytes: its text, or "token_id:<id>" without a tokenizer (and
+    with return_tokens_as_token_ids); a token that holds part of a character is named by its bytes, as OpenAI's
+    ("bytes:\\xe2\\x80"), so that such tokens do not all share the name of a replacement character."""
+    text = _token_text(tokenizer, token_id)
+    raw = tokenizer.logprob_bytes(token_id, text) if tokenizer is not None else text.encode()
+    return (text if raw == text.encode() else "bytes:" + "".join(f"\\x{b:02x}" for b in raw)), raw
+
+
+class TextOffsets:
+    """Completions' text_offset of one choice's tokens, in order: where each begins in the text, in characters;
+    a character whose bytes span several tokens counts once it is whole."""
+
+    def __init__(self) -> None:
+        self.chars = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def take(self, raw: bytes) -> int:
+        """The offset of the next token, whose bytes are raw."""
+        offset = self.chars
+        self.chars += len(self._decoder.decode(raw))
+        return offset
+
+
+def logprobs_json(chat: bool, entries: list[TokenLogprobs], tokenizer: Tokenizer | None,
+                  offsets: TextOffsets | None = None) -> dict:
+    """Chat: {content: [...]}; completions: the legacy columns, text_offset from offsets (a stream's, which
+    goes on from the tokens before these; else the text starts with them)."""
     if chat:
         def token(token_id: int, logprob: float) -> dict:
-            name = text(token_id)
-            raw = tokenizer.logprob_bytes(token_id, name) if tokenizer is not None else name.encode()
+            name, raw = _token_name(tokenizer, token_id)
             return {"token": name, "logprob": _safe(logprob), "bytes": list(raw)}
         return {"content": [{**token(e.token_id, e.logprob), "top_logprobs": [token(t, lp) for t, lp in e.top]}
                             for e in entries]}
-    tokens = [text(e.token_id) for e in entries]
-    offsets = []
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
+    offsets = offsets or TextOffsets()
+    names = [_token_name(tokenizer, e.token_id) for e in entries]
     # an echoed prompt's first token has no log-probability (logprob None): null, as its top tokens. The token
     # itself comes first among its top ones, as OpenAI's (up to logprobs + 1 of them)
-    top = [None if e.logprob is None else {text(t): _safe(lp) for t, lp in [(e.token_id, e.logprob), *e.top]}
-           for e in entries]
-    return {"tokens": tokens, "token_logprobs": [None if e.logprob is None else _safe(e.logprob) for e in entries],
-            "top_logprobs": top, "text_offset": offsets}
+    top = []
+    for e, (name, _) in zip(entries, names):
+        position = None if e.logprob is None else {name: _safe(e.logprob)}
+        for t, lp in e.top if position is not None else ():
+            position.setdefault(_token_name(tokenizer, t)[0], _safe(lp))
+        top.append(position)
+    return {"tokens": [name for name, _ in names],
+            "token_logprobs": [None if e.logprob is None else _safe(e.logprob) for e in entries],
+            "top_logprobs": top, "text_offset": [offsets.take(raw) for _, raw in names]}

@@ -275,7 +275,8 @@ async def _sse(choices: Choices, builder: ResponseBuilder):
     """The stream: one event per output, the usage when asked for, then [DONE]; an error as an error event."""
     try:
         async for index, out in choices:
-            yield _event(builder.chunk(index, out))
+            for chunk in builder.chunks(index, out):
+                yield _event(chunk)
         if builder.request.include_usage:
             yield _event(builder.usage_chunk(choices.usage()))
     except Exception as exc:  # noqa: BLE001 -- the status line is sent: the error goes as an event

@@ -180,6 +180,8 @@ class ResponsesBuilder:
     def add(self, index: int, out: RequestOutput) -> list[dict]:
         """The events of one output (of the one choice: index 0)."""
         events: list[dict] = []
+        if out.finish_reason is not None:
+            self.final = out  # before the items it ends: one cut by max_output_tokens is incomplete
         reasoning, content, calls = self.text.feed(out.text, out.finish_reason is not None, len(out.token_ids))
         deltas = self.text.deltas(calls)
         for delta in deltas:  # a call written in earlier pieces goes on first: text comes after its block
@@ -193,7 +195,6 @@ class ResponsesBuilder:
             if delta.begins:
                 events += self._call(delta)
         if out.finish_reason is not None:
-            self.final = out
             events += self._close()
         return events
 
@@ -240,8 +241,7 @@ class ResponsesBuilder:
             item["content"] = [_output_text(text)]
             events = [self._event("output_text.done", **where, text=text, logprobs=[]),
                       self._event("content_part.done", **where, part=_output_text(text))]
-        cut = self.final is not None and self.final.finish_reason == FinishReason.LENGTH  # by max_output_tokens
-        item["status"] = "incomplete" if cut else "completed"
+        item["status"] = self._item_status
         return events + [self._event("output_item.done", output_index=at, item=item)]
 
     def _call(self, delta: CallDelta) -> list[dict]:
@@ -261,10 +261,16 @@ class ResponsesBuilder:
         if delta.arguments:
             events.append(self._event("function_call_arguments.delta", **where, delta=delta.arguments))
         if delta.ends:
-            item.update(arguments=call.arguments, status="completed")
+            item.update(arguments=call.arguments, status=self._item_status)
             events += [self._event("function_call_arguments.done", **where, name=call.name, arguments=call.arguments),
                        self._event("output_item.done", output_index=at, item=dict(item))]
         return events
+
+    @property
+    def _item_status(self) -> str:
+        """An ended item's: incomplete when the output was cut by max_output_tokens."""
+        cut = self.final is not None and self.final.finish_reason == FinishReason.LENGTH
+        return "incomplete" if cut else "completed"
 
     def response(self, usage: dict | None = None) -> dict:
         """The response as it stands: in progress until the output has ended and usage is given."""

@@ -24,8 +24,8 @@ from twinplane.controlplane.api import GenerateCall, RequestOutput, TokenLogprob
 from twinplane.controlplane.chat_text import CallDelta, ChatText
 from twinplane.controlplane.engine import Engine
 from twinplane.controlplane.errors import InvalidRequest
-from twinplane.controlplane.openai_api import (OpenAIRequest, finish_reason, logprobs_json, prompt_logprobs_json,
-                                               usage_json)
+from twinplane.controlplane.openai_api import (OpenAIRequest, TextOffsets, finish_reason, logprobs_json,
+                                               prompt_logprobs_json, usage_json)
 from twinplane.controlplane.request_state import RequestState
 from twinplane.controlplane.sequence import FinishReason
 from twinplane.controlplane.tools import ToolCall
@@ -184,7 +184,7 @@ class ResponseBuilder:
         self.prompt_logprobs: list[list | None] = [None] * n  # with prompt_logprobs: each choice's prompt's
         self.finals: list[RequestOutput | None] = [None] * n  # each choice's last output
         self.started = [False] * n
-        self.offsets = [0] * n  # streamed completions' text_offset: the length of the tokens' texts so far
+        self.offsets = [TextOffsets() for _ in range(n)]  # streamed completions' text_offset, choice by choice
 
     def _object(self, chunk: bool) -> dict:
         kind = ("chat.completion" if self.request.chat else "text_completion") + (".chunk" if chunk and
@@ -194,19 +194,32 @@ class ResponseBuilder:
     def _logprobs(self, index: int, out: RequestOutput) -> dict | None:
         if not self.request.logprobs:
             return None
-        logprobs = logprobs_json(self.request.chat, out.logprobs, self.token_names, offset=self.offsets[index])
-        if not self.request.chat:  # counted as in the whole response, not from the text sent (which may wait)
-            self.offsets[index] += sum(len(token) for token in logprobs["tokens"])
-        return logprobs
+        # offsets as in the whole response, not from the text sent (which may wait)
+        return logprobs_json(self.request.chat, out.logprobs, self.token_names, self.offsets[index])
 
-    def chunk(self, index: int, out: RequestOutput) -> dict:
-        """The stream chunk of one output of choice index."""
+    def chunks(self, index: int, out: RequestOutput) -> list[dict]:
+        """The stream chunks of one output of choice index: in chat, a choice's first output comes after a
+        chunk of its role alone (as OpenAI's and vLLM's streams begin each choice)."""
+        first = []
+        if self.request.chat and not self.started[index]:
+            first = [self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None})]
+        return first + [self._chunk(self._choice(index, out))]
+
+    def _chunk(self, choice: dict) -> dict:
+        chunk = {**self._object(True), "choices": [choice]}
+        if self.request.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _choice(self, index: int, out: RequestOutput) -> dict:
+        """The choice of one output of choice index, in a stream chunk."""
         choice = {"index": index, "logprobs": self._logprobs(index, out)}
         if self.request.chat:
             reasoning, content, calls = self.parts[index].feed(out.text, out.finish_reason is not None,
                                                                len(out.token_ids))
             deltas = [d for d in self.parts[index].deltas(calls) if d.begins or d.arguments]  # an end adds nothing
-            delta = {"role": "assistant"} if not self.started[index] else {}
+            delta = {}
             if reasoning:
                 delta["reasoning_content"] = reasoning
             if content or not (reasoning or deltas):
@@ -218,10 +231,7 @@ class ResponseBuilder:
         else:
             choice["text"], choice["finish_reason"] = out.text, finish_reason(out)
         self.started[index] = True
-        chunk = {**self._object(True), "choices": [choice]}
-        if self.request.include_usage:
-            chunk["usage"] = None
-        return chunk
+        return choice
 
     def usage_chunk(self, usage: dict) -> dict:
         return {**self._object(True), "choices": [], "usage": self._usage(usage)}

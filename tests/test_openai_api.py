@@ -261,3 +261,30 @@ def test_chat_logprobs_bytes_join_the_parts_of_a_character(smollm2_dir):
     (paris,) = tokenizer.encode(" Paris", add_special_tokens=False)
     entry = logprobs_json(True, [TokenLogprobs(paris, -0.1)], tokenizer)["content"][0]
     assert entry["token"] == " Paris" and bytes(entry["bytes"]) == b" Paris"
+
+
+def test_completion_logprobs_name_the_parts_of_a_character_apart_and_offset_by_whole_characters(smollm2_dir):
+    """Tokens that each hold part of a character are named by their bytes ("bytes:\\xf0\\x9f", as OpenAI's), so
+    that in top_logprobs they do not share one key and the sampled token's value stands; text_offset counts a
+    character once it is whole, also across the chunks of a stream."""
+    from twinplane.controlplane.api import TokenLogprobs
+    from twinplane.controlplane.openai_api import TextOffsets, logprobs_json
+    from twinplane.controlplane.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(smollm2_dir)
+    text = " 🙂 日本"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    parts = [i for i, t in zip(ids, tokenizer.token_texts(ids)) if "\ufffd" in t]
+    assert len(parts) >= 2
+    entries = [TokenLogprobs(i, -1.0, top=[(p, -0.5 - k) for k, p in enumerate(parts)]) for i in ids]
+    whole = logprobs_json(False, entries, tokenizer)
+    names = [name for name, i in zip(whole["tokens"], ids) if i in parts]
+    assert all(name.startswith("bytes:\\x") for name in names) and len(set(names)) == len(parts)
+    for name, i, position in zip(whole["tokens"], ids, whole["top_logprobs"]):
+        assert position[name] == -1.0 and len(position) == len({i, *parts})  # the sampled token's, and each part's
+    # the whole characters before each token
+    assert whole["text_offset"] == [len(tokenizer.decode(ids[:k]).rstrip("\ufffd")) for k in range(len(ids))]
+    streamed, offsets = [], TextOffsets()  # one token a chunk
+    for entry in entries:
+        streamed += logprobs_json(False, [entry], tokenizer, offsets)["text_offset"]
+    assert streamed == whole["text_offset"]

@@ -95,6 +95,24 @@ def test_chat_stream_with_usage(client, model, http_planes):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_chat_stream_of_several_choices_begins_each_with_its_role_alone(client, model):
+    """Each choice's first chunk is its role and empty content, no log-probabilities (as OpenAI's and vLLM's):
+    the SDK's stream helper, which takes a choice's first chunk as its start, then counts each token once."""
+    kwargs = dict(model=model, messages=QUESTION, max_tokens=6, n=2, temperature=1.0, seed=3, logprobs=True,
+                  top_logprobs=2, extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert (mine[0].delta.role, mine[0].delta.content, mine[0].logprobs) == ("assistant", "", None)
+        assert all(c.delta.role is None for c in mine[1:])
+        assert sum(len(c.logprobs.content) for c in mine[1:] if c.logprobs) == 6
+    with client.chat.completions.stream(**kwargs) as stream:
+        for _ in stream:
+            pass
+        final = stream.current_completion_snapshot  # (get_final_completion refuses a choice cut by length)
+    assert [len(choice.logprobs.content) for choice in final.choices] == [6, 6]
+
+
 def test_completions_stream_and_not_equal_the_grpc_text(client, model, http_planes):
     expected = grpc_text(http_planes, prompt="Once upon a time", max_tokens=16, temperature=0, ignore_eos=True)
     whole = client.completions.create(model=model, prompt="Once upon a time", max_tokens=16, temperature=0,

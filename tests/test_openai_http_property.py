@@ -224,6 +224,7 @@ def merge_logprobs(chat: bool, parts: list[dict | None]) -> dict:
 def reassemble(chunks: list[dict], chat: bool, n: int, logprobs: bool) -> list[dict]:
     """The choices of a stream, shaped as a whole response's choices; checks each chunk's choice on the way."""
     texts, reasons, parts = [""] * n, [[] for _ in range(n)], [[] for _ in range(n)]
+    begun = [False] * n
     for chunk in chunks:
         for choice in chunk["choices"]:
             i = choice["index"]
@@ -231,7 +232,12 @@ def reassemble(chunks: list[dict], chat: bool, n: int, logprobs: bool) -> list[d
             assert not reasons[i], f"choice {i} goes on after its finish_reason: {chunk}"
             if chat:
                 delta = choice["delta"]
-                assert (delta.get("role") == "assistant") == (not parts[i]), f"role in the first delta only: {chunk}"
+                if not begun[i]:  # a choice begins with its role alone, as OpenAI's and vLLM's
+                    assert (delta, choice["logprobs"], choice["finish_reason"]) == (
+                        {"role": "assistant", "content": ""}, None, None), f"not the role alone first: {chunk}"
+                    begun[i] = True
+                    continue
+                assert "role" not in delta, f"role in the first delta only: {chunk}"
                 texts[i] += delta.get("content") or ""
             else:
                 texts[i] += choice["text"]

@@ -135,6 +135,19 @@ def test_max_output_tokens_leaves_the_response_incomplete(client):
     assert events[-1]["type"] == "response.incomplete" and last["status"] == "incomplete"
 
 
+def test_a_function_call_cut_by_max_output_tokens_is_incomplete(client):
+    """Its arguments are not whole: the item says so, in the response and in the stream's events."""
+    cut = client.responses.create(model="scripted", input="Paris?", tools=TOOLS, max_output_tokens=22)
+    [call] = [item for item in cut.output if item.type == "function_call"]
+    assert cut.status == "incomplete" and call.status == "incomplete", cut.output
+    assert call.arguments and not call.arguments.endswith("}")
+    events, last = _streamed(client, model="scripted", input="Paris?", tools=TOOLS, max_output_tokens=22)
+    [done] = [e for e in events if e["type"] == "response.output_item.done" and e["item"]["type"] == "function_call"]
+    assert done["item"]["status"] == "incomplete" and last["output"][-1]["status"] == "incomplete"
+    whole = client.responses.create(model="scripted", input="Paris?", tools=TOOLS)
+    assert [item.status for item in whole.output] == ["completed"] and whole.status == "completed"
+
+
 @pytest.mark.parametrize("request_fields, param, words", [
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools", "function tool"),

@@ -92,8 +92,8 @@ def test_chat_chunks_and_message_carry_reasoning_content_apart():
     request = parse_request({"messages": [{"role": "user", "content": "hi"}]}, Limits(100, 64), "r", chat=True)
     pieces = ["<think>", "hmm</th", "ink>\n\nPar", "is."]
     builder = ResponseBuilder(request, "chatcmpl-r", "m", None, reasoning_parser="qwen3")
-    deltas = [builder.chunk(0, out)["choices"][0]["delta"] for out in _outputs(pieces)]
-    assert deltas == [{"role": "assistant", "content": ""}, {"reasoning_content": "hmm"},
+    deltas = [builder.chunks(0, out)[-1]["choices"][0]["delta"] for out in _outputs(pieces)]
+    assert deltas == [{"content": ""}, {"reasoning_content": "hmm"},
                       {"content": "\n\nPar"}, {"content": "is."}]
     whole = ResponseBuilder(request, "chatcmpl-r", "m", None, reasoning_parser="qwen3")  # not streamed
     for out in _outputs(pieces):
@@ -101,11 +101,11 @@ def test_chat_chunks_and_message_carry_reasoning_content_apart():
     message = whole.response({})["choices"][0]["message"]
     assert message == {"role": "assistant", "content": "\n\nParis.", "reasoning_content": "hmm"}
     plain = ResponseBuilder(request, "chatcmpl-r", "m", None)  # no parser: the text as it came
-    assert plain.chunk(0, _outputs(["<think>a</think>b"])[0])["choices"][0]["delta"] == {
-        "role": "assistant", "content": "<think>a</think>b"}
+    assert plain.chunks(0, _outputs(["<think>a</think>b"])[0])[-1]["choices"][0]["delta"] == {
+        "content": "<think>a</think>b"}
     completion = parse_request({"prompt": "hi"}, Limits(100, 64), "r", chat=False)
     text = ResponseBuilder(completion, "cmpl-r", "m", None, reasoning_parser="qwen3")
-    assert text.chunk(0, _outputs(["<think>a"])[0])["choices"][0]["text"] == "<think>a"  # completions: untouched
+    assert text.chunks(0, _outputs(["<think>a"])[0])[-1]["choices"][0]["text"] == "<think>a"  # completions: untouched
 
 
 def test_the_http_api_returns_reasoning_content(tiny_qwen3_dir, planes_factory):

@@ -467,8 +467,8 @@ def test_chunks_and_message_carry_tool_calls():
     lyon = CALL.replace("Paris", "Lyon")
     pieces = ["I will look.\n<tool_", CALL.removeprefix("<tool_")[:-len("_call>")], "_call>\n" + lyon[:30], lyon[30:]]
     builder = ResponseBuilder(request, "chatcmpl-r", "m", None, tool_call_parser="hermes")
-    chunks = [builder.chunk(0, out)["choices"][0] for out in _outputs(pieces)]
-    assert chunks[0]["delta"] == {"role": "assistant", "content": "I will look.\n"}
+    chunks = [builder.chunks(0, out)[-1]["choices"][0] for out in _outputs(pieces)]
+    assert chunks[0]["delta"] == {"content": "I will look.\n"}
     # the call goes out once its block starts as one, before the block closes; its end adds nothing
     [first], [second] = chunks[1]["delta"]["tool_calls"], chunks[3]["delta"]["tool_calls"]
     assert chunks[2]["delta"] == {"content": ""}
@@ -493,7 +493,7 @@ def test_chunks_and_message_carry_tool_calls():
     for stream in (True, False):  # a call of the function the request named ends "stop", as OpenAI's
         builder = ResponseBuilder(named, "chatcmpl-r", "m", None, tool_call_parser="hermes")
         for out in _outputs([CALL]):
-            chunk = builder.chunk(0, out)["choices"][0] if stream else builder.add(0, out)
+            chunk = builder.chunks(0, out)[-1]["choices"][0] if stream else builder.add(0, out)
         choice = chunk if stream else builder.response({})["choices"][0]
         assert choice["finish_reason"] == "stop" and len((choice["delta"] if stream else choice["message"])
                                                              ["tool_calls"]) == 1, (stream, choice)
@@ -530,7 +530,7 @@ def test_call_arguments_stream_as_the_model_writes_them(arguments):
     whole = ResponseBuilder(request, "chatcmpl-r", "m", None, tool_call_parser="hermes")
     chunks = []
     for out in _outputs(list(text)):
-        chunks.append(builder.chunk(0, out)["choices"][0])
+        chunks.append(builder.chunks(0, out)[-1]["choices"][0])
         whole.add(0, out)
     entries = [entry for c in chunks for entry in c["delta"].get("tool_calls", [])]
     joined = _joined_calls(entries)
@@ -544,15 +544,15 @@ def test_call_arguments_stream_as_the_model_writes_them(arguments):
     single = ResponseBuilder(parse_request(chat(tools=TOOLS, parallel_tool_calls=False), LIMITS, "r", chat=True,
                                            tool_call_parser="hermes"), "c", "m", None, tool_call_parser="hermes")
     only = [entry for out in _outputs(list(text))
-            for entry in single.chunk(0, out)["choices"][0]["delta"].get("tool_calls", [])]
+            for entry in single.chunks(0, out)[-1]["choices"][0]["delta"].get("tool_calls", [])]
     assert [(name, args) for _, name, args in _joined_calls(only)] == [("get_weather", arguments)]
 
 
 def test_llama3_json_calls_come_in_the_last_chunk():
     request = parse_request(chat(tools=TOOLS), LIMITS, "r", chat=True, tool_call_parser="llama3_json")
     builder = ResponseBuilder(request, "chatcmpl-r", "m", None, tool_call_parser="llama3_json")
-    chunks = [builder.chunk(0, out)["choices"][0] for out in _outputs([LLAMA[:25], LLAMA[25:]])]
-    assert chunks[0]["delta"] == {"role": "assistant", "content": ""} and chunks[0]["finish_reason"] is None
+    chunks = [builder.chunks(0, out)[-1]["choices"][0] for out in _outputs([LLAMA[:25], LLAMA[25:]])]
+    assert chunks[0]["delta"] == {"content": ""} and chunks[0]["finish_reason"] is None
     [call] = chunks[1]["delta"]["tool_calls"]
     assert (call["index"], call["function"]["arguments"], chunks[1]["finish_reason"]) == (
         0, '{"city": "Paris"}', "tool_calls")
