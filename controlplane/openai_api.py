@@ -21,7 +21,7 @@ from twinplane.controlplane.json_schema import any_json_regex
 from twinplane.controlplane.sequence import FinishReason
 from twinplane.controlplane.structured import (after_reasoning, checked_regex, choice_regex, client_regex,
                                                json_schema_regex, schema_text)
-from twinplane.controlplane.tokenizer import MESSAGE_FIELDS, Tokenizer
+from twinplane.controlplane.tokenizer import CHAT_ROLES, MESSAGE_FIELDS, Tokenizer
 from twinplane.controlplane.tools import ToolSpec, forced_calls_regex, template_tool_calls, template_tools, tool_spec
 
 MAX_CHOICES = 16  # most sequences (n) one request may ask for
@@ -179,6 +179,8 @@ def _message(m, where: str) -> dict:
     (an assistant's tool_calls, a tool result's tool_call_id) and of reasoning when sent."""
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         _fail(f"{where} must be an object with a string role")
+    if m["role"] not in (*CHAT_ROLES, "developer"):
+        _fail(f"{where}.role must be one of {', '.join(CHAT_ROLES)} or developer (as system), got {m['role']!r}")
     role = "system" if m["role"] == "developer" else m["role"]
     message = {"role": role, "content": _content(m.get("content"), where)}
     for name in MESSAGE_FIELDS:

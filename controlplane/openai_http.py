@@ -16,6 +16,7 @@ import logging
 import re
 import resource
 import socket
+import time
 from contextlib import contextmanager
 
 import h11
@@ -51,7 +52,7 @@ def _server_version() -> str:
 SERVER_VERSION = _server_version()
 _STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404,
            "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "INTERNAL": 500}
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           413: "invalid_request_error", 405: "invalid_request_error", 429: "rate_limit_error",
           503: "service_unavailable", 500: "server_error"}
 _PARAM = re.compile(r"^([a-z_]+)(?:\[\d+\])?[ .:]")
@@ -59,6 +60,7 @@ _PARAM = re.compile(r"^([a-z_]+)(?:\[\d+\])?[ .:]")
 
 class Unauthenticated(ServiceError):
     code_name = "UNAUTHENTICATED"
+    code = "invalid_api_key"  # OpenAI's
 
 
 class NotFound(ServiceError):
@@ -95,6 +97,7 @@ class OpenAIService:
         self.engine = engine
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())  # the model object's "created": when this server began serving it
 
     def app(self) -> Starlette:
         routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -156,7 +159,7 @@ class OpenAIService:
 
     def _model_object(self, name: str) -> dict:
         d = self.engine.describe
-        return {"id": name, "object": "model", "created": 0, "owned_by": "twinplane", "root": d.model,
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "twinplane", "root": d.model,
                 "max_model_len": d.max_model_len}
 
     async def tokenize(self, request: Request) -> Response:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import ssl
+import time
 
 import grpc
 import httpx
@@ -53,6 +54,7 @@ def grpc_text(planes: Planes, **kwargs) -> str:
 def test_models_lists_the_served_model_under_each_name(client, model, http_planes, tiny_qwen3_dir):
     listed = client.models.list().data
     assert [m.id for m in listed] == list(NAMES) and {m.root for m in listed} == {str(tiny_qwen3_dir)}
+    assert all(0 < time.time() - m.created < 3600 for m in listed)  # when the server began serving it
     assert client.models.retrieve(model).id == model  # a slash in the id
     assert client.models.retrieve("tiny").id == "tiny"
     with pytest.raises(openai.NotFoundError) as error:
@@ -510,7 +512,7 @@ def grpc_tokens(planes: Planes, **kwargs) -> list[int]:
 def test_errors_through_the_sdk(base_url, client, model, http_planes):
     with pytest.raises(openai.AuthenticationError) as error:
         openai.OpenAI(base_url=base_url + "/v1", api_key="wrong", max_retries=0).models.list()
-    assert error.value.status_code == 401
+    assert error.value.status_code == 401 and error.value.code == "invalid_api_key"
     with pytest.raises(openai.NotFoundError) as error:
         client.chat.completions.create(model="gpt-4o", messages=QUESTION)
     assert error.value.code == "model_not_found"
