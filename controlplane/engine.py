@@ -239,7 +239,7 @@ class Engine:
         self.snapshot(snapshot)
         by_seq, limit = self.by_seq, self.config.max_unsent_tokens_per_stream
         touched: dict[int, RequestState] = {}  # a request's tokens of this step go out in one message
-        for seq_id, token, position, logprobs, reason, num_cached, prompt_logprobs in outputs:
+        for seq_id, token, position, logprobs, reason, num_cached, prompt_logprobs, scheduled_time in outputs:
             state = by_seq.get(seq_id)
             if state is None:  # ended here meanwhile (cancelled, stop string)
                 continue
@@ -247,6 +247,8 @@ class Engine:
             state.record_token(token, position, logprobs, num_cached)
             if prompt_logprobs is not None:
                 state.pending.prompt_logprobs = prompt_logprobs
+            if scheduled_time is not None:
+                state.scheduled_time = scheduled_time
             core_reason = reason and FinishReason(reason)
             reason = state.add_text(token, core_reason)
             if reason is not None:
@@ -476,8 +478,7 @@ class Engine:
         request_log.info(state.summary(f"error:{error.code_name}"))
 
     def _count_ended(self, state: RequestState, ending: str) -> None:
-        self.metrics.request_finished(ending, time.monotonic() - state.arrival_time, state.num_prompt_tokens,
-                                      state.num_outputs)
+        self.metrics.request_finished(ending, state, time.monotonic())
 
 
 async def first_of(*events: asyncio.Event) -> None:

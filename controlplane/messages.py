@@ -39,6 +39,7 @@ class TokenOutput(NamedTuple):
     num_cached_tokens: int  # prompt tokens found in the prefix cache
     # with the first output token of a request that wants them: the prompt's, entry i token i's (0: None)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    scheduled_time: float | None = None  # with the first output token: Sequence.scheduled_time
 
 
 _token_output = partial(tuple.__new__, TokenOutput)  # TokenOutput from a plain tuple, without per-field checks

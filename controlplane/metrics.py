@@ -36,6 +36,7 @@ from twinplane.controlplane.sequence import FinishReason
 if TYPE_CHECKING:
     from twinplane.controlplane.engine import Engine
     from twinplane.controlplane.frontends import Secondaries
+    from twinplane.controlplane.request_state import RequestState
 
 PREFIX = "twinplane:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # what generate_latest writes
@@ -52,6 +53,11 @@ TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))
 # How a request ended: the finish reasons, and "error" for one that ended with an error status
 # (its stream not read, its step failed, the server shut down, ...), as vLLM's finished_reason.
 ENDINGS = (*(reason.value for reason in FinishReason), "error")
+# The phases of a request that ended, vLLM's: request_<phase>_time_seconds.
+PHASES = {"queue": "Seconds from arrival until the engine core first scheduled it.",
+          "prefill": "Seconds from its first scheduling to its first token.",
+          "decode": "Seconds from its first token to its last.",
+          "inference": "Seconds from its first scheduling to its last token."}
 # The per-data-plane counters (DataPlaneSnapshot fields) on /metrics, which carry on across engine cores.
 DATAPLANE_COUNTERS = ("computed_tokens", "prefix_cache_hits")
 
@@ -99,13 +105,28 @@ class EngineMetrics:
         self.e2e_request_latency = Histogram(E2E_BUCKETS)
         self.request_prompt_tokens = Histogram(TOKEN_BUCKETS)
         self.request_generation_tokens = Histogram(TOKEN_BUCKETS)
+        # vLLM's phases of a request: queued (arrival to first scheduled), prefill (to its first token),
+        # decode (first token to last), inference (first scheduled to last token)
+        self.request_queue_time = Histogram(TTFT_BUCKETS)
+        self.request_prefill_time = Histogram(TTFT_BUCKETS)
+        self.request_decode_time = Histogram(E2E_BUCKETS)
+        self.request_inference_time = Histogram(E2E_BUCKETS)
 
-    def request_finished(self, ending: str, seconds: float, prompt_tokens: int, generation_tokens: int) -> None:
-        """A request ended: ending is an ENDINGS value; seconds since it arrived."""
+    def request_finished(self, ending: str, state: RequestState, now: float) -> None:
+        """A request ended (ending: an ENDINGS value), at now (time.monotonic()): each phase it reached is
+        observed."""
         self.finished[ending] += 1
-        self.e2e_request_latency.observe(seconds)
-        self.request_prompt_tokens.observe(prompt_tokens)
-        self.request_generation_tokens.observe(generation_tokens)
+        self.e2e_request_latency.observe(now - state.arrival_time)
+        self.request_prompt_tokens.observe(state.num_prompt_tokens)
+        self.request_generation_tokens.observe(state.num_outputs)
+        scheduled, first, last = state.scheduled_time, state.first_token_time, state.last_token_time
+        if scheduled is not None:
+            self.request_queue_time.observe(max(scheduled - state.arrival_time, 0.0))
+        if first is not None:
+            self.request_decode_time.observe(last - first)
+            if scheduled is not None:
+                self.request_prefill_time.observe(max(first - scheduled, 0.0))
+                self.request_inference_time.observe(max(last - scheduled, 0.0))
 
     @classmethod
     def total(cls, parts: list[EngineMetrics]) -> EngineMetrics:
@@ -122,7 +143,8 @@ class EngineMetrics:
 
 
 HISTOGRAMS = ("time_to_first_token", "inter_token_latency", "e2e_request_latency", "request_prompt_tokens",
-              "request_generation_tokens")
+              "request_generation_tokens", "request_queue_time", "request_prefill_time", "request_decode_time",
+              "request_inference_time")
 
 
 class EngineCollector:
@@ -210,6 +232,8 @@ class EngineCollector:
                                              "Prompt tokens of each request that ended.", model)
         yield m.request_generation_tokens.family(f"{PREFIX}request_generation_tokens",
                                                  "Tokens generated for each request that ended.", model)
+        for phase, what in PHASES.items():
+            yield getattr(m, f"request_{phase}_time").family(f"{PREFIX}request_{phase}_time_seconds", what, model)
         yield step.family(f"{PREFIX}dataplane_step_seconds",
                           "Seconds the data plane spent on one step (plan decoding, forward, sampling).", model)
 

@@ -165,6 +165,7 @@ class Replica:
             if entry is None:  # aborted meanwhile
                 continue
             prompt_logprobs, failure = None, None
+            scheduled_time = seq.scheduled_time if position == seq.num_prompt_tokens else None  # the first token
             if seq.prompt_logprobs is not None and position == seq.num_prompt_tokens:  # out with the first token
                 prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
                 if any(lp is None for lp in prompt_logprobs[1:]):
@@ -185,7 +186,8 @@ class Replica:
                 self.scheduler.finish(seq)
                 self.core.forget(seq_id)
             outputs.append(TokenOutput(seq_id, token, position, logprobs[index] if logprobs else None,
-                                       reason and reason.value, seq.num_cached_tokens, prompt_logprobs))
+                                       reason and reason.value, seq.num_cached_tokens, prompt_logprobs,
+                                       scheduled_time))
         return outputs
 
     def _count(self, out, tokens) -> None:

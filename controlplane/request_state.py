@@ -45,6 +45,7 @@ class RequestState:
         self.metrics = metrics
         self.arrival_time = arrival_time  # time.monotonic() when the request arrived
         self.first_token_time: float | None = None  # when the first token was streamed
+        self.scheduled_time: float | None = None  # when the engine core first scheduled it (time.monotonic())
         self.last_token_time = 0.0  # when the latest message with tokens was streamed
         self.stream_interval = stream_interval  # tokens per message (the first and the last may hold fewer)
         self.detokenizer = None

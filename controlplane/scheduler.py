@@ -26,6 +26,7 @@ hears back, so a small batch pays the round trip once per several tokens.
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -238,6 +239,8 @@ class Scheduler:
             self.block_manager.allocate(seq, cached, num_tokens)
             if first_admission:
                 seq.num_cached_tokens = seq.num_computed_tokens
+            if seq.scheduled_time is None:
+                seq.scheduled_time = time.monotonic()
             if self.block_manager.enable_prefix_caching:
                 self.num_prefix_cache_queries += seq.num_tokens
                 self.num_prefix_cache_hits += seq.num_computed_tokens

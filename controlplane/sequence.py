@@ -95,6 +95,7 @@ class Sequence:
         self.num_blocks_mirrored = 0  # block-table entries the data plane already has
         self.mirrored = False  # whether the data plane holds a mirror of this sequence
         self.num_preemptions = 0
+        self.scheduled_time: float | None = None  # time.monotonic() when it was first scheduled (it queued till then)
         self.finish_reason: FinishReason | None = None
         self.matcher = None  # what constrains its tokens: structured.TokenMatcher, FixedTokens, BannedWords or AllOf
         # the prompt's log-probabilities as steps compute them, entry i prompt token i's (entry 0 stays None);

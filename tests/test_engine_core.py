@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -226,7 +227,8 @@ def test_the_core_applies_a_step_counts_it_and_logs_it_at_debug(caplog):
 
     core, outputs, step_id = asyncio.run(run())
     # seq 7 sampled eos (2) at position 3 and ends; seq 8 goes on
-    assert outputs == [(7, 2, 3, None, "stop_token", 0, None), (8, 9, 2, None, None, 0, None)]
+    assert [out[:-1] for out in outputs] == [(7, 2, 3, None, "stop_token", 0, None), (8, 9, 2, None, None, 0, None)]
+    assert all(0 < time.monotonic() - out.scheduled_time < 60 for out in outputs)  # with a first token: when planned
     assert list(core.seqs) == [8] and core.snapshot().running == 1
     stats = core.snapshot().stats
     assert (stats["steps"], stats["idle_us"], stats["execute_us"], stats["computed_tokens"]) == (1, 40, 900, 5)

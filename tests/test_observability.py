@@ -79,6 +79,10 @@ def test_metrics_move_during_and_after_a_generation(planes):
     assert growth(before, after, 'request_success_total{finished_reason="stop_token"}') == 0
     assert growth(before, after, "time_to_first_token_seconds_count") == 1
     assert growth(before, after, "e2e_request_latency_seconds_count") == 1
+    for phase in ("queue", "prefill", "decode", "inference"):  # its first scheduling heard from the engine core
+        assert growth(before, after, f"request_{phase}_time_seconds_count") == 1, phase
+    phase_sum = {phase: growth(before, after, f"request_{phase}_time_seconds_sum") for phase in ("prefill", "decode")}
+    assert growth(before, after, "request_inference_time_seconds_sum") == pytest.approx(sum(phase_sum.values()))
     assert growth(before, after, "inter_token_latency_seconds_count") == usage.completion_tokens - 1
     # one step per token, or per up to --decode-steps (8) tokens for a plan of several decode steps
     assert growth(before, after, "dataplane_step_seconds_count") >= usage.completion_tokens / 8
@@ -251,11 +255,35 @@ def test_a_steps_tokens_of_one_request_go_out_in_one_message_that_times_each_tok
     assert engine.metrics.time_to_first_token.sum == pytest.approx(1.0)
 
 
+def test_a_finished_request_is_timed_in_its_phases_as_vllm_times_them(monkeypatch):
+    """Queued from arrival (0.0) until the engine core first scheduled it (0.2, on its first token's output),
+    prefill to its first token (1.0), decode to its last (1.3); inference from scheduled to last."""
+    from twinplane.controlplane.messages import TokenOutput
+
+    engine, state = _engine_with_a_request()
+    clock = SimpleNamespace(monotonic=lambda: now)
+    monkeypatch.setattr("twinplane.controlplane.request_state.time", clock)
+    monkeypatch.setattr("twinplane.controlplane.engine.time", clock)
+    now = 1.0
+    engine.step([TokenOutput(7, 5, 3, None, None, 0, None, 0.2)], engine.core_snapshot)
+    now = 1.3
+    engine.step([TokenOutput(7, 6, 4, None, None, 0), TokenOutput(7, 7, 5, None, "length", 0)], engine.core_snapshot)
+    m = engine.metrics
+    assert m.finished["length"] == 1
+    phases = {phase: getattr(m, f"request_{phase}_time") for phase in ("queue", "prefill", "decode", "inference")}
+    assert all(sum(h.counts) == 1 for h in phases.values())
+    assert {phase: round(h.sum, 6) for phase, h in phases.items()} == {
+        "queue": 0.2, "prefill": 0.8, "decode": 0.3, "inference": 1.1}
+    samples = {s.name: s.value for s in _family(engine, "request_prefill_time_seconds").samples}
+    assert samples["twinplane:request_prefill_time_seconds_count"] == 1
+
+
 def test_a_request_that_ends_with_an_error_is_counted_as_one():
     engine, state = _engine_with_a_request()
     engine.step_failed([7], "out of memory")
     assert engine.metrics.finished["error"] == 1 and sum(engine.metrics.finished.values()) == 1
     assert sum(engine.metrics.e2e_request_latency.counts) == 1
+    assert sum(engine.metrics.request_queue_time.counts) == 0  # never scheduled, as far as the frontend heard
     prompt_tokens = engine.metrics.request_prompt_tokens
     assert sum(prompt_tokens.counts) == 1 and prompt_tokens.sum == 3
     samples = {s.labels["finished_reason"]: s.value for s in _family(engine, "request_success").samples}
