@@ -40,6 +40,9 @@ import numpy as np
 MAX_COUNT = 1000  # the largest count a {n,m} quantifier may hold
 MASK_CACHE_BYTES = 256 << 20  # masks kept, every grammar's together; the least recently used go first
 MAX_DFA_STATES = 20_000  # automaton states one grammar may build while it is used (GrammarError past them)
+MAX_NFA_EDGES = 200_000  # byte-range edges one pattern's NFA may hold (its memory: ~70 bytes each)
+# NFA states one automaton state may hold: the work of each step's mask grows with them (GrammarError past them)
+MAX_DFA_SET = 1_000
 DENSE_SHARE = 8  # a mask walk steps a trie level's every node when its live parents are > 1/DENSE_SHARE of them
 SUPPORTED = ("supported: literals, escaped punctuation, \\n \\t \\r \\f \\v \\0 \\xHH \\uHHHH, . \\d \\D "
              "\\w \\W \\s \\S, [...] and [^...] classes, groups (...) (?:...) (?P<name>...), alternation |, "
@@ -341,6 +344,7 @@ class _NFA:
         self.max_states = max_states
         self.edges: list[list[tuple[int, int, int]]] = []
         self.eps: list[list[int]] = []
+        self.num_edges = 0
 
     def state(self) -> int:
         if len(self.edges) >= self.max_states:
@@ -382,7 +386,13 @@ class _NFA:
     def _chars(self, ranges, start: int) -> int:
         """The UTF-8 encodings of a code point set, as byte-range paths sharing their common prefixes."""
         end, prefixes = self.state(), {}
-        for sequence in _utf8_paths(ranges):
+        paths = _utf8_paths(ranges)
+        self.num_edges += sum(map(len, paths))  # at most: shared prefixes make fewer
+        if self.num_edges > MAX_NFA_EDGES:
+            raise GrammarError(f"regex: the pattern is too large: its automaton would exceed {MAX_NFA_EDGES} "
+                               "transitions (large counted repetitions of wide character classes); write a smaller "
+                               "pattern")
+        for sequence in paths:
             state = start
             for byte_range in sequence[:-1]:
                 if (state, byte_range) not in prefixes:
@@ -466,6 +476,10 @@ class Grammar:
         found = self._ids.get(states)
         if found is not None:
             return found
+        if len(states) > MAX_DFA_SET:
+            raise GrammarError(f"regex: matching it keeps more than {MAX_DFA_SET} positions of the pattern open at "
+                               "once (many long alternatives in flight, e.g. after a loop that any text matches); "
+                               "write a pattern that decides sooner")
         if len(self._sets) >= MAX_DFA_STATES:
             raise GrammarError(f"regex: matching it took more than {MAX_DFA_STATES} automaton states (too many "
                                "alternatives in flight at once, e.g. a long repetition after a loop); write a "

@@ -232,6 +232,22 @@ def test_too_large_patterns_are_refused():
         Grammar.from_regex("[a-z]{1000}", max_states=500)
     with pytest.raises(GrammarError, match="nests too deeply"):
         Grammar.from_regex("(" * 3000 + "a" + ")" * 3000)
+    # wide classes counted many times: few states, but millions of edges (hundreds of MB) without the cap
+    wide = "[" + "".join(f"\\x{b:02x}" for b in range(1, 128, 2)) + "]{1000}"
+    with pytest.raises(GrammarError, match="exceed 200000 transitions"):
+        Grammar.from_regex(f"(?:{wide}|{wide}a|{wide}b|{wide}c)")
+
+
+def test_a_match_that_keeps_too_many_positions_open_fails_while_it_runs(monkeypatch):
+    """Each step's mask costs work in proportion to the pattern positions its automaton state holds: past
+    MAX_DFA_SET the match fails (the request gets the reason), rather than each step slowing the server."""
+    from twinplane.controlplane import grammar
+
+    monkeypatch.setattr(grammar, "MAX_DFA_SET", 5)
+    g = Grammar.from_regex("[\\s\\S]*a{10}")  # every 'a' may begin the ten: one more open position each
+    state = g.advance(g.initial_state, b"aaa")
+    with pytest.raises(GrammarError, match="more than 5 positions of the pattern open"):
+        g.advance(state, b"aaaaa")
 
 
 # --- masks on the real vocabulary -------------------------------------------------------------------------

@@ -361,9 +361,9 @@ def without_echo(whole: dict, shown: str, top: int | None) -> dict:
             assert len(lp["tokens"]) >= num_prompt and lp["token_logprobs"][0] is None is lp["top_logprobs"][0], lp
             assert all(v <= 0 and len(alternatives) <= top + 1 for v, alternatives in
                        zip(lp["token_logprobs"][1:num_prompt], lp["top_logprobs"][1:num_prompt])), lp
-            base = sum(len(token) for token in lp["tokens"][:num_prompt])  # the offsets count the prompt's tokens
             choice["logprobs"] = {name: values[num_prompt:] for name, values in lp.items()}
-            choice["logprobs"]["text_offset"] = [offset - base for offset in choice["logprobs"]["text_offset"]]
+            # the offsets count the characters of the echoed prompt before the completion's
+            choice["logprobs"]["text_offset"] = [offset - len(shown) for offset in choice["logprobs"]["text_offset"]]
         choices.append(choice)
     return {**whole, "choices": choices}
 
