@@ -6,8 +6,9 @@ import hmac
 
 import grpc
 
-# Health checks stay open so that load balancers and orchestrators can probe.
-OPEN_METHODS = ("/grpc.health.v1.Health/",)
+# Health checks stay open so that load balancers and orchestrators can probe; Watch, a stream each
+# caller holds open, does not.
+OPEN_METHODS = ("/grpc.health.v1.Health/Check",)
 MESSAGE = "missing or wrong API key: send metadata 'authorization: Bearer <key>'"
 
 

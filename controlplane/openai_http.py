@@ -223,10 +223,11 @@ class OpenAIService:
         served, asked = self._model_names(), body.get("model")
         if asked is None:
             return served[0]
+        if not isinstance(asked, str):  # (never formatted: a large one would hold the event loop)
+            raise InvalidRequest(f"model must be a string, got {type(asked).__name__}")
         if asked not in served:
             names = ", ".join(repr(name) for name in served)
-            raise NotFound(f"the model {str(asked)[:256]!r} does not exist; this server serves {names}",
-                           "model_not_found")
+            raise NotFound(f"the model {asked[:256]!r} does not exist; this server serves {names}", "model_not_found")
         return asked
 
     async def _generate(self, request: Request, kind: str) -> Response:

@@ -88,6 +88,11 @@ def _generate(client: Client) -> list[int]:
 def test_health_follows_data_plane_readiness(secure):
     assert secure.health_before_dataplane == health_pb2.HealthCheckResponse.NOT_SERVING
     assert _health(secure) == SERVING
+    with grpc.secure_channel(secure.address, grpc.ssl_channel_credentials(secure.cert)) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=10)
+        with pytest.raises(grpc.RpcError) as info:  # a stream held open: only with the key
+            next(watch)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_api_key_is_required(secure):
