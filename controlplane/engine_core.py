@@ -284,8 +284,8 @@ class EngineCore:
                 return (f"it is the data plane that {other} drives already: give each data plane one address "
                         "(this one is left alone)")
         if others and (differences := model_differences(desc, others[0].claimed)):
-            return (f"it serves another model than the connected data planes: {'; '.join(differences)}. Every "
-                    "data plane of one control plane must serve the same model with the same block size")
+            return (f"it serves another model than the other data planes: {'; '.join(differences)}. Every data "
+                    "plane of one control plane must serve the same model in the same dtype with the same block size")
         return None
 
     def _route(self, seq: Sequence) -> None:

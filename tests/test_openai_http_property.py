@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 
 import httpx
@@ -281,12 +282,19 @@ def sampled_logprobs(choice: dict, chat: bool) -> list[float]:
     return [e["logprob"] for e in lp["content"]] if chat else lp["token_logprobs"]
 
 
+def token_bytes(name: str) -> bytes:
+    """A token's bytes from its name in log-probabilities: its text, or "bytes:\\xe2\\x80" for part of a character."""
+    if name.startswith("bytes:"):
+        return bytes(int(h, 16) for h in re.findall(r"\\x([0-9a-f]{2})", name))
+    return name.encode()
+
+
 def check_logprobs(choice: dict, chat: bool, top: int) -> None:
     """Shapes OpenAI documents; greedy sampled the most likely token."""
     lp = choice["logprobs"]
     if chat:
         for entry in lp["content"]:
-            assert entry["logprob"] <= 0 and entry["bytes"] == list(entry["token"].encode())
+            assert entry["logprob"] <= 0 and entry["bytes"] == list(token_bytes(entry["token"])), entry
             assert len(entry["top_logprobs"]) == top, entry
             if top:
                 assert entry["logprob"] >= entry["top_logprobs"][0]["logprob"] - TOLERANCE, entry
