@@ -165,8 +165,9 @@ class Replica:
             if entry is None:  # aborted meanwhile
                 continue
             prompt_logprobs, failure = None, None
-            scheduled_time = seq.scheduled_time if position == seq.num_prompt_tokens else None  # the first token
-            if seq.prompt_logprobs is not None and position == seq.num_prompt_tokens:  # out with the first token
+            first = position == seq.num_prompt_tokens  # its first output token: its scheduling time goes with it
+            scheduled_time = seq.scheduled_time if first else None
+            if seq.prompt_logprobs is not None and first:  # out with the first token
                 prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
                 if any(lp is None for lp in prompt_logprobs[1:]):
                     failure = "prompt_logprobs: this data plane does not compute the prompt's log-probabilities"

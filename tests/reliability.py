@@ -25,6 +25,29 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str, poll: f
         time.sleep(poll)
 
 
+class StderrLog:
+    """What the processes of a test have written to stderr (the engine core's log among it), read as it grows
+    (from pytest's capfd)."""
+
+    def __init__(self, capfd):
+        self.capfd, self.text = capfd, ""
+
+    def read(self) -> str:
+        """What was written since the last read."""
+        new = self.capfd.readouterr().err
+        self.text += new
+        return new
+
+    def __contains__(self, needle: str) -> bool:
+        self.read()
+        return needle in self.text
+
+    def wait_for(self, *needles: str, timeout: float = 30.0) -> str:
+        """The log so far, once it holds every needle."""
+        wait_until(lambda: all(needle in self for needle in needles), timeout, f"the log to say {needles}", poll=0.2)
+        return self.text
+
+
 def all_blocks_free(planes) -> bool:
     free, total = planes.free_blocks()
     return free == total and not planes.engine.requests

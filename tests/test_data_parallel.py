@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import Planes
-from tests.reliability import GREEDY, all_blocks_free, greedy_references, tokens_async, wait_until
+from tests.reliability import GREEDY, StderrLog, all_blocks_free, greedy_references, tokens_async, wait_until
 from tests.test_e2e_reference import random_prompts
 from twinplane.clients.client import AsyncClient
 from twinplane.controlplane.messages import AddRequest
@@ -423,17 +423,6 @@ async def _rest(chunks) -> list[int]:
     return [t async for chunk in chunks for t in chunk.token_ids]
 
 
-class Stderr:
-    """What the processes have written to stderr so far (the engine core's log among it), read as it grows."""
-
-    def __init__(self, capfd):
-        self.capfd, self.text = capfd, ""
-
-    def __contains__(self, line: str) -> bool:
-        self.text += self.capfd.readouterr().err
-        return line in self.text
-
-
 def test_one_data_plane_reached_by_two_addresses_is_driven_by_one_replica(tiny_qwen3_dir, tmp_path_factory,
                                                                           shared_planes, capfd):
     """The second address (a link to the first's socket) finds the data plane another replica drives, by its
@@ -445,10 +434,10 @@ def test_one_data_plane_reached_by_two_addresses_is_driven_by_one_replica(tiny_q
     planes.config = replace(planes.config, dataplane=f"{planes.dp_address},unix://{folder}/link.sock")
     prompts = random_prompts(6, seed=506, low=10, high=60)
     expected = asyncio.run(greedy_references(shared_planes.address, prompts, 16))
-    log = Stderr(capfd)
+    log = StderrLog(capfd)
     try:
         planes.start()
-        wait_until(lambda: "drives already" in log, 30, "the second address to be declined")
+        log.wait_for("drives already")
         assert asyncio.run(greedy_references(planes.address, prompts, 16)) == expected
         seen = [[d["connected"] for d in _stats(planes)["dataplanes"]] for _ in range(5)]
         assert sorted(seen[0]) == [False, True] and all(s == seen[0] for s in seen), seen
@@ -459,14 +448,14 @@ def test_one_data_plane_reached_by_two_addresses_is_driven_by_one_replica(tiny_q
 
 def test_a_data_plane_with_another_block_size_is_not_taken(tiny_qwen3_dir, tmp_path_factory, capfd):
     planes = DataParallelPlanes(tmp_path_factory.mktemp("mixed"), tiny_qwen3_dir, DATAPLANE_ARGS)
-    log = Stderr(capfd)
+    log = StderrLog(capfd)
     try:
         planes.start_controlplane()
         planes.start_dataplane(0)
         planes.wait_ready()
         planes.dp_command[planes.dp_command.index("--block-size") + 1] = "32"
         planes.start_dataplane(1)
-        wait_until(lambda: "is not taken" in log, 60, "the data plane of another block size to be declined")
+        log.wait_for("is not taken", timeout=60)
         assert "block_size 32 (the others: 16)" in log
         asyncio.run(greedy_references(planes.address, random_prompts(4, seed=507, low=10, high=30), 4))
         stats = _stats(planes)

@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.conftest import Planes
-from tests.reliability import GREEDY, wait_until
+from tests.reliability import GREEDY, StderrLog, wait_until
 from tests.test_reliability_security import self_signed_cert
 from twinplane.controlplane.dataplane_client import DataPlaneClient, DataPlaneLost
 from twinplane.controlplane.tls import DataPlaneTls, server_credentials
@@ -93,17 +93,6 @@ def test_a_control_plane_with_the_ca_streams_the_same_tokens_as_without_tls(tls_
         planes.stop()
 
 
-def _log_says(capfd, *needles: str, timeout: float = 30.0) -> str:
-    """The log (the engine core's stderr) once it holds every needle."""
-    seen = []
-
-    def said() -> bool:
-        seen.append(capfd.readouterr().err)
-        return all(needle in "".join(seen) for needle in needles)
-    wait_until(said, timeout, f"the log to say {needles}", poll=0.2)
-    return "".join(seen)
-
-
 @pytest.mark.parametrize("case", ["no CA", "wrong CA", "wrong name"])
 def test_a_control_plane_that_cannot_verify_the_data_plane_says_why_and_keeps_trying(
         case, tls_dataplane, tiny_qwen3_dir, tmp_path, capfd):
@@ -116,10 +105,11 @@ def test_a_control_plane_that_cannot_verify_the_data_plane_says_why_and_keeps_tr
     }[case]
     planes = _control_plane(tmp_path, tiny_qwen3_dir, tls_dataplane, tls)
     try:
-        log = _log_says(capfd, "cannot be reached, retrying every", why)
+        stderr = StderrLog(capfd)
+        log = stderr.wait_for("cannot be reached, retrying every", why)
         assert tls_dataplane["address"] in log and "Traceback" not in log
         time.sleep(1.5)  # a few more attempts: said once, and nothing gives up
-        assert "cannot be reached" not in capfd.readouterr().err
+        assert "cannot be reached" not in stderr.read()
         with planes.client() as client:
             assert client.health_status(5) == "NOT_SERVING"  # up, and honest about it
         assert not planes.engine.crashed.is_set()
