@@ -21,5 +21,7 @@ RUN pip install --no-cache-dir . \
 RUN useradd --uid 10001 --user-group --create-home twinplane \
  && mkdir -p /cache /run/twinplane && chown twinplane:twinplane /cache /run/twinplane
 USER 10001:10001
+# The public gRPC API and Prometheus /metrics, where docker-compose and deploy/kubernetes run them.
+EXPOSE 50051 9400
 ENTRYPOINT ["twinplane"]
 CMD ["controlplane", "--help"]

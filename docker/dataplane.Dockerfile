@@ -25,5 +25,7 @@ ENV TWINPLANE_CACHE=/cache
 RUN useradd --uid 10001 --user-group --create-home twinplane \
  && mkdir -p /cache /run/twinplane && chown twinplane:twinplane /cache /run/twinplane
 USER 10001:10001
+# StepPlans from the control plane, and the gRPC health service for probes (deploy/kubernetes).
+EXPOSE 50061 50062
 ENTRYPOINT ["twinplane"]
 CMD ["dataplane", "--help"]

@@ -186,3 +186,18 @@ def test_every_pod_runs_unprivileged_and_the_data_planes_are_not_evicted_first(r
             if "secret" in volume:
                 assert volume["secret"]["defaultMode"] & 0o040 and pod["securityContext"]["fsGroup"] == 10001
         assert {"cpu", "memory"} <= set(_container(workload)["resources"]["requests"])
+
+
+def test_every_container_port_is_one_its_image_exposes(resources):
+    """Each port a pod names is EXPOSEd by the Dockerfile that builds its image (named in the
+    Dockerfile's `docker build ... -t IMAGE` line)."""
+    exposed = {}
+    for dockerfile in (ROOT / "docker").glob("*.Dockerfile"):
+        text = dockerfile.read_text()
+        (image,) = re.findall(r"docker build -f \S+ -t (\S+)", text)
+        exposed[image] = {int(port) for line in re.findall(r"^EXPOSE (.+)$", text, re.M) for port in line.split()}
+    for workload in (_one(resources, "StatefulSet"), _one(resources, "Deployment")):
+        container = _container(workload)
+        image = re.sub(r":[^/:]+$", "", container["image"])  # the tag kustomize sets left out
+        ports = {port["containerPort"] for port in container["ports"]}
+        assert ports and ports <= exposed[image], (image, ports, exposed)
