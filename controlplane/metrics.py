@@ -17,13 +17,16 @@ them for a scraper that does not ask for UTF-8 names).
 from __future__ import annotations
 
 import bisect
+import gzip
 import hmac
 import math
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING
+from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry
@@ -253,11 +256,18 @@ def registry_for(engine: Engine, secondaries: Secondaries | None = None) -> Coll
 
 
 def metrics_app(registry: CollectorRegistry):
-    """A WSGI app serving registry's metrics in the text format 0.0.4 at any path."""
+    """A WSGI app serving registry's metrics in the text format 0.0.4 at any path: only the families
+    that ``name[]`` query parameters name, when there are some, and gzipped for a scrape that accepts
+    it (as Prometheus's do)."""
 
     def app(environ, start_response):
-        body = generate_latest(registry)
-        start_response("200 OK", [("Content-Type", CONTENT_TYPE), ("Content-Length", str(len(body)))])
+        names = parse_qs(environ.get("QUERY_STRING", "")).get("name[]")
+        body = generate_latest(registry.restricted_registry(names) if names else registry)
+        headers = [("Content-Type", CONTENT_TYPE)]
+        if "gzip" in environ.get("HTTP_ACCEPT_ENCODING", ""):
+            body = gzip.compress(body, compresslevel=1)
+            headers.append(("Content-Encoding", "gzip"))
+        start_response("200 OK", headers + [("Content-Length", str(len(body)))])
         return [body] if environ.get("REQUEST_METHOD") != "HEAD" else [b""]
 
     return app
@@ -277,9 +287,41 @@ def require_api_key(app, api_key: str):
     return guarded
 
 
+MAX_SCRAPES = 8  # connections served at once; more are closed at once
+SCRAPE_TIMEOUT = 10.0  # seconds a connection may keep the server waiting for its request
+
+
 class _QuietHandler(WSGIRequestHandler):
+    timeout = SCRAPE_TIMEOUT  # a connection that sends nothing is closed, not held
+
     def log_message(self, format, *args) -> None:  # noqa: A002 -- no line on stderr per scrape
         pass
+
+
+class _MetricsServer(ThreadingMixIn, WSGIServer):
+    """A thread a connection, at most MAX_SCRAPES of them: a flood of connections costs no more
+    threads than that."""
+    daemon_threads = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.slots = threading.BoundedSemaphore(MAX_SCRAPES)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address) -> None:
+        if self.slots.acquire(blocking=False):
+            super().process_request(request, client_address)
+        else:
+            self.shutdown_request(request)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], OSError):  # a connection that timed out or went away: no traceback
+            super().handle_error(request, client_address)
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int, api_key: str | None = None) -> WSGIServer:
@@ -290,8 +332,7 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int, api_key: st
         app = require_api_key(app, api_key)
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        server_class = type("MetricsServer", (ThreadingMixIn, WSGIServer), {"address_family": family,
-                                                                            "daemon_threads": True})
+        server_class = type("MetricsServer", (_MetricsServer,), {"address_family": family})
         server = make_server(host, port, app, server_class, handler_class=_QuietHandler)
     except OSError as exc:
         raise OSError(f"cannot serve metrics on {host}:{port}: {exc}") from exc

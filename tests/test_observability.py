@@ -306,3 +306,60 @@ def test_a_data_planes_counters_carry_on_across_engine_cores():
     restarted = replace(part, computed_tokens=20, prefix_cache_hits=16)  # the new core counts from 0
     engine.snapshot(replace(engine.core_snapshot, dataplanes=[restarted]))
     assert values("dataplane_computed_tokens") == [520] and values("dataplane_prefix_cache_hits") == [80]
+
+
+# ---- the metrics server ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def metrics_server():
+    from prometheus_client import CollectorRegistry, Gauge
+
+    from twinplane.controlplane.metrics import serve_metrics
+
+    registry = CollectorRegistry()
+    Gauge("twinplane:first", "one gauge", registry=registry).set(1)
+    Gauge("twinplane:second", "another", registry=registry).set(2)
+    server = serve_metrics(registry, "127.0.0.1", 0)
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def _get(server, path: str, headers: dict | None = None):
+    url = f"http://127.0.0.1:{server.server_port}{path}"
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=10) as response:
+        return response.headers, response.read()
+
+
+def test_a_scrape_gets_gzip_when_it_asks_and_only_the_names_it_asks_for(metrics_server):
+    import gzip
+
+    headers, body = _get(metrics_server, "/metrics")
+    assert headers["Content-Encoding"] is None and b"twinplane:first 1.0" in body and b"twinplane:second 2.0" in body
+    headers, zipped = _get(metrics_server, "/metrics", {"Accept-Encoding": "gzip"})  # as Prometheus asks
+    assert headers["Content-Encoding"] == "gzip" and int(headers["Content-Length"]) == len(zipped)
+    assert gzip.decompress(zipped) == body
+    _, some = _get(metrics_server, "/metrics?name[]=twinplane:second")
+    assert b"twinplane:second 2.0" in some and b"twinplane:first" not in some
+
+
+def test_connections_past_the_cap_are_closed_and_idle_ones_time_out(metrics_server, monkeypatch):
+    import socket
+
+    from twinplane.controlplane import metrics
+
+    monkeypatch.setattr(metrics._QuietHandler, "timeout", 3.0)
+    port = metrics_server.server_port
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(metrics.MAX_SCRAPES)]
+    try:
+        extra = socket.create_connection(("127.0.0.1", port), timeout=10)  # no thread left for it
+        extra.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        assert extra.recv(100) == b""
+        extra.close()
+        for each in idle:  # each is closed once it has sent nothing for the timeout
+            assert each.recv(100) == b""
+    finally:
+        for each in idle:
+            each.close()
+    assert b"twinplane:first 1.0" in _get(metrics_server, "/metrics")[1]
