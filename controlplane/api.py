@@ -70,11 +70,6 @@ class GenerateCall:
     choice: int | None = None  # its place among the request's choices (n, several prompts); None: the only one
 
     @property
-    def key(self) -> tuple[str, int]:
-        """Its entry among the calls in flight: no two calls of one request id and choice at once."""
-        return self.request_id, self.choice or 0
-
-    @property
     def name(self) -> str:
         """The request id, with the choice after a dash when the request has several (for logs)."""
         return self.request_id if self.choice is None else f"{self.request_id}-{self.choice}"

@@ -55,8 +55,7 @@ class Engine:
         self.describe: dp.DescribeResponse | None = None
         self.tokenizer: Tokenizer | None = None
         self.limits: Limits | None = None
-        self.requests: dict[tuple[str, int], RequestState] = {}  # in flight, by request id and choice
-        self.by_seq: dict[int, RequestState] = {}  # the same, by the core's seq_id
+        self.requests: dict[int, RequestState] = {}  # in flight, by the core's seq_id
         self.unsent = Unsent()  # outputs queued for streams, finished requests' included, until sent
         self.core_snapshot = CoreSnapshot(dict.fromkeys(STAT_NAMES, 0))  # the latest the core sent
         self.ready = asyncio.Event()  # serving: a data plane is connected and nothing is stalled
@@ -237,10 +236,10 @@ class Engine:
     def step(self, outputs: list[TokenOutput], snapshot: CoreSnapshot) -> None:
         """A step's tokens: detokenizes, applies stop strings and pushes each request's new output."""
         self.snapshot(snapshot)
-        by_seq, limit = self.by_seq, self.config.max_unsent_tokens_per_stream
+        requests, limit = self.requests, self.config.max_unsent_tokens_per_stream
         touched: dict[int, RequestState] = {}  # a request's tokens of this step go out in one message
         for seq_id, token, position, logprobs, reason, num_cached, prompt_logprobs, scheduled_time in outputs:
-            state = by_seq.get(seq_id)
+            state = requests.get(seq_id)
             if state is None:  # ended here meanwhile (cancelled, stop string)
                 continue
             touched[seq_id] = state
@@ -287,7 +286,7 @@ class Engine:
 
     def _ended_by_core(self, seq_id: int, error: ServiceError) -> None:
         """Fails a request the core has already dropped (unless it ended meanwhile)."""
-        state = self.by_seq.get(seq_id)
+        state = self.requests.get(seq_id)
         if state is not None:
             self._fail(state, error, tell_core=False)
 
@@ -413,12 +412,10 @@ class Engine:
             self.num_tokenizing -= 1
         if not self.accepting:
             raise NotReady("the server is shutting down")
-        if call.key in self.requests:
-            raise InvalidRequest(f"request_id {call.request_id!r} is already in flight")
         params = self._resolve_max_tokens(call.params, len(prompt), call.max_tokens_name)
         state = RequestState(next(self._seq_ids), call.name, prompt, params, self.tokenizer,
-                             self.config.stream_interval, self.metrics, arrival_time, self.unsent, key=call.key)
-        self.requests[call.key] = self.by_seq[state.seq_id] = state
+                             self.config.stream_interval, self.metrics, arrival_time, self.unsent)
+        self.requests[state.seq_id] = state
         if not self._replay:  # else the next core gets it with the others
             self._send_to_core(state)
         return state
@@ -460,8 +457,7 @@ class Engine:
         return params if params.max_tokens else replace(params, max_tokens=max_tokens)
 
     def _forget(self, state: RequestState, tell_core: bool) -> None:
-        self.requests.pop(state.key, None)
-        self.by_seq.pop(state.seq_id, None)
+        self.requests.pop(state.seq_id, None)
         if tell_core:  # the core still schedules it: free its blocks
             self.supervisor.send(messages.Abort(state.seq_id))
 

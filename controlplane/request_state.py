@@ -32,10 +32,9 @@ class RequestState:
 
     def __init__(self, seq_id: int, request_id: str, prompt: list[int], params: RequestParams,
                  tokenizer: Tokenizer | None, stream_interval: int, metrics: EngineMetrics, arrival_time: float,
-                 unsent: Unsent, key: tuple[str, int] | None = None):
+                 unsent: Unsent):
         self.seq_id = seq_id  # the engine core's name for it
         self.request_id = request_id  # as logs name it: with its choice after a dash when it has several
-        self.key = key or (request_id, 0)  # its entry among the requests in flight (GenerateCall.key)
         self.prompt = prompt
         self.params = params
         self.num_prompt_tokens = len(prompt)

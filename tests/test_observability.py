@@ -226,7 +226,7 @@ def _engine_with_a_request(seq_id: int = 7):
     engine = Engine(ControlPlaneConfig(dataplane="unix:///nowhere"))
     state = RequestState(seq_id, "r", [1, 2, 3], RequestParams(max_tokens=8), None, 1, engine.metrics, 0.0,
                          engine.unsent)
-    engine.requests[state.key] = engine.by_seq[seq_id] = state
+    engine.requests[seq_id] = state
     return engine, state
 
 

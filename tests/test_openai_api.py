@@ -70,7 +70,7 @@ def test_a_signed_seed_is_taken_as_its_64_bits():
 def test_n_gives_distinct_seeds_and_ids():
     req = parse({**CHAT, "n": 3, "seed": 11})
     assert [c.name for c in req.calls] == ["rid-0", "rid-1", "rid-2"]
-    assert [c.key for c in req.calls] == [("rid", 0), ("rid", 1), ("rid", 2)]
+    assert [(c.request_id, c.choice) for c in req.calls] == [("rid", 0), ("rid", 1), ("rid", 2)]
     seeds = [c.params.sampling.seed for c in req.calls]
     assert seeds[0] == 11 and len(set(seeds)) == 3
     assert [c.params.sampling.seed for c in parse({**CHAT, "n": 2}).calls] == [None, None]
@@ -227,7 +227,7 @@ def test_a_batch_of_prompts_gets_n_choices_each_in_prompt_order():
     assert req.n == 2 and len(req.calls) == 6
     assert [c.prompt.text or c.prompt.token_ids for c in req.calls] == ["a", "a", [7, 8], [7, 8], "c", "c"]
     assert [c.params.sampling.seed for c in req.calls] == [5, choice_seed(5, 1)] * 3
-    assert len({c.key for c in req.calls}) == len({c.name for c in req.calls}) == 6
+    assert len({c.choice for c in req.calls}) == len({c.name for c in req.calls}) == 6
     alone = parse({"prompt": [7, 8], "n": 2, "seed": 5}, chat=False)
     assert [c.params for c in alone.calls] == [c.params for c in req.calls[2:4]]
     assert parse({"prompt": [[7, 8]]}, chat=False).calls[0].prompt.token_ids == [7, 8]  # a batch of one

@@ -74,7 +74,8 @@ def test_cancel_frees_blocks_as_soon_as_the_server_hears_of_it(shared_planes):
 
 
 async def _state_of(engine, request_id: str):
-    return engine.requests[request_id, 0]
+    (state,) = [state for state in engine.requests.values() if state.request_id == request_id]
+    return state
 
 
 def test_deadline_exceeded_frees_blocks(shared_planes):

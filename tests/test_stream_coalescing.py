@@ -108,7 +108,7 @@ def test_a_backlog_of_engine_core_messages_lets_a_reading_stream_keep_up():
                              engine.unsent)
         ended = []
         state.end_call = ended.append
-        engine.requests[state.key], engine.by_seq[state.seq_id] = state, state
+        engine.requests[state.seq_id] = state
         a, b = socket.socketpair()
         core, frontend = Channel(a), Channel(b)
         await core.open()
