@@ -431,11 +431,16 @@ def _output_regex_from_pb(req: pb.GenerateRequest, prompt: Prompt, parser: str |
     return regex
 
 
+def forces_calls(req: pb.GenerateRequest) -> bool:
+    """chat.tool_choice forces tool calls: it is "required" or names a function."""
+    return req.WhichOneof("input") == "chat" and req.chat.tool_choice not in ("", "auto", "none")
+
+
 def _forced_calls_from_pb(req: pb.GenerateRequest, prompt: Prompt, parser: str | None) -> str | None:
     """The regex of the calls chat.tool_choice forces, if it forces any."""
-    choice = req.chat.tool_choice if req.WhichOneof("input") == "chat" else ""
-    if choice in ("", "auto", "none"):
+    if not forces_calls(req):
         return None
+    choice = req.chat.tool_choice
     tools = prompt.chat_options.tools or []
     names = [tool["function"]["name"] for tool in tools]
     _check(choice == "required" or choice in names, f"chat.tool_choice must be \"auto\", \"none\", \"required\" or "

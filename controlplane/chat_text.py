@@ -23,12 +23,16 @@ class CallDelta(NamedTuple):
 class ChatText:
     """One choice's chat text, piece by piece, split into its reasoning (``--reasoning-parser``),
     its content and its tool calls (``--tool-call-parser``, when the request lets the model call
-    tools); ``parallel`` false keeps the first call only."""
+    tools); ``parallel`` false keeps the first call only. ``calls_only``: the output is nothing but
+    tool calls (tool_choice forces them), so what the parser leaves as content is the markup of a call
+    cut short (by max_tokens) and is dropped."""
 
-    def __init__(self, reasoning_parser: str | None, tool_call_parser: str | None, parallel: bool = True):
+    def __init__(self, reasoning_parser: str | None, tool_call_parser: str | None, parallel: bool = True,
+                 calls_only: bool = False):
         self.reasoning = ReasoningSplitter(reasoning_parser) if reasoning_parser else None
         self.tools = parser_for(tool_call_parser) if tool_call_parser else None
         self.parallel = parallel
+        self.calls_only = calls_only
         self.calls = 0  # tool calls so far: the next one's index
         self.reasoning_tokens = 0  # the tokens of the pieces that were reasoning (tags included)
         self.undecided_tokens = 0  # tokens of pieces held while the text may still open reasoning
@@ -50,6 +54,7 @@ class ChatText:
                 self.reasoning_tokens += round(num_tokens * share)
         if self.tools is not None:
             text, calls = self.tools.feed(text, final)
+            text = "" if self.calls_only else text
             calls = calls if self.parallel else calls[:max(0, 1 - self.calls)]
             self.calls += len(calls)
         return reasoning, text, calls

@@ -154,7 +154,7 @@ class ResponsesBuilder:
         """body: the Responses request, whose settings the response repeats."""
         self.id, self.model, self.created = response_id, model, int(time.time())
         self.text = ChatText(reasoning_parser, tool_call_parser if request.tools.parse else None,
-                             request.tools.parallel)
+                             request.tools.parallel, bool(request.tools.forced))
         self.items: list[dict] = []  # the output items so far, the open one last
         self.open: str | None = None  # "reasoning" or "message": the last item's kind while it takes text
         self.texts: list[str] = []  # the text of each item (function calls: "")

@@ -175,8 +175,8 @@ class ResponseBuilder:
         n = len(request.calls)
         self.reasoning_parser = reasoning_parser if request.chat else None
         self.tool_call_parser = tool_call_parser if request.tools.parse else None
-        self.parts = [ChatText(self.reasoning_parser, self.tool_call_parser, request.tools.parallel)
-                      for _ in range(n)] if request.chat else None
+        self.parts = [ChatText(self.reasoning_parser, self.tool_call_parser, request.tools.parallel,
+                               bool(request.tools.forced)) for _ in range(n)] if request.chat else None
         self.texts = [""] * n  # the whole response's text (chat: its content)
         self.reasonings = [""] * n  # chat: the whole response's reasoning
         self.calls: list[list[ToolCall]] = [[] for _ in range(n)]  # chat: the whole response's tool calls

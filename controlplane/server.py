@@ -18,8 +18,8 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from twinplane.controlplane.api import (REQUEST_ID_HEADER, GenerateCall, generate_call_from_pb, output_to_pb,
-                                        prompt_from_pb, request_id_header_value)
+from twinplane.controlplane.api import (REQUEST_ID_HEADER, GenerateCall, forces_calls, generate_call_from_pb,
+                                        output_to_pb, prompt_from_pb, request_id_header_value)
 from twinplane.controlplane.chat_text import ChatText
 from twinplane.controlplane.engine import Engine
 from twinplane.controlplane.errors import InvalidRequest, ServiceError
@@ -162,7 +162,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         parser = config.tool_call_parser if request.chat.tools else None
         if tags_are_special(parser, self.engine.tokenizer):
             call = replace(call, params=replace(call.params, skip_special_tokens=False))
-        return call, ChatText(config.reasoning_parser, parser)
+        return call, ChatText(config.reasoning_parser, parser, calls_only=forces_calls(request))
 
     @unary_errors
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:

@@ -174,6 +174,28 @@ def test_forced_tool_calls(client, planes) -> None:
     assert item.name == "get_weather" and list(json.loads(item.arguments)) == ["city", "unit"]
 
 
+def test_a_forced_tool_call_cut_short_leaves_no_markup_in_the_content(client, planes) -> None:
+    """A reply forced to be tool calls and cut by max_tokens before a call's arguments open: finish_reason
+    "length" and no call, and the call's markup is in no content (chat, its stream, Responses, gRPC)."""
+    model = planes.engine.model_names[0]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    cut = dict(model=model, messages=ask, temperature=0, max_tokens=3, tools=[TIME, WEATHER], tool_choice="required")
+    text = generate(planes, messages=ask, tools=[TIME, WEATHER], tool_choice="required", max_tokens=3).text
+    assert text and "<tool_call>".startswith(text)  # the text as written: the start of a call's markup
+    reply = client.chat.completions.create(**cut).choices[0]
+    assert reply.finish_reason == "length" and not reply.message.content and not reply.message.tool_calls
+    chunks = list(client.chat.completions.create(**cut, stream=True))
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    response = client.responses.create(model=model, input=ask[0]["content"], temperature=0, max_output_tokens=3,
+                                       tools=[{"type": "function", **WEATHER["function"]}], tool_choice="required")
+    assert response.status == "incomplete" and not response.output_text
+    with planes.client() as c:
+        parts = list(c.generate(messages=ask, tools=[TIME, WEATHER], tool_choice="required", max_tokens=3,
+                                temperature=0.0, parse_output=True, timeout=120))
+    assert not "".join(part.text for part in parts) and not [call for part in parts for call in part.tool_calls]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(regex="(?=a)b"), "lookahead"),
     (dict(regex="a{5,2}"), "structured_output.regex"),
