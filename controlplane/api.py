@@ -27,6 +27,7 @@ MAX_REQUEST_ID_LEN = 256
 MAX_TEMPLATE_NESTING = 16  # levels of objects and lists in chat_template_kwargs (the top object included)
 REQUEST_ID_HEADER = "x-request-id"  # metadata a client may send its request id in; echoed back
 MAX_BAD_WORDS = 64  # words one request may ban
+MAX_STOP_TOKEN_IDS = 64  # stop_token_ids of one request
 _PERCENT_ENCODE_SAFE = "".join(c for c in string.printable if c not in string.whitespace and c != "%")
 
 
@@ -177,9 +178,13 @@ def text_prompt(text: str, limits: Limits, name: str = "text") -> Prompt:
 
 def token_prompt(ids: list[int], limits: Limits, name: str = "token_ids.ids") -> Prompt:
     _check(bool(ids), f"{name} must not be empty")
+    _check_token_ids(name, ids, limits)
+    return Prompt(token_ids=ids)
+
+
+def _check_token_ids(name: str, ids, limits: Limits) -> None:
     bad = [i for i in ids if not 0 <= i < limits.vocab_size]
     _check(not bad, f"{name} must be in [0, {limits.vocab_size}); got {bad[:5]}")
-    return Prompt(token_ids=ids)
 
 
 def chat_prompt(messages: list[dict], limits: Limits, name: str = "chat.messages",
@@ -303,11 +308,6 @@ def _check_bytes(name: str, size: int, limits: Limits) -> None:
                                             "allowed (max_prompt_bytes)")
 
 
-def request_id_of(req: pb.GenerateRequest, header: str | None) -> str:
-    """The request's id: the request_id field, else the x-request-id header, else a new one."""
-    return checked_request_id(req.request_id, header)
-
-
 def checked_request_id(request_id: str, header: str | None) -> str:
     """request_id if given, else the x-request-id header, else a new id; both at most MAX_REQUEST_ID_LEN long."""
     for name, value in (("request_id", request_id), (REQUEST_ID_HEADER, header or "")):
@@ -346,15 +346,14 @@ def request_params(limits: Limits, sampling: SamplingOptions, *, max_tokens: int
         _check(0 < len(s) <= limits.max_stop_string_len,
                f"stop[{i}] must be 1 to {limits.max_stop_string_len} characters long, got {len(s)}")
         _utf8_size(f"stop[{i}]", s)
-    bad = [i for i in stop_token_ids if not 0 <= i < limits.vocab_size]
-    _check(not bad, f"stop_token_ids must be in [0, {limits.vocab_size}); got {bad[:5]}")
-    _check(len(stop_token_ids) <= 64, f"stop_token_ids may hold at most 64 ids, got {len(stop_token_ids)}")
+    _check_token_ids("stop_token_ids", stop_token_ids, limits)
+    _check(len(stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+           f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop_token_ids)}")
     _check(logprobs is None or 0 <= logprobs <= limits.max_logprobs,
            f"{logprobs_name} must be in [0, {limits.max_logprobs}], got {logprobs}")
     _check(prompt_logprobs is None or 0 <= prompt_logprobs <= limits.max_logprobs,
            f"prompt_logprobs must be in [0, {limits.max_logprobs}], got {prompt_logprobs}")
-    bad = [i for i in allowed_token_ids if not 0 <= i < limits.vocab_size]
-    _check(not bad, f"allowed_token_ids must be in [0, {limits.vocab_size}); got {bad[:5]}")
+    _check_token_ids("allowed_token_ids", allowed_token_ids, limits)
     _check(len(bad_words) <= MAX_BAD_WORDS, f"bad_words may hold at most {MAX_BAD_WORDS} words, got {len(bad_words)}")
     for i, word in enumerate(bad_words):
         _check(0 < len(word.strip()) <= limits.max_stop_string_len,
@@ -378,8 +377,7 @@ def checked_logit_bias(bias: dict, limits: Limits) -> tuple[tuple[int, float], .
     """(token id, bias) pairs in ascending id order, each id in the vocabulary and each bias in [-100, 100]."""
     _check(len(bias) <= limits.max_logit_bias,
            f"logit_bias may hold at most {limits.max_logit_bias} entries, got {len(bias)}")
-    bad = sorted(i for i in bias if not 0 <= i < limits.vocab_size)
-    _check(not bad, f"logit_bias token ids must be in [0, {limits.vocab_size}); got {bad[:5]}")
+    _check_token_ids("logit_bias token ids", bias, limits)
     pairs = sorted(bias.items())
     for token_id, value in pairs:
         _range(f"logit_bias[{token_id}]", value, -100.0, 100.0)
@@ -396,7 +394,7 @@ def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, header_reques
                           tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> GenerateCall:
     """tool_call_parser: the server's, which chat.tool_choice "required" or a function's name needs;
     reasoning_parser: the server's, whose reasoning a chat's structured output leaves free."""
-    request_id = request_id_of(req, header_request_id)
+    request_id = checked_request_id(req.request_id, header_request_id)
     prompt = prompt_from_pb(req, limits)
     check_truncation(req.truncate_prompt_tokens, limits)
     params = request_params(

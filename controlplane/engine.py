@@ -82,7 +82,20 @@ class Engine:
         ready = self._connected and not self._stalls
         (self.ready.set if ready else self.ready.clear)()
         for callback in self.on_readiness:
-            callback(ready and self.accepting)
+            callback(self.serving)
+
+    @property
+    def serving(self) -> bool:
+        """Whether new requests are taken and go on at once (health checks say SERVING)."""
+        return self.ready.is_set() and self.accepting
+
+    def why_not_serving(self) -> str:
+        """What a request that cannot wait is told while not ``serving``."""
+        if not self.accepting:
+            return "the server is shutting down"
+        if not self._connected:
+            return "no data plane is connected yet; retry later"
+        return f"the {' and the '.join(sorted(self._stalls))} stalled; retry later"
 
     def _set_stalled(self, what: str, stalled: bool) -> None:
         (self._stalls.add if stalled else self._stalls.discard)(what)
@@ -336,9 +349,7 @@ class Engine:
         error = StreamNotRead(f"the client did not read its stream: {state.unsent} tokens waited to be sent "
                               f"({limit}); the request was aborted")
         if not state.finished:
-            self._forget(state, tell_core=True)
-            self._count_ended(state, "error")
-            request_log.info(state.summary(f"error:{error.code_name}"))
+            self._ended(state, "error", f"error:{error.code_name}", tell_core=True)
         state.end_unread(error)
 
     async def wait_ready(self, queued: bool = False) -> None:
@@ -348,7 +359,7 @@ class Engine:
         outage cannot pile up memory; they get RESOURCE_EXHAUSTED when there is no room.
         """
         if queued:
-            self._check_room()
+            self.check_room()
         elif not self.accepting:
             raise NotReady("the server is shutting down")
         if self.ready.is_set():
@@ -380,7 +391,7 @@ class Engine:
         n = self.config.api_server_count
         return f" (this frontend's share: {n} frontends split the limit)" if n > 1 else ""
 
-    def _check_room(self) -> None:
+    def check_room(self) -> None:
         """Refuses a request while this frontend's own waiting requests fill its share of
         max_waiting_requests (all of it, with one frontend)."""
         if not self.accepting:
@@ -401,7 +412,7 @@ class Engine:
         if call.params.bad_words and self.tokenizer is None:
             raise InvalidRequest("bad_words needs the model's tokenizer, to know each word's tokens; this "
                                  "server has none (start it with --tokenizer FOLDER)")
-        self._check_room()
+        self.check_room()
         self.num_tokenizing += 1
         try:
             prompt = await self._prompt_tokens(call)
@@ -456,25 +467,22 @@ class Engine:
                                  f"never fit in the KV cache ({too_many.available} tokens); lower it")
         return params if params.max_tokens else replace(params, max_tokens=max_tokens)
 
-    def _forget(self, state: RequestState, tell_core: bool) -> None:
-        self.requests.pop(state.seq_id, None)
-        if tell_core:  # the core still schedules it: free its blocks
-            self.supervisor.send(messages.Abort(state.seq_id))
-
     def _finish(self, state: RequestState, reason: FinishReason, tell_core: bool = True) -> None:
-        self._forget(state, tell_core)
         state.emit(reason)
-        self._count_ended(state, reason.value)
-        request_log.info(state.summary(reason.value))
+        self._ended(state, reason.value, reason.value, tell_core)
 
     def _fail(self, state: RequestState, error: ServiceError, tell_core: bool = True) -> None:
-        self._forget(state, tell_core)
         state.fail(error)
-        self._count_ended(state, "error")
-        request_log.info(state.summary(f"error:{error.code_name}"))
+        self._ended(state, "error", f"error:{error.code_name}", tell_core)
 
-    def _count_ended(self, state: RequestState, ending: str) -> None:
+    def _ended(self, state: RequestState, ending: str, outcome: str, tell_core: bool) -> None:
+        """A request that ended leaves the requests in flight, counted (ending: its metrics label) and
+        logged (outcome); tell_core: the core still schedules it, so it frees its blocks."""
+        self.requests.pop(state.seq_id, None)
+        if tell_core:
+            self.supervisor.send(messages.Abort(state.seq_id))
         self.metrics.request_finished(ending, state, time.monotonic())
+        request_log.info(state.summary(outcome))
 
 
 async def first_of(*events: asyncio.Event) -> None:

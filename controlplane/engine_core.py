@@ -104,7 +104,7 @@ class EngineCore:
         self.on_connected = on_connected
         self.replicas = [Replica(i, target, self) for i, target in enumerate(config.dataplanes)]
         self.router = Router(config.routing)
-        self.seqs: dict[int, tuple[Sequence, frozenset[int]]] = {}  # unfinished sequences and their stop tokens
+        self.seqs: dict[int, Sequence] = {}  # unfinished sequences
         self.replica_of: dict[int, Replica] = {}  # where each routed sequence runs
         self.unrouted: deque[Sequence] = deque()  # sequences waiting for any data plane to connect
         # structured-output sequences waiting for the vocabulary or their grammar, with their output so far
@@ -153,7 +153,8 @@ class EngineCore:
             return
         seq.token_ids += request.output_ids
         seq.num_cached_tokens = request.num_cached_tokens
-        self.seqs[seq_id] = seq, stop_token_ids(params, self.eos_token_ids)
+        seq.stop_ids = stop_token_ids(params, self.eos_token_ids)
+        self.seqs[seq_id] = seq
         if params.regex is not None and not self._prepared(params.regex):
             self.preparing.append((seq, request.output_ids))  # it waits, the steps do not
         else:
@@ -178,10 +179,9 @@ class EngineCore:
     def _constrain(self, seq: Sequence, output_ids: list[int]) -> None:
         """Gives a sequence what constrains its tokens (structured output: its place in its grammar after
         output_ids; allowed_token_ids; bad_words), if anything does, and routes it."""
-        params = seq.params
-        if params.allowed_token_ids or params.bad_words_ids or params.regex is not None:
+        if seq.params.constrained:
             try:
-                seq.matcher = self._matcher(params, output_ids)
+                seq.matcher = self._matcher(seq.params, output_ids)
             except (ValueError, OSError) as exc:  # checked by the frontend: a tokenizer the core cannot read
                 log.error("request %s: its tokens cannot be constrained: %s", seq.request_id, exc)
                 del self.seqs[seq.seq_id]
@@ -248,15 +248,18 @@ class EngineCore:
         threading.Thread(target=read, daemon=True, name="twinplane-vocabulary").start()
 
     def abort(self, seq_id: int) -> None:
-        """The frontend ended this sequence (cancelled, stop string, failed): free its blocks now."""
-        entry = self.seqs.pop(seq_id, None)
-        if entry is None:
+        """The sequence ended (the frontend cancelled it, a stop string or a token rule ended it, what
+        constrains its tokens failed it): its blocks are free now, and nothing waits for it."""
+        seq = self.seqs.pop(seq_id, None)
+        if seq is None:
             return
         replica = self.replica_of.pop(seq_id, None)
         if replica is not None:
-            replica.finish(entry[0])
-        elif entry[0] in self.unrouted:  # else it waits for the vocabulary, which passes over it once read
-            self.unrouted.remove(entry[0])
+            replica.finish(seq)
+        elif seq in self.unrouted:
+            self.unrouted.remove(seq)
+        else:  # waiting for the vocabulary or its grammar
+            self.preparing = [entry for entry in self.preparing if entry[0] is not seq]
 
     def shutdown(self) -> None:
         self.stopped.set()
@@ -268,11 +271,6 @@ class EngineCore:
             self.abort(seq_id)
 
     # ---- routing ------------------------------------------------------------------------
-
-    def forget(self, seq_id: int) -> None:
-        """A token rule ended the sequence; its replica already freed it."""
-        del self.seqs[seq_id]
-        self.replica_of.pop(seq_id, None)
 
     def refusal(self, replica: Replica, desc: dp.DescribeResponse) -> str | None:
         """Why replica may not drive the data plane that desc describes (None: it may): one that another

@@ -2,7 +2,8 @@
 
 - The token rule (``token_finish_reason``): a stop token (``stop_token_ids``; end-of-sequence
   counts even with ignore_eos once a structured output's text can go no further) past min_tokens,
-  max_tokens, or the last position of max_model_len (``length_reached``). The engine core applies
+  max_tokens, or the last position of max_model_len (``length_reached``, ``tokens_left``, which also
+  bounds a plan of several decode steps). The engine core applies
   it to each sampled token (``replica.py``), so a sequence it ends is never planned again; the
   scheduler does not plan a sequence whose token in flight reaches the length; the data plane
   masks the stop tokens while min_tokens is not reached (``plan_codec.py`` sends them).
@@ -33,9 +34,15 @@ def stop_token_ids(params: RequestParams, eos_token_ids, whole: bool = False) ->
     return frozenset(params.stop_token_ids) | eos
 
 
+def tokens_left(num_tokens: int, num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> int:
+    """How many more tokens a sequence of num_tokens tokens (prompt included) may have: max_tokens
+    outputs, and no more than max_model_len tokens in all."""
+    return min(max_tokens - (num_tokens - num_prompt_tokens), max_model_len - num_tokens)
+
+
 def length_reached(num_tokens: int, num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> bool:
     """Whether a sequence of num_tokens tokens (prompt included) has all the tokens it may have."""
-    return num_tokens - num_prompt_tokens >= max_tokens or num_tokens >= max_model_len
+    return tokens_left(num_tokens, num_prompt_tokens, max_tokens, max_model_len) <= 0
 
 
 def token_finish_reason(token_id: int, position: int, num_prompt_tokens: int, params: RequestParams,

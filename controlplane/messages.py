@@ -202,7 +202,8 @@ class Refused:
 
 @dataclass(frozen=True, slots=True)
 class Rejected:
-    """A request the core cannot put into a step plan (a value the plan's fields cannot carry)."""
+    """A request the core cannot run: a value the plan's fields cannot carry, or what constrains its
+    tokens failed it (Engine.rejected)."""
 
     seq_id: int
     why: str

@@ -135,8 +135,8 @@ class OpenAIService:
         return self.engine.model_names
 
     async def health(self, request: Request) -> Response:
-        ready = self.engine.ready.is_set() and self.engine.accepting
-        return JSONResponse({"status": "SERVING" if ready else "NOT_SERVING"}, status_code=200 if ready else 503)
+        serving = self.engine.serving
+        return JSONResponse({"status": "SERVING" if serving else "NOT_SERVING"}, status_code=200 if serving else 503)
 
     async def version(self, request: Request) -> Response:
         """GET /version: this server's version, as vLLM's answers it (no key needed)."""
@@ -235,10 +235,10 @@ class OpenAIService:
         try:
             self._authorize(request)
             body = await self._body(request)
-            if not self.engine.ready.is_set():
-                raise NotReady("no data plane is connected yet; retry later")
+            if not self.engine.serving:  # refused at once, where a gRPC call would wait
+                raise NotReady(self.engine.why_not_serving())
             model = self._check_model(body)
-            await self.engine.wait_ready(queued=True)  # refuses at once when too many wait
+            self.engine.check_room()  # refused at once when too many wait
             request_id = checked_request_id("", request.headers.get(REQUEST_ID_HEADER))
             config = self.engine.config
             fields = chat_body(body) if kind == "response" else body

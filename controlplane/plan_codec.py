@@ -31,8 +31,7 @@ def sequence_init(seq: Sequence, eos_token_ids: tuple[int, ...], start_pos: int)
         masked=seq.matcher is not None,
     )
     init = dp.SequenceInit(seq_id=seq.seq_id, sampling=sampling, num_prompt_tokens=seq.num_prompt_tokens)
-    has_penalty = s.repetition_penalty != 1.0 or s.presence_penalty != 0.0 or s.frequency_penalty != 0.0
-    if has_penalty and start_pos > 0:  # the prefix came from the cache: the sampler needs its tokens
+    if s.has_penalties and start_pos > 0:  # the prefix came from the cache: the sampler needs its tokens
         init.prior_token_ids = np.asarray(seq.token_ids[:start_pos], dtype="<i4").tobytes()
     return init
 

@@ -161,8 +161,7 @@ class Replica:
         outputs = []
         for seq, token, index, position in self.scheduler.update(out, tokens.token_ids):
             seq_id = seq.seq_id
-            entry = seqs.get(seq_id)
-            if entry is None:  # aborted meanwhile
+            if seq_id not in seqs:  # aborted meanwhile
                 continue
             prompt_logprobs, failure = None, None
             first = position == seq.num_prompt_tokens  # its first output token: its scheduling time goes with it
@@ -175,17 +174,15 @@ class Replica:
                 seq.matcher.accept(token)
                 failure = seq.matcher.failure
             if failure is not None:
-                self.scheduler.finish(seq)
-                self.core.forget(seq_id)
+                self.core.abort(seq_id)
                 self.core.frontend.send(Rejected(seq_id, failure))
                 continue
-            stop_ids = entry[1]
+            stop_ids = seq.stop_ids
             if seq.matcher is not None and seq.params.ignore_eos and seq.matcher.whole:
                 stop_ids = stop_token_ids(seq.params, self.core.eos_token_ids, whole=True)
             reason = token_finish_reason(token, position, seq.num_prompt_tokens, seq.params, stop_ids, max_model_len)
             if reason is not None:
-                self.scheduler.finish(seq)
-                self.core.forget(seq_id)
+                self.core.abort(seq_id)
             outputs.append(TokenOutput(seq_id, token, position, logprobs[index] if logprobs else None,
                                        reason and reason.value, seq.num_cached_tokens, prompt_logprobs,
                                        scheduled_time))

@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from twinplane.controlplane.block_manager import BlockManager
-from twinplane.controlplane.finish import length_reached
+from twinplane.controlplane.finish import length_reached, tokens_left
 from twinplane.controlplane.sequence import PENDING, Sequence, SequenceStatus
 
 
@@ -264,8 +264,8 @@ class Scheduler:
         for seq in running:
             if len(seq.token_ids) - seq.num_computed_tokens != 1 or not seq.params.plain_sampling:
                 return None
-            budget = min(k, seq.params.max_tokens - seq.num_output_tokens,
-                         self.config.max_model_len - len(seq.token_ids))
+            budget = min(k, tokens_left(len(seq.token_ids), seq.num_prompt_tokens, seq.params.max_tokens,
+                                        self.config.max_model_len))
             if budget >= 1:  # else its last token is in flight; the result ends it
                 seqs.append(seq)
                 budgets.append(budget)

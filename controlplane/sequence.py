@@ -38,6 +38,10 @@ class SamplingOptions:
     frequency_penalty: float = 0.0
     seed: int | None = None
 
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
 
 @dataclass(frozen=True)
 class RequestParams:
@@ -64,10 +68,14 @@ class RequestParams:
     def plain_sampling(self) -> bool:
         """Temperature, top-k, top-p and min-p only (no penalties, seed, logprobs, min_tokens, logit
         bias or structured output): what a plan of several decode steps allows."""
-        s = self.sampling
-        return (s.repetition_penalty == 1.0 and s.presence_penalty == 0.0 and s.frequency_penalty == 0.0
-                and s.seed is None and self.logprobs is None and self.min_tokens == 0 and not self.logit_bias
-                and self.regex is None and not self.allowed_token_ids and not self.bad_words)
+        return (not self.sampling.has_penalties and self.sampling.seed is None and self.logprobs is None
+                and self.min_tokens == 0 and not self.logit_bias and not self.constrained)
+
+    @property
+    def constrained(self) -> bool:
+        """Something beyond sampling decides which tokens it may sample: structured output,
+        allowed_token_ids or bad_words (the engine core gives it a matcher)."""
+        return self.regex is not None or bool(self.allowed_token_ids) or bool(self.bad_words)
 
 
 class Sequence:
@@ -96,7 +104,7 @@ class Sequence:
         self.mirrored = False  # whether the data plane holds a mirror of this sequence
         self.num_preemptions = 0
         self.scheduled_time: float | None = None  # time.monotonic() when it was first scheduled (it queued till then)
-        self.finish_reason: FinishReason | None = None
+        self.stop_ids: frozenset[int] = frozenset()  # the tokens that end it (finish.stop_token_ids)
         self.matcher = None  # what constrains its tokens: structured.TokenMatcher, FixedTokens, BannedWords or AllOf
         # the prompt's log-probabilities as steps compute them, entry i prompt token i's (entry 0 stays None);
         # None once they went out with the first output token, or when the request wants none

@@ -227,7 +227,7 @@ def create_server(engine: Engine, listen: str, *, max_message_bytes: int = 16 <<
         for name in ("", SERVICE_NAME):
             asyncio.ensure_future(health_servicer.set(name, status))
 
-    set_health(engine.ready.is_set() and engine.accepting)
+    set_health(engine.serving)
     engine.on_readiness.append(set_health)
     _enable_reflection(server, (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
     return server, add_port(server, listen, credentials)

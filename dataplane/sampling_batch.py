@@ -104,16 +104,16 @@ class SamplingBatch:
                            vocab_size: int) -> SamplingBatch:
         """The same from ``plain_columns(values)`` already on the device (views, no device work)."""
         n = len(values)
-        temperature, top_p, top_k, min_p = values.T
+        top_p, top_k, min_p = _filters_on(values, vocab_size)
         on_device = columns.view(torch.float32).view(4, n)
         return cls(
             num_rows=n,
-            all_greedy=bool((temperature == 0.0).all()),
+            all_greedy=bool((values[:, 0] == 0.0).all()),
             greedy=flags.view(torch.uint8)[:n].view(torch.bool),
             temperature=on_device[0].unsqueeze(1),
-            top_k=on_device[2].long().unsqueeze(1) if ((top_k > 0) & (top_k < vocab_size)).any() else None,
-            top_p=on_device[1].unsqueeze(1) if (top_p < 1.0).any() else None,
-            min_p=on_device[3].unsqueeze(1) if (min_p > 0.0).any() else None,
+            top_k=on_device[2].long().unsqueeze(1) if top_k else None,
+            top_p=on_device[1].unsqueeze(1) if top_p else None,
+            min_p=on_device[3].unsqueeze(1) if min_p else None,
             penalties=None,
             banned=None,
             bias=None,
@@ -123,11 +123,17 @@ class SamplingBatch:
         )
 
 
-def temperature_only(values: np.ndarray, vocab_size: int) -> bool:
-    """Whether plain sampling values [n, 4] (temperature, top_p, top_k, min_p) use temperature alone
-    (what ``SamplingBatch.kernel_samples`` says of the batch built from them)."""
+def _filters_on(values: np.ndarray, vocab_size: int) -> tuple[bool, bool, bool]:
+    """Whether any row of plain sampling values [n, 4] (temperature, top_p, top_k, min_p) filters by top-p,
+    by top-k and by min-p."""
     _, top_p, top_k, min_p = values.T
-    return bool((top_p >= 1.0).all() and ((top_k <= 0) | (top_k >= vocab_size)).all() and (min_p <= 0.0).all())
+    return bool((top_p < 1.0).any()), bool(((top_k > 0) & (top_k < vocab_size)).any()), bool((min_p > 0.0).any())
+
+
+def temperature_only(values: np.ndarray, vocab_size: int) -> bool:
+    """Whether plain sampling values [n, 4] use temperature alone (what ``SamplingBatch.kernel_samples``
+    says of the batch built from them)."""
+    return not any(_filters_on(values, vocab_size))
 
 
 def plain_columns(values: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:

@@ -197,7 +197,10 @@ def test_stream_interval_batches_tokens_per_message(tiny_qwen3_dir, planes_facto
     prompt = random_prompts(1, seed=41)[0]
     with planes.client() as client:
         chunks = list(client.generate(token_ids=prompt, max_tokens=10, temperature=0, ignore_eos=True))
-    assert [len(c.token_ids) for c in chunks] == [1, 3, 3, 3]  # the first token goes out at once
+    # the first token goes out at once, then three a message: [1, 3, 3, 3], unless a loaded machine kept the
+    # client from reading while messages queued, which then go out merged (Engine.outputs)
+    sizes = [len(c.token_ids) for c in chunks]
+    assert sum(sizes) == 10 and sizes[0] % 3 == 1 and all(size % 3 == 0 for size in sizes[1:]), sizes
     assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 10
 
 

@@ -372,7 +372,7 @@ def test_the_vocabulary_is_read_off_the_step_loop_once_a_data_plane_connects(smo
     assert core._vocabulary is reading  # read once
     rejected = [m for m in messages if isinstance(m, Rejected)]
     if with_tokenizer:
-        assert not rejected and core.seqs[7][0].matcher is not None and len(reading.result().token_bytes) == 49152
+        assert not rejected and core.seqs[7].matcher is not None and len(reading.result().token_bytes) == 49152
         assert list(core.seqs) == [7, 8]
         for thread in threading.enumerate():
             if thread.name == "twinplane-vocabulary":
@@ -388,7 +388,7 @@ def test_the_vocabulary_is_read_off_the_step_loop_once_a_data_plane_connects(smo
 def test_structured_requests_that_come_while_the_vocabulary_is_read_wait_for_it_alone(smollm2_dir, monkeypatch):
     """A structured-output request that comes before the vocabulary is read waits for it without holding
     up the core (a free request is routed at once); once it is read, such requests go on, except those
-    aborted meanwhile."""
+    aborted meanwhile, which stop counting as waiting when they are aborted."""
     import threading
 
     from twinplane.controlplane import engine_core
@@ -411,17 +411,19 @@ def test_structured_requests_that_come_while_the_vocabulary_is_read_wait_for_it_
         core.add(AddRequest(9, "gone", [5, 6], RequestParams(max_tokens=3, regex="yes")))
         waiting, snapshot = [s.seq_id for s in replica.scheduler.waiting], core.snapshot()
         core.abort(9)
+        after_abort = core.snapshot()
         release.set()
         for _ in range(600):
             await asyncio.sleep(0.05)
             if not core.preparing:
                 break
-        return core, replica, waiting, snapshot, frontend.messages
+        return core, replica, waiting, (snapshot, after_abort), frontend.messages
 
-    core, replica, waiting, snapshot, messages = asyncio.run(run())
+    core, replica, waiting, (snapshot, after_abort), messages = asyncio.run(run())
     assert waiting == [8] and snapshot.unrouted == 2  # the two that wait count as waiting
+    assert after_abort.unrouted == 1  # an aborted one no longer does
     assert [s.seq_id for s in replica.scheduler.waiting] == [8, 7] and list(core.seqs) == [7, 8]
-    assert core.seqs[7][0].matcher is not None
+    assert core.seqs[7].matcher is not None
     assert not [m for m in messages if isinstance(m, Rejected)]
 
 
@@ -460,7 +462,7 @@ def test_a_grammar_compiles_off_the_step_loop(smollm2_dir, monkeypatch):
     core, replica, routed = asyncio.run(run())
     assert routed == [8] and threads == ["twinplane-grammar_0"]  # compiled once, in its thread
     assert [s.seq_id for s in replica.scheduler.waiting] == [8, 7, 9]
-    assert core.seqs[7][0].matcher.grammar is core.seqs[9][0].matcher.grammar
+    assert core.seqs[7].matcher.grammar is core.seqs[9].matcher.grammar
 
 
 def test_a_grammar_whose_automaton_is_crowded_is_compiled_afresh_for_new_requests(smollm2_dir, monkeypatch):
@@ -478,7 +480,7 @@ def test_a_grammar_whose_automaton_is_crowded_is_compiled_afresh_for_new_request
             if not core.preparing:
                 break
             await asyncio.sleep(0.05)
-        return core.seqs[seq_id][0].matcher.grammar
+        return core.seqs[seq_id].matcher.grammar
 
     async def run():
         core, _ = connected_core(Frontend(), smollm2_dir)

@@ -7,7 +7,7 @@ import pytest
 
 from twinplane.controlplane.engine_core import never_fits
 from twinplane.controlplane.finish import (Limit, Misfit, first_stop_string, length_reached, misfit, output_room,
-                                           stop_strings_apply, stop_token_ids, token_finish_reason)
+                                           stop_strings_apply, stop_token_ids, token_finish_reason, tokens_left)
 from twinplane.controlplane.metrics import EngineMetrics
 from twinplane.controlplane.request_state import RequestState, Unsent
 from twinplane.controlplane.sequence import FinishReason, RequestParams, Sequence
@@ -60,6 +60,7 @@ def test_stop_tokens_are_the_requests_and_the_models_unless_ignore_eos():
 def test_length_is_reached_at_max_tokens_outputs_or_max_model_len_tokens():
     assert not length_reached(6, 3, 4, 100) and length_reached(7, 3, 4, 100)  # 3 then 4 outputs of 4
     assert not length_reached(9, 3, 50, 10) and length_reached(10, 3, 50, 10)  # 10 tokens of max_model_len 10
+    assert [tokens_left(n, 3, 4, 100) for n in (3, 6, 7)] == [4, 1, 0] and tokens_left(8, 3, 50, 10) == 2
 
 
 # ---- the stop-string rule ------------------------------------------------------------------

@@ -244,3 +244,29 @@ def test_random_plans_of_several_steps_run_or_fail_cleanly(runner, num_steps, bu
         assert len(result.sampled_token_ids) == expected
     good = builder.new_seq(9, [5, 6, 7])
     assert runner.step(StepPlan(2, [builder.schedule(good)])).sampled_token_ids.shape == (1,)
+
+
+PLAIN_FILTERS = dict(sampling=dict(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1))
+
+
+@pytest.mark.parametrize("change", [
+    {}, PLAIN_FILTERS, dict(sampling=dict(repetition_penalty=1.1)), dict(sampling=dict(presence_penalty=0.5)),
+    dict(sampling=dict(frequency_penalty=-0.5)), dict(sampling=dict(seed=3)), dict(logprobs=0), dict(min_tokens=2),
+    dict(logit_bias=((3, 1.0),)), dict(regex="a+"), dict(allowed_token_ids=(1, 2)),
+    dict(bad_words=("x",), bad_words_ids=((7,),)),
+])
+def test_what_the_scheduler_plans_several_steps_for_is_what_the_data_plane_samples_plainly(change):
+    """RequestParams.plain_sampling (which the control plane puts in plans of several decode steps) holds
+    exactly when the data plane, given the sequence's init, samples it on its plain path (which such a
+    plan needs): with temperature, top-k, top-p and min-p only."""
+    from twinplane.controlplane.plan_codec import sequence_init
+    from twinplane.controlplane.sequence import RequestParams, SamplingOptions, Sequence
+    from twinplane.dataplane.convert import init_from_pb
+    from twinplane.dataplane.input_batch import _is_plain
+
+    params = RequestParams(max_tokens=8, **{k: v for k, v in change.items() if k != "sampling"},
+                           sampling=SamplingOptions(**change.get("sampling", {})))
+    seq = Sequence(1, "r", [1, 2, 3], params)
+    seq.matcher = object() if params.constrained else None  # the engine core gives a constrained one a matcher
+    plain = _is_plain(init_from_pb(sequence_init(seq, (0,), 0)).sampling)
+    assert params.plain_sampling == plain == (change in ({}, PLAIN_FILTERS))

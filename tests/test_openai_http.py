@@ -691,10 +691,25 @@ def test_503_without_a_data_plane(tmp_path):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
         with pytest.raises(openai.APIStatusError) as error:
             client.chat.completions.create(model="any", messages=QUESTION)
-        assert error.value.status_code == 503
+        assert error.value.status_code == 503 and "no data plane is connected yet" in error.value.message
         assert httpx.get(url + "/health", timeout=30).status_code == 503
     finally:
         planes.stop()
+
+
+def test_a_request_refused_while_not_serving_is_told_why():
+    from twinplane.controlplane.config import ControlPlaneConfig
+    from twinplane.controlplane.engine import Engine
+
+    engine = Engine(ControlPlaneConfig(dataplane="unix:///nowhere"))
+    assert not engine.serving and engine.why_not_serving() == "no data plane is connected yet; retry later"
+    engine._connected = True
+    engine._set_stalled("data plane", True)
+    assert not engine.serving and engine.why_not_serving() == "the data plane stalled; retry later"
+    engine._set_stalled("data plane", False)
+    assert engine.serving
+    engine.accepting = False
+    assert not engine.serving and engine.why_not_serving() == "the server is shutting down"
 
 
 def test_429_when_too_many_wait_and_shutdown_ends_streams(planes_factory, tiny_qwen3_dir):
