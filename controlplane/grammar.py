@@ -28,8 +28,10 @@ accepts exactly the valid UTF-8 encodings of every other code point.
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -423,6 +425,7 @@ class Grammar:
     def __init__(self, pattern: str, nfa: _NFA, start: int, accept: int):
         """From the NFA of pattern (Grammar.from_regex builds it); the DFA starts with DEAD and the initial state."""
         self.pattern = pattern
+        self.serial = next(_SERIALS)  # this grammar among all (the mask cache's name for it)
         self._edges, self._eps = self._live_only(nfa, accept)
         self._accept = accept
         ranges = sorted({(lo, hi) for edges in self._edges for lo, hi, _ in edges})
@@ -642,43 +645,62 @@ def _token_walk(grammar: Grammar, state: int, vocab: TokenVocab) -> np.ndarray:
 
 
 class _MaskCache:
-    """The masks computed so far, keyed by (grammar, vocabulary, state), within MASK_CACHE_BYTES in all: a
-    server sees many schemas, and a mask of a 151,936-token vocabulary is 19 KB."""
+    """The masks computed so far, keyed by (grammar serial, vocabulary, state), within MASK_CACHE_BYTES in
+    all: a server sees many schemas, and a mask of a 151,936-token vocabulary is 19 KB. It holds no
+    grammar (an automaton can take MiBs): a grammar's masks go once nothing else holds it."""
 
     def __init__(self):
-        self.masks: OrderedDict[tuple[Grammar, TokenVocab, int], bytes] = OrderedDict()
+        self.masks: OrderedDict[tuple[int, TokenVocab, int], bytes] = OrderedDict()
+        self.keys_of: dict[int, set] = {}  # each grammar's keys, by its serial, from its first mask until it goes
+        self.gone: list[int] = []  # serials of grammars collected since (their weakref callbacks append)
         self.bytes = 0
         self.lock = threading.Lock()
 
-    def get(self, key) -> bytes | None:
+    def get(self, grammar: Grammar, vocab: TokenVocab, state: int) -> bytes | None:
+        key = (grammar.serial, vocab, state)
         with self.lock:
+            self._drop_gone()
             mask = self.masks.get(key)
             if mask is not None:
                 self.masks.move_to_end(key)
             return mask
 
-    def put(self, key, mask: bytes) -> None:
+    def put(self, grammar: Grammar, vocab: TokenVocab, state: int, mask: bytes) -> None:
+        key = (grammar.serial, vocab, state)
         with self.lock:
-            if key not in self.masks:
-                self.masks[key] = mask
-                self.bytes += len(mask)
+            self._drop_gone()
+            if key in self.masks:
+                return
+            if grammar.serial not in self.keys_of:
+                self.keys_of[grammar.serial] = set()
+                weakref.finalize(grammar, self.gone.append, grammar.serial)  # no lock: it may run anywhere
+            self.keys_of[grammar.serial].add(key)
+            self.masks[key] = mask
+            self.bytes += len(mask)
             while self.bytes > MASK_CACHE_BYTES and len(self.masks) > 1:
-                self.bytes -= len(self.masks.popitem(last=False)[1])
+                old, dropped = self.masks.popitem(last=False)
+                self.bytes -= len(dropped)
+                self.keys_of[old[0]].discard(old)
+
+    def _drop_gone(self) -> None:
+        while self.gone:
+            for key in self.keys_of.pop(self.gone.pop(), ()):
+                self.bytes -= len(self.masks.pop(key))
 
 
 _MASKS = _MaskCache()
+_SERIALS = itertools.count()
 
 
 def allowed_tokens(grammar: Grammar, state: int, vocab: TokenVocab) -> bytes:
     """The tokens that may come next in state, one bit per token id (token t: bit t & 7 of byte t >> 3):
     those whose bytes keep the output a prefix of a match, and the stop tokens once it is a full match
     (or when nothing else could come, so that generation can end). Cached (``_MaskCache``)."""
-    key = (grammar, vocab, state)
-    mask = _MASKS.get(key)
+    mask = _MASKS.get(grammar, vocab, state)
     if mask is None:
         with grammar._lock:
             allowed = _token_walk(grammar, state, vocab)
         allowed[vocab.stop_ids] = grammar.is_accepting(state) or not allowed.any()
         mask = np.packbits(allowed, bitorder="little").tobytes()
-        _MASKS.put(key, mask)
+        _MASKS.put(grammar, vocab, state, mask)
     return mask

@@ -343,6 +343,29 @@ def test_masks_are_cached_and_bounded(smollm2, monkeypatch):
     assert [allowed_tokens(g, s, vocab) for s in states] == masks and masks[0] == first
 
 
+def test_the_mask_cache_keeps_no_grammar_alive(smollm2):
+    """A grammar's masks go when it does: the cache held every grammar it had masks of (automata of up to
+    MiBs each, counted as their masks' bytes alone), so a server given a new schema a request grew ~2 MB a
+    request."""
+    import gc
+    import weakref
+
+    *_, vocab = smollm2
+    cache = grammar_module._MASKS
+    grammars = [Grammar.from_regex(f"q{i}[a-z]{{1,3}}") for i in range(4)]
+    for g in grammars:
+        allowed_tokens(g, g.initial_state, vocab)
+    serials, alive = {g.serial for g in grammars}, [weakref.ref(g) for g in grammars]
+    assert serials <= {key[0] for key in cache.masks}
+    del grammars, g
+    gc.collect()
+    assert not [ref for ref in alive if ref() is not None]
+    kept = Grammar.from_regex("[0-9]")
+    allowed_tokens(kept, kept.initial_state, vocab)  # the cache drops what went as it is next used
+    assert not serials & {key[0] for key in cache.masks} and not serials & set(cache.keys_of)
+    assert cache.bytes == sum(len(mask) for mask in cache.masks.values())
+
+
 DECODE_PATTERNS = [
     r'\{"name": "[^"\\]{0,12}", "n": (0|[1-9]\d{0,3}), "tags": \[("[a-zé漢]{1,5}"(, "[a-zé漢]{1,5}"){0,2})?\]\}',
     "[\\u4e00-\\u9fff]{2,5}",
