@@ -63,7 +63,7 @@ class Engine:
         self.crashed = asyncio.Event()  # the engine stopped on an unexpected error (logged)
         self.accepting = True
         self.num_waiting_ready = 0  # requests waiting for a data plane (they count as waiting)
-        self.num_tokenizing = 0  # requests being tokenized (they count as waiting too)
+        self.num_tokenizing = 0  # requests being parsed or tokenized (they count as waiting too)
         # tokenizing and chat templates: off the event loop, a few at a time (bounded memory)
         self._tokenizer_pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="twinplane-tokenizer")
         self._num_added = 0  # requests sent to the core (core_snapshot.num_added: those it had seen)
@@ -317,6 +317,15 @@ class Engine:
                                                 prompt.chat_options)
         return await self.in_tokenizer_pool(self.tokenizer.encode, prompt.text)
 
+    async def parse(self, function, *args):
+        """A request's parse and checks, function(*args), on a tokenizer thread; the request counts as
+        waiting meanwhile, so that a burst cannot queue more parses than max_waiting_requests allows."""
+        self.num_tokenizing += 1
+        try:
+            return await self.in_tokenizer_pool(function, *args)
+        finally:
+            self.num_tokenizing -= 1
+
     async def in_tokenizer_pool(self, function, *args):
         """function(*args) on one of the tokenizer threads: work that grows with the input never
         holds up the event loop (streams, health)."""
@@ -452,10 +461,12 @@ class Engine:
     def _resolve_max_tokens(self, params, num_prompt_tokens: int, name: str):
         """Checks max_tokens/min_tokens against the room the prompt leaves; fills in the default.
         ``name``: what the client's API calls max_tokens."""
-        limit = self.limits.max_model_len
+        limit, kv_capacity = self.limits.max_model_len, self.describe.num_kv_blocks * self.describe.block_size
         room = output_room(num_prompt_tokens, limit)
-        max_tokens = params.max_tokens or room
-        too_many = misfit(num_prompt_tokens, max_tokens, limit, self.describe.num_kv_blocks * self.describe.block_size)
+        # unset: as many as fit in max_model_len and in the KV cache (one at least: a prompt that fills the
+        # cache alone is refused below for that)
+        max_tokens = params.max_tokens or max(output_room(num_prompt_tokens, min(limit, kv_capacity)), 1)
+        too_many = misfit(num_prompt_tokens, max_tokens, limit, kv_capacity)
         if too_many is not None and too_many.limit is Limit.MAX_MODEL_LEN:
             raise InvalidRequest(f"{name}: prompt ({num_prompt_tokens} tokens) + {name} ({max_tokens}) "
                                  f"exceeds max_model_len ({limit}); set {name} <= {room}")

@@ -53,7 +53,8 @@ class ControlPlane:
             self.secondaries = Secondaries(config, security)
         interceptors = [ApiKeyInterceptor(security.api_key)] if security.api_key else []
         self.server, self.port = create_server(self.engine, config.listen, max_message_bytes=config.max_message_bytes,
-                                               credentials=security.credentials(), interceptors=interceptors)
+                                               credentials=security.credentials(), interceptors=interceptors,
+                                               reuse_port=config.api_server_count > 1)
         self.metrics_registry = registry_for(self.engine, self.secondaries)
         self.metrics_key = security.api_key if config.metrics_api_key else None
         self.metrics_server = None  # the HTTP server of /metrics, once started

@@ -244,9 +244,8 @@ class OpenAIService:
             fields = chat_body(body) if kind == "response" else body
             chat, tokenizer, parser = kind != "completion", self.engine.tokenizer, config.tool_call_parser
             # on a tokenizer thread: a large schema's grammar takes 0.1-1 s to compile
-            parsed = await self.engine.in_tokenizer_pool(parse_request, fields, self.engine.limits, request_id, chat,
-                                                         parser, tags_are_special(parser, tokenizer),
-                                                         config.reasoning_parser)
+            parsed = await self.engine.parse(parse_request, fields, self.engine.limits, request_id, chat, parser,
+                                             tags_are_special(parser, tokenizer), config.reasoning_parser)
             choices = Choices(self.engine, parsed)
             await choices.open()
         except ClientDisconnect:
@@ -266,7 +265,7 @@ class OpenAIService:
             # the background task also aborts a stream the client left before its first chunk
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={**headers, "cache-control": "no-cache"},
-                                     background=BackgroundTask(choices.close))
+                                     background=BackgroundTask(choices.aclose))
         return await _whole(request, choices, builder, headers)
 
 

@@ -135,6 +135,10 @@ class Choices:
         for state in self.states:
             self.engine.abort(state)
 
+    async def aclose(self) -> None:
+        """``close`` as a response's background task, which runs a plain function on a worker thread."""
+        self.close()
+
     def usage(self) -> dict:
         """Once every choice has finished."""
         return usage_json(self.finals, self.n)

@@ -129,8 +129,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         header = dict(context.invocation_metadata() or ()).get(REQUEST_ID_HEADER)
         config = engine.config
         # on a tokenizer thread: a large schema's grammar takes 0.1-1 s to compile
-        call = await engine.in_tokenizer_pool(generate_call_from_pb, request, engine.limits, header,
-                                              config.tool_call_parser, config.reasoning_parser)
+        call = await engine.parse(generate_call_from_pb, request, engine.limits, header, config.tool_call_parser,
+                                  config.reasoning_parser)
         call, parts = self._output_parts(request, call) if request.parse_output else (call, None)
         state = await engine.add(call)
         # cancelled, deadline passed or connection lost: free the blocks now, not when the handler unwinds
@@ -212,11 +212,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
 
 def create_server(engine: Engine, listen: str, *, max_message_bytes: int = 16 << 20,
-                  credentials: grpc.ServerCredentials | None = None,
-                  interceptors=()) -> tuple[grpc.aio.Server, int]:
-    """Builds the public server (not started); returns it and the bound port."""
+                  credentials: grpc.ServerCredentials | None = None, interceptors=(),
+                  reuse_port: bool = False) -> tuple[grpc.aio.Server, int]:
+    """Builds the public server (not started); returns it and the bound port. reuse_port: the port is
+    shared with the other frontend processes (SO_REUSEPORT); else a port in use fails to bind."""
     options = [("grpc.max_receive_message_length", max_message_bytes),
-               ("grpc.max_send_message_length", max_message_bytes)]
+               ("grpc.max_send_message_length", max_message_bytes), ("grpc.so_reuseport", int(reuse_port))]
     server = grpc.aio.server(options=options, interceptors=[*interceptors, DecodeErrorsInterceptor()])
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), server)
     health_servicer = health.aio.HealthServicer()

@@ -49,6 +49,9 @@ KEEPALIVE_OPTIONS = [("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.ma
                      ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 30_000),
                      ("grpc.http2.ping_timeout_ms", 30_000)]
 MAX_CONCURRENT_CALLS = 16  # one thread each; more get RESOURCE_EXHAUSTED
+# gRPC binds with SO_REUSEPORT unless told not to: a second data plane on a port in use would start and
+# take half of its connections (a stale one answering a new control plane) instead of failing to bind
+EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
 OPEN_METHODS = ("/grpc.health.v1.Health/Check",)  # probes need no token
 SUPERSEDED = "a newer Step stream took over this data plane"
 TAKEOVER_POLL_S = 0.05
@@ -287,7 +290,7 @@ def create_server(runner, listen: str, token: str | None = None, workers=None,
     port (0 for unix sockets) and the servicer (whose ``close`` releases the runner after the server
     stopped)."""
     options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), *KEEPALIVE_OPTIONS]
+               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), *KEEPALIVE_OPTIONS, EXCLUSIVE_PORT]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_CONCURRENT_CALLS), options=options,
                          interceptors=[TokenInterceptor(token)] if token else [],
                          maximum_concurrent_rpcs=MAX_CONCURRENT_CALLS)
@@ -300,6 +303,6 @@ def create_server(runner, listen: str, token: str | None = None, workers=None,
 def create_health_server(listen: str) -> tuple[grpc.Server, int]:
     """A plaintext server of grpc.health.v1 alone (not started), for probes that cannot speak TLS
     (Kubernetes' gRPC probes); returns it and its bound port."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), maximum_concurrent_rpcs=4)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=[EXCLUSIVE_PORT], maximum_concurrent_rpcs=4)
     _add_health(server)
     return server, add_port(server, listen, flag="--health-listen")

@@ -465,6 +465,32 @@ def taken_port():
         yield sock.getsockname()[1]
 
 
+@pytest.fixture
+def grpc_taken_port():
+    """A loopback port a gRPC server holds, bound as gRPC binds by default (SO_REUSEPORT): as an earlier
+    data plane or control plane holds its port."""
+    from concurrent import futures
+
+    import grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield port
+    server.stop(None)
+
+
+def test_a_server_on_a_port_another_grpc_server_holds_is_refused(grpc_taken_port, tmp_path):
+    """Neither plane shares its port by accident: a second data plane (or control plane) on a port in use
+    fails to start, instead of taking half of the connections meant for the first."""
+    busy = f"127.0.0.1:{grpc_taken_port}"
+    result = _refused("dataplane", "--model", "dummy:tiny-qwen3", "--device", "cpu", "--listen", busy, "--insecure",
+                      timeout=120)
+    assert f"--listen {busy}: cannot listen there" in result.stderr, result.stderr[-2000:]
+    result = _refused("controlplane", "--dataplane", f"unix://{tmp_path}/dp.sock", "--listen", busy)
+    assert f"--listen {busy}: cannot listen there" in result.stderr, result.stderr[-2000:]
+
+
 def test_controlplane_says_which_address_it_cannot_listen_on(taken_port, tmp_path):
     controlplane = ["controlplane", "--dataplane", f"unix://{tmp_path}/dp.sock"]
     busy = f"127.0.0.1:{taken_port}"

@@ -220,3 +220,14 @@ def test_a_long_prompts_logprobs_come_in_one_message(tmp_path, planes_factory):
         first = next(iter(client.generate(token_ids=prompt, max_tokens=1, prompt_logprobs=20)))
     assert [p.token_id for p in first.prompt_logprobs] == prompt[1:]
     assert all(len(p.top) == 20 and p.top[0][1] >= p.logprob for p in first.prompt_logprobs)
+
+
+def test_a_request_without_max_tokens_gets_what_fits_in_a_kv_cache_smaller_than_max_model_len(
+        tiny_qwen3_dir, planes_factory):
+    """Without max_tokens a request generates as many tokens as fit: in max_model_len, and in the whole KV
+    cache when that holds fewer (here 8 blocks of 16 tokens against a max_model_len of 4,096)."""
+    planes = planes_factory(tiny_qwen3_dir, "--block-size", "16", "--num-kv-blocks", "8")
+    assert planes.engine.limits.max_model_len > 8 * 16
+    with planes.client() as client:
+        chunks = list(client.generate(token_ids=list(range(10, 20)), temperature=0, ignore_eos=True))
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 8 * 16 - 10

@@ -765,3 +765,25 @@ def test_tls_files_serve_the_http_api_over_https(tmp_path):
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)  # plaintext is refused
     finally:
         planes.stop()
+
+
+def test_a_streamed_response_is_closed_on_the_event_loop(base_url, model, http_planes, monkeypatch):
+    """The requests of a streamed response are closed (aborted if still running) on the event loop that owns
+    them, not on one of the server's worker threads."""
+    import threading
+
+    from twinplane.controlplane.openai_stream import Choices
+
+    threads, close = [], Choices.close
+    monkeypatch.setattr(Choices, "close", lambda self: (threads.append(threading.get_ident()), close(self)))
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 4, "stream": True, "n": 2}
+    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60,
+                      headers={"authorization": f"Bearer {KEY}"}) as response:
+        assert response.status_code == 200 and "data: [DONE]" in response.read().decode()
+    # closed where its outputs end, where its event stream ends and by the response's background task
+    wait_until(lambda: len(threads) == 3, 10, "the response's three closes")
+
+    async def loop_thread() -> int:
+        return threading.get_ident()
+
+    assert set(threads) == {http_planes.call(loop_thread())}

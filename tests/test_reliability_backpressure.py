@@ -71,6 +71,28 @@ def test_beyond_the_queue_requests_are_refused_at_once(small_queue):
     assert all(r[0] == "ok" for r in asyncio.run(_burst(small_queue.address, MAX_WAITING)))
 
 
+def test_requests_being_parsed_count_against_the_queue(small_queue, monkeypatch):
+    """A burst whose parse takes long (a large schema's grammar compiles for up to a second) queues no more
+    parses than max_waiting_requests: the rest are refused before theirs starts."""
+    import threading
+
+    from twinplane.controlplane import server
+
+    parsing, parse = [], server.generate_call_from_pb
+
+    def slow(*args):
+        parsing.append(threading.get_ident())
+        time.sleep(0.5)
+        return parse(*args)
+
+    monkeypatch.setattr(server, "generate_call_from_pb", slow)
+    results = asyncio.run(_burst(small_queue.address, MAX_WAITING + 6))
+    refused = [r for r in results if r[0] == "error"]
+    assert len(parsing) == MAX_WAITING and len(refused) == 6, (len(parsing), [r[2] for r in refused])
+    assert all(r[2].code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused)
+    wait_until(lambda: all_blocks_free(small_queue), 10, "every KV block to be free")
+
+
 def test_calls_waiting_for_a_data_plane_count_against_the_queue(small_queue):
     """During an outage new requests wait, but no more than max_waiting_requests of them."""
     small_queue.dataplane.send_signal(signal.SIGKILL)
