@@ -451,8 +451,7 @@ class InputBatch:
     def _build(self, cols: PlanColumns, rows: np.ndarray, positions: np.ndarray, context: np.ndarray,
                pending: np.ndarray, budget: np.ndarray | None, masks_follow: bool = False) -> StepInputs:
         n, t = len(rows), len(cols.token_ids)
-        final = context if budget is None else context + budget - 1
-        width = max(int((-(-final // self.limits.block_size)).max()), 1)
+        width = self._table_width(context, budget)
         cu_q = _cumsum0(cols.num_tokens)
         sample_idx = cu_q[1:][cols.sample] - 1
         sample_rows = rows[cols.sample]
@@ -523,6 +522,12 @@ class InputBatch:
         last = (budget - 1) * len(rows) + np.arange(len(rows))
         return [a.astype(np.int32) for a in (positions, slots, context, cu_k, last)]
 
+    def _table_width(self, context: np.ndarray, budget: np.ndarray | None) -> int:
+        """Block-table columns a step reads: enough for the longest context its sequences reach (after
+        budget[i] decode steps each, in a plan of several)."""
+        final = context if budget is None else context + budget - 1
+        return max(int((-(-final // self.limits.block_size)).max()), 1)
+
     def set_last_tokens(self, sample_rows: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Keeps a step's sampled tokens on the device, as inputs for PENDING tokens of the next plan."""
         self.last_token.index_put_((sample_rows,), token_ids.to(torch.int32))
@@ -591,13 +596,12 @@ class InputBatch:
         if budget is None:
             steps = [[cols.start_pos], [cols.slot_mapping], [context]]
         else:
-            steps = self._decode_steps(rows, cols.start_pos, budget)[:3]
-            h.last[:n] = (budget - 1) * n + np.arange(n)
+            *steps, _, last = self._decode_steps(rows, cols.start_pos, budget)  # positions, slots, contexts
+            h.last[:n] = last
         for step in range(num_steps):
             h.positions[step][:n], h.slots[step][:n], h.context_lens[step][:n] = (a[step] for a in steps)
             h.positions[step][n:padded], h.slots[step][n:padded], h.context_lens[step][n:padded] = 0, -1, 0
-        final = context if budget is None else context + budget - 1
-        width = int((-(-final // self.limits.block_size)).max())
+        width = self._table_width(context, budget)
         h.block_tables[:n, :width] = self.block_table[rows, :width]
         self._send(k, g.end(n), into=g.buffer)
         d = g.parts

@@ -507,17 +507,12 @@ class ModelRunner:
         return PromptLogprobsOnTheWay(asks_list, chosen, top_ids, top_logprobs, ranks)
 
     def _sample(self, step: LaunchedStep, inputs: StepInputs, hidden: torch.Tensor, keep_logits: bool) -> None:
-        """Samples on rank 0; every rank keeps the sampled tokens for the next plan's PENDING inputs."""
+        """Samples on rank 0 and keeps what a step that samples once keeps: on rank 0 its output on the way
+        to the host and how to record it; on every rank the tokens, for the next plan's PENDING inputs."""
         token_ids, sampled, rank_logits = self._draw(inputs, hidden)
-        if sampled is not None and keep_logits:
-            step.logits = rank_logits.float()
-        self._keep(step, inputs, token_ids, sampled)
-
-    def _keep(self, step: LaunchedStep, inputs: StepInputs, token_ids: torch.Tensor,
-              sampled: SamplerOutput | None) -> None:
-        """What a step that samples once keeps: on rank 0 (``sampled``) its output on the way to the
-        host and how to record it; on every rank the tokens, for the next plan's PENDING inputs."""
         if sampled is not None:
+            if keep_logits:
+                step.logits = rank_logits.float()
             step.sampler_output = _to_host(sampled, token_ids)
             step.sampled, step.num_logprobs = inputs.sampled, inputs.sampling.num_logprobs
             step.record = None if inputs.sampled is None else self.sequences.record_sampled
@@ -525,17 +520,14 @@ class ModelRunner:
 
     def _graph_step(self, step: LaunchedStep, plan: GraphStep) -> None:
         """A decode plan staged in the graphs' buffer: replays its steps (``decode_graphs.py``) and keeps
-        the tokens as ``_keep`` and ``_decode_steps`` keep theirs."""
+        the tokens as ``_sample`` and ``_decode_steps`` keep theirs."""
         tokens = self.decode_graphs.replay(plan.num_seqs, plan.num_steps)
         if plan.budget is None:
             token_ids = tokens[0]
             step.path, step.sampler_output = StepPath.DECODE_GRAPH, _to_host(SamplerOutput(token_ids), token_ids)
             self.sequences.set_last_tokens(plan.sample_rows, token_ids)
             return
-        tokens = tokens.reshape(-1)
-        self.sequences.set_last_tokens(plan.sample_rows, tokens[plan.last.long()])
-        step.path, step.decode_budget = StepPath.MULTI_DECODE, plan.budget
-        step.sampler_output = SamplerOutput(tokens.to("cpu", non_blocking=True))
+        self._keep_decode_steps(step, tokens, plan.sample_rows, plan.last, plan.budget, rank0=True)
 
     def _decode_steps(self, step: LaunchedStep, inputs: StepInputs) -> None:
         """Queues K decode steps, each fed the tokens the one before sampled; the host never waits.
@@ -553,9 +545,15 @@ class ModelRunner:
             hidden, _ = self._forward(input_ids, steps.positions[k], metadata)
             input_ids, sampled, _ = self._draw(inputs, hidden)
             tokens[k] = input_ids
-        tokens, rank0 = tokens.view(-1), sampled is not None
-        self.sequences.set_last_tokens(inputs.sample_rows, tokens[steps.last.long()])
+        self._keep_decode_steps(step, tokens, inputs.sample_rows, steps.last, steps.budget, sampled is not None)
+
+    def _keep_decode_steps(self, step: LaunchedStep, tokens: torch.Tensor, sample_rows: torch.Tensor,
+                           last: torch.Tensor, budget: np.ndarray, rank0: bool) -> None:
+        """What a plan of several decode steps keeps: the tokens [K, n] on their way to the host (rank 0)
+        with each sequence's step count, and each sequence's last token on the device for the next plan."""
+        tokens = tokens.reshape(-1)
+        self.sequences.set_last_tokens(sample_rows, tokens[last.long()])
         step.path = StepPath.MULTI_DECODE
         if rank0:
             step.sampler_output = SamplerOutput(tokens.to("cpu", non_blocking=True))
-            step.decode_budget = steps.budget
+            step.decode_budget = budget
