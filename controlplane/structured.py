@@ -82,14 +82,23 @@ def compile_shared(reasoning_parser: str | None) -> None:
 
 
 def checked_regex(regex: str, where: str) -> str:
-    """regex, once it compiles; else InvalidRequest naming where it came from."""
-    try:
-        grammar = compiled(regex)
-    except GrammarError as exc:
-        raise InvalidRequest(f"{where}: {exc}") from None
-    if grammar.initial_state == Grammar.DEAD:
-        raise InvalidRequest(f"{where}: no text matches it")
+    """regex, once it compiles to a grammar some text matches; else InvalidRequest naming where it came from."""
+    problem = _regex_problem(regex)
+    if problem is not None:
+        raise InvalidRequest(f"{where}: {problem}")
     return regex
+
+
+@functools.lru_cache(maxsize=256)
+def _regex_problem(regex: str) -> str | None:
+    """What keeps regex from constraining an output, or None; kept for the next requests that send it. Only
+    the verdict is kept: the engine core, which runs the grammar, compiles its own (an automaton can take
+    MiBs)."""
+    try:
+        grammar = Grammar.from_regex(regex)
+    except GrammarError as exc:
+        return str(exc)
+    return "no text matches it" if grammar.initial_state == Grammar.DEAD else None
 
 
 def client_regex(regex, where: str) -> str:

@@ -24,6 +24,7 @@ import pytest
 from tests.conftest import NODE_CLIENT, Planes
 from twinplane.clients.messages import build_request
 from twinplane.controlplane import grammar, structured
+from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.grammar import Grammar, TokenVocab
 from twinplane.controlplane.structured import (TokenMatcher, Vocabulary, after_reasoning, avoiding, compiled,
                                                json_schema_regex)
@@ -248,7 +249,7 @@ def test_a_large_schema_compiles_off_the_event_loop(planes, client, monkeypatch)
     test_engine_core.py's test_a_grammar_compiles_off_the_step_loop.)"""
     words = [f"{'x' * 80}{i}" for i in range(1000)]
     schema = {"type": "json_schema", "json_schema": {"name": "w", "schema": {"enum": words}}}
-    compiled, where = structured.compiled, []
+    check, where = structured._regex_problem, []
 
     def recording(regex: str):
         try:
@@ -256,9 +257,9 @@ def test_a_large_schema_compiles_off_the_event_loop(planes, client, monkeypatch)
             where.append(threading.current_thread().name)
         except RuntimeError:  # no event loop runs in this thread
             where.append(None)
-        return compiled(regex)
+        return check(regex)
 
-    monkeypatch.setattr(structured, "compiled", recording)
+    monkeypatch.setattr(structured, "_regex_problem", recording)
     reply = client.chat.completions.create(model=planes.engine.model_names[0], messages=ASK, max_tokens=120,
                                            temperature=0, response_format=schema)
     assert json.loads(reply.choices[0].message.content) in words
@@ -525,3 +526,27 @@ def test_banned_words_masks_follow_the_output() -> None:
     assert allowed(BannedWords(((5, 6, 9),), 20, [1, 5, 6]).mask()) == everything - {9}  # the output replayed
     assert allowed(BannedWords(((25,), (4, 30)), 20, [4]).mask()) == everything  # ids past the model's vocabulary
     assert len(words.mask()) == 3 and words.mask()[2] >> 4 == 0  # the bits past the vocabulary are clear
+
+
+def test_the_frontend_keeps_a_regex_s_verdict_not_its_grammar() -> None:
+    """The frontend checks a regex and keeps only whether it compiles (the engine core compiles the grammar
+    it runs): no automaton, which can take MiBs, stays alive in the frontend."""
+    import gc
+    import weakref
+
+    made = []
+    original = Grammar.from_regex.__func__
+
+    def tracked(cls, regex):
+        grammar = original(cls, regex)
+        made.append(weakref.ref(grammar))
+        return grammar
+
+    regex = "kept-verdict-[a-z]{1,4}"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Grammar, "from_regex", classmethod(tracked))
+        assert structured.checked_regex(regex, "regex") == regex
+    gc.collect()
+    assert made and all(ref() is None for ref in made)
+    with pytest.raises(InvalidRequest, match="where: no text matches it"):
+        structured.checked_regex("[^\\s\\S]", "where")
