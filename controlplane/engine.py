@@ -93,6 +93,8 @@ class Engine:
         """What a request that cannot wait is told while not ``serving``."""
         if not self.accepting:
             return "the server is shutting down"
+        if self._replay:
+            return "the engine core is restarting; retry later"
         if not self._connected:
             return "no data plane is connected yet; retry later"
         return f"the {' and the '.join(sorted(self._stalls))} stalled; retry later"

@@ -43,6 +43,9 @@ MAX_COUNT = 1000  # the largest count a {n,m} quantifier may hold
 MASK_CACHE_BYTES = 256 << 20  # masks kept, every grammar's together; the least recently used go first
 MAX_DFA_STATES = 20_000  # automaton states one grammar may build while it is used (GrammarError past them)
 MAX_NFA_EDGES = 200_000  # byte-range edges one pattern's NFA may hold (its memory: ~70 bytes each)
+# characters a pattern may hold: one this long holds more edges than MAX_NFA_EDGES (each edge takes at
+# least one character, and syntax around it), and is refused before its parse takes seconds
+MAX_PATTERN_LEN = 8 * MAX_NFA_EDGES
 # NFA states one automaton state may hold: the work of each step's mask grows with them (GrammarError past them)
 MAX_DFA_SET = 1_000
 DENSE_SHARE = 8  # a mask walk steps a trie level's every node when its live parents are > 1/DENSE_SHARE of them
@@ -413,6 +416,9 @@ class Grammar:
     @classmethod
     def from_regex(cls, pattern: str, max_states: int = 100_000) -> Grammar:
         """GrammarError when the pattern is not of the supported subset or its NFA exceeds max_states."""
+        if len(pattern) > MAX_PATTERN_LEN:
+            raise GrammarError(f"the pattern is too large: {len(pattern)} characters, where at most {MAX_PATTERN_LEN} "
+                               "compile (a smaller schema, fewer tools or a simpler regex)")
         try:
             tree = _Parser(pattern).parse()
             nfa = _NFA(max_states)

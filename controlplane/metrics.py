@@ -19,10 +19,12 @@ from __future__ import annotations
 import bisect
 import gzip
 import hmac
+import io
 import math
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING
@@ -262,15 +264,40 @@ def metrics_app(registry: CollectorRegistry):
 
     def app(environ, start_response):
         names = parse_qs(environ.get("QUERY_STRING", "")).get("name[]")
-        body = generate_latest(registry.restricted_registry(names) if names else registry)
-        headers = [("Content-Type", CONTENT_TYPE)]
-        if "gzip" in environ.get("HTTP_ACCEPT_ENCODING", ""):
+        body = generate_latest(_Only(registry, set(names)) if names else registry)
+        headers = [("Content-Type", CONTENT_TYPE), ("Vary", "Accept-Encoding")]
+        if _accepts_gzip(environ.get("HTTP_ACCEPT_ENCODING", "")):
             body = gzip.compress(body, compresslevel=1)
             headers.append(("Content-Encoding", "gzip"))
         start_response("200 OK", headers + [("Content-Length", str(len(body)))])
         return [body] if environ.get("REQUEST_METHOD") != "HEAD" else [b""]
 
     return app
+
+
+class _Only:
+    """The families of registry that names name, by family or sample name (a histogram by its name, or
+    its _bucket, _sum or _count samples), with only the samples named unless the family is."""
+
+    def __init__(self, registry: CollectorRegistry, names: set[str]):
+        self.registry, self.names = registry, names
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            samples = family.samples if family.name in self.names else [
+                s for s in family.samples if s.name in self.names]
+            if samples:
+                kept = Metric(family.name, family.documentation, family.type, family.unit)
+                kept.samples = samples
+                yield kept
+
+
+def _accepts_gzip(accept_encoding: str) -> bool:
+    for part in accept_encoding.split(","):
+        coding, _, params = part.partition(";")
+        if coding.strip().lower() == "gzip":
+            return params.replace(" ", "") not in ("q=0", "q=0.0", "q=0.00", "q=0.000")
+    return False
 
 
 def require_api_key(app, api_key: str):
@@ -287,12 +314,31 @@ def require_api_key(app, api_key: str):
     return guarded
 
 
-MAX_SCRAPES = 8  # connections served at once; more are closed at once
-SCRAPE_TIMEOUT = 10.0  # seconds a connection may keep the server waiting for its request
+MAX_SCRAPES = 8  # connections served at once; the next wait for one of them to end
+SCRAPE_TIMEOUT = 10.0  # seconds a connection has to send its whole request (and one waits for a turn)
+MAX_REQUEST_HEAD = 16 << 10  # bytes of a request's line and headers
 
 
 class _QuietHandler(WSGIRequestHandler):
-    timeout = SCRAPE_TIMEOUT  # a connection that sends nothing is closed, not held
+    timeout = SCRAPE_TIMEOUT  # for each write of the answer
+
+    def handle(self) -> None:
+        """Reads the request's line and headers within SCRAPE_TIMEOUT in all (a client that sends them a
+        byte at a time cannot hold its thread longer), then answers it."""
+        head, deadline = b"", time.monotonic() + SCRAPE_TIMEOUT
+        while b"\r\n\r\n" not in head:
+            left = deadline - time.monotonic()
+            if left <= 0 or len(head) > MAX_REQUEST_HEAD:
+                return
+            self.connection.settimeout(left)
+            chunk = self.connection.recv(4096)
+            if not chunk:
+                return
+            head += chunk
+        self.rfile.close()
+        self.rfile = io.BytesIO(head)  # a scrape is a GET: its head is all of it
+        self.connection.settimeout(self.timeout)
+        super().handle()
 
     def log_message(self, format, *args) -> None:  # noqa: A002 -- no line on stderr per scrape
         pass
@@ -300,7 +346,7 @@ class _QuietHandler(WSGIRequestHandler):
 
 class _MetricsServer(ThreadingMixIn, WSGIServer):
     """A thread a connection, at most MAX_SCRAPES of them: a flood of connections costs no more
-    threads than that."""
+    threads than that, and a scrape waits its turn behind them (each ends within SCRAPE_TIMEOUT)."""
     daemon_threads = True
 
     def __init__(self, *args, **kwargs) -> None:
@@ -308,7 +354,7 @@ class _MetricsServer(ThreadingMixIn, WSGIServer):
         super().__init__(*args, **kwargs)
 
     def process_request(self, request, client_address) -> None:
-        if self.slots.acquire(blocking=False):
+        if self.slots.acquire(timeout=SCRAPE_TIMEOUT):
             super().process_request(request, client_address)
         else:
             self.shutdown_request(request)

@@ -26,7 +26,10 @@ A request may ask for several of these at once (``AllOf``): it samples what all 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import threading
+from collections import OrderedDict
 
 import numpy as np
 
@@ -89,16 +92,30 @@ def checked_regex(regex: str, where: str) -> str:
     return regex
 
 
-@functools.lru_cache(maxsize=256)
+VERDICTS_KEPT = 256
+_verdicts: OrderedDict[bytes, str | None] = OrderedDict()  # by the pattern's digest, the latest last
+_verdicts_lock = threading.Lock()
+
+
 def _regex_problem(regex: str) -> str | None:
-    """What keeps regex from constraining an output, or None; kept for the next requests that send it. Only
-    the verdict is kept: the engine core, which runs the grammar, compiles its own (an automaton can take
-    MiBs)."""
+    """What keeps regex from constraining an output, or None; kept for the next requests that send it.
+    Only the verdict is kept, by the pattern's digest: the engine core, which runs the grammar, compiles
+    its own (an automaton can take MiBs, and a pattern made from a schema or tools as many characters)."""
+    key = hashlib.blake2b(regex.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    with _verdicts_lock:
+        if key in _verdicts:
+            _verdicts.move_to_end(key)
+            return _verdicts[key]
     try:
         grammar = Grammar.from_regex(regex)
+        problem = "no text matches it" if grammar.initial_state == Grammar.DEAD else None
     except GrammarError as exc:
-        return str(exc)
-    return "no text matches it" if grammar.initial_state == Grammar.DEAD else None
+        problem = str(exc)
+    with _verdicts_lock:
+        _verdicts[key] = problem
+        while len(_verdicts) > VERDICTS_KEPT:
+            _verdicts.popitem(last=False)
+    return problem
 
 
 def client_regex(regex, where: str) -> str:

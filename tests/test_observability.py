@@ -313,14 +313,11 @@ def test_a_data_planes_counters_carry_on_across_engine_cores():
 
 @pytest.fixture
 def metrics_server():
-    from prometheus_client import CollectorRegistry, Gauge
+    from twinplane.controlplane.config import ControlPlaneConfig
+    from twinplane.controlplane.engine import Engine
+    from twinplane.controlplane.metrics import registry_for, serve_metrics
 
-    from twinplane.controlplane.metrics import serve_metrics
-
-    registry = CollectorRegistry()
-    Gauge("twinplane:first", "one gauge", registry=registry).set(1)
-    Gauge("twinplane:second", "another", registry=registry).set(2)
-    server = serve_metrics(registry, "127.0.0.1", 0)
+    server = serve_metrics(registry_for(Engine(ControlPlaneConfig(dataplane="unix:///nowhere"))), "127.0.0.1", 0)
     yield server
     server.shutdown()
     server.server_close()
@@ -332,34 +329,56 @@ def _get(server, path: str, headers: dict | None = None):
         return response.headers, response.read()
 
 
+def _names(text: bytes) -> set[str]:
+    return {s.name for family in text_string_to_metric_families(text.decode()) for s in family.samples}
+
+
 def test_a_scrape_gets_gzip_when_it_asks_and_only_the_names_it_asks_for(metrics_server):
     import gzip
 
     headers, body = _get(metrics_server, "/metrics")
-    assert headers["Content-Encoding"] is None and b"twinplane:first 1.0" in body and b"twinplane:second 2.0" in body
+    assert headers["Content-Encoding"] is None and {"twinplane:num_requests_running",
+                                                    "twinplane:prompt_tokens_total"} <= _names(body)
     headers, zipped = _get(metrics_server, "/metrics", {"Accept-Encoding": "gzip"})  # as Prometheus asks
     assert headers["Content-Encoding"] == "gzip" and int(headers["Content-Length"]) == len(zipped)
-    assert gzip.decompress(zipped) == body
-    _, some = _get(metrics_server, "/metrics?name[]=twinplane:second")
-    assert b"twinplane:second 2.0" in some and b"twinplane:first" not in some
+    assert _names(gzip.decompress(zipped)) == _names(body)
+    assert _get(metrics_server, "/metrics", {"Accept-Encoding": "gzip;q=0, identity"})[0]["Content-Encoding"] is None
+    # samples by name, or a whole family (a histogram's buckets, sum and count) by its name
+    _, some = _get(metrics_server, "/metrics?name[]=twinplane:num_requests_running"
+                                   "&name[]=twinplane:prompt_tokens_total&name[]=twinplane:e2e_request_latency_seconds")
+    assert _names(some) == {"twinplane:num_requests_running", "twinplane:prompt_tokens_total",
+                            "twinplane:e2e_request_latency_seconds_bucket", "twinplane:e2e_request_latency_seconds_sum",
+                            "twinplane:e2e_request_latency_seconds_count"}
 
 
-def test_connections_past_the_cap_are_closed_and_idle_ones_time_out(metrics_server, monkeypatch):
+def test_slow_connections_cannot_keep_a_scrape_out(metrics_server, monkeypatch):
+    """Connections past the cap wait their turn, and none keeps its turn past the timeout however it
+    trickles its request: a scrape behind a full house of slow clients is still answered."""
     import socket
+    import threading
+    import time
 
     from twinplane.controlplane import metrics
 
-    monkeypatch.setattr(metrics._QuietHandler, "timeout", 3.0)
-    port = metrics_server.server_port
-    idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(metrics.MAX_SCRAPES)]
-    try:
-        extra = socket.create_connection(("127.0.0.1", port), timeout=10)  # no thread left for it
-        extra.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
-        assert extra.recv(100) == b""
-        extra.close()
-        for each in idle:  # each is closed once it has sent nothing for the timeout
-            assert each.recv(100) == b""
-    finally:
-        for each in idle:
-            each.close()
-    assert b"twinplane:first 1.0" in _get(metrics_server, "/metrics")[1]
+    monkeypatch.setattr(metrics, "SCRAPE_TIMEOUT", 1.0)
+    port, closed_after = metrics_server.server_port, []
+
+    def trickle() -> None:  # a byte every 0.2 s, never a whole request
+        started = time.monotonic()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            try:
+                while time.monotonic() - started < 8:
+                    sock.sendall(b"G")
+                    time.sleep(0.2)
+            except OSError:  # closed by the server
+                pass
+            closed_after.append(time.monotonic() - started)
+
+    slow = [threading.Thread(target=trickle) for _ in range(metrics.MAX_SCRAPES)]
+    for thread in slow:
+        thread.start()
+    time.sleep(0.3)  # every slot taken
+    assert "twinplane:num_requests_running" in _names(_get(metrics_server, "/metrics")[1])
+    for thread in slow:
+        thread.join(15)
+    assert len(closed_after) == metrics.MAX_SCRAPES and max(closed_after) < 5, closed_after

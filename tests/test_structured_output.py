@@ -550,3 +550,8 @@ def test_the_frontend_keeps_a_regex_s_verdict_not_its_grammar() -> None:
     assert made and all(ref() is None for ref in made)
     with pytest.raises(InvalidRequest, match="where: no text matches it"):
         structured.checked_regex("[^\\s\\S]", "where")
+    # a refused pattern's verdict is kept too, by its digest: no pattern (a large one's MBs) stays behind
+    for _ in range(2):
+        with pytest.raises(InvalidRequest, match="too large"):
+            structured.checked_regex("(?:a)" * 400_000, "where")
+    assert all(isinstance(key, bytes) and len(key) == 16 for key in structured._verdicts)
