@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from twinplane.clients.launcher import CONFIG_ERROR_EXIT, TOKEN_ENV, DataPlaneProcess, gpu_groups, new_token
+from twinplane.clients.launcher import TOKEN_ENV, DataPlaneProcess, gpu_groups, new_token
+from twinplane.controlplane.ipc import CONFIG_ERROR_EXIT, ConfigExit
 from twinplane.controlplane.event_loop import run as run_event_loop
 
 log = logging.getLogger("twinplane")
@@ -179,13 +180,14 @@ def _chat_template(value: str | None) -> str | None:
 
 def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None, dataplane_tls=None):
     """The control plane's config and security from args; a bad value or TLS file is a one-line error."""
-    from twinplane.controlplane.config import ControlPlaneConfig
+    from twinplane.controlplane.config import ControlPlaneConfig, check_secret
     from twinplane.controlplane.main import Security
     from twinplane.controlplane.tls import DataPlaneTls
 
     dataplane_tls = dataplane_tls or DataPlaneTls()
     security = Security(args.tls_cert, args.tls_key, args.api_key or os.environ.get("TWINPLANE_API_KEY"))
     try:
+        check_secret(security.api_key, "the API key (--api-key or TWINPLANE_API_KEY)")
         security.credentials()
         dataplane_tls.credentials()
         config = ControlPlaneConfig(
@@ -206,7 +208,7 @@ def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None, d
             reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
             scheduling_policy=args.scheduling_policy)
     except ValueError as exc:  # a flag out of range or an unusable file: say which, without a traceback
-        raise SystemExit(f"twinplane {args.command}: {exc}") from None
+        _config_error(args.command, str(exc))
     return config, security
 
 
@@ -235,7 +237,13 @@ def _progress(message: str) -> None:
 def _dataplane_token(args: argparse.Namespace) -> str | None:
     """The token the data plane requires; TCP without one needs --insecure (any local user, or the
     network, can reach a TCP port; a unix socket is guarded by its folder's permissions)."""
+    from twinplane.controlplane.config import check_secret
+
     token = args.token or os.environ.get(TOKEN_ENV)
+    try:
+        check_secret(token, f"the token (--token or {TOKEN_ENV})")
+    except ValueError as exc:
+        _refuse(str(exc))
     if not token and not args.listen.startswith("unix:") and not args.insecure:
         _refuse(f"{args.listen} is a TCP address, which needs a token: give --token or set {TOKEN_ENV} (and the "
                 "same to the control plane), or pass --insecure to serve without one")
@@ -243,10 +251,14 @@ def _dataplane_token(args: argparse.Namespace) -> str | None:
 
 
 def _refuse(why: str) -> NoReturn:
-    """A data plane that refuses its configuration: one line, and CONFIG_ERROR_EXIT (serve does not
-    restart it: starting it again would not help)."""
-    print(f"twinplane dataplane: error: {why}", file=sys.stderr)
-    raise SystemExit(CONFIG_ERROR_EXIT)
+    """A data plane that refuses its configuration (serve does not restart it)."""
+    _config_error("dataplane", f"error: {why}")
+
+
+def _config_error(command: str, why: str) -> NoReturn:
+    """A command that refuses its flags or files: one line, and CONFIG_ERROR_EXIT (whatever restarts it,
+    serve or systemd's RestartPreventExitStatus=78, should not: starting it again would not help)."""
+    raise ConfigExit(f"twinplane {command}: {why}")
 
 
 def _dataplane_credentials(args: argparse.Namespace):
@@ -329,28 +341,34 @@ def _dataplane_children(args: argparse.Namespace, token: str) -> list[DataPlaneP
 
     n = args.data_parallel_size
     if n < 1:
-        raise SystemExit(f"twinplane serve: --data-parallel-size must be >= 1, got {n}")
+        _config_error("serve", f"--data-parallel-size must be >= 1, got {n}")
     addresses = args.dataplane_listen.split(",") if args.dataplane_listen else [None] * n
     if len(addresses) != n:
-        raise SystemExit(f"twinplane serve: --dataplane-listen gives {len(addresses)} addresses for "
-                         f"--data-parallel-size {n}")
+        _config_error("serve", f"--dataplane-listen gives {len(addresses)} addresses for --data-parallel-size {n}")
     try:
         for address in filter(None, addresses):
             check_listen(address, "--dataplane-listen")
     except ValueError as exc:  # the child would refuse it, after the model loads
-        raise SystemExit(f"twinplane serve: {exc}") from None
+        _config_error("serve", str(exc))
     groups = [None] * n
     if n > 1 and args.device != "cpu":
         try:
             groups = gpu_groups(n, args.tensor_parallel_size, os.environ.get("CUDA_VISIBLE_DEVICES"))
         except ValueError as exc:
-            raise SystemExit(f"twinplane serve: {exc}") from None
+            _config_error("serve", str(exc))
     return [_dataplane_child(args, address, token, gpus=gpus) for address, gpus in zip(addresses, groups)]
 
 
 def _child_token(args: argparse.Namespace) -> str:
     """The token serve and run give both planes: --dataplane-token, else the environment's, else a new one."""
-    return getattr(args, "dataplane_token", None) or os.environ.get(TOKEN_ENV) or new_token()
+    from twinplane.controlplane.config import check_secret
+
+    token = getattr(args, "dataplane_token", None) or os.environ.get(TOKEN_ENV) or new_token()
+    try:
+        check_secret(token, f"the data-plane token (--dataplane-token or {TOKEN_ENV})")
+    except ValueError as exc:
+        _config_error(args.command, str(exc))
+    return token
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -360,8 +378,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     children = _dataplane_children(args, token)
     config, security = _controlplane(args, ",".join(child.address for child in children), token)
 
-    def announce(ready: bool, address: str) -> None:
-        if ready:
+    announced = False
+
+    def announce(ready: bool, address: str) -> None:  # once: later changes are in the log
+        nonlocal announced
+        if ready and not announced:
+            announced = True
             _progress(f"data plane ready; serving on {address}")
 
     async def main() -> None:
@@ -644,12 +666,19 @@ def _rpc_error_line(exc: BaseException) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # gRPC's C core logs on its own, outside this format: one line per failed TLS handshake, for one
+    # (any client that can reach a TLS port could flood the log); its errors still come out. Read when
+    # grpc is first imported, which building the parser does
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     args = build_parser().parse_args(argv)
     if args.log_level is None:
         args.log_level = "INFO" if args.command in ("dataplane", "controlplane", "serve") else "WARNING"
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return args.func(args) or 0
+    except ConfigExit as exc:
+        print(exc, file=sys.stderr)
+        return CONFIG_ERROR_EXIT
     except ModuleNotFoundError as exc:
         if exc.name not in DATAPLANE_PACKAGES:
             raise

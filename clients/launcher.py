@@ -12,12 +12,11 @@ import sys
 import tempfile
 import time
 
-from twinplane.controlplane.ipc import SUPERVISED_ENV, popen_shielded
+from twinplane.controlplane.ipc import CONFIG_ERROR_EXIT, SUPERVISED_ENV, popen_shielded
 from twinplane.controlplane.liveness import Backoff
 
 log = logging.getLogger("twinplane")
 TOKEN_ENV = "TWINPLANE_DATAPLANE_TOKEN"
-CONFIG_ERROR_EXIT = 78  # EX_CONFIG: the data plane refused its flags; starting it again would not help
 
 
 def gpu_groups(data_parallel_size: int, tensor_parallel_size: int, visible: str | None) -> list[str]:

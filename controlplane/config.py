@@ -127,6 +127,7 @@ class ControlPlaneConfig:
         if self.max_prompt_bytes is not None and self.max_prompt_bytes <= 0:
             raise ValueError(f"max_prompt_bytes must be > 0, got {self.max_prompt_bytes}")
         self._check_api_server_count()
+        check_secret(self.dataplane_token, "the data-plane token (--dataplane-token or TWINPLANE_DATAPLANE_TOKEN)")
         names = self.served_model_names
         if any(not name.strip() for name in names) or len(set(names)) != len(names):
             raise ValueError(f"served_model_names must be distinct and not blank, got {list(names)}")
@@ -155,3 +156,11 @@ class ControlPlaneConfig:
     def share(self, limit: int) -> int:
         """One frontend's share of a limit of the whole service (max_waiting_requests, max_unsent_tokens)."""
         return limit // self.api_server_count
+
+
+def check_secret(value: str | None, name: str) -> None:
+    """A key or token travels in gRPC metadata, which carries printable ASCII only: any other is refused
+    here (ValueError naming it), at start-up, and not by every call."""
+    if value and not all("!" <= c <= "~" for c in value):
+        raise ValueError(f"{name} must be printable ASCII, without spaces or line breaks (a value read from a "
+                         "file may end with a newline)")

@@ -45,6 +45,13 @@ def channel_options(silence_timeout: float) -> list[tuple[str, int]]:
             ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
 
 
+def _lost(exc: grpc.aio.AioRpcError | grpc.aio.UsageError) -> DataPlaneLost:
+    """The step stream failed: why, in one line (an AioRpcError's text spans several)."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return DataPlaneLost(f"{exc.code().name}: {exc.details()}")
+    return DataPlaneLost(str(exc))
+
+
 def _why(target: str, exc: grpc.aio.AioRpcError, tls: bool) -> str:
     """The failed call as one line, with a hint when the two ends seem to disagree about TLS."""
     details = exc.details() or ""
@@ -118,7 +125,7 @@ class DataPlaneClient:
         try:
             await self.stream.write(plan)
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
-            raise DataPlaneLost(str(exc)) from exc
+            raise _lost(exc) from exc
         except asyncio.CancelledError:
             self._raise_if_abandoned()
             raise
@@ -129,7 +136,7 @@ class DataPlaneClient:
         try:
             result = await self.stream.read()
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
-            raise DataPlaneLost(str(exc)) from exc
+            raise _lost(exc) from exc
         except asyncio.CancelledError:
             self._raise_if_abandoned()
             raise

@@ -466,7 +466,7 @@ async def _serve_core(socks: list[socket.socket]) -> None:
         await core.run()
     except Exception:
         log.critical("the control plane's engine core stopped on an unexpected error", exc_info=True)
-        raise
+        raise SystemExit(1) from None  # the traceback is logged: not a second copy from the interpreter
     finally:
         for task in serving:
             task.cancel()

@@ -15,6 +15,7 @@ from twinplane.controlplane.config import ControlPlaneConfig
 from twinplane.controlplane.engine import Engine, first_of
 from twinplane.controlplane.event_loop import freeze_heap
 from twinplane.controlplane.frontends import Secondaries, shared_config
+from twinplane.controlplane.ipc import ConfigExit
 from twinplane.controlplane.metrics import registry_for, serve_metrics
 from twinplane.controlplane.server import create_server
 from twinplane.controlplane.supervisor import CoreSupervisor
@@ -150,7 +151,7 @@ async def serve(config: ControlPlaneConfig, security: Security = Security(), on_
              f", {config.api_server_count} frontend processes" if config.api_server_count > 1 else "")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: its terminal or ssh session closed
         loop.add_signal_handler(sig, stop.set)
     secondary_died = plane.secondaries.died if plane.secondaries is not None else asyncio.Event()
     refused = dataplane_refused if dataplane_refused is not None else asyncio.Event()
@@ -158,7 +159,7 @@ async def serve(config: ControlPlaneConfig, security: Security = Security(), on_
     frozen.cancel()
     if refused.is_set():  # a bad model path or TP size: waiting would not bring the data plane up
         await plane.shutdown(grace=0.0)
-        raise SystemExit("the control plane stopped: its data plane refused its configuration (see the error above)")
+        raise ConfigExit("the control plane stopped: its data plane refused its configuration (see the error above)")
     if plane.engine.crashed.is_set():  # e.g. an unreadable tokenizer folder: say so and exit, don't hang
         await plane.shutdown(grace=0.0)
         raise SystemExit("the control plane stopped: its engine failed (see the error above)")

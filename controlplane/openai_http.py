@@ -13,6 +13,7 @@ import hmac
 import importlib.metadata
 import json
 import logging
+import math
 import re
 import resource
 import socket
@@ -366,8 +367,7 @@ class _Protocol(H11Protocol):
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:
-            log.warning("HTTP: %d connections open, the most this frontend holds; refusing another",
-                        self.max_connections)
+            _refusals.note(self.max_connections)
             transport.write(_FULL)
             transport.close()
             return
@@ -401,6 +401,26 @@ class _Protocol(H11Protocol):
             if due is not None:
                 due.cancel()
         super().connection_lost(exc)
+
+
+class _Refusals:
+    """Connections refused for the cap, logged at most every REFUSALS_LOGGED_EVERY seconds with how many
+    (a client that opens connections in a loop would otherwise write a line for each)."""
+
+    def __init__(self):
+        self.count, self.logged_at = 0, -math.inf
+
+    def note(self, cap: int) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.logged_at >= REFUSALS_LOGGED_EVERY:
+            log.warning("HTTP: %d connections open, the most this frontend holds; refused %d connection(s)",
+                        cap, self.count)
+            self.count, self.logged_at = 0, now
+
+
+REFUSALS_LOGGED_EVERY = 10.0
+_refusals = _Refusals()
 
 
 def connection_cap() -> int:
@@ -438,6 +458,10 @@ class HttpServer:
                                      max_connections=max_connections or connection_cap())
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", ws="none", http=protocol,
                                 timeout_graceful_shutdown=1, ssl_certfile=tls_cert, ssl_keyfile=tls_key)
+        # uvicorn writes a warning for each malformed request, which any client could send in a loop: its
+        # errors only, unless everything is asked for (DEBUG)
+        if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+            logging.getLogger("uvicorn.error").setLevel(logging.ERROR)
         self.server = _Server(config)
         self.task: asyncio.Task | None = None
 

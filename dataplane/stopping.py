@@ -1,7 +1,7 @@
 """When a data plane stops.
 
-Run on its own, on SIGTERM or SIGINT: a signal while it loads ends it at once (a model half loaded
-has nothing to finish), one while it serves stops it in order. Started by `twinplane serve` or
+Run on its own, on SIGTERM, SIGINT or SIGHUP: a signal while it loads ends it at once (a model half
+loaded has nothing to finish), one while it serves stops it in order. Started by `twinplane serve` or
 `run` (SUPERVISED_ENV in its environment), it ignores those signals, which reach its parent too
 when they are sent to the whole process group (Ctrl-C, systemd stopping the service) and the
 parent needs its data plane while its streams drain; it stops when its stdin closes instead,
@@ -27,6 +27,9 @@ class Stop:
         if self.supervised:
             ignore_group_signals()
             threading.Thread(target=self._watch_stdin, daemon=True, name="twinplane-parent").start()
+        else:  # while it loads: Ctrl-C or a closed terminal ends it quietly, not with a traceback
+            for sig in (signal.SIGINT, signal.SIGHUP):
+                signal.signal(sig, self._request)
 
     def _watch_stdin(self) -> None:
         # the file descriptor, not sys.stdin: a daemon thread blocked in a buffered read holds its
@@ -44,6 +47,6 @@ class Stop:
         """Serving from now on: returns once a stop is requested."""
         self.serving = True
         if not self.supervised:
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 signal.signal(sig, self._request)
         self.requested.wait()

@@ -415,6 +415,9 @@ def test_serve_refuses_a_data_parallel_size_its_addresses_or_gpus_cannot_serve(m
         return str(info.value)
 
     assert children("-dp", "0") == "twinplane serve: --data-parallel-size must be >= 1, got 0"
+    with pytest.raises(SystemExit) as info:
+        _dataplane_children(build_parser().parse_args(["serve", "-dp", "0"]), "token")
+    assert info.value.code == 78  # EX_CONFIG
     assert "gives 1 addresses for --data-parallel-size 2" in children("-dp", "2", "--dataplane-listen", "unix:///a")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     assert "need 2 GPUs; CUDA_VISIBLE_DEVICES lists 1" in children("-dp", "2", "--device", "cuda")
@@ -436,11 +439,12 @@ def test_dataplane_refuses_a_tensor_parallel_size_that_does_not_split_the_model(
 
 
 def test_serve_stops_when_its_data_plane_refuses_its_flags():
-    """Not restarted again and again: serve exits at once with the data plane's reason."""
+    """Not restarted again and again: serve exits at once with the data plane's reason, and with its exit
+    code (78, EX_CONFIG: what restarts serve should not either)."""
     result = subprocess.run([*CLI, "serve", "--model", "dummy:tiny-qwen3", "--device", "cpu",
                              "--tensor-parallel-size", "3", "--listen", "127.0.0.1:0"],
                             capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.returncode == 78, result.stderr[-2000:]
     assert result.stderr.count("tensor_parallel_size 3 does not split this model") == 1, result.stderr[-2000:]
     assert "restarting it in" not in result.stderr
     assert "its data plane refused its configuration" in result.stderr
@@ -489,6 +493,25 @@ def test_a_server_on_a_port_another_grpc_server_holds_is_refused(grpc_taken_port
     assert f"--listen {busy}: cannot listen there" in result.stderr, result.stderr[-2000:]
     result = _refused("controlplane", "--dataplane", f"unix://{tmp_path}/dp.sock", "--listen", busy)
     assert f"--listen {busy}: cannot listen there" in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["serve", "--model", "dummy:tiny-qwen3", "--device", "cpu"], {"TWINPLANE_DATAPLANE_TOKEN": "tok\n"},
+     "the data-plane token (--dataplane-token or TWINPLANE_DATAPLANE_TOKEN) must be printable ASCII"),
+    (["controlplane", "--api-key", "two words"], {}, "the API key (--api-key or TWINPLANE_API_KEY) must be printable"),
+    (["dataplane", "--model", "dummy:tiny-qwen3", "--device", "cpu", "--token", "caf\u00e9"], {},
+     "the token (--token or TWINPLANE_DATAPLANE_TOKEN) must be printable ASCII"),
+])
+def test_a_key_or_token_grpc_cannot_carry_is_refused_at_start_up(argv, env, message, tmp_path):
+    """gRPC metadata carries printable ASCII only: a token read from a file with its newline was taken and
+    then failed every connection (the engine core restarting for ever); it is a one-line refusal now."""
+    command = [*argv, "--listen", f"unix://{tmp_path}/s.sock"]
+    if argv[0] == "controlplane":
+        command += ["--dataplane", f"unix://{tmp_path}/dp.sock"]
+    result = subprocess.run([*CLI, *command], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                            env={**os.environ, **env})
+    assert result.returncode == 78 and message in result.stderr, (result.returncode, result.stderr[-2000:])
+    assert len(result.stderr.strip().splitlines()) == 1 and "tok" not in result.stderr.replace("token", "")
 
 
 def test_controlplane_says_which_address_it_cannot_listen_on(taken_port, tmp_path):

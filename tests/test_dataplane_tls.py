@@ -55,16 +55,18 @@ def tls_dataplane(tiny_qwen3_dir, tmp_path_factory):
     cert, key = self_signed_cert(folder, dns_names=(SERVICE_NAME,), ip_addresses=())
     other_ca, _ = self_signed_cert(folder / "other")
     address, health_address = f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"
-    process = subprocess.Popen([sys.executable, "-m", "twinplane.clients.cli", "dataplane", "--model",
-                                str(tiny_qwen3_dir), "--device", "cpu", *SMALL, "--listen", address,
-                                "--token", TOKEN, "--tls-cert", str(cert), "--tls-key", str(key),
-                                "--health-listen", health_address], stdin=subprocess.DEVNULL)
+    log = folder / "dataplane.log"
+    with open(log, "wb") as stderr:
+        process = subprocess.Popen([sys.executable, "-m", "twinplane.clients.cli", "dataplane", "--model",
+                                    str(tiny_qwen3_dir), "--device", "cpu", *SMALL, "--listen", address,
+                                    "--token", TOKEN, "--tls-cert", str(cert), "--tls-key", str(key),
+                                    "--health-listen", health_address], stdin=subprocess.DEVNULL, stderr=stderr)
     try:
         wait_until(lambda: _health(health_address) == "SERVING" or process.poll() is not None, 120,
                    "the data plane's plaintext health", poll=0.2)
         assert process.poll() is None, "the data plane exited"
         yield dict(address=address, health_address=health_address, ca=str(cert), other_ca=str(other_ca),
-                   folder=folder)
+                   folder=folder, log=log)
     finally:
         process.terminate()
         process.wait(30)
@@ -150,6 +152,24 @@ def test_health_is_in_plaintext_only_on_the_health_port(tls_dataplane):
         with pytest.raises(grpc.RpcError) as info:
             dp_grpc.DataPlaneStub(channel).Describe(dp.DescribeRequest(), timeout=10)
         assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_plaintext_connections_to_the_tls_port_write_no_log_lines(tls_dataplane):
+    """Any client that reaches a TLS port can fail handshakes in a loop: gRPC's own line for each (outside
+    the service's log format) stays out of the log."""
+    host, port = tls_dataplane["address"].rsplit(":", 1)
+    for _ in range(20):
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            try:
+                while sock.recv(1 << 10):
+                    pass
+            except OSError:
+                pass
+    assert _health(tls_dataplane["health_address"]) == "SERVING"  # it went on serving
+    time.sleep(0.5)
+    log = tls_dataplane["log"].read_text(errors="replace")
+    assert "data plane ready" in log and "andshake" not in log and "ssl_transport_security" not in log, log[-3000:]
 
 
 def test_mutual_tls_admits_only_a_client_with_a_certificate_the_data_plane_trusts(tmp_path):

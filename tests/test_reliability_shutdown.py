@@ -89,9 +89,11 @@ def test_sigterm_on_the_control_plane_drains_then_ends_the_rest(tmp_path):
         _stop(dataplane)
 
 
-def test_sigterm_to_the_process_group_of_serve_drains_as_sigterm_to_serve_alone(tmp_path):
-    """systemd stopping a service (it signals every process of it), `kill 0`, or a terminal: serve's
-    engine core and data plane ignore the signal, serve drains its streams with them, then stops them."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_to_the_process_group_of_serve_drains_as_sigterm_to_serve_alone(tmp_path, sig):
+    """systemd stopping a service (it signals every process of it), `kill 0`, or a terminal (SIGHUP when it
+    closes): serve's engine core and data plane ignore the signal, serve drains its streams with them,
+    then stops them."""
     address = f"unix://{tmp_path}/cp.sock"
     serve = subprocess.Popen([*CLI, "serve", "--model", "dummy:tiny-qwen3", "--device", "cpu", "--block-size", "16",
                               "--listen", address, "--shutdown-grace", str(GRACE)],
@@ -99,8 +101,7 @@ def test_sigterm_to_the_process_group_of_serve_drains_as_sigterm_to_serve_alone(
     try:
         with Client(address) as client:
             client.wait_ready(timeout=120)
-        _assert_drained(asyncio.run(_sigterm_with_streams_in_flight(address, lambda: os.killpg(serve.pid,
-                                                                                               signal.SIGTERM))))
+        _assert_drained(asyncio.run(_sigterm_with_streams_in_flight(address, lambda: os.killpg(serve.pid, sig))))
         _, stderr = serve.communicate(timeout=GRACE + 20)
         assert serve.returncode == 0, stderr.decode()
         # no child stopped by the signal: neither restarted nor missed
@@ -126,3 +127,17 @@ def test_sigterm_on_the_data_plane_exits_cleanly_and_nothing_is_lost(tiny_qwen3_
         got += [t for c in stream for t in c.token_ids]
     assert got == expected
     wait_until(lambda: all_blocks_free(planes), 10, "every KV block to be free")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP], ids=["SIGINT", "SIGHUP"])
+def test_a_data_plane_still_loading_ends_quietly_on_ctrl_c_or_a_closed_terminal(sig):
+    """Before it serves, a data plane has nothing to finish: Ctrl-C or SIGHUP ends it at once, with code 0
+    and no KeyboardInterrupt traceback through whatever it was importing."""
+    script = ("import os, signal, time\n"
+              "from twinplane.dataplane.stopping import Stop\n"
+              "Stop()\n"
+              f"os.kill(os.getpid(), {int(sig)})\n"
+              "time.sleep(10)\n"
+              "print('still running')\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and not result.stdout and not result.stderr, (result.returncode, result.stderr)
