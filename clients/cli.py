@@ -360,15 +360,9 @@ def _dataplane_children(args: argparse.Namespace, token: str) -> list[DataPlaneP
 
 
 def _child_token(args: argparse.Namespace) -> str:
-    """The token serve and run give both planes: --dataplane-token, else the environment's, else a new one."""
-    from twinplane.controlplane.config import check_secret
-
-    token = getattr(args, "dataplane_token", None) or os.environ.get(TOKEN_ENV) or new_token()
-    try:
-        check_secret(token, f"the data-plane token (--dataplane-token or {TOKEN_ENV})")
-    except ValueError as exc:
-        _config_error(args.command, str(exc))
-    return token
+    """The token serve and run give both planes: --dataplane-token, else the environment's, else a new one
+    (checked with the control plane's configuration)."""
+    return getattr(args, "dataplane_token", None) or os.environ.get(TOKEN_ENV) or new_token()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -376,7 +370,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     token = _child_token(args)
     children = _dataplane_children(args, token)
-    config, security = _controlplane(args, ",".join(child.address for child in children), token)
+    try:
+        config, security = _controlplane(args, ",".join(child.address for child in children), token)
+    except ConfigExit:  # none started: their socket folders go
+        for child in children:
+            child.stop()
+        raise
 
     announced = False
 
@@ -473,12 +472,17 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     token = _child_token(args)
     child = _dataplane_child(args, token=token, restart=False)
+    try:
+        config = ControlPlaneConfig(dataplane=child.address, dataplane_token=token, listen="127.0.0.1:0")
+    except ValueError as exc:  # not started: its socket folder goes
+        child.stop()
+        _config_error("run", str(exc))
     prompt = {"prompt": args.prompt} if args.no_chat else {"messages": [{"role": "user", "content": args.prompt}]}
 
     async def main() -> int:
         _progress(f"loading the model ({args.model}) in a data-plane process")
         child.start()
-        plane = ControlPlane(ControlPlaneConfig(dataplane=child.address, dataplane_token=token, listen="127.0.0.1:0"))
+        plane = ControlPlane(config)
         try:
             await plane.start()
             await _wait_ready(plane, child)

@@ -28,6 +28,9 @@ MAX_CONTROL_BYTES = 1 << 18  # a Control message: a configuration, or a frontend
 # (Ctrl-C in a terminal; systemd, which signals every process of the service, stopping it) reaches the
 # parent too, which needs its children while it drains, then stops them itself.
 GROUP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+# In the environment of a data plane that `twinplane serve` or `run` started: it ignores GROUP_SIGNALS
+# and stops when its stdin closes (the parent closes it to stop it, or exits).
+SUPERVISED_ENV = "TWINPLANE_SUPERVISED"
 CONFIG_ERROR_EXIT = 78  # EX_CONFIG: a process refused its flags or files; starting it again would not help
 
 
@@ -38,9 +41,6 @@ class ConfigExit(SystemExit):
     def __init__(self, message: str):
         super().__init__(message)
         self.code = CONFIG_ERROR_EXIT
-# In the environment of a data plane that `twinplane serve` or `run` started: it ignores GROUP_SIGNALS
-# and stops when its stdin closes (the parent closes it to stop it, or exits).
-SUPERVISED_ENV = "TWINPLANE_SUPERVISED"
 
 
 def popen_shielded(argv: list[str], **kwargs) -> subprocess.Popen:

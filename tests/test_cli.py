@@ -496,22 +496,33 @@ def test_a_server_on_a_port_another_grpc_server_holds_is_refused(grpc_taken_port
 
 
 @pytest.mark.parametrize("argv, env, message", [
-    (["serve", "--model", "dummy:tiny-qwen3", "--device", "cpu"], {"TWINPLANE_DATAPLANE_TOKEN": "tok\n"},
+    (["serve", "--model", "dummy:tiny-qwen3", "--device", "cpu", "--listen", "unix://{tmp}/s.sock"],
+     {"TWINPLANE_DATAPLANE_TOKEN": "tok\n"},
      "the data-plane token (--dataplane-token or TWINPLANE_DATAPLANE_TOKEN) must be printable ASCII"),
-    (["controlplane", "--api-key", "two words"], {}, "the API key (--api-key or TWINPLANE_API_KEY) must be printable"),
-    (["dataplane", "--model", "dummy:tiny-qwen3", "--device", "cpu", "--token", "caf\u00e9"], {},
-     "the token (--token or TWINPLANE_DATAPLANE_TOKEN) must be printable ASCII"),
+    (["run", "--model", "dummy:tiny-qwen3", "--device", "cpu", "hi"], {"TWINPLANE_DATAPLANE_TOKEN": "tok en"},
+     "the data-plane token (--dataplane-token or TWINPLANE_DATAPLANE_TOKEN) must be printable ASCII"),
+    (["controlplane", "--api-key", "two words", "--listen", "unix://{tmp}/s.sock", "--dataplane", "unix:///x.sock"],
+     {}, "the API key (--api-key or TWINPLANE_API_KEY) must be printable"),
+    (["dataplane", "--model", "dummy:tiny-qwen3", "--device", "cpu", "--token", "caf\u00e9", "--listen",
+      "unix://{tmp}/s.sock"], {}, "the token (--token or TWINPLANE_DATAPLANE_TOKEN) must be printable ASCII"),
 ])
 def test_a_key_or_token_grpc_cannot_carry_is_refused_at_start_up(argv, env, message, tmp_path):
     """gRPC metadata carries printable ASCII only: a token read from a file with its newline was taken and
-    then failed every connection (the engine core restarting for ever); it is a one-line refusal now."""
-    command = [*argv, "--listen", f"unix://{tmp_path}/s.sock"]
-    if argv[0] == "controlplane":
-        command += ["--dataplane", f"unix://{tmp_path}/dp.sock"]
+    then failed every connection (the engine core restarting for ever); it is a one-line refusal now, and
+    serve and run leave no socket folder behind."""
+    command = [arg.replace("{tmp}", str(tmp_path)) for arg in argv]
     result = subprocess.run([*CLI, *command], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
-                            env={**os.environ, **env})
+                            env={**_fresh_tmpdir(tmp_path), **env})
     assert result.returncode == 78 and message in result.stderr, (result.returncode, result.stderr[-2000:])
     assert len(result.stderr.strip().splitlines()) == 1 and "tok" not in result.stderr.replace("token", "")
+    assert _left_in_tmpdir(tmp_path) == []
+
+
+def test_serve_refusing_its_flags_leaves_no_socket_folder(tmp_path):
+    result = subprocess.run([*CLI, "serve", "--model", "dummy:tiny-qwen3", "--device", "cpu", "--stream-interval", "0"],
+                            capture_output=True, text=True, timeout=120, env=_fresh_tmpdir(tmp_path))
+    assert result.returncode == 78 and "stream_interval must be > 0, got 0" in result.stderr, result.stderr
+    assert _left_in_tmpdir(tmp_path) == []
 
 
 def test_controlplane_says_which_address_it_cannot_listen_on(taken_port, tmp_path):
