@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from twinplane.clients.launcher import TOKEN_ENV, DataPlaneProcess, gpu_groups, new_token
-from twinplane.controlplane.ipc import CONFIG_ERROR_EXIT, ConfigExit
+from twinplane.controlplane.ipc import CONFIG_ERROR_EXIT, GROUP_SIGNALS, ConfigExit
 from twinplane.controlplane.event_loop import run as run_event_loop
 
 log = logging.getLogger("twinplane")
@@ -479,7 +479,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         _config_error("run", str(exc))
     prompt = {"prompt": args.prompt} if args.no_chat else {"messages": [{"role": "user", "content": args.prompt}]}
 
+    stopped_by: list[int] = []  # the signal that ended it early
+
     async def main() -> int:
+        task, loop = asyncio.current_task(), asyncio.get_running_loop()
+
+        def stop(sig: int) -> None:  # Ctrl-C, kill or a closed terminal: stop generating, clean up below
+            if not stopped_by:
+                stopped_by.append(sig)
+                task.cancel()
+
+        for sig in GROUP_SIGNALS:
+            loop.add_signal_handler(sig, stop, sig)
         _progress(f"loading the model ({args.model}) in a data-plane process")
         child.start()
         plane = ControlPlane(config)
@@ -494,10 +505,18 @@ def cmd_run(args: argparse.Namespace) -> int:
             sys.stdout.write("\n")
             return 0
         finally:
-            await plane.shutdown(grace=0)
-            child.stop()
+            try:
+                await plane.shutdown(grace=0)
+            finally:
+                child.stop()  # its socket folder too
 
-    return run_event_loop(main())
+    try:
+        return run_event_loop(main())
+    except asyncio.CancelledError:
+        if not stopped_by:
+            raise
+        print("\n[cancelled]", file=sys.stderr)
+        return 128 + stopped_by[0]
 
 
 async def _wait_ready(plane, child) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -42,6 +43,24 @@ def test_run_answers_with_the_embedded_model(smollm2_dir, tmp_path):
     assert "twinplane: loading the model (default)" in result.stderr
     assert "twinplane: data plane ready" in result.stderr
     assert _left_in_tmpdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
+def test_run_stopped_by_a_signal_cleans_up(sig, smollm2_dir, tmp_path):
+    """Ctrl-C, kill or a closed terminal while it starts: its data plane stops and its socket folder goes."""
+    with subprocess.Popen([*CLI, "run", "What is the capital of France?"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                          env=_fresh_tmpdir(tmp_path)) as run:
+        try:
+            assert "twinplane: loading the model" in run.stderr.readline()
+            run.send_signal(sig)
+            _, stderr = run.communicate(timeout=60)
+        finally:
+            run.kill()
+    assert run.returncode == 128 + sig, stderr[-2000:]
+    assert "[cancelled]" in stderr and "Traceback" not in stderr, stderr[-2000:]
+    assert _left_in_tmpdir(tmp_path) == []
+    assert subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).returncode == 1  # no data plane left
 
 
 def _generate(address: str, *args: str) -> subprocess.CompletedProcess:
