@@ -26,7 +26,7 @@ from twinplane.controlplane.config import BYTES_PER_TOKEN, ControlPlaneConfig
 from twinplane.controlplane.errors import (InvalidRequest, NoLongerFits, NotReady, Overloaded, ServiceError,
                                           StepFailed, StreamNotRead)
 from twinplane.controlplane import fanout
-from twinplane.controlplane.finish import Limit, misfit, output_room
+from twinplane.controlplane.finish import Limit, default_max_tokens, misfit, output_room
 from twinplane.controlplane import messages
 from twinplane.controlplane.messages import CoreSnapshot, TokenOutput
 from twinplane.controlplane.metrics import DATAPLANE_COUNTERS, EngineMetrics
@@ -467,7 +467,7 @@ class Engine:
         room = output_room(num_prompt_tokens, limit)
         # unset: as many as fit in max_model_len and in the KV cache (one at least: a prompt that fills the
         # cache alone is refused below for that)
-        max_tokens = params.max_tokens or max(output_room(num_prompt_tokens, min(limit, kv_capacity)), 1)
+        max_tokens = params.max_tokens or max(default_max_tokens(num_prompt_tokens, limit, kv_capacity), 1)
         too_many = misfit(num_prompt_tokens, max_tokens, limit, kv_capacity)
         if too_many is not None and too_many.limit is Limit.MAX_MODEL_LEN:
             raise InvalidRequest(f"{name}: prompt ({num_prompt_tokens} tokens) + {name} ({max_tokens}) "
@@ -478,7 +478,7 @@ class Engine:
         if too_many is not None:
             raise InvalidRequest(f"{name}: prompt + {name} ({too_many.needed} tokens) can "
                                  f"never fit in the KV cache ({too_many.available} tokens); lower it")
-        return params if params.max_tokens else replace(params, max_tokens=max_tokens)
+        return params if params.max_tokens else replace(params, max_tokens=max_tokens, max_tokens_unset=True)
 
     def _finish(self, state: RequestState, reason: FinishReason, tell_core: bool = True) -> None:
         state.emit(reason)

@@ -29,11 +29,12 @@ import socket
 import subprocess
 import threading
 from collections import deque
+from dataclasses import replace
 
 from twinplane.controlplane import event_loop
 from twinplane.controlplane.config import ControlPlaneConfig
 from twinplane.controlplane.fanout import Frontends, owner
-from twinplane.controlplane.finish import Limit, misfit, stop_token_ids
+from twinplane.controlplane.finish import Limit, default_max_tokens, misfit, stop_token_ids
 from twinplane.controlplane.grammar import Grammar
 from twinplane.controlplane.ipc import Channel, child_argv, start_process
 from twinplane.controlplane.liveness import ticks
@@ -294,6 +295,11 @@ class EngineCore:
         if not live:
             self.unrouted.append(seq)
             return
+        if seq.params.max_tokens_unset:  # as many as fit: on a data plane that came back smaller, fewer
+            desc = max(live, key=lambda r: r.capacity).describe
+            room = default_max_tokens(seq.num_prompt_tokens, desc.max_model_len, desc.num_kv_blocks * desc.block_size)
+            if seq.num_output_tokens < room < seq.params.max_tokens:
+                seq.params = replace(seq.params, max_tokens=room)
         able = [r for r in live if never_fits(seq, r.describe) is None]
         if not able and any(never_fits(seq, r.describe) is None for r in self.replicas
                             if not r.connected and r.describe is not None):

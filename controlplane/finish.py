@@ -14,8 +14,9 @@
   found at the token that reached max_tokens still ends it as a stop string.
 - The fit rule (``output_room``, ``misfit``): prompt + max_tokens must fit max_model_len and the
   KV cache. The frontend refuses a request that does not on arrival (INVALID_ARGUMENT); the core
-  refuses one that no longer does after a data plane came back smaller (FAILED_PRECONDITION).
-  Each caller words its own message from what ``misfit`` returns.
+  refuses one that no longer does after a data plane came back smaller (FAILED_PRECONDITION),
+  unless it left max_tokens unset (``default_max_tokens``): that one is lowered to what fits now,
+  if its outputs so far leave room. Each caller words its own message from what ``misfit`` returns.
 """
 
 from __future__ import annotations
@@ -73,8 +74,15 @@ def first_stop_string(text: str, stop: tuple[str, ...]) -> tuple[int, str] | Non
 
 
 def output_room(num_prompt_tokens: int, max_model_len: int) -> int:
-    """Output tokens that fit after the prompt within max_model_len (the default max_tokens)."""
+    """Output tokens that fit after the prompt within max_model_len."""
     return max_model_len - num_prompt_tokens
+
+
+def default_max_tokens(num_prompt_tokens: int, max_model_len: int, kv_capacity: int) -> int:
+    """max_tokens for a request that leaves it unset: the outputs that fit after the prompt in
+    max_model_len and in the KV cache (kv_capacity tokens). A request that ran on a data plane
+    which came back smaller is lowered to it (``max_tokens_unset``), not refused."""
+    return output_room(num_prompt_tokens, min(max_model_len, kv_capacity))
 
 
 class Limit(enum.Enum):

@@ -63,6 +63,7 @@ class RequestParams:
     allowed_token_ids: tuple[int, ...] = ()  # the only tokens it may sample; () = any
     bad_words: tuple[str, ...] = ()  # words it may not write (their tokens: bad_words_ids, found by the frontend)
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    max_tokens_unset: bool = False  # the client sent none: max_tokens is what fitted (lowered if that shrinks)
 
     @property
     def plain_sampling(self) -> bool:

@@ -252,7 +252,8 @@ async def _across_a_restart(planes, requests: list[tuple[list[int], int]], datap
 def test_a_smaller_data_plane_ends_only_the_requests_it_can_never_hold(tiny_qwen3_dir, planes_factory):
     """A data plane may come back with fewer KV blocks (measured from free memory) or a shorter
     max_model_len: requests that can never fit end with FAILED_PRECONDITION instead of blocking
-    the queue, and the others finish exactly as an undisturbed run would."""
+    the queue, and the others finish exactly as an undisturbed run would; one that left max_tokens
+    unset (as many as fit) gets fewer."""
     planes = planes_factory(tiny_qwen3_dir, "--block-size", "16", "--max-model-len", "512", "--num-kv-blocks", "64")
     keep = random_prompts(2, seed=407, low=10, high=11)
     expected = asyncio.run(greedy_references(planes.address, keep, MAX_TOKENS))
@@ -278,4 +279,8 @@ def test_a_smaller_data_plane_ends_only_the_requests_it_can_never_hold(tiny_qwen
     assert status_code(refused) == grpc.StatusCode.FAILED_PRECONDITION, refused
     assert "exceeds the data plane's max_model_len (200)" in refused.details()
     assert kept == expected
+
+    # 3. max_tokens unset: what fits, 200 - 10 tokens on arrival; on 8 blocks (128 tokens), 118, not refused
+    [lowered] = asyncio.run(_across_a_restart(planes, [(big, None)], ("--num-kv-blocks", "8")))
+    assert isinstance(lowered, list) and len(lowered) == 128 - len(big), lowered
     wait_until(lambda: all_blocks_free(planes), 10, "every KV block to be free")
