@@ -37,6 +37,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from twinplane.controlplane.sequence import FinishReason
+from twinplane.controlplane.tls import every_address
 
 if TYPE_CHECKING:
     from twinplane.controlplane.engine import Engine
@@ -353,6 +354,11 @@ class _MetricsServer(ThreadingMixIn, WSGIServer):
         self.slots = threading.BoundedSemaphore(MAX_SCRAPES)
         super().__init__(*args, **kwargs)
 
+    def server_bind(self) -> None:
+        if self.address_family == socket.AF_INET6 and self.server_address[0] == "::":  # and IPv4, as gRPC's [::]
+            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
     def process_request(self, request, client_address) -> None:
         if self.slots.acquire(timeout=SCRAPE_TIMEOUT):
             super().process_request(request, client_address)
@@ -376,6 +382,7 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int, api_key: st
     app = metrics_app(registry)
     if api_key:
         app = require_api_key(app, api_key)
+    host = every_address(host)
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         server_class = type("MetricsServer", (_MetricsServer,), {"address_family": family})

@@ -37,7 +37,7 @@ from twinplane.controlplane.errors import InvalidRequest, NotReady, ServiceError
 from twinplane.controlplane.openai_api import PARAMS, detokenize_ids, parse_request, tokenize_prompt
 from twinplane.controlplane.openai_responses import ResponsesBuilder, chat_body
 from twinplane.controlplane.openai_stream import Choices, ResponseBuilder
-from twinplane.controlplane.tls import parse_listen
+from twinplane.controlplane.tls import every_address, parse_listen
 from twinplane.controlplane.tools import tags_are_special
 
 log = logging.getLogger("twinplane.controlplane")
@@ -445,11 +445,13 @@ class HttpServer:
                  client_timeout: float = 60.0, max_connections: int | None = None):
         """reuse_port: share the port with the other frontend processes (SO_REUSEPORT); client_timeout and
         max_connections (None: ``connection_cap()``): what a client is allowed (``_Protocol``)."""
-        self.host, port = parse_listen(listen)
+        host, port = parse_listen(listen)
+        self.host = every_address(host)
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         # bound now: errors come early
         try:
-            self.socket = socket.create_server((self.host, port), family=family, reuse_port=reuse_port)
+            self.socket = socket.create_server((self.host, port), family=family, reuse_port=reuse_port,
+                                               dualstack_ipv6=self.host == "::" and socket.has_dualstack_ipv6())
         except OSError as exc:
             raise OSError(f"--http-listen {listen}: cannot listen there: {exc.strerror or exc}") from None
         self.port = self.socket.getsockname()[1]

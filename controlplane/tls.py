@@ -9,6 +9,7 @@ The addresses the servers listen on are checked here as well (``check_listen``, 
 
 from __future__ import annotations
 
+import socket
 import ssl
 from dataclasses import dataclass
 
@@ -103,6 +104,18 @@ def check_listen(address: str, flag: str = "--listen") -> str:
     if not is_unix(address) and not _is_port(port):
         raise ValueError(f"{flag} must be host:port with a port in [0, 65535], or unix:///path; got {address!r}")
     return address
+
+
+def every_address(host: str) -> str:
+    """The host an HTTP server binds for host: '::' (every address, IPv6 and IPv4 alike, as gRPC's
+    '[::]') is '0.0.0.0' on a host without IPv6; any other host is itself."""
+    if host != "::":
+        return host
+    try:
+        socket.socket(socket.AF_INET6, socket.SOCK_STREAM).close()
+    except OSError:
+        return "0.0.0.0"
+    return host
 
 
 def parse_listen(listen: str) -> tuple[str, int]:

@@ -87,7 +87,7 @@ def test_data_planes_are_a_gpu_statefulset_behind_a_headless_service(resources):
     env = _env(container, resources)
     assert env["TWINPLANE_DATAPLANE_TOKEN"] == "<twinplane-secrets/dataplane-token>"
     args = build_parser().parse_args(_args(container, env))
-    assert args.command == "dataplane" and args.listen == "0.0.0.0:50061"
+    assert args.command == "dataplane" and args.listen == "[::]:50061"
     # grpc.health.v1, open without the token, in plaintext on a port of its own (probes speak no TLS)
     health_port = int(args.health_listen.rpartition(":")[2])
     assert health_port != 50061

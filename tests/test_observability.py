@@ -214,6 +214,52 @@ def test_metrics_can_be_opened_explicitly(tmp_path):
     assert statuses == [200, 200, 200]
 
 
+def test_the_ipv6_wildcard_takes_ipv4_too_and_falls_back_without_ipv6(monkeypatch):
+    """'::' binds every address, IPv6 and IPv4 alike (as gRPC's [::] does), for /metrics and the HTTP
+    API, so that one manifest serves either kind of cluster; on a host without IPv6 it is 0.0.0.0.
+    Nothing is bound here: tests listen on loopback only."""
+    import socket
+
+    from twinplane.controlplane import openai_http
+    from twinplane.controlplane.metrics import _MetricsServer
+    from twinplane.controlplane.tls import every_address
+
+    # /metrics: the socket it binds for '::' takes IPv4 too
+    from wsgiref.simple_server import WSGIServer
+
+    monkeypatch.setattr(WSGIServer, "server_bind", lambda self: None)  # no bind
+    server = type("S", (_MetricsServer,), {"address_family": socket.AF_INET6})(("::", 0), None, False)
+    server.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # a host with net.ipv6.bindv6only=1
+    server.server_bind()
+    assert server.socket.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 0
+    server.server_close()
+
+    # the HTTP API asks for a dual-stack socket for '::' only
+    asked = []
+
+    def create_server(address, **kwargs):
+        asked.append((address[0], kwargs["dualstack_ipv6"]))
+        raise OSError("not bound in a test")
+
+    monkeypatch.setattr(openai_http.socket, "create_server", create_server)
+    for listen in ("[::]:0", "[::1]:0", "127.0.0.1:0"):
+        with pytest.raises(OSError, match="not bound in a test"):
+            openai_http.HttpServer(None, listen)
+    assert asked == [("::", socket.has_dualstack_ipv6()), ("::1", False), ("127.0.0.1", False)]
+
+    # without IPv6, '::' is IPv4's every address
+    assert [every_address(h) for h in ("::", "::1", "0.0.0.0")] == ["::", "::1", "0.0.0.0"]
+    real_socket = socket.socket
+
+    def no_ipv6(family=socket.AF_INET, *args, **kwargs):
+        if family == socket.AF_INET6:
+            raise OSError(97, "Address family not supported by protocol")
+        return real_socket(family, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "socket", no_ipv6)
+    assert [every_address(h) for h in ("::", "127.0.0.1")] == ["0.0.0.0", "127.0.0.1"]
+
+
 # ---- the engine's counting, without the planes ------------------------------------------
 
 
