@@ -3,7 +3,8 @@
 Text is decoded a few tokens at a time, with a little left context so that
 tokenizers that drop leading spaces decode correctly; a delta that would end in
 half a UTF-8 character (U+FFFD) waits for the next token (the last token sends what
-still waits: it decodes as U+FFFD, as in the whole output's text). Text that could be the
+still waits: it decodes as U+FFFD, as in the whole output's text); a character that a prompt
+ends halfway through is the output's once its first tokens finish it. Text that could be the
 beginning of a stop string is held back until it is known not to be one, so a
 stop string never reaches the client, not even in part.
 """
@@ -14,6 +15,17 @@ from twinplane.controlplane.finish import first_stop_string
 from twinplane.controlplane.tokenizer import Tokenizer
 
 CONTEXT_TOKENS = 5  # left context decoded with each delta
+
+
+def _new_from(prefix_text: str, new_text: str) -> int:
+    """Where the new text starts in new_text: past prefix_text, but for the U+FFFD at its end that new_text
+    has as a character now. Only a prompt ends in half a character (generated text waits for its end):
+    the character the first tokens finish is theirs, so the prompt's text less it plus the output's is
+    the text of both."""
+    start = len(prefix_text)
+    while start and prefix_text[start - 1] == "\ufffd" and new_text[start - 1:start] not in ("\ufffd", ""):
+        start -= 1
+    return start
 
 
 class IncrementalDetokenizer:
@@ -43,8 +55,9 @@ class IncrementalDetokenizer:
     def _read(self, final: bool = False) -> None:
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
-        if len(new_text) > len(prefix_text) and (final or not new_text.endswith("\ufffd")):
-            self.pending += new_text[len(prefix_text):]
+        start = _new_from(prefix_text, new_text)
+        if len(new_text) > start and (final or not new_text.endswith("\ufffd")):
+            self.pending += new_text[start:]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
             if self.prefix_offset > 4 * CONTEXT_TOKENS:  # keep the window small

@@ -42,6 +42,27 @@ def test_emoji_split_over_tokens_waits_for_its_last_byte(tokenizer):
     assert [d for d in deltas if d] == ["🙂"]
 
 
+@pytest.mark.parametrize("cut", [1, 2])
+def test_a_character_the_prompt_ends_halfway_through_is_the_outputs_once_finished(tokenizer, cut):
+    """A token-id prompt may end inside a character (a generation cut short and sent back): the first
+    tokens finish it, and it is theirs, so the prompt's text less its unfinished end plus the output's
+    is the text of all the tokens."""
+    ids = tokenizer.encode("Faces: 🙂 🤩 and more")  # 🤩 is three byte-level tokens
+    first = next(i for i in range(len(ids)) if tokenizer.decode(ids[:i + 1]).endswith("\ufffd"))
+    prompt, output = ids[:first + cut], ids[first + cut:]  # cut after its first one or two
+    prompt_text = tokenizer.decode(prompt)
+    assert prompt_text.endswith("\ufffd")
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    deltas = []
+    for token_id in output:
+        detok.add_token(token_id)
+        deltas.append(detok.take_text())
+    detok.flush()
+    deltas.append(detok.take_text(final=True))
+    assert prompt_text.removesuffix("\ufffd") + "".join(deltas) == tokenizer.decode(ids)
+    assert all("\ufffd" not in d for d in deltas)
+
+
 def test_stop_string_is_cut_and_never_emitted_in_part(tokenizer):
     deltas, matched = stream(tokenizer, "The answer is STOP here and more", stop=("STOP",))
     assert matched == "STOP"
