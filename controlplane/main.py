@@ -110,7 +110,11 @@ class ControlPlane:
         grace = self.config.shutdown_grace if grace is None else grace
         if self.secondaries is not None:
             self.secondaries.tell_stop(grace)  # they drain meanwhile
-        ended = await self.engine.drain(grace) if self.engine.describe is not None else 0
+        if self.engine.describe is None:  # none admitted yet: the calls waiting for a data plane end at once
+            self.engine.stop_accepting()
+            ended = 0
+        else:
+            ended = await self.engine.drain(grace)
         if self.secondaries is not None:
             await self.secondaries.wait_stopped(grace)  # before the core stops
         if ended:

@@ -89,6 +89,30 @@ def test_sigterm_on_the_control_plane_drains_then_ends_the_rest(tmp_path):
         _stop(dataplane)
 
 
+def test_sigterm_before_any_data_plane_connected_ends_the_waiting_calls_at_once(tmp_path):
+    """Calls that wait for a data plane that never came up end with the server's own word for it,
+    not with gRPC's when it stops."""
+    address = f"unix://{tmp_path}/cp.sock"
+    control = _start("controlplane", "--dataplane", f"unix://{tmp_path}/nowhere.sock", "--listen", address,
+                     "--shutdown-grace", str(GRACE))
+
+    async def run() -> tuple:
+        async with AsyncClient(address) as client:
+            wait_until(lambda: os.path.exists(f"{tmp_path}/cp.sock"), 60, "the control plane to listen")
+            assert await client.health_check(timeout=10) == "NOT_SERVING"
+            waiting = asyncio.create_task(_read_until_it_ends(client.generate(token_ids=[5] * 4, max_tokens=2)))
+            await asyncio.sleep(1.0)  # it waits for a data plane
+            control.send_signal(signal.SIGTERM)
+            return await asyncio.wait_for(waiting, 30)
+
+    try:
+        code, details, _ = asyncio.run(run())
+        assert (code, details) == (grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        assert control.wait(30) == 0
+    finally:
+        _stop(control)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_sigterm_to_the_process_group_of_serve_drains_as_sigterm_to_serve_alone(tmp_path, sig):
     """systemd stopping a service (it signals every process of it), `kill 0`, or a terminal (SIGHUP when it
