@@ -96,7 +96,8 @@ class Engine:
         if self._replay:
             return "the engine core is restarting; retry later"
         if not self._connected:
-            return "no data plane is connected yet; retry later"
+            return ("no data plane is connected yet; retry later" if self.describe is None else
+                    "no data plane is connected: it was lost, and the control plane reconnects; retry later")
         return f"the {' and the '.join(sorted(self._stalls))} stalled; retry later"
 
     def _set_stalled(self, what: str, stalled: bool) -> None:

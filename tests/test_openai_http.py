@@ -700,6 +700,7 @@ def test_503_without_a_data_plane(tmp_path):
 def test_a_request_refused_while_not_serving_is_told_why():
     from twinplane.controlplane.config import ControlPlaneConfig
     from twinplane.controlplane.engine import Engine
+    from twinplane.proto import dataplane_pb2 as dp
 
     engine = Engine(ControlPlaneConfig(dataplane="unix:///nowhere"))
     assert not engine.serving and engine.why_not_serving() == "no data plane is connected yet; retry later"
@@ -710,6 +711,9 @@ def test_a_request_refused_while_not_serving_is_told_why():
     assert engine.serving
     engine._replay, engine._connected = True, False  # as when the engine core died
     assert engine.why_not_serving() == "the engine core is restarting; retry later"
+    engine._replay, engine.describe = False, dp.DescribeResponse()  # one was connected, and lost
+    assert engine.why_not_serving() == "no data plane is connected: it was lost, and the control plane reconnects; " \
+        "retry later"
     engine.accepting = False
     assert not engine.serving and engine.why_not_serving() == "the server is shutting down"
 
