@@ -162,10 +162,12 @@ class InputBatch:
         self.plan_index = 0  # plans prepared so far
         self.wait_for_tokens = lambda: None  # brings the previous plan's tokens to the host
         self._allocate(max(limits.max_num_seqs, 8))
-        staging = 4 * limits.max_num_batched_tokens + (self.max_blocks + 6) * limits.max_num_seqs + 8
-        staging += 4 * MAX_DECODE_STEPS * (limits.max_num_seqs + 1)  # the inputs of several decode steps
-        staging += 4 * limits.max_num_seqs + limits.max_num_seqs // 4 + 1  # plain sampling values and flags
-        staging += 4 * len(STAGED_PARTS)  # each staged array starts 16-byte aligned
+        t, s, k = limits.max_num_batched_tokens, limits.max_num_seqs, MAX_DECODE_STEPS
+        staging = (3 * t  # token_ids, positions, slot_mapping
+                   + (8 + self.max_blocks) * s + 2  # the other per-sequence arrays of STAGED_PARTS, block_tables
+                   + (4 * k + 1) * s + k  # several decode steps: four [K, n] arrays, cu_seqlens_k's K more, step_last
+                   + 4 * s + s // 4 + 1  # plain sampling values and flags
+                   + 3 * len(STAGED_PARTS))  # each staged array starts 16-byte aligned
         self._allocate_staging(staging)
         pinned = device.type == "cuda"
         self._staging_copied = [torch.cuda.Event() if pinned else None for _ in range(2)]

@@ -270,3 +270,26 @@ def test_what_the_scheduler_plans_several_steps_for_is_what_the_data_plane_sampl
     seq.matcher = object() if params.constrained else None  # the engine core gives a constrained one a matcher
     plain = _is_plain(init_from_pb(sequence_init(seq, (0,), 0)).sampling)
     assert params.plain_sampling == plain == (change in ({}, PLAIN_FILTERS))
+
+
+def test_a_full_batch_of_the_longest_plans_fits_the_staging_buffer() -> None:
+    """Every array a step stages fits the buffer sized from the limits, also where they leave no slack:
+    as many sequences as tokens a step, each decoding the most steps a plan may ask for, to max_model_len."""
+    import torch
+
+    from twinplane.dataplane.input_batch import InputBatch, PlanLimits
+    from twinplane.dataplane.plan import MAX_DECODE_STEPS
+
+    n, block = 256, 16
+    batch = InputBatch(PlanLimits(vocab_size=100, num_kv_blocks=n * 8, block_size=block, max_model_len=1 + MAX_DECODE_STEPS,
+                                  max_num_seqs=n, max_num_batched_tokens=n, max_logprobs=0), torch.device("cpu"))
+    builder = PlanBuilder(block)
+    seqs = [builder.new_seq(i, [i % 100]) for i in range(n)]
+    prompts = batch.prepare(StepPlan(0, [builder.schedule(s) for s in seqs]))
+    batch.set_last_tokens(prompts.sample_rows, torch.full((n,), 7))
+    for s in seqs:
+        s.tokens.append(-1)  # PENDING: the token the prompt step sampled
+    plan = StepPlan(1, [builder.schedule(s, decode_budget=MAX_DECODE_STEPS) for s in seqs],
+                    num_steps=MAX_DECODE_STEPS)
+    inputs = batch.prepare(plan)
+    assert inputs.decode_steps is not None and inputs.decode_steps.num_steps == MAX_DECODE_STEPS
