@@ -281,8 +281,9 @@ def test_a_full_batch_of_the_longest_plans_fits_the_staging_buffer() -> None:
     from twinplane.dataplane.plan import MAX_DECODE_STEPS
 
     n, block = 256, 16
-    batch = InputBatch(PlanLimits(vocab_size=100, num_kv_blocks=n * 8, block_size=block, max_model_len=1 + MAX_DECODE_STEPS,
-                                  max_num_seqs=n, max_num_batched_tokens=n, max_logprobs=0), torch.device("cpu"))
+    batch = InputBatch(PlanLimits(vocab_size=100, num_kv_blocks=n * 8, block_size=block,
+                                  max_model_len=1 + MAX_DECODE_STEPS, max_num_seqs=n, max_num_batched_tokens=n,
+                                  max_logprobs=0), torch.device("cpu"))
     builder = PlanBuilder(block)
     seqs = [builder.new_seq(i, [i % 100]) for i in range(n)]
     prompts = batch.prepare(StepPlan(0, [builder.schedule(s) for s in seqs]))
