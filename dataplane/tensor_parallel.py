@@ -17,6 +17,8 @@ import logging
 import os
 import socket
 import struct
+import threading
+import time
 from multiprocessing import get_context
 from multiprocessing.shared_memory import SharedMemory
 
@@ -29,7 +31,7 @@ from twinplane.dataplane.config import DataPlaneConfig
 log = logging.getLogger("twinplane.dataplane")
 BUFFER_BYTES = 64 << 20  # the largest plan: max_num_batched_tokens tokens and slots, and block tables
 HEADER = struct.Struct("<II")  # command, payload length
-PARENT_POLL_S = 1.0  # how often an idle worker checks that rank 0 is still there
+PARENT_POLL_S = 1.0  # how often an idle worker checks that rank 0 is still there, and rank 0 its workers
 
 
 class Command(enum.IntEnum):
@@ -96,8 +98,8 @@ def worker_main(config: DataPlaneConfig, rank: int, port: int, shm_name: str, wa
                     runner.sample_with_masks(msg.step_id, masks_from_pb(msg))
                 else:
                     runner.launch(plan_from_pb(msg))
-            except ValueError:  # a bad plan: rank 0 fails the same check and reports it
-                runner.drop_refused(msg.dropped_seq_ids)
+            except ValueError:  # a bad plan: rank 0 fails the same check and reports it; anything else
+                runner.drop_refused(msg.dropped_seq_ids)  # ends this worker, and rank 0 (``_watch``) with it
     finally:
         shm.close()
         runner.close()
@@ -125,7 +127,24 @@ class TensorParallelWorkers:
             for rank in range(1, world)]
         for p in self.processes:
             p.start()
+        self._stopping = False
+        threading.Thread(target=self._watch, daemon=True, name="twinplane-tp-watch").start()
         init_process_group(config, 0, port)  # this process is rank 0
+
+    def _watch(self) -> None:
+        """Ends this process when a worker dies (killed, out of memory, a device error): every step
+        after it would wait forever for it, in a collective or for its acknowledgement. Whoever
+        started the data plane restarts it; the control plane recomputes what it ran."""
+        while not self._stopping:
+            dead = [p for p in self.processes if not p.is_alive()]
+            if dead and not self._stopping:
+                log.critical("tensor-parallel worker %s exited with code %s; the data plane exits with it",
+                             dead[0].name, dead[0].exitcode)
+                for p in self.processes:
+                    p.kill()
+                self.shm.unlink()
+                os._exit(1)
+            time.sleep(PARENT_POLL_S)
 
     def _send(self, command: Command, payload: bytes = b"") -> None:
         assert HEADER.size + len(payload) <= BUFFER_BYTES, f"plan of {len(payload)} bytes exceeds the buffer"
@@ -145,6 +164,7 @@ class TensorParallelWorkers:
 
     def kill(self) -> None:
         """Ends every worker at once (rank 0 failed before serving) and releases the shared memory."""
+        self._stopping = True
         for p in self.processes:
             p.kill()
             p.join(5)
@@ -153,6 +173,7 @@ class TensorParallelWorkers:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stops and joins every worker, then releases the shared memory and the NCCL group."""
+        self._stopping = True
         if all(p.is_alive() for p in self.processes):  # one that died would never take the message
             self._send(Command.EXIT)
         for p in self.processes:

@@ -60,3 +60,15 @@ def test_ranks_on_cpu_give_the_tokens_of_one(planes_factory, tiny_qwen3_dir, cap
         assert tokens == one, f"{ranks} ranks"
         assert [p.token_id for p in ranked] == prompts[2][1:], f"{ranks} ranks"
         assert [p.logprob for p in ranked] == pytest.approx([p.logprob for p in scored], abs=1e-4), f"{ranks} ranks"
+
+
+def test_the_data_plane_exits_when_a_worker_dies(planes_factory, tiny_qwen3_dir):
+    """A worker killed (out of memory, a device error) would leave rank 0 waiting for it forever, with
+    health still SERVING: rank 0 exits instead, for whoever started it to start it again."""
+    psutil = pytest.importorskip("psutil")
+    planes = planes_factory(tiny_qwen3_dir, "--tensor-parallel-size", "2", "--block-size", "16",
+                            "--max-model-len", "256")
+    [worker] = [p for p in psutil.Process(planes.dataplane.pid).children()
+                if any("spawn_main" in part for part in p.cmdline())]
+    worker.kill()
+    assert planes.dataplane.wait(30) == 1
