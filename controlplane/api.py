@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from google.protobuf import json_format
 
 from twinplane.controlplane.errors import InvalidRequest
-from twinplane.controlplane.sequence import FinishReason, RequestParams, SamplingOptions
+from twinplane.controlplane.sequence import GREEDY_BELOW, FinishReason, RequestParams, SamplingOptions
 from twinplane.controlplane.structured import after_reasoning, checked_regex, structured_regex_from_pb
 from twinplane.controlplane.tokenizer import CHAT_ROLES, MESSAGE_FIELDS, SERVER_TEMPLATE_NAMES, ChatOptions, chat_texts
 from twinplane.controlplane.tools import (ToolSpec, check_tool_count, forced_calls_regex, function_name, json_object,
@@ -134,7 +134,6 @@ def _range(name: str, value: float, low: float, high: float, *, low_open: bool =
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "seed")
-GREEDY_BELOW = 1e-5  # a lower temperature samples greedily (as vLLM): dividing the logits by it could overflow
 MAX_TOP_K = (1 << 31) - 1  # top_k travels to the data plane as an int32
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 # Stands in the token list for a token a step in flight is sampling; the data plane feeds
 # that step's sampled token back as the next input, and the result replaces it here.
 PENDING = -1
+GREEDY_BELOW = 1e-5  # a lower temperature samples greedily (as vLLM): dividing the logits by it could overflow
 _ARRIVALS = itertools.count()  # the order sequences are created in: first come, first served
 
 

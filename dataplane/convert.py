@@ -17,6 +17,9 @@ def _ints(data: bytes, dtype: str = "<i4") -> np.ndarray:
 
 def init_from_pb(init: dp.SequenceInit) -> SequenceInit:
     s = init.sampling
+    if len(s.logit_bias_ids) != len(s.logit_bias_values):
+        raise ValueError(f"seq {init.seq_id}: {len(s.logit_bias_ids)} logit_bias_ids for "
+                         f"{len(s.logit_bias_values)} logit_bias_values")
     sampling = SamplingParams(
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
         repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,

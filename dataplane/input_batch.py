@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from twinplane.controlplane.sequence import GREEDY_BELOW
 from twinplane.dataplane.attention_backends.base import AttentionMetadata
 from twinplane.dataplane.plan import MAX_DECODE_STEPS, PlanColumns, SamplingParams, SequenceInit, StepPlan
 from twinplane.dataplane.sampling_batch import (SamplingBatch, SamplingRow, build_sampling_batch, plain_columns,
@@ -125,12 +126,19 @@ def _cumsum0(values: np.ndarray) -> np.ndarray:
     return out
 
 
+LOWEST_TEMPERATURE = float(np.float32(GREEDY_BELOW))  # the lowest the control plane sends, as a 32-bit float
+
+
 def check_sampling(seq_id: int, init: SequenceInit, limits: PlanLimits) -> None:
     """Rejects sampling parameters the sampler cannot honour."""
     p = init.sampling
     problems = [
-        (init.num_prompt_tokens >= 0, f"num_prompt_tokens {init.num_prompt_tokens} < 0"),
-        (p.temperature >= 0.0, f"temperature {p.temperature} < 0"),
+        (0 <= init.num_prompt_tokens <= limits.max_model_len,
+         f"num_prompt_tokens {init.num_prompt_tokens} not in [0, {limits.max_model_len}] (max_model_len)"),
+        (p.temperature == 0.0 or LOWEST_TEMPERATURE <= p.temperature < math.inf,
+         f"temperature {p.temperature} is neither 0 (greedy) nor a finite number >= {GREEDY_BELOW}"),
+        (all(map(math.isfinite, (p.repetition_penalty, p.presence_penalty, p.frequency_penalty))),
+         "penalties not finite"),
         (0.0 < p.top_p <= 1.0, f"top_p {p.top_p} not in (0, 1]"),
         (0.0 <= p.min_p <= 1.0, f"min_p {p.min_p} not in [0, 1]"),
         (p.repetition_penalty > 0.0, f"repetition_penalty {p.repetition_penalty} <= 0"),
@@ -351,9 +359,10 @@ class InputBatch:
             return budget
         if len(set(cols.seq_ids.tolist())) != n:
             _fail("plan schedules a seq_id more than once")
-        if cols.num_tokens.min() < 1 or cols.start_pos.min() < 0:
-            _fail("every scheduled sequence needs at least one token and a start position >= 0")
-        if (cols.start_pos + cols.num_tokens + budget - 1).max() > lim.max_model_len:
+        if cols.num_tokens.min() < 1 or cols.start_pos.min() < 0 or cols.num_new_blocks.min() < 0:
+            _fail("every scheduled sequence needs at least one token, a start position >= 0 and num_new_blocks >= 0")
+        if cols.start_pos.max() > lim.max_model_len or (cols.start_pos + cols.num_tokens + budget - 1).max() > \
+                lim.max_model_len:  # the first check keeps the sum from overflowing int32
             _fail(f"positions exceed max_model_len {lim.max_model_len}")
         if cols.token_ids.min() < PENDING or cols.token_ids.max() >= lim.vocab_size:
             _fail(f"token ids must be in [0, {lim.vocab_size}) or {PENDING} (pending)")

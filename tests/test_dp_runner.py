@@ -13,7 +13,7 @@ from tests.test_dp_helpers import PlanBuilder
 from twinplane.dataplane.config import DataPlaneConfig
 from twinplane.dataplane.convert import describe_to_pb
 from twinplane.dataplane.model_runner import ModelRunner
-from twinplane.dataplane.plan import PromptLogprobsAsk, SamplingParams, StepPlan
+from twinplane.dataplane.plan import PromptLogprobsAsk, SamplingParams, SequenceInit, StepPlan
 
 BLOCK = 4
 
@@ -65,6 +65,12 @@ def _bad_plans(builder: PlanBuilder) -> dict[str, StepPlan]:
         "prompt positions": fresh(60, [1, 2], prompt_logprobs=PromptLogprobsAsk(np.array([2, 3, 4], np.int32))),
         "prompt token": fresh(61, [1, 2], prompt_logprobs=PromptLogprobsAsk(np.array([49152], np.int32))),
         "prompt top": fresh(62, [1, 2], prompt_logprobs=PromptLogprobsAsk(np.array([2], np.int32), num_top=21)),
+        "start overflow": fresh(63, [1, 2], start_pos=2**31 - 1),  # + 2 tokens wraps around in int32
+        "prompt length": fresh(64, [1, 2], init=SequenceInit(SamplingParams(), 2**31)),
+        "tiny temperature": StepPlan(0, [builder.schedule(builder.new_seq(65, [1, 2], SamplingParams(
+            temperature=1e-7)))]),
+        "penalty": StepPlan(0, [builder.schedule(builder.new_seq(66, [1, 2], SamplingParams(
+            presence_penalty=float("inf"))))]),
     }
 
 
@@ -72,12 +78,15 @@ BAD_PLAN_MESSAGES = {"repeated": "schedules a seq_id more than once", "bias id":
                      "bias value": "logit_bias values not finite",
                      "prompt positions": "asks at 3 positions of a chunk of 2 tokens; 1 to the chunk's tokens",
                      "prompt token": r"next token ids outside \[0, 49152\)",
-                     "prompt top": "asks for the top 21 tokens, max_logprobs is 20"}
+                     "prompt top": "asks for the top 21 tokens, max_logprobs is 20",
+                     "start overflow": "positions exceed max_model_len",
+                     "prompt length": "num_prompt_tokens 2147483648",
+                     "tiny temperature": "neither 0 \\(greedy\\) nor", "penalty": "penalties not finite"}
 
 
 @pytest.mark.parametrize("case", ["unknown", "vocab", "slot", "table", "max_model_len", "block id", "batch",
                                   "repeated", "bias id", "bias value", "prompt positions", "prompt token",
-                                  "prompt top"])
+                                  "prompt top", "start overflow", "prompt length", "tiny temperature", "penalty"])
 def test_bad_plans_fail_the_step_not_the_runner(runner: ModelRunner, case: str) -> None:
     runner.reset()
     builder = PlanBuilder(BLOCK, first_block=20)
@@ -455,3 +464,14 @@ def test_a_plan_refused_as_it_is_read_still_drops_what_it_drops(runner: ModelRun
     result = DataPlaneServicer(runner)._launch(bad)
     assert "plan columns disagree" in result.error
     assert not runner.sequences.mirrors
+
+
+def test_logit_bias_ids_and_values_of_other_lengths_are_refused() -> None:
+    from twinplane.dataplane.convert import init_from_pb
+    from twinplane.proto import dataplane_pb2 as dp
+
+    init = dp.SequenceInit(seq_id=4, num_prompt_tokens=2)
+    init.sampling.logit_bias_ids.extend([3, 5])
+    init.sampling.logit_bias_values.append(1.0)
+    with pytest.raises(ValueError, match="seq 4: 2 logit_bias_ids for 1 logit_bias_values"):
+        init_from_pb(init)
