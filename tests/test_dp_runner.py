@@ -49,7 +49,12 @@ def _bad_plans(builder: PlanBuilder) -> dict[str, StepPlan]:
         scheduled = builder.schedule(builder.new_seq(seq_id, prompt))
         return StepPlan(0, [dataclasses.replace(scheduled, **changes)])
 
+    negative = StepPlan(0, [builder.schedule(builder.new_seq(67, [1, 2])),
+                            builder.schedule(builder.new_seq(68, [3] * 5))])
+    cols = negative.cols()
+    cols.num_new_blocks = np.array([-1, cols.num_new_blocks.sum() + 1], np.int32)  # as many block ids in all
     return {
+        "negative blocks": negative,
         "unknown": StepPlan(0, [dataclasses.replace(builder.schedule(builder.new_seq(50, [1, 2])), init=None)]),
         "vocab": fresh(51, [1, 2], token_ids=np.array([1, 49152], np.int32)),
         "slot": fresh(52, [1, 2], slot_mapping=np.array([0, 64 * BLOCK], np.int32)),
@@ -81,12 +86,14 @@ BAD_PLAN_MESSAGES = {"repeated": "schedules a seq_id more than once", "bias id":
                      "prompt top": "asks for the top 21 tokens, max_logprobs is 20",
                      "start overflow": "positions exceed max_model_len",
                      "prompt length": "num_prompt_tokens 2147483648",
-                     "tiny temperature": "neither 0 \\(greedy\\) nor", "penalty": "penalties not finite"}
+                     "negative blocks": "num_new_blocks >= 0", "tiny temperature": "neither 0 \\(greedy\\) nor",
+                     "penalty": "penalties not finite"}
 
 
 @pytest.mark.parametrize("case", ["unknown", "vocab", "slot", "table", "max_model_len", "block id", "batch",
                                   "repeated", "bias id", "bias value", "prompt positions", "prompt token",
-                                  "prompt top", "start overflow", "prompt length", "tiny temperature", "penalty"])
+                                  "prompt top", "negative blocks", "start overflow", "prompt length",
+                                  "tiny temperature", "penalty"])
 def test_bad_plans_fail_the_step_not_the_runner(runner: ModelRunner, case: str) -> None:
     runner.reset()
     builder = PlanBuilder(BLOCK, first_block=20)
