@@ -182,6 +182,9 @@ class Sampler:
             token_ids = self._fused_sample(logits, batch)
         else:
             token_ids = self._sample(logits.float(), batch)
+            if self.fused and batch.seeded_kernel_rows:  # drawn as they would be alone (SamplingBatch)
+                rows = to_device(torch.tensor(batch.seeded_kernel_rows), logits.device)
+                token_ids[rows] = self._fused_sample(logits, batch)[rows]
         out = SamplerOutput(token_ids=token_ids)
         if batch.max_num_logprobs >= 0:
             self._logprobs(raw_logits, token_ids, out, batch.max_num_logprobs)

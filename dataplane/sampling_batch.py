@@ -7,7 +7,7 @@ tensors. Features no row uses stay ``None`` so the sampler can skip them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -78,6 +78,9 @@ class SamplingBatch:
     masks: TokenMasks | None  # structured output's token masks
     seeded: list[tuple[int, int, int]]  # (row, seed, output position)
     num_logprobs: list[int]  # per row; -1 = none
+    # seeded rows the Triton sampler takes (temperature and token masks only): it draws them in any batch,
+    # so that a seed's token does not depend on the rows beside it
+    seeded_kernel_rows: list[int] = field(default_factory=list)
 
     @property
     def kernel_samples(self) -> bool:
@@ -245,4 +248,13 @@ def build_sampling_batch(rows: list[SamplingRow], vocab_size: int, device: torch
         seeded=[(i, r.params.seed, r.output_pos) for i, r in enumerate(rows)
                 if r.params.seed is not None and not r.params.greedy],
         num_logprobs=[p.num_logprobs for p in params],
+        seeded_kernel_rows=[i for i, r in enumerate(rows) if r.params.seed is not None and not r.params.greedy
+                            and _kernel_takes(r, vocab_size)],
     )
+
+
+def _kernel_takes(row: SamplingRow, vocab_size: int) -> bool:
+    """Whether the Triton sampler takes the row (``SamplingBatch.kernel_samples`` of a batch of it alone)."""
+    p = row.params
+    return (not p.has_penalties and not p.logit_bias and p.top_p >= 1.0 and p.min_p == 0.0
+            and not 0 < p.top_k < vocab_size and not (row.output_pos < p.min_tokens and p.stop_token_ids))

@@ -220,6 +220,30 @@ def test_triton_sampler_on_a_full_vocabulary():
     assert (counts[hot] / n - expected_p[hot]).abs().max().item() < 0.02  # > 3 sigma at n = 8192
 
 
+def test_a_seeded_draw_does_not_depend_on_the_rows_beside_it():
+    """A seeded temperature-only row is drawn by the Triton sampler when its batch is, and also beside rows
+    that need torch's path (top-p, a penalty): the same token for the same seed and position either way."""
+    import numpy as np
+
+    from twinplane.dataplane.plan import SamplingParams
+    from twinplane.dataplane.sampler import Sampler
+    from twinplane.dataplane.sampling_batch import SamplingRow, build_sampling_batch
+
+    vocab, device, empty = 151936, torch.device("cuda"), np.empty(0, dtype=np.int32)
+    logits = (torch.randn(3, vocab, device=device, generator=torch.Generator(device).manual_seed(3)) * 2).bfloat16()
+    seeded = SamplingParams(temperature=0.9, seed=11)
+    for position in range(6):
+        alone = build_sampling_batch([SamplingRow(seeded, position, empty, empty)], vocab, device)
+        assert alone.kernel_samples
+        expected = Sampler(0, device)(logits[:1], alone).token_ids.item()
+        beside = [SamplingParams(temperature=0.9, top_p=0.8), seeded, SamplingParams(temperature=0.7,
+                                                                                      presence_penalty=0.5)]
+        batch = build_sampling_batch([SamplingRow(p, position, empty, empty) for p in beside], vocab, device)
+        assert not batch.kernel_samples
+        mixed = Sampler(5, device)(torch.cat([logits[1:2], logits[:1], logits[2:]]), batch).token_ids
+        assert mixed[1].item() == expected, position
+
+
 def _packed_bits(allowed: torch.Tensor) -> torch.Tensor:
     """bool [..., vocab] -> uint8 [..., vocab / 8]: token t is bit t % 8 of byte t // 8 (a TokenMask)."""
     bits = torch.arange(8, device=allowed.device, dtype=torch.uint8)
