@@ -449,7 +449,7 @@ class InputBatch:
                 token_rows = np.repeat(rows, cols.num_tokens)
             expected = self.block_table[token_rows, positions // bs] * bs + positions % bs
             slots = cols.slot_mapping
-            if not np.all((slots == -1) | (slots == expected)):
+            if not np.array_equal(slots, expected):  # -1 too: attention would read a position never stored
                 _fail("slot_mapping disagrees with the block table (slot = block_id * block_size + offset)")
             if np.any(cols.sample & (cols.start_pos + cols.num_tokens < self.num_prompt[rows])):
                 _fail("sample=True before the prompt is complete")

@@ -53,12 +53,15 @@ def _bad_plans(builder: PlanBuilder) -> dict[str, StepPlan]:
                             builder.schedule(builder.new_seq(68, [3] * 5))])
     cols = negative.cols()
     cols.num_new_blocks = np.array([-1, cols.num_new_blocks.sum() + 1], np.int32)  # as many block ids in all
+    unstored = builder.schedule(builder.new_seq(69, [1, 2]))
+    unstored.slot_mapping[1] = -1  # the right slot for its first token, none for its second
     return {
         "negative blocks": negative,
         "unknown": StepPlan(0, [dataclasses.replace(builder.schedule(builder.new_seq(50, [1, 2])), init=None)]),
         "vocab": fresh(51, [1, 2], token_ids=np.array([1, 49152], np.int32)),
         "slot": fresh(52, [1, 2], slot_mapping=np.array([0, 64 * BLOCK], np.int32)),
         "table": fresh(53, [1, 2], slot_mapping=np.array([0, 1], np.int32)),
+        "unstored": StepPlan(0, [unstored]),
         "max_model_len": fresh(54, [1, 2], start_pos=63),
         "block id": fresh(55, [1, 2], new_block_ids=np.array([64], np.int32)),
         "batch": fresh(56, [1] * 65),
@@ -86,11 +89,11 @@ BAD_PLAN_MESSAGES = {"repeated": "schedules a seq_id more than once", "bias id":
                      "prompt top": "asks for the top 21 tokens, max_logprobs is 20",
                      "start overflow": "positions exceed max_model_len",
                      "prompt length": "num_prompt_tokens 2147483648",
-                     "negative blocks": "num_new_blocks >= 0", "tiny temperature": "neither 0 \\(greedy\\) nor",
-                     "penalty": "penalties not finite"}
+                     "negative blocks": "num_new_blocks >= 0", "unstored": "slot_mapping disagrees",
+                     "tiny temperature": "neither 0 \\(greedy\\) nor", "penalty": "penalties not finite"}
 
 
-@pytest.mark.parametrize("case", ["unknown", "vocab", "slot", "table", "max_model_len", "block id", "batch",
+@pytest.mark.parametrize("case", ["unknown", "vocab", "slot", "table", "unstored", "max_model_len", "block id", "batch",
                                   "repeated", "bias id", "bias value", "prompt positions", "prompt token",
                                   "prompt top", "negative blocks", "start overflow", "prompt length",
                                   "tiny temperature", "penalty"])
