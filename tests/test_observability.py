@@ -404,9 +404,10 @@ def test_slow_connections_cannot_keep_a_scrape_out(metrics_server, monkeypatch):
     import threading
     import time
 
+    from tests.reliability import wait_until
     from twinplane.controlplane import metrics
 
-    monkeypatch.setattr(metrics, "SCRAPE_TIMEOUT", 1.0)
+    monkeypatch.setattr(metrics, "SCRAPE_TIMEOUT", 2.0)
     port, closed_after = metrics_server.server_port, []
 
     def trickle() -> None:  # a byte every 0.2 s, never a whole request
@@ -423,7 +424,9 @@ def test_slow_connections_cannot_keep_a_scrape_out(metrics_server, monkeypatch):
     slow = [threading.Thread(target=trickle) for _ in range(metrics.MAX_SCRAPES)]
     for thread in slow:
         thread.start()
-    time.sleep(0.3)  # every slot taken
+    wait_until(lambda: metrics_server.slots._value == 0, 10, "the slow connections to take every slot")
+    # the scrape waits up to 2 s for a slot; the first frees ~2 s after it was taken: ~1 s to spare either way
+    time.sleep(1.0)
     assert "twinplane:num_requests_running" in _names(_get(metrics_server, "/metrics")[1])
     for thread in slow:
         thread.join(15)

@@ -80,9 +80,9 @@ def test_requests_being_parsed_count_against_the_queue(small_queue, monkeypatch)
 
     parsing, parse = [], server.generate_call_from_pb
 
-    def slow(*args):
+    def slow(*args):  # long enough for the whole burst to arrive meanwhile, on a loaded machine too
         parsing.append(threading.get_ident())
-        time.sleep(0.5)
+        time.sleep(2.0)
         return parse(*args)
 
     monkeypatch.setattr(server, "generate_call_from_pb", slow)
@@ -101,7 +101,10 @@ def test_calls_waiting_for_a_data_plane_count_against_the_queue(small_queue):
 
     async def outage() -> list[tuple[str, float, object]]:
         burst = asyncio.ensure_future(_burst(small_queue.address, MAX_WAITING + 3, timeout=120))
-        await asyncio.sleep(1.0)
+        deadline = time.monotonic() + 20
+        while small_queue.engine.num_waiting_ready < MAX_WAITING and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # and no more than that
         assert small_queue.engine.num_waiting_ready == MAX_WAITING
         await asyncio.to_thread(small_queue.start_dataplane)
         return await burst
@@ -109,7 +112,7 @@ def test_calls_waiting_for_a_data_plane_count_against_the_queue(small_queue):
     results = asyncio.run(outage())
     refused = [r for r in results if r[0] == "error"]
     assert len(refused) == 3 and all(r[2].code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused)
-    assert all(r[1] < 1.0 for r in refused)
+    assert all(r[1] < 5.0 for r in refused)  # at once, not when the data plane is back
     served = [r for r in results if r[0] == "ok"]
     assert len(served) == MAX_WAITING and all(len(r[2]) == MAX_TOKENS for r in served)
     wait_until(lambda: all_blocks_free(small_queue), 10, "every KV block to be free")

@@ -52,7 +52,8 @@ async def _sigterm_with_streams_in_flight(address: str, sigterm: Callable[[], No
         long_ends = asyncio.create_task(_read_until_it_ends(long))
         sigterm()
         started = time.monotonic()
-        await asyncio.sleep(0.3)
+        while await client.health_status(timeout=5) == "SERVING" and time.monotonic() - started < 20:
+            await asyncio.sleep(0.05)  # until it has taken the signal
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await tokens_async(client, [13] * 5, max_tokens=3, timeout=10, **GREEDY)
         report["new_request"] = refused.value.code()
