@@ -53,8 +53,9 @@ async def _streams_across_a_crash(planes, prompts: list[list[int]]) -> dict:
             await asyncio.sleep(0.005)
         planes.dataplane.send_signal(signal.SIGKILL)
         await asyncio.to_thread(planes.dataplane.wait, 10)
+        await asyncio.to_thread(wait_until, lambda: not planes.engine.ready.is_set(), 10, "the loss to be noticed")
+        await asyncio.sleep(0.5)  # tokens that were on their way when it died reach their streams
         report["seen_at_kill"] = list(seen)
-        await asyncio.sleep(0.5)
         report["health_during_outage"] = await _health(channel)
         # a new request waits for the data plane instead of failing; one with a short deadline expires waiting
         waiter = asyncio.ensure_future(tokens_async(client, [9] * 12, max_tokens=6, timeout=120, **GREEDY))
