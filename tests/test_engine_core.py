@@ -254,7 +254,7 @@ def test_a_core_still_waiting_for_its_data_plane_stops_at_once(tmp_path):
         return time.monotonic() - started, plane.engine.supervisor.process.returncode
 
     seconds, exitcode = asyncio.run(run())
-    assert exitcode == 0 and seconds < 3.0  # shut down, not killed after the 5 s timeout
+    assert exitcode == 0 and seconds < 4.5  # shut down, not killed after the 5 s timeout
 
 
 def test_ctrl_c_on_the_process_group_shuts_down_cleanly(tmp_path):

