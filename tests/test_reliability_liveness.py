@@ -158,7 +158,8 @@ def test_a_hung_engine_core_is_noticed_and_its_streams_finish(tiny_qwen3_dir, pl
     restarted = planes.engine.supervisor.process is not core
     assert restarted == (core_timeout < 8.0)
     said = [r.getMessage() for r in caplog.records]
-    assert said.count("the engine core answers again") == (0 if restarted else 1), said  # a killed core never does
+    answered = said.count("the engine core answers again")  # a loaded machine may add a stall of its own
+    assert (answered == 0) if restarted else (answered >= 1), said  # a killed core never does
     assert planes.dataplane.poll() is None
 
 

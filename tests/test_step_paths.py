@@ -237,7 +237,7 @@ def test_data_plane_logs_each_steps_host_timeline_at_debug(caplog):
 
     def plans():
         yield from (dp.StepPlan(step_id=i) for i in range(3))
-        time.sleep(0.2)  # the stream stays open until every step has finished
+        time.sleep(1.0)  # the stream stays open until every step (10 ms each) has finished
 
     with caplog.at_level("DEBUG", logger="twinplane.dataplane.steps"):
         results = list(_StepPipeline(lambda msg: Launched(msg.step_id)).run(plans()))
@@ -287,7 +287,10 @@ def test_the_pipeline_holds_plans_while_a_plan_waits_for_its_masks():
     def messages():
         yield dp.StepPlan(step_id=1, masks_follow=True)
         yield dp.StepPlan(step_id=2)  # comes before the masks of 1: held
-        time.sleep(0.05)
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.05)  # plan 2, launched too early, would show by now
         assert calls == [("plan", 1)]
         yield dp.StepPlan(step_id=1, masks_only=True)
         yield dp.StepPlan(step_id=3, masks_follow=True)
