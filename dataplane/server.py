@@ -222,7 +222,8 @@ class _StepPipeline:
                     step.wait()
 
     def _start(self, msg: dp.StepPlan, at: float, launched: deque) -> None:
-        if msg.masks_only and self.awaiting is None:  # their plan failed at launch: nothing waits for them
+        if msg.masks_only and (self.awaiting is None or self.awaiting[0].step_id != msg.step_id):
+            # their plan failed at launch, or they name another step: the one waiting keeps waiting for its own
             log.debug("token masks for step %d, which waits for none", msg.step_id)
             return
         started = time.perf_counter()
