@@ -18,12 +18,13 @@ CONTEXT_TOKENS = 5  # left context decoded with each delta
 
 
 def _new_from(prefix_text: str, new_text: str) -> int:
-    """Where the new text starts in new_text: past prefix_text, but for the U+FFFD at its end that new_text
-    has as a character now. Only a prompt ends in half a character (generated text waits for its end):
+    """Where the new text starts in new_text: past prefix_text, but for the U+FFFDs at its end that new_text
+    has as a character now (a byte-level BPE decodes half a character as one, a byte fallback one a
+    byte). Only a prompt ends in half a character (generated text waits for its end):
     the character the first tokens finish is theirs, so the prompt's text less it plus the output's is
     the text of both."""
     start = len(prefix_text)
-    while start and prefix_text[start - 1] == "\ufffd" and new_text[start - 1:start] not in ("\ufffd", ""):
+    while start and prefix_text[start - 1] == "\ufffd" and new_text[start - 1:start] != "\ufffd":
         start -= 1
     return start
 
@@ -58,7 +59,8 @@ class IncrementalDetokenizer:
         start = _new_from(prefix_text, new_text)
         if len(new_text) > start and (final or not new_text.endswith("\ufffd")):
             self.pending += new_text[start:]
-            self.prefix_offset = self.read_offset
+            if start == len(prefix_text):  # else read_offset is inside the character just finished: the next
+                self.prefix_offset = self.read_offset  # window starts where this one did, on a whole character
             self.read_offset = len(self.ids)
             if self.prefix_offset > 4 * CONTEXT_TOKENS:  # keep the window small
                 drop = self.prefix_offset

@@ -82,3 +82,44 @@ def test_chat_template_matches_transformers(tokenizer, smollm2_dir):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     expected = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert tokenizer.render_chat(messages) == expected
+
+
+class _ByteFallback:
+    """A tokenizer of single characters and <0xHH> byte tokens, decoded as SentencePiece's byte fallback
+    does: a run of byte tokens that is no valid UTF-8 gives one U+FFFD a byte."""
+
+    def __init__(self, pieces: list[str | int]) -> None:
+        self.pieces = pieces  # a token's id is its index: a character, or a byte
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        text, run = [], b""
+        for piece in [self.pieces[i] for i in ids] + [""]:
+            if isinstance(piece, int):
+                run += bytes([piece])
+                continue
+            try:
+                text.append(run.decode())
+            except UnicodeDecodeError:
+                text.append("\ufffd" * len(run))
+            text.append(piece)
+            run = b""
+        return "".join(text)
+
+
+@pytest.mark.parametrize("cut, after", [(1, "€éY"), (3, "")], ids=["then-more", "last-token"])
+def test_a_byte_fallback_tokenizer_after_a_prompt_that_ends_halfway_through_a_character(cut, after):
+    """The character the output finishes is the output's (also as its last token), and the characters
+    after it decode whole."""
+    tok = _ByteFallback(["X", "Y", *range(256)])
+    byte = lambda b: 2 + b  # noqa: E731
+    emoji = "🤩".encode()
+    prompt = [0, *(byte(b) for b in emoji[:cut])]  # "X" and the first bytes of 🤩
+    output = [byte(b) for b in emoji[cut:] + after.removesuffix("Y").encode()] + ([1] if after else [])
+    detok = IncrementalDetokenizer(tok, prompt)
+    deltas = []
+    for token_id in output:
+        detok.add_token(token_id)
+        deltas.append(detok.take_text())
+    detok.flush()
+    deltas.append(detok.take_text(final=True))
+    assert "".join(deltas) == "🤩" + after
