@@ -295,16 +295,16 @@ class EngineCore:
         if not live:
             self.unrouted.append(seq)
             return
-        if seq.params.max_tokens_unset:  # as many as fit: on a data plane that came back smaller, fewer
-            desc = max(live, key=lambda r: r.capacity).describe
-            room = default_max_tokens(seq.num_prompt_tokens, desc.max_model_len, desc.num_kv_blocks * desc.block_size)
-            if seq.num_output_tokens < room < seq.params.max_tokens:
-                seq.params = replace(seq.params, max_tokens=room)
         able = [r for r in live if never_fits(seq, r.describe) is None]
         if not able and any(never_fits(seq, r.describe) is None for r in self.replicas
                             if not r.connected and r.describe is not None):
             self.unrouted.append(seq)
             return
+        if not able and seq.params.max_tokens_unset:  # as many as fit: fewer, on data planes that came back smaller
+            room = max(default_max_tokens(seq.num_prompt_tokens, r.describe.max_model_len, r.capacity) for r in live)
+            if seq.num_output_tokens < room:
+                seq.params = replace(seq.params, max_tokens=room)
+                able = [r for r in live if never_fits(seq, r.describe) is None]
         if not able:
             del self.seqs[seq.seq_id]
             why = never_fits(seq, max(live, key=lambda r: r.capacity).describe)
