@@ -480,12 +480,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     prompt = {"prompt": args.prompt} if args.no_chat else {"messages": [{"role": "user", "content": args.prompt}]}
 
     stopped_by: list[int] = []  # the signal that ended it early
+    closing = False  # cleaning up: a signal now changes nothing
 
     async def main() -> int:
+        nonlocal closing
         task, loop = asyncio.current_task(), asyncio.get_running_loop()
 
         def stop(sig: int) -> None:  # Ctrl-C, kill or a closed terminal: stop generating, clean up below
-            if not stopped_by:
+            if not stopped_by and not closing:
                 stopped_by.append(sig)
                 task.cancel()
 
@@ -505,6 +507,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             sys.stdout.write("\n")
             return 0
         finally:
+            closing = True
             try:
                 await plane.shutdown(grace=0)
             finally:

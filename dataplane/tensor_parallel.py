@@ -12,6 +12,7 @@ Nothing is pickled: the plan travels as the same protobuf bytes as on the wire.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
@@ -142,7 +143,8 @@ class TensorParallelWorkers:
                              dead[0].name, dead[0].exitcode)
                 for p in self.processes:
                     p.kill()
-                self.shm.unlink()
+                with contextlib.suppress(FileNotFoundError):  # stop() may have begun meanwhile
+                    self.shm.unlink()
                 os._exit(1)
             time.sleep(PARENT_POLL_S)
 
