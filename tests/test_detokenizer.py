@@ -42,6 +42,17 @@ def test_emoji_split_over_tokens_waits_for_its_last_byte(tokenizer):
     assert [d for d in deltas if d] == ["🙂"]
 
 
+def _after_prompt(tokenizer, prompt: list[int], output: list[int]) -> list[str]:
+    """The deltas of output's tokens after prompt, the last token's flush included."""
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    deltas = []
+    for token_id in output:
+        detok.add_token(token_id)
+        deltas.append(detok.take_text())
+    detok.flush()
+    return deltas + [detok.take_text(final=True)]
+
+
 @pytest.mark.parametrize("cut", [1, 2])
 def test_a_character_the_prompt_ends_halfway_through_is_the_outputs_once_finished(tokenizer, cut):
     """A token-id prompt may end inside a character (a generation cut short and sent back): the first
@@ -52,13 +63,7 @@ def test_a_character_the_prompt_ends_halfway_through_is_the_outputs_once_finishe
     prompt, output = ids[:first + cut], ids[first + cut:]  # cut after its first one or two
     prompt_text = tokenizer.decode(prompt)
     assert prompt_text.endswith("\ufffd")
-    detok = IncrementalDetokenizer(tokenizer, prompt)
-    deltas = []
-    for token_id in output:
-        detok.add_token(token_id)
-        deltas.append(detok.take_text())
-    detok.flush()
-    deltas.append(detok.take_text(final=True))
+    deltas = _after_prompt(tokenizer, prompt, output)
     assert prompt_text.removesuffix("\ufffd") + "".join(deltas) == tokenizer.decode(ids)
     assert all("\ufffd" not in d for d in deltas)
 
@@ -115,11 +120,4 @@ def test_a_byte_fallback_tokenizer_after_a_prompt_that_ends_halfway_through_a_ch
     emoji = "🤩".encode()
     prompt = [0, *(byte(b) for b in emoji[:cut])]  # "X" and the first bytes of 🤩
     output = [byte(b) for b in emoji[cut:] + after.removesuffix("Y").encode()] + ([1] if after else [])
-    detok = IncrementalDetokenizer(tok, prompt)
-    deltas = []
-    for token_id in output:
-        detok.add_token(token_id)
-        deltas.append(detok.take_text())
-    detok.flush()
-    deltas.append(detok.take_text(final=True))
-    assert "".join(deltas) == "🤩" + after
+    assert "".join(_after_prompt(tok, prompt, output)) == "🤩" + after
