@@ -24,9 +24,10 @@ _LENGTH = struct.Struct("<I")
 MAX_CONTROL_BYTES = 1 << 18  # a Control message: a configuration, or a frontend's metrics
 
 
-# What a child that its parent stops in order ignores: a signal sent to the whole process group
-# (Ctrl-C in a terminal; systemd, which signals every process of the service, stopping it) reaches the
-# parent too, which needs its children while it drains, then stops them itself.
+# The signals that stop a process in order: Ctrl-C, kill (systemd's too) and a closed terminal or ssh
+# session. A child that its parent stops in order ignores them: one sent to the whole process group
+# (Ctrl-C in a terminal; systemd signals every process of the service) reaches the parent too, which
+# needs its children while it drains, then stops them itself.
 GROUP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 # In the environment of a data plane that `twinplane serve` or `run` started: it ignores GROUP_SIGNALS
 # and stops when its stdin closes (the parent closes it to stop it, or exits).

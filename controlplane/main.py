@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from dataclasses import dataclass
 
 import grpc
@@ -15,7 +14,7 @@ from twinplane.controlplane.config import ControlPlaneConfig
 from twinplane.controlplane.engine import Engine, first_of
 from twinplane.controlplane.event_loop import freeze_heap
 from twinplane.controlplane.frontends import Secondaries, shared_config
-from twinplane.controlplane.ipc import ConfigExit
+from twinplane.controlplane.ipc import GROUP_SIGNALS, ConfigExit
 from twinplane.controlplane.metrics import registry_for, serve_metrics
 from twinplane.controlplane.server import create_server
 from twinplane.controlplane.supervisor import CoreSupervisor
@@ -155,7 +154,7 @@ async def serve(config: ControlPlaneConfig, security: Security = Security(), on_
              f", {config.api_server_count} frontend processes" if config.api_server_count > 1 else "")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: its terminal or ssh session closed
+    for sig in GROUP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     secondary_died = plane.secondaries.died if plane.secondaries is not None else asyncio.Event()
     refused = dataplane_refused if dataplane_refused is not None else asyncio.Event()

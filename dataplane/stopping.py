@@ -14,7 +14,7 @@ import os
 import signal
 import threading
 
-from twinplane.controlplane.ipc import SUPERVISED_ENV, ignore_group_signals
+from twinplane.controlplane.ipc import GROUP_SIGNALS, SUPERVISED_ENV, ignore_group_signals
 
 
 class Stop:
@@ -47,6 +47,6 @@ class Stop:
         """Serving from now on: returns once a stop is requested."""
         self.serving = True
         if not self.supervised:
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            for sig in GROUP_SIGNALS:
                 signal.signal(sig, self._request)
         self.requested.wait()
