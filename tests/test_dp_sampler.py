@@ -212,3 +212,19 @@ def test_rows_that_share_a_mask_get_it_copied_once_and_each_its_own() -> None:
     assert batch.masks.index.tolist() == [0, -1, 1, 0, 2, 0] and batch.masks.packed.shape == (3, len(a))
     wanted = [{1, 2}, set(range(vocab)), {7, 202}, {1, 2}, {1, 2}, {1, 2}]
     assert [set(np.flatnonzero(row.numpy()).tolist()) for row in batch.masks.allowed(vocab)] == wanted
+
+
+@pytest.mark.parametrize("params, output_pos", [
+    (SamplingParams(temperature=0.8, seed=3), 0), (SamplingParams(temperature=0.8, seed=3, masked=True), 0),
+    (SamplingParams(temperature=0.8, top_k=5), 0), (SamplingParams(temperature=0.8, top_k=1000), 0),
+    (SamplingParams(temperature=0.8, top_p=0.9), 0), (SamplingParams(temperature=0.8, min_p=0.1), 0),
+    (SamplingParams(temperature=0.8, presence_penalty=0.5), 0), (SamplingParams(logit_bias=((3, 1.0),)), 0),
+    (SamplingParams(min_tokens=2, stop_token_ids=(1,)), 1), (SamplingParams(min_tokens=2, stop_token_ids=(1,)), 2),
+])
+def test_a_row_the_kernel_takes_alone_is_a_batch_the_kernel_samples(params, output_pos) -> None:
+    """The per-row rule that draws a seeded row by the Triton sampler in any batch (``_kernel_takes``)
+    agrees with the batch's own (``SamplingBatch.kernel_samples``) for the row alone."""
+    from twinplane.dataplane.sampling_batch import _kernel_takes
+
+    row = SamplingRow(params, output_pos, EMPTY, EMPTY)
+    assert _kernel_takes(row, 1000) == build_sampling_batch([row], 1000, CPU).kernel_samples
