@@ -243,6 +243,33 @@ def test_a_request_only_a_lost_data_plane_can_hold_waits_for_it():
     assert placed == 0 and still == []
 
 
+def test_max_tokens_left_unset_is_lowered_only_when_no_data_plane_can_hold_it():
+    """A request that left max_tokens unset (as many as fit) and no longer fits where it ran: while a data
+    plane that could hold it is coming back, it waits for that one as it is; once none could, it is lowered
+    to the most any connected one holds and runs there."""
+    async def run():
+        frontend = RefusalsSeen()
+        core = _core_of_two(frontend)
+        first, second = core.replicas
+        first.describe.num_kv_blocks = 6  # 24 tokens; the second holds 64
+        params = RequestParams(max_tokens=54, max_tokens_unset=True)  # what fitted a 64-token data plane
+        second.connected = False  # coming back
+        core.add(AddRequest(1, "r1", [5] * 10, params))
+        waited = [(s.seq_id, s.params.max_tokens) for s in core.unrouted]
+        second.describe = None  # gone for good: only the 24-token one is left, back with 32
+        first.describe.num_kv_blocks = 8
+        core._route(core.unrouted.popleft())
+        on_first = (core.replica_of[1].index, core.seqs[1].params.max_tokens)
+        second.describe, second.connected = _desc(num_kv_blocks=10), True  # a 40-token one joins
+        core.add(AddRequest(2, "r2", [5] * 10, params))  # neither holds 64 tokens: the most either does
+        return waited, on_first, (core.replica_of[2].index, core.seqs[2].params.max_tokens), frontend.refused
+
+    waited, on_first, on_second, refused = asyncio.run(run())
+    assert waited == [(1, 54)]  # not lowered while a data plane that holds it may come back
+    assert on_first == (0, 32 - 10)  # the most the one left holds
+    assert on_second == (1, 40 - 10) and refused == []
+
+
 def _desc(**fields):
     from twinplane.proto import dataplane_pb2 as dp
 
