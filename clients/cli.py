@@ -111,8 +111,8 @@ def _add_controlplane_args(p: argparse.ArgumentParser, listen_default: str = DEF
     g.add_argument("--max-unsent-tokens", type=int, default=65536,
                    help="tokens all streams together may leave unread; beyond, the stream furthest behind ends")
     g.add_argument("--max-prefill-tokens-with-decode", type=int, default=None,
-                   help="cap on prefill tokens in a step that also decodes: steadier inter-token latency "
-                        "(default: no cap)")
+                   help="cap on prefill tokens in a step that also decodes, lifted while requests queue: "
+                        "steadier inter-token latency (default: no cap)")
     g.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed message after the first; more means fewer messages under heavy load")
     g.add_argument("--max-steps-in-flight", type=int, default=2,

@@ -4,10 +4,11 @@
 control plane's scheduler (``plan_steps``): requests arrive all at once, in order; each step
 gives every running sequence in decode its next token, then spends what is left of
 ``max_num_batched_tokens`` (at most ``max_prefill_tokens_with_decode`` when the step also
-decodes) on prefill chunks, running sequences first, then admitting waiting ones while fewer
-than ``max_num_seqs`` run. A request samples its first token in the step that ends its prompt
-and one more in each decode step, and leaves once it has ``max_tokens``. Nothing is preempted
-(the KV cache is taken as large enough) and no prompt token is found in the prefix cache.
+decodes, unless the step before left a request waiting) on prefill chunks, running sequences
+first, then admitting waiting ones while fewer than ``max_num_seqs`` run. A request samples its
+first token in the step that ends its prompt and one more in each decode step, and leaves once it
+has ``max_tokens``. Nothing is preempted (the KV cache is taken as large enough) and no prompt
+token is found in the prefix cache.
 
 Each planned step then takes max(bytes / bandwidth, FLOPs / peak):
 
@@ -85,11 +86,12 @@ def plan_steps(requests: list[tuple[int, int]], limits: StepLimits) -> list[Step
     waiting = deque(_Running(prompt_len, max_tokens) for prompt_len, max_tokens in requests)
     running: list[_Running] = []
     steps = []
+    queued = False  # the step before left a request waiting: no cap
     while waiting or running:
         work, budget = StepWork(), limits.max_num_batched_tokens
         shares = [(seq, 1) for seq in running if seq.num_computed >= seq.prompt_len]  # decodes first
         budget -= len(shares)
-        if shares and limits.max_prefill_tokens_with_decode is not None:
+        if shares and limits.max_prefill_tokens_with_decode is not None and not queued:
             budget = min(budget, limits.max_prefill_tokens_with_decode)
         for seq in running:
             if seq.num_computed < seq.prompt_len and budget > 0:
@@ -106,6 +108,7 @@ def plan_steps(requests: list[tuple[int, int]], limits: StepLimits) -> list[Step
             seq.num_computed += num_tokens
             seq.num_output += sample
         running = [seq for seq in running if seq.num_output < seq.max_tokens]
+        queued = bool(waiting)
         steps.append(work)
     return steps
 

@@ -41,7 +41,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192  # tokens in one step
     max_model_len: int = 4096
     # Most prefill tokens in a step that also decodes (None: only max_num_batched_tokens
-    # bounds them). Lower values keep inter-token latency steady while long prompts arrive.
+    # bounds them). Lower values keep inter-token latency steady while long prompts arrive. The cap
+    # is lifted while requests queue (the step before left one waiting), so a burst is prefilled at
+    # the whole budget.
     max_prefill_tokens_with_decode: int | None = None
     # Decode steps one plan may hold when only a few sequences decode and none waits (1: one
     # step per plan), and the most sequences such a plan takes.
@@ -125,6 +127,7 @@ class Scheduler:
         self.num_prefix_cache_queries = 0  # tokens looked up in the prefix cache at admission, since start
         self.num_prefix_cache_hits = 0  # of those, tokens found there
         self._preempted_now: set[int] = set()  # preempted during the current schedule()
+        self._queued = False  # the last schedule() left a sequence waiting: no prefill cap
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -169,13 +172,18 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput | None:
         """Builds the next step, or returns None when nothing can run."""
         self._preempted_now = set()
-        steps = self._schedule_decode_steps()
-        if steps is not None:
-            return steps
+        output = self._schedule_decode_steps()
+        if output is None:
+            output = self._schedule_step()
+        self._queued = bool(self.waiting)
+        return output
+
+    def _schedule_step(self) -> SchedulerOutput | None:
+        """One step: decodes, then prefill chunks and admissions within the token budget."""
         budget = self.config.max_num_batched_tokens
         decodes, chunks, prefilling, budget = self._schedule_decodes(budget)
         cap = self.config.max_prefill_tokens_with_decode
-        if cap is not None and (decodes or chunks):
+        if cap is not None and (decodes or chunks) and not self._queued:
             budget = min(budget, cap)
         budget = self._schedule_prefills(prefilling, chunks, budget)
         self._admit(chunks, budget)

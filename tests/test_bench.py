@@ -84,11 +84,19 @@ def test_plan_steps_admits_no_more_than_max_num_seqs():
 
 
 def test_plan_steps_caps_prompt_tokens_beside_decodes():
+    steps = plan_steps([(2, 3), (8, 1)], StepLimits(max_num_seqs=2, max_num_batched_tokens=4,
+                                                    max_prefill_tokens_with_decode=1))
+    # 1: the first whole and 2 of the second's 8 (no decode yet, no cap); 2, 3: the first decodes, the
+    # second gets 1 prompt token beside it; 4: the second's last 4 alone
+    assert [s.num_tokens for s in steps] == [4, 1 + 1, 1 + 1, 4]
+
+
+def test_plan_steps_lifts_the_cap_while_a_request_waits():
     limits = StepLimits(max_num_seqs=2, max_num_batched_tokens=100, max_prefill_tokens_with_decode=3)
     steps = plan_steps([(2, 3), (1, 1), (8, 1)], limits)
-    # 1: the first two admitted, whole (no decode yet, no cap); the second is done
-    # 2, 3: the first decodes, the third gets 3 prompt tokens beside it; 4: the third's last 2 alone
-    assert [s.num_tokens for s in steps] == [3, 1 + 3, 1 + 3, 2]
+    # 1: the first two admitted, whole; the third waits for a place (max_num_seqs); 2: it is admitted
+    # whole beside the first's decode, as the step before left it waiting; 3: the first's last decode
+    assert [s.num_tokens for s in steps] == [3, 1 + 8, 1]
 
 
 def test_one_request_compute_bound_prompt_then_bandwidth_bound_decodes():

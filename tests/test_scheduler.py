@@ -159,6 +159,24 @@ def test_prefill_share_of_a_decoding_step_can_be_capped():
     assert [(c.seq.seq_id, c.start_pos, c.num_tokens) for c in out.chunks] == [(2, 5, 35)]
 
 
+def test_the_prefill_cap_is_lifted_while_requests_queue():
+    """A step that leaves a request waiting lifts the cap for the next one, so a burst is prefilled at the
+    whole budget; once nothing waits, the cap holds again."""
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_tokens_with_decode=5)
+    sched = Scheduler(config, BlockManager(64, 4))
+    add(sched, 1, 3)
+    step(sched)
+    add(sched, 2, 20, first_token=50)
+    add(sched, 3, 20, first_token=80)
+    out = step(sched)  # nothing waited before: capped, and the third is left waiting
+    assert [(c.seq.seq_id, c.num_tokens) for c in out.chunks] == [(1, 1), (2, 5)]
+    out = step(sched)  # the queue is taken at the whole budget
+    assert [(c.seq.seq_id, c.num_tokens) for c in out.chunks] == [(1, 1), (2, 15), (3, 20)]
+    add(sched, 4, 20, first_token=110)
+    out = step(sched)  # nothing was left waiting: capped again
+    assert [(c.seq.seq_id, c.num_tokens) for c in out.chunks] == [(1, 1), (2, 1), (3, 1), (4, 5)]
+
+
 def test_next_step_is_planned_before_the_result_arrives():
     sched = make()
     a = add(sched, 1, 6)
