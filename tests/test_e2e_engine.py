@@ -128,8 +128,10 @@ def test_scheduling_by_priority_admits_the_lowest_value_first(tiny_qwen3_dir, pl
         long = threading.Thread(target=run, args=("long", 1500, 0))
         long.start()
         wait_until(lambda: "long" in first_token, 30, "the long request's first token")
-        waiting = [threading.Thread(target=run, args=(name, 4, priority)) for name, priority in (("late", 5),
-                                                                                                 ("urgent", -5))]
+        # the urgent one's 32 tokens all come before the late one's first: the order of first tokens stands out
+        # from any delay of the threads that read them
+        waiting = [threading.Thread(target=run, args=(name, 32, priority)) for name, priority in (("late", 5),
+                                                                                                  ("urgent", -5))]
         for thread in waiting:
             thread.start()
             wait_until(lambda: len(planes.engine.requests) > waiting.index(thread) + 1, 10, "the request queued")
