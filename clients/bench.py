@@ -141,18 +141,34 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
 
 
-async def _drive(target: str, requests: list[Request], args, chaos=None) -> tuple[float, dict, dict, object, list]:
+async def _server_ready(client, target: str, server: subprocess.Popen | None, timeout: float) -> None:
+    """Waits for the server to be SERVING; one this run started that exits meanwhile ends the wait at once
+    (with exit code 78 when the server refused its flags)."""
+    from twinplane.controlplane.ipc import CONFIG_ERROR_EXIT, ConfigExit
+
+    ready = asyncio.ensure_future(client.wait_ready(timeout=timeout))
+    while server is not None and not ready.done():
+        await asyncio.wait({ready}, timeout=0.5)
+        if server.poll() is not None and not ready.done():
+            ready.cancel()
+            why = f"twinplane bench: the server it started exited with code {server.returncode} (its error is above)"
+            raise ConfigExit(why) if server.returncode == CONFIG_ERROR_EXIT else SystemExit(why)
+    try:
+        await ready
+    except TimeoutError as exc:
+        raise SystemExit(f"twinplane bench: {target}: {exc}") from None
+
+
+async def _drive(target: str, requests: list[Request], args, chaos=None,
+                 server: subprocess.Popen | None = None) -> tuple[float, dict, dict, object, list]:
     """Runs the workload; returns its time, the server's stats before and after, the model info and
-    the CPU seconds of each client process."""
+    the CPU seconds of each client process. server: the one this run started, if it did."""
     from tqdm import tqdm
 
     from twinplane.clients.client import AsyncClient
 
     async with AsyncClient(target, options=CHANNEL_OPTIONS) as client:
-        try:
-            await client.wait_ready(timeout=args.ready_timeout)
-        except TimeoutError as exc:
-            raise SystemExit(f"twinplane bench: {target}: {exc}") from None
+        await _server_ready(client, target, server, args.ready_timeout)
         await _every_dataplane_connected(client, args.ready_timeout)
         info = await client.model_info()
         warm = Request([1, 2, 3], 8)
@@ -391,6 +407,8 @@ async def _kill_a_dataplane(server: subprocess.Popen, after: float) -> None:
 
 def _check_workload(args: argparse.Namespace) -> None:
     """The workload's flags in range, before a server starts: SystemExit names the one that is not."""
+    from twinplane.clients.client import MAX_WAIT_S
+
     problems = [
         (args.num_requests >= 1, f"--num-requests must be >= 1, got {args.num_requests}"),
         (1 <= args.min_input <= args.max_input,
@@ -399,7 +417,14 @@ def _check_workload(args: argparse.Namespace) -> None:
          f"--min-output and --max-output must be 1 <= min <= max, got {args.min_output} and {args.max_output}"),
         (args.vocab_limit >= 1, f"--vocab-limit must be >= 1, got {args.vocab_limit}"),
         (args.request_rate > 0, f"--request-rate must be > 0 (inf: all at once), got {args.request_rate}"),
-        (args.ready_timeout > 0, f"--ready-timeout must be > 0, got {args.ready_timeout}"),
+        (0 < args.ready_timeout <= MAX_WAIT_S, f"--ready-timeout must be in (0, {MAX_WAIT_S:.0f}] seconds, "
+                                               f"got {args.ready_timeout}"),
+        (args.seed >= 0, f"--seed must be >= 0, got {args.seed}"),
+        (0 < args.peak_bandwidth_gbs < math.inf and 0 < args.peak_tflops < math.inf,
+         f"--peak-bandwidth-gbs and --peak-tflops must be > 0 and finite, got {args.peak_bandwidth_gbs} and "
+         f"{args.peak_tflops}"),
+        (not args.save_result or os.path.isdir(os.path.dirname(os.path.abspath(args.save_result))),
+         f"--save-result {args.save_result}: its folder does not exist"),
         (args.num_prefixes >= 0 and args.prefix_len >= 0,
          f"--num-prefixes and --prefix-len must be >= 0, got {args.num_prefixes} and {args.prefix_len}"),
         (0 <= args.masked_share <= 1, f"--masked-share must be in [0, 1], got {args.masked_share}"),
@@ -419,7 +444,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.kill_dataplane_after is not None and server is not None:
         chaos = lambda: _kill_a_dataplane(server, args.kill_dataplane_after)  # noqa: E731
     try:
-        elapsed, before, after, info, cpu = run_loop(_drive(target, requests, args, chaos))
+        elapsed, before, after, info, cpu = run_loop(_drive(target, requests, args, chaos, server))
     finally:
         if server is not None:
             server.terminate()
@@ -428,6 +453,10 @@ def run_bench(args: argparse.Namespace) -> int:
     figures = report(requests, elapsed, before, after, info, args, cpu)
     if args.save_result:
         save_result(args.save_result, requests, figures, args)
+    if figures["incomplete_requests"]:
+        print(f"twinplane bench: {figures['incomplete_requests']} of {len(requests)} requests did not complete",
+              file=sys.stderr)
+        return 1
     return 0
 
 

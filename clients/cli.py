@@ -270,6 +270,8 @@ def _dataplane_credentials(args: argparse.Namespace):
         check_listen(args.listen)
         if args.health_listen is not None:
             check_listen(args.health_listen, "--health-listen")
+            if args.health_listen == args.listen:
+                raise ValueError(f"--health-listen {args.health_listen} is --listen too: give it an address of its own")
         credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
     except ValueError as exc:
         _refuse(str(exc))
@@ -421,10 +423,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_health(args: argparse.Namespace) -> int:
     """One health check, for container health checks: exit 0 when the server says SERVING, else 1."""
-    from twinplane.clients.client import Client
+    from twinplane.clients.client import MAX_WAIT_S, Client
 
-    if not args.timeout > 0:
-        raise SystemExit(f"twinplane health: --timeout must be > 0 seconds, got {args.timeout}")
+    if not 0 < args.timeout <= MAX_WAIT_S:
+        raise SystemExit(f"twinplane health: --timeout must be in (0, {MAX_WAIT_S:.0f}] seconds, got {args.timeout}")
     with Client(args.server) as client:
         status = client.health_check(args.timeout)  # a failed call raises: main prints its code and details
     if status != "SERVING":

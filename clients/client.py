@@ -53,6 +53,7 @@ __all__ = [
 ]
 
 READY_POLL_S = 0.2  # pause between health checks in wait_ready
+MAX_WAIT_S = 86_400.0  # the longest timeout a command takes: gRPC deadlines overflow not far past it
 HEALTH_REQUEST = health_pb2.HealthCheckRequest(service="")  # "" = the server as a whole
 
 

@@ -14,6 +14,7 @@ from twinplane.controlplane.tools import TOOL_CALL_PARSERS
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 BYTES_PER_TOKEN = 64  # default max_prompt_bytes per token of max_model_len (generous: room for truncation)
+MAX_DATAPLANE_TIMEOUT = 86_400.0  # seconds; keepalive pings take half of it in int32 milliseconds
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,9 @@ class ControlPlaneConfig:
             twice = sorted({t for t in self.dataplanes if self.dataplanes.count(t) > 1})
             raise ValueError(f"dataplane: {', '.join(twice)} given more than once; give each data plane once")
         check_listen(self.listen)
+        if self.listen in self.dataplanes:
+            raise ValueError(f"listen: {self.listen} is a data plane's address too; give the control plane one of "
+                             "its own")
         if self.http_listen is not None:
             parse_listen(self.http_listen)
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
@@ -140,6 +144,9 @@ class ControlPlaneConfig:
         for name in ("dataplane_timeout", "core_timeout"):
             if not getattr(self, name) > self.stall_timeout:
                 raise ValueError(f"{name} must be > stall_timeout ({self.stall_timeout}), got {getattr(self, name)}")
+        if not self.dataplane_timeout <= MAX_DATAPLANE_TIMEOUT:  # gRPC's keepalive times are int32 milliseconds
+            raise ValueError(f"dataplane_timeout must be at most {MAX_DATAPLANE_TIMEOUT} seconds (a day), "
+                             f"got {self.dataplane_timeout}")
 
     def _check_api_server_count(self) -> None:
         n = self.api_server_count

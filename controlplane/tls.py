@@ -85,6 +85,23 @@ def is_unix(target: str) -> bool:
     return target.startswith("unix:")
 
 
+def unix_path(target: str) -> str:
+    """The socket path of a unix: address (gRPC's unix:path and unix:///absolute/path)."""
+    path = target.removeprefix("unix:")
+    return path[2:] if path.startswith("//") else path
+
+
+def _answered(path: str) -> bool:
+    """Whether a server accepts connections on the unix socket at path."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(1.0)
+        try:
+            sock.connect(path)
+        except OSError:  # no such file, not a socket, or a socket left behind by a server that is gone
+            return False
+    return True
+
+
 def is_loopback(address: str) -> bool:
     """Whether a gRPC host:port (or unix:) address stays on this machine."""
     if is_unix(address):
@@ -101,7 +118,7 @@ def check_listen(address: str, flag: str = "--listen") -> str:
     """address if a server can be asked to listen there (host:port with a port in [0, 65535], or
     unix:///path), else ValueError naming the flag: gRPC would take port 65536 for port 0, and so on."""
     port = address.rpartition(":")[2]
-    if not is_unix(address) and not _is_port(port):
+    if is_unix(address) and not unix_path(address) or not is_unix(address) and not _is_port(port):
         raise ValueError(f"{flag} must be host:port with a port in [0, 65535], or unix:///path; got {address!r}")
     return address
 
@@ -129,7 +146,10 @@ def parse_listen(listen: str) -> tuple[str, int]:
 
 def add_port(server, listen: str, credentials: grpc.ServerCredentials | None = None, flag: str = "--listen") -> int:
     """Binds a gRPC server (grpc.Server or grpc.aio.Server) to listen; returns the port, or raises
-    OSError naming the flag when it cannot bind there."""
+    OSError naming the flag when it cannot bind there. gRPC would take over a unix socket another
+    server still listens on (that server then unreachable): such a path is refused as in use."""
+    if is_unix(listen) and _answered(unix_path(listen)):
+        raise OSError(f"{flag} {listen}: another server listens there already")
     try:
         return server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
     except RuntimeError:  # gRPC says only "Failed to bind to address"

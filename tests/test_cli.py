@@ -554,10 +554,42 @@ def test_controlplane_says_which_address_it_cannot_listen_on(taken_port, tmp_pat
         (["--listen", "127.0.0.1:0", "--http-listen", busy], f"--http-listen {busy}: cannot listen there"),
         (["--listen", "127.0.0.1:0", "--metrics-port", str(taken_port)], f"cannot serve metrics on {busy}"),
         (["--listen", "127.0.0.1:0", "--shutdown-grace", "-1"], "shutdown_grace must be >= 0, got -1.0"),
+        (["--listen", f"unix://{tmp_path}/dp.sock"], f"listen: unix://{tmp_path}/dp.sock is a data plane's address"),
+        (["--listen", "127.0.0.1:0", "--dataplane-timeout", "inf"], "dataplane_timeout must be at most 86400.0"),
     ]
     for flags, message in cases:
         result = _refused(*controlplane, *flags)
         assert message in result.stderr, (flags, result.stderr)
+
+
+def test_a_unix_socket_a_server_listens_on_is_refused_and_one_left_behind_is_taken(tmp_path):
+    """gRPC would take over the socket of a server still listening there, which nobody could reach then."""
+    import socket
+    from concurrent import futures
+
+    import grpc
+
+    from twinplane.controlplane.tls import add_port
+
+    live, stale = tmp_path / "live.sock", tmp_path / "stale.sock"
+    with socket.socket(socket.AF_UNIX) as holder, socket.socket(socket.AF_UNIX) as gone:
+        holder.bind(str(live))
+        holder.listen()
+        gone.bind(str(stale))  # a socket file whose server has gone: closed below, never listening
+        gone.close()
+        server = grpc.server(futures.ThreadPoolExecutor(1))
+        with pytest.raises(OSError, match=f"--listen unix://{live}: another server listens there already"):
+            add_port(server, f"unix://{live}")
+        add_port(server, f"unix:{stale}")
+        server.start()
+        try:
+            with grpc.insecure_channel(f"unix:{stale}") as channel:
+                grpc.channel_ready_future(channel).result(timeout=10)
+        finally:
+            server.stop(None)
+        result = _refused("dataplane", "--model", "dummy:tiny-qwen3", "--device", "cpu", "--listen", f"unix://{live}",
+                          timeout=120)
+        assert result.returncode == 1 and "another server listens there already" in result.stderr, result.stderr
 
 
 def test_serve_refuses_a_dataplane_listen_address_without_a_port():
@@ -580,6 +612,8 @@ def test_dataplane_refuses_bad_addresses_and_sizes_in_one_line(taken_port, tmp_p
     cases = [
         ([*dataplane, "--listen", "127.0.0.1:99999", "--insecure"], "--listen must be host:port with a port in"),
         ([*dataplane, "--listen", socket_path, "--health-listen", "nowhere"], "--health-listen must be host:port"),
+        ([*dataplane, "--listen", socket_path, "--health-listen", socket_path], f"{socket_path} is --listen too"),
+        ([*dataplane, "--listen", "unix:"], "--listen must be host:port with a port in [0, 65535], or unix:///path"),
         ([*dataplane, "--listen", socket_path, "--cpu-kv-cache-gib", "0"], "cpu_kv_cache_gib must be > 0, got 0.0"),
         ([*dataplane, "--listen", socket_path, "--cpu-kv-cache-gib", "nan"], "cpu_kv_cache_gib must be > 0, got nan"),
         (["dataplane", "--model", str(broken), "--device", "cpu", "--listen", socket_path],
@@ -613,8 +647,30 @@ def test_bench_refuses_a_workload_it_cannot_draw_and_a_server_that_is_not_there(
         assert message in result.stderr, (flags, result.stderr)
     result = _refused("bench", "--server", f"unix://{tmp_path}/nobody.sock", "--ready-timeout", "1")
     assert "server not ready before the timeout" in result.stderr, result.stderr
-    result = _refused("health", "--server", f"unix://{tmp_path}/nobody.sock", "--timeout", "-1")
-    assert "--timeout must be > 0 seconds, got -1.0" in result.stderr, result.stderr
+    for flags, message in [(["--ready-timeout", "inf"], "--ready-timeout must be in (0, 86400] seconds, got inf"),
+                           (["--seed", "-1"], "--seed must be >= 0, got -1"),
+                           (["--peak-bandwidth-gbs", "0"], "--peak-bandwidth-gbs and --peak-tflops must be > 0"),
+                           (["--save-result", str(tmp_path / "no" / "r.json")], "r.json: its folder does not exist")]:
+        result = _refused("bench", "--server", f"unix://{tmp_path}/nobody.sock", *flags)
+        assert message in result.stderr, (flags, result.stderr)
+    for timeout in ("-1", "inf", "1e300"):  # gRPC would take a deadline that far off as one already passed
+        result = _refused("health", "--server", f"unix://{tmp_path}/nobody.sock", "--timeout", timeout)
+        assert f"--timeout must be in (0, 86400] seconds, got {float(timeout)}" in result.stderr, result.stderr
+
+
+def test_bench_stops_when_the_server_it_started_refuses_its_flags():
+    started = time.monotonic()
+    result = _refused("bench", "--model", "dummy:tiny-qwen3", "--device", "cpu", "--max-num-seqs", "0",
+                      "--ready-timeout", "600", timeout=300)
+    assert result.returncode == 78 and "the server it started exited with code 78" in result.stderr, result.stderr
+    assert time.monotonic() - started < 300  # not the ready timeout
+
+
+def test_bench_exits_1_when_a_request_does_not_complete(planes_factory, tiny_qwen3_dir):
+    planes = planes_factory(tiny_qwen3_dir, "--block-size", "16")
+    result = _refused("bench", "--server", planes.address, "--num-requests", "2", "--min-input", "3", "--max-input",
+                      "3", "--min-output", "2", "--max-output", "2", "--vocab-limit", "1000000", timeout=120)
+    assert result.returncode == 1 and "2 of 2 requests did not complete" in result.stderr, result.stderr
 
 
 def test_chat_template_takes_a_file_or_the_template_and_must_compile(tmp_path):
