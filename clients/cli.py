@@ -296,6 +296,9 @@ def cmd_dataplane(args: argparse.Namespace) -> int:
         raise SystemExit(f"twinplane dataplane: error: {exc}") from None
     except (ValueError, EmbeddedModelError) as exc:  # the model, the TP size or the KV cache size
         _refuse(str(exc))
+    except MemoryError as exc:  # host arrays sized by the limits (--max-num-seqs 100000000)
+        _refuse(f"the host has no memory for the data plane's limits ({exc}); lower --max-num-seqs, "
+                "--max-num-batched-tokens or --max-model-len")
     return 0
 
 
@@ -339,17 +342,20 @@ def _dataplane_child(args: argparse.Namespace, address: str | None = None, token
 
 def _dataplane_children(args: argparse.Namespace, token: str) -> list[DataPlaneProcess]:
     """serve's data planes: --data-parallel-size of them, each on its own GPUs and address."""
-    from twinplane.controlplane.tls import check_listen
+    from twinplane.controlplane.tls import check_listen, is_unix, unix_path
 
     n = args.data_parallel_size
     if n < 1:
         _config_error("serve", f"--data-parallel-size must be >= 1, got {n}")
-    addresses = args.dataplane_listen.split(",") if args.dataplane_listen else [None] * n
+    addresses = [a.strip() for a in args.dataplane_listen.split(",")] if args.dataplane_listen else [None] * n
     if len(addresses) != n:
         _config_error("serve", f"--dataplane-listen gives {len(addresses)} addresses for --data-parallel-size {n}")
     try:
         for address in filter(None, addresses):
             check_listen(address, "--dataplane-listen")
+            folder = os.path.dirname(unix_path(address)) if is_unix(address) else "."
+            if not os.path.isdir(folder or "."):  # the child could not bind, and would be restarted for ever
+                raise ValueError(f"--dataplane-listen {address}: the folder {folder} does not exist")
     except ValueError as exc:  # the child would refuse it, after the model loads
         _config_error("serve", str(exc))
     groups = [None] * n
@@ -468,10 +474,15 @@ def _stream_to_terminal(stream) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Both planes on loopback, one prompt, then both stop."""
-    from twinplane.clients.client import AsyncClient
+    from twinplane.clients.client import AsyncClient, build_request
     from twinplane.controlplane.config import ControlPlaneConfig
     from twinplane.controlplane.main import ControlPlane
 
+    prompt = {"prompt": args.prompt} if args.no_chat else {"messages": [{"role": "user", "content": args.prompt}]}
+    try:  # the request's values, before the model loads
+        build_request(**prompt, **_sampling_kwargs(args))
+    except (TypeError, ValueError) as exc:
+        _config_error("run", str(exc))
     token = _child_token(args)
     child = _dataplane_child(args, token=token, restart=False)
     try:
@@ -479,7 +490,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # not started: its socket folder goes
         child.stop()
         _config_error("run", str(exc))
-    prompt = {"prompt": args.prompt} if args.no_chat else {"messages": [{"role": "user", "content": args.prompt}]}
 
     stopped_by: list[int] = []  # the signal that ended it early
     closing = False  # cleaning up: a signal now changes nothing
@@ -527,7 +537,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 async def _wait_ready(plane, child) -> None:
     while not plane.engine.ready.is_set():
         if child.process.poll() is not None:
-            raise SystemExit(f"the data plane exited with code {child.process.returncode}")
+            why = f"the data plane exited with code {child.process.returncode}"
+            raise ConfigExit(why) if child.process.returncode == CONFIG_ERROR_EXIT else SystemExit(why)
         await asyncio.sleep(0.1)
 
 

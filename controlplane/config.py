@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import jinja2
 
 from twinplane.controlplane.reasoning import REASONING_PARSERS
 from twinplane.controlplane.router import ROUTING_POLICIES
-from twinplane.controlplane.tls import DataPlaneTls, check_listen, parse_listen
+from twinplane.controlplane.tls import DataPlaneTls, check_listen, check_target, parse_listen
 from twinplane.controlplane.tokenizer import Tokenizer
 from twinplane.controlplane.tools import TOOL_CALL_PARSERS
 
@@ -83,7 +84,12 @@ class ControlPlaneConfig:
         if len(set(self.dataplanes)) < len(self.dataplanes):
             twice = sorted({t for t in self.dataplanes if self.dataplanes.count(t) > 1})
             raise ValueError(f"dataplane: {', '.join(twice)} given more than once; give each data plane once")
+        for target in self.dataplanes:
+            check_target(target)
         check_listen(self.listen)
+        if self.tokenizer is not None and not (Path(self.tokenizer) / "tokenizer.json").is_file():
+            raise ValueError(f"tokenizer: no tokenizer.json in {self.tokenizer}: give the folder of the model's "
+                             "tokenizer files")
         if self.listen in self.dataplanes:
             raise ValueError(f"listen: {self.listen} is a data plane's address too; give the control plane one of "
                              "its own")

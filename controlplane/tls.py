@@ -114,6 +114,18 @@ def _is_port(text: str) -> bool:
     return text.isdigit() and int(text) <= 65535
 
 
+_SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:")  # gRPC targets that name their kind
+
+
+def check_target(target: str, flag: str = "--dataplane") -> str:
+    """target unless a channel to it could not be what was meant: one with spaces, or a port past 65535
+    (gRPC would take 99999 modulo 65536); else ValueError naming the flag."""
+    port = target.rpartition(":")[2]
+    if any(c.isspace() for c in target) or not target.startswith(_SCHEMES) and port.isdigit() and not _is_port(port):
+        raise ValueError(f"{flag} must be host:port with a port in [0, 65535], or unix:///path; got {target!r}")
+    return target
+
+
 def check_listen(address: str, flag: str = "--listen") -> str:
     """address if a server can be asked to listen there (host:port with a port in [0, 65535], or
     unix:///path), else ValueError naming the flag: gRPC would take port 65536 for port 0, and so on."""

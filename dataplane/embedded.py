@@ -121,7 +121,11 @@ def _quiet_log(message: str) -> None:
 def _prepare(target: Path, log: Log, progress: bool) -> None:
     """Converts the GGUF into target unless another process did it meanwhile."""
     gguf_path = find_gguf()
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file where the folder goes, or a folder this user cannot write
+        raise EmbeddedModelError(f"the default model's cache folder {target.parent} cannot be made ({exc.strerror}); "
+                                 "set TWINPLANE_CACHE (or XDG_CACHE_HOME) to a folder this user can write") from None
     with _file_lock(target.parent / f".{target.name}.lock"):
         if is_prepared(target):  # another process finished while we waited
             return

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from twinplane.dataplane.attention_backends.base import AttentionBackend
@@ -135,9 +135,12 @@ def safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     if not files:
         raise ValueError(f"no *.safetensors files in {folder!r}")
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+        except SafetensorError as exc:  # truncated or not a safetensors file: a copy that did not finish
+            raise ValueError(f"{file} is not a whole safetensors file ({exc})") from None
 
 
 def load_model(model: str, dtype: torch.dtype, device: torch.device, seed: int = 0,

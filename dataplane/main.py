@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 from twinplane.controlplane.event_loop import freeze_heap
+from twinplane.controlplane.tls import is_unix
 from twinplane.dataplane.config import DataPlaneConfig
 from twinplane.dataplane.embedded import model_name, resolve_model
 from twinplane.dataplane.server import create_health_server, create_server
@@ -53,7 +54,9 @@ def serve(config: DataPlaneConfig, listen: str, token: str | None = None, creden
         workers = TensorParallelWorkers(config)  # spawns ranks 1..N-1; this process becomes rank 0
     try:
         runner = ModelRunner(config)
-        server, _, servicer = create_server(runner, listen, token, workers, credentials)
+        server, port, servicer = create_server(runner, listen, token, workers, credentials)
+        if not is_unix(listen) and listen.rpartition(":")[2] == "0":  # any free port: say which one it got
+            listen = f"{listen.rpartition(':')[0]}:{port}"
         servers = [server] + ([create_health_server(health_listen)[0]] if health_listen else [])
         freeze_heap("data plane")
         for each in servers:

@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -342,19 +343,21 @@ def test_log_level_on_each_plane_and_passed_on_to_the_data_plane():
 
 
 def test_controlplane_exits_with_the_reason_when_its_engine_fails(tiny_qwen3_dir, tmp_path):
-    """An unreadable tokenizer folder is found only once the data plane answers: the process must
-    say why and exit non-zero (so a supervisor restarts it), not stay NOT_SERVING for ever."""
-    planes = Planes(tmp_path, tiny_qwen3_dir, ("--block-size", "16", "--max-model-len", "512"))
-    empty = tmp_path / "no-tokenizer"
-    empty.mkdir()
+    """The tokenizer folder the data plane reports, unreadable here, is found only once the data plane
+    answers: the process must say why and exit non-zero (so a supervisor restarts it), not stay
+    NOT_SERVING for ever."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_qwen3_dir, model)
+    planes = Planes(tmp_path, model, ("--block-size", "16", "--max-model-len", "512"))
     try:
         planes.start_dataplane()
-        result = subprocess.run([*CLI, "controlplane", "--dataplane", planes.dp_address, "--listen", "127.0.0.1:0",
-                                 "--tokenizer", str(empty)], capture_output=True, text=True, timeout=180)
+        (model / "tokenizer.json").unlink()  # the data plane has loaded the model; the control plane finds none
+        result = subprocess.run([*CLI, "controlplane", "--dataplane", planes.dp_address, "--listen", "127.0.0.1:0"],
+                                capture_output=True, text=True, timeout=180)
     finally:
         planes.stop()
     assert result.returncode != 0
-    assert "engine stopped on an unexpected error" in result.stderr and str(empty) in result.stderr, result.stderr[-2000:]
+    assert "engine stopped on an unexpected error" in result.stderr and str(model) in result.stderr, result.stderr[-2000:]
 
 
 def test_a_data_plane_that_keeps_failing_is_restarted_with_growing_delays(monkeypatch):
@@ -556,6 +559,8 @@ def test_controlplane_says_which_address_it_cannot_listen_on(taken_port, tmp_pat
         (["--listen", "127.0.0.1:0", "--shutdown-grace", "-1"], "shutdown_grace must be >= 0, got -1.0"),
         (["--listen", f"unix://{tmp_path}/dp.sock"], f"listen: unix://{tmp_path}/dp.sock is a data plane's address"),
         (["--listen", "127.0.0.1:0", "--dataplane-timeout", "inf"], "dataplane_timeout must be at most 86400.0"),
+        (["--listen", "127.0.0.1:0", "--dataplane", "127.0.0.1:99999"], "--dataplane must be host:port with a port in"),
+        (["--listen", "127.0.0.1:0", "--tokenizer", str(tmp_path)], f"tokenizer: no tokenizer.json in {tmp_path}"),
     ]
     for flags, message in cases:
         result = _refused(*controlplane, *flags)
@@ -592,12 +597,37 @@ def test_a_unix_socket_a_server_listens_on_is_refused_and_one_left_behind_is_tak
         assert result.returncode == 1 and "another server listens there already" in result.stderr, result.stderr
 
 
-def test_serve_refuses_a_dataplane_listen_address_without_a_port():
+def test_serve_refuses_a_dataplane_listen_address_without_a_port_or_its_folder():
     from twinplane.clients.cli import _dataplane_children, build_parser
 
     args = build_parser().parse_args(["serve", "--dataplane-listen", "127.0.0.1:70000"])
     with pytest.raises(SystemExit, match="--dataplane-listen must be host:port with a port in"):
         _dataplane_children(args, "token")
+    args = build_parser().parse_args(["serve", "--dataplane-listen", "unix:///nowhere/at/all/dp.sock"])
+    with pytest.raises(SystemExit, match="unix:///nowhere/at/all/dp.sock: the folder /nowhere/at/all does not exist"):
+        _dataplane_children(args, "token")
+
+
+def test_start_up_problems_that_a_restart_would_not_mend_exit_78(tmp_path, tiny_qwen3_dir):
+    """serve restarts a data plane that exits 1, so these must not: a cut-off checkpoint, a cache path that is a
+    file; and run checks its request before it loads the model, and passes on its data plane's 78."""
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny_qwen3_dir, cut)
+    weights = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(weights[:len(weights) // 2])
+    socket_path = f"unix://{tmp_path}/dp.sock"
+    result = _refused("dataplane", "--model", str(cut), "--device", "cpu", "--listen", socket_path, timeout=120)
+    assert result.returncode == 78 and "model.safetensors is not a whole safetensors file" in result.stderr, (
+        result.stderr)
+    (tmp_path / "a-file").write_text("")
+    result = subprocess.run([*CLI, "dataplane", "--device", "cpu", "--listen", socket_path], capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "TWINPLANE_CACHE": str(tmp_path / "a-file")})
+    assert result.returncode == 78 and "set TWINPLANE_CACHE (or XDG_CACHE_HOME) to a folder" in result.stderr, (
+        result.stderr)
+    result = _refused("run", "hi", "--model", "dummy:tiny-qwen3", "--device", "cpu", "--max-tokens", "-1")
+    assert result.returncode == 78 and "twinplane run: max_tokens=-1" in result.stderr, result.stderr
+    result = _refused("run", "hi", "--model", str(tmp_path / "none"), "--device", "cpu", timeout=120)
+    assert result.returncode == 78 and "the data plane exited with code 78" in result.stderr, result.stderr
 
 
 def test_dataplane_refuses_bad_addresses_and_sizes_in_one_line(taken_port, tmp_path, tiny_qwen3_dir):
@@ -688,3 +718,20 @@ def test_chat_template_takes_a_file_or_the_template_and_must_compile(tmp_path):
         config("--chat-template", "nope.jinja")
     with pytest.raises(SystemExit, match="chat_template does not compile"):
         config("--chat-template", "{% for m in messages %}")
+
+
+def test_a_data_plane_on_port_0_says_the_port_it_got():
+    process = subprocess.Popen([*CLI, "dataplane", "--model", "dummy:tiny-qwen3", "--device", "cpu", "--listen",
+                                "127.0.0.1:0", "--insecure"], stderr=subprocess.PIPE, text=True,
+                               stdin=subprocess.DEVNULL)
+    try:
+        for line in process.stderr:
+            if "data plane ready on" in line:
+                break
+        port = int(re.search(r"ready on 127\.0\.0\.1:(\d+)", line).group(1))
+        assert port > 0
+        with socket.create_connection(("127.0.0.1", port), timeout=10):
+            pass  # it listens there
+    finally:
+        process.terminate()
+        process.wait(30)
