@@ -35,23 +35,24 @@ class ChatText:
         self.calls_only = calls_only
         self.calls = 0  # tool calls so far: the next one's index
         self.reasoning_tokens = 0  # the tokens of the pieces that were reasoning (tags included)
-        self.undecided_tokens = 0  # tokens of pieces held while the text may still open reasoning
+        self.undecided_tokens = 0  # tokens of pieces held whole (the text may still open reasoning, or a tag)
         self.streamed: tuple[str, int] | None = None  # the open call's id, and how much of its arguments went out
 
     def feed(self, text: str, final: bool = False, num_tokens: int = 0) -> tuple[str, str, list[ToolCall]]:
         """The reasoning, the content and the tool calls in text, the piece of num_tokens tokens. A
         piece that held both reasoning and content (several tokens at once) counts its tokens
-        toward the reasoning by its share of the characters."""
+        toward the reasoning by the share of its characters that were not content (the tags are
+        reasoning)."""
         reasoning, calls = "", []
         if self.reasoning is not None:
-            was = self.reasoning.state
+            pending = len(self.reasoning.held) + len(text)  # characters to split, with those held before
             reasoning, text = self.reasoning.feed(text, final)
             num_tokens, self.undecided_tokens = num_tokens + self.undecided_tokens, 0
-            if self.reasoning.state == "opening":
+            decided = pending - len(self.reasoning.held)
+            if self.reasoning.state == "opening" or not decided:  # all of it held: its tokens count with the next
                 self.undecided_tokens = num_tokens
-            elif "reasoning" in (was, self.reasoning.state) or reasoning:
-                share = len(reasoning) / (len(reasoning) + len(text)) if text else 1.0
-                self.reasoning_tokens += round(num_tokens * share)
+            else:  # what is not content was reasoning, its tags included
+                self.reasoning_tokens += round(num_tokens * (decided - len(text)) / decided)
         if self.tools is not None:
             text, calls = self.tools.feed(text, final)
             text = "" if self.calls_only else text

@@ -40,7 +40,7 @@ PARAMS = frozenset((*SAMPLING_FIELDS, *_INTS, "messages", "prompt", "stop", "sto
                     "skip_special_tokens", "stream_options", "response_format", "echo", "include_stop_str_in_output",
                     "return_tokens_as_token_ids", "ignore_eos", "stream", "best_of",
                     "tokens", *CHAT_OPTIONS, *TOOL_FIELDS, *UNSUPPORTED,
-                    "input", "instructions", "text", "previous_response_id", "conversation", "background",
+                    "input", "instructions", "text", "previous_response_id", "conversation", "background", "include",
                     "structured_outputs", *GUIDED))
 FINISH_REASONS = {FinishReason.STOP_TOKEN: "stop", FinishReason.STOP_STRING: "stop",
                   FinishReason.LENGTH: "length", FinishReason.ABORTED: "abort"}

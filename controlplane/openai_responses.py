@@ -56,13 +56,33 @@ def _text(content, where: str) -> str:
     return "\n".join(texts)
 
 
+def _call_id(item: dict, where: str) -> str:
+    call_id = item.get("call_id")
+    if not isinstance(call_id, str) or not call_id:
+        _fail(f"{where}.call_id is required: the id that ties a function call to its output")
+    return call_id
+
+
+def _reasoning(item: dict, where: str) -> str:
+    """A reasoning item's text: its reasoning_text parts joined (its summary is not what the model wrote)."""
+    content = item.get("content") or []
+    if not isinstance(content, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                for p in content):
+        _fail(f"{where}.content must be a list of reasoning_text parts ({{\"type\": \"reasoning_text\", "
+              "\"text\": ...}})")
+    return "".join(part["text"] for part in content)
+
+
 def _messages(value) -> list[dict]:
-    """The chat messages of input: items in order; a function call joins the assistant message before it."""
+    """The chat messages of input: items in order; a function call joins the assistant message before it, and
+    a reasoning item becomes the reasoning_content of the assistant message after it (chat templates show
+    the thinking of the turn under way, between tool calls)."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         _fail("input is required: a string, or a list of items (messages, function calls and their outputs)")
     messages: list[dict] = []
+    thinking = ""  # a reasoning item's text, for the assistant message that follows it
     for i, item in enumerate(value):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -74,19 +94,25 @@ def _messages(value) -> list[dict]:
             messages.append({"role": item["role"], "content": _text(item.get("content"), where)})
         elif kind == "function_call":  # checked here, to be named as the client sent it
             template_tool_call(None, item.get("name"), item.get("arguments"), f"{where}.")
-            call = {"id": item.get("call_id"), "type": "function",
+            call = {"id": _call_id(item, where), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
-            if messages and messages[-1]["role"] == "assistant":
+            if messages and messages[-1]["role"] == "assistant" and not thinking:
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             if not isinstance(item.get("output"), str):
                 _fail(f"{where}.output must be a string: the function's result")
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": item["output"]})
-        elif kind != "reasoning":  # earlier reasoning is left out, as chat templates leave out past thinking
+            messages.append({"role": "tool", "tool_call_id": _call_id(item, where), "content": item["output"]})
+        elif kind == "reasoning":
+            thinking += _reasoning(item, where)
+            continue
+        else:
             _fail(f"{where}.type must be message, function_call, function_call_output or reasoning, "
                   f"got {str(kind)[:40]!r}")
+        if thinking and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"] = thinking
+        thinking = ""
     return messages
 
 
@@ -104,6 +130,10 @@ def chat_body(body: dict) -> dict:
     for name, why in REFUSED.items():
         if body.get(name):
             _fail(f"{name}: {why}")
+    include = body.get("include") or []
+    if "message.output_text.logprobs" in include or body.get("top_logprobs"):
+        _fail("include: message.output_text.logprobs (and top_logprobs) are not supported here; the chat "
+              "completions API gives log-probabilities")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         _fail("instructions must be a string")
@@ -165,7 +195,8 @@ class ResponsesBuilder:
                          "temperature": body.get("temperature"), "top_p": body.get("top_p"), "tools": tools,
                          "tool_choice": body.get("tool_choice") or ("auto" if tools else "none"),
                          "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
-                         "metadata": body.get("metadata"), "text": {"format": _text_format(body)}}
+                         "metadata": body.get("metadata"), "text": {"format": _text_format(body)},
+                         "store": False}  # nothing is kept: a later request cannot name this one
         self.final: RequestOutput | None = None
 
     def _event(self, kind: str, **fields) -> dict:
@@ -201,7 +232,7 @@ class ResponsesBuilder:
     def finish(self, usage: dict) -> list[dict]:
         """The last event: the whole response."""
         response = self.response(usage)
-        return [self._event("completed" if response["status"] == "completed" else "incomplete", response=response)]
+        return [self._event(response["status"], response=response)]  # completed, incomplete or failed
 
     def _append(self, kind: str, text: str) -> list[dict]:
         events = [] if self.open == kind else self._close() + self._begin(kind)
@@ -268,20 +299,22 @@ class ResponsesBuilder:
 
     @property
     def _item_status(self) -> str:
-        """An ended item's: incomplete when the output was cut by max_output_tokens."""
-        cut = self.final is not None and self.final.finish_reason == FinishReason.LENGTH
+        """An ended item's: incomplete when the output was cut (by max_output_tokens, or the server ended it)."""
+        cut = self.final is not None and self.final.finish_reason in (FinishReason.LENGTH, FinishReason.ABORTED)
         return "incomplete" if cut else "completed"
 
     def response(self, usage: dict | None = None) -> dict:
         """The response as it stands: in progress until the output has ended and usage is given."""
-        status, incomplete = "in_progress", None
+        status, incomplete, error = "in_progress", None, None
         if self.final is not None and usage is not None:
             reason = self.final.finish_reason
-            status = {FinishReason.LENGTH: "incomplete", FinishReason.ABORTED: "cancelled"}.get(reason, "completed")
+            status = {FinishReason.LENGTH: "incomplete", FinishReason.ABORTED: "failed"}.get(reason, "completed")
             incomplete = {"reason": "max_output_tokens"} if reason == FinishReason.LENGTH else None
+            if reason == FinishReason.ABORTED:  # the server ended it (shutting down): no client cancels here
+                error = {"code": "server_error", "message": "the server ended the request before it finished"}
         done = [item for item in self.items if item["status"] != "in_progress"]
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.model,
-                "output": done, "incomplete_details": incomplete, "error": None, **self.settings,
+                "output": done, "incomplete_details": incomplete, "error": error, **self.settings,
                 "usage": None if usage is None else _usage(usage, self.text.reasoning_tokens)}
 
 

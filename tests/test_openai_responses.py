@@ -161,8 +161,12 @@ def test_a_function_call_cut_by_max_output_tokens_is_incomplete(client):
     ({"input": "hi", "instructions": 3}, "instructions", "instructions must be a string"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": "[1]"}]}, "input",
      "input[0].arguments must be the JSON text of an object"),
+    ({"input": [{"type": "function_call_output", "output": "18 C"}]}, "input", "input[0].call_id is required"),
+    ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include", "are not supported here"),
+    ({"input": [{"type": "reasoning", "content": "thinking"}]}, "input", "list of reasoning_text parts"),
 ], ids=["previous-response", "built-in-tool", "image-item", "image-part", "no-input", "max-output-tokens",
-        "unknown-format", "unknown-function", "instructions-number", "call-arguments"])
+        "unknown-format", "unknown-function", "instructions-number", "call-arguments", "no-call-id",
+        "output-logprobs", "reasoning-text"])
 def test_what_the_server_cannot_do_gets_400(client, request_fields, param, words):
     reply = httpx.post(f"{client.base_url}responses", json={"model": "scripted", **request_fields}, timeout=30)
     assert reply.status_code == 400, reply.text
@@ -178,3 +182,43 @@ def test_a_step_that_fails_ends_the_stream_with_an_error_event(client):
     with pytest.raises(openai.InternalServerError):
         client.responses.create(model="scripted", input="Broken?")
     assert client.responses.create(model="scripted", input="Hello?").output_text == ANSWER  # still serving
+
+
+def test_a_request_the_server_ends_fails_with_its_item_incomplete():
+    """Ended by the server (it shuts down), not by the client: response.failed with an error object, and the
+    reasoning it cut short is incomplete, not completed. The SDK's types take the event."""
+    from twinplane.controlplane.api import Limits, RequestOutput
+    from twinplane.controlplane.openai_api import parse_request
+    from twinplane.controlplane.openai_responses import ResponsesBuilder, chat_body
+    from twinplane.controlplane.sequence import FinishReason
+
+    body = {"input": "x", "model": "m"}
+    builder = ResponsesBuilder(parse_request(chat_body(body), Limits(4096, 4096), "r", chat=True,
+                                             reasoning_parser="qwen3"), "resp_r", "m", body, "qwen3", None)
+    builder.start()
+    builder.add(0, RequestOutput("r", text="<think>half a thou", token_ids=[1, 2, 3]))
+    builder.add(0, RequestOutput("r", text="ght", token_ids=[4], finish_reason=FinishReason.ABORTED))
+    [last] = builder.finish({"prompt_tokens": 1, "completion_tokens": 4, "total_tokens": 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}})
+    EVENTS[last["type"]].model_validate(last)
+    response = last["response"]
+    assert last["type"] == "response.failed" and response["status"] == "failed"
+    assert response["error"]["code"] == "server_error" and response["incomplete_details"] is None
+    assert [(item["type"], item["status"]) for item in response["output"]] == [("reasoning", "incomplete")]
+
+
+def test_reasoning_items_become_the_thinking_of_the_assistant_message_after_them():
+    """As vLLM does: a tool loop's thinking goes back to the template (Qwen3's shows the thinking of the turn
+    under way), so the next prompt is what the model wrote."""
+    from twinplane.controlplane.openai_responses import chat_body
+
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    thought = {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Ask the tool."}]}
+    messages = chat_body({"input": [{"role": "user", "content": "Weather?"}, thought, call,
+                                    {"type": "function_call_output", "call_id": "c1", "output": "18 C"},
+                                    {"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}]},
+                                    {"role": "assistant", "content": "It is 18 C."}]})["messages"]
+    assert messages[1] == {"role": "assistant", "content": None, "reasoning_content": "Ask the tool.",
+                           "tool_calls": [{"id": "c1", "type": "function",
+                                           "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    assert messages[2]["role"] == "tool" and messages[3] == {"role": "assistant", "content": "It is 18 C."}

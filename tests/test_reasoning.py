@@ -84,8 +84,22 @@ def test_reasoning_tokens_are_the_tokens_of_the_reasoning_pieces(parser, pieces,
 
 def test_a_piece_part_reasoning_counts_its_tokens_by_the_share_of_characters():
     text = ChatText("qwen3", None)
-    text.feed("<think>ab</think>cd", final=True, num_tokens=10)  # reasoning "ab", content "cd"
-    assert text.reasoning_tokens == 5
+    text.feed("<think>ab</think>cd", final=True, num_tokens=10)  # reasoning "<think>ab</think>", content "cd"
+    assert text.reasoning_tokens == 9  # 17 of 19 characters
+
+
+def test_reasoning_tokens_do_not_hang_on_how_the_text_was_cut_into_pieces():
+    """The tags' tokens count as reasoning, also when held (a piece that may start "</think>") or when they
+    come in one piece with the content after them."""
+    tokens = ["<", "think", ">", "Paris", " is", " in", " France", ".", "</", "think", ">", "\n\n", "Paris", "."]
+    counts = set()
+    for size in range(1, len(tokens) + 1):
+        text = ChatText("qwen3", None)
+        pieces = [tokens[i:i + size] for i in range(0, len(tokens), size)]
+        for i, piece in enumerate(pieces):
+            text.feed("".join(piece), final=i == len(pieces) - 1, num_tokens=len(piece))
+        counts.add(text.reasoning_tokens)
+    assert counts <= {11, 12} and 11 in counts  # 11 exactly, one token about where a piece spans "</think>"
 
 
 def test_chat_chunks_and_message_carry_reasoning_content_apart():
