@@ -188,6 +188,8 @@ def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None, d
     security = Security(args.tls_cert, args.tls_key, args.api_key or os.environ.get("TWINPLANE_API_KEY"))
     try:
         check_secret(security.api_key, "the API key (--api-key or TWINPLANE_API_KEY)")
+        if not 1 <= args.max_message_mb < 2048:  # gRPC's limits are 32-bit
+            raise ValueError(f"--max-message-mb must be in [1, 2047], got {args.max_message_mb}")
         security.credentials()
         dataplane_tls.credentials()
         config = ControlPlaneConfig(
@@ -411,8 +413,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from twinplane.clients.client import Client
+    from twinplane.controlplane.config import check_secret
 
-    with Client(args.server, api_key=args.api_key or os.environ.get("TWINPLANE_API_KEY")) as client:
+    api_key = args.api_key or os.environ.get("TWINPLANE_API_KEY")
+    try:
+        check_secret(api_key, "the API key (--api-key or TWINPLANE_API_KEY)")
+    except ValueError as exc:
+        raise SystemExit(f"twinplane generate: {exc}") from None
+    with Client(args.server, api_key=api_key) as client:
         chat = args.chat if args.chat is not None else client.model_info().has_chat_template
         prompt = {"messages": [{"role": "user", "content": args.prompt}]} if chat else {"prompt": args.prompt}
         if args.chat_template_kwargs is not None:

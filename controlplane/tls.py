@@ -111,7 +111,7 @@ def is_loopback(address: str) -> bool:
 
 
 def _is_port(text: str) -> bool:
-    return text.isdigit() and int(text) <= 65535
+    return text.isascii() and text.isdigit() and int(text) <= 65535
 
 
 _SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:")  # gRPC targets that name their kind

@@ -39,6 +39,7 @@ class DataPlaneConfig:
             (self.num_kv_blocks >= 0, "num_kv_blocks must be >= 0"),
             (0.0 < self.cpu_kv_cache_gib < math.inf, f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}"),
             (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
+            (0 <= self.seed < 2**63, f"seed (--weights-seed) must be in [0, 2**63), got {self.seed}"),
             (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}"),
             (self.dtype in DTYPES, f"dtype must be one of {DTYPES}"),
             (self.device in ("auto", "cuda", "cpu"), "device must be auto, cuda or cpu"),

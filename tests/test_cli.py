@@ -560,6 +560,8 @@ def test_controlplane_says_which_address_it_cannot_listen_on(taken_port, tmp_pat
         (["--listen", f"unix://{tmp_path}/dp.sock"], f"listen: unix://{tmp_path}/dp.sock is a data plane's address"),
         (["--listen", "127.0.0.1:0", "--dataplane-timeout", "inf"], "dataplane_timeout must be at most 86400.0"),
         (["--listen", "127.0.0.1:0", "--dataplane", "127.0.0.1:99999"], "--dataplane must be host:port with a port in"),
+        (["--listen", "localhost:²"], "--listen must be host:port with a port in [0, 65535]"),
+        (["--listen", "127.0.0.1:0", "--max-message-mb", "-1"], "--max-message-mb must be in [1, 2047], got -1"),
         (["--listen", "127.0.0.1:0", "--tokenizer", str(tmp_path)], f"tokenizer: no tokenizer.json in {tmp_path}"),
     ]
     for flags, message in cases:
@@ -644,6 +646,7 @@ def test_dataplane_refuses_bad_addresses_and_sizes_in_one_line(taken_port, tmp_p
         ([*dataplane, "--listen", socket_path, "--health-listen", "nowhere"], "--health-listen must be host:port"),
         ([*dataplane, "--listen", socket_path, "--health-listen", socket_path], f"{socket_path} is --listen too"),
         ([*dataplane, "--listen", "unix:"], "--listen must be host:port with a port in [0, 65535], or unix:///path"),
+        ([*dataplane, "--listen", socket_path, "--weights-seed", str(2**64)], "seed (--weights-seed) must be in"),
         ([*dataplane, "--listen", socket_path, "--cpu-kv-cache-gib", "0"], "cpu_kv_cache_gib must be > 0, got 0.0"),
         ([*dataplane, "--listen", socket_path, "--cpu-kv-cache-gib", "nan"], "cpu_kv_cache_gib must be > 0, got nan"),
         (["dataplane", "--model", str(broken), "--device", "cpu", "--listen", socket_path],
@@ -686,6 +689,13 @@ def test_bench_refuses_a_workload_it_cannot_draw_and_a_server_that_is_not_there(
     for timeout in ("-1", "inf", "1e300"):  # gRPC would take a deadline that far off as one already passed
         result = _refused("health", "--server", f"unix://{tmp_path}/nobody.sock", "--timeout", timeout)
         assert f"--timeout must be in (0, 86400] seconds, got {float(timeout)}" in result.stderr, result.stderr
+
+
+def test_generate_refuses_an_api_key_that_cannot_travel_in_metadata(tmp_path):
+    result = subprocess.run([*CLI, "generate", "hi", "--server", f"unix://{tmp_path}/nobody.sock"],
+                            capture_output=True, text=True, timeout=60, env={**os.environ, "TWINPLANE_API_KEY": "k\n"})
+    assert result.returncode == 1 and "the API key (--api-key or TWINPLANE_API_KEY) must be printable ASCII" in (
+        result.stderr), result.stderr
 
 
 def test_bench_stops_when_the_server_it_started_refuses_its_flags():
