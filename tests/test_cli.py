@@ -357,7 +357,8 @@ def test_controlplane_exits_with_the_reason_when_its_engine_fails(tiny_qwen3_dir
     finally:
         planes.stop()
     assert result.returncode != 0
-    assert "engine stopped on an unexpected error" in result.stderr and str(model) in result.stderr, result.stderr[-2000:]
+    assert "engine stopped on an unexpected error" in result.stderr and str(model) in result.stderr, (
+        result.stderr[-2000:])
 
 
 def test_a_data_plane_that_keeps_failing_is_restarted_with_growing_delays(monkeypatch):
