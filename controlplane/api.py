@@ -98,6 +98,9 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
+    # first output only, within the process: the prompt's token ids (whether the chat template opened the
+    # model's thinking, for the OpenAI API's reasoning parser)
+    prompt_ids: list[int] | None = None
 
     def absorb(self, later: RequestOutput) -> None:
         """Appends the output that followed this one, so both go out as one message."""
@@ -105,6 +108,7 @@ class RequestOutput:
         self.text += later.text
         self.logprobs += later.logprobs
         self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
+        self.prompt_ids = self.prompt_ids or later.prompt_ids
         self.finish_reason, self.matched_stop = later.finish_reason, later.matched_stop
         self.prompt_tokens, self.completion_tokens = later.prompt_tokens, later.completion_tokens
         self.cached_prompt_tokens = later.cached_prompt_tokens

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from twinplane.controlplane.reasoning import ReasoningSplitter
+from twinplane.controlplane.reasoning import PROMPT_TAIL_TOKENS, ReasoningSplitter
 from twinplane.controlplane.tools import ToolCall, parser_for
 
 
@@ -37,6 +37,11 @@ class ChatText:
         self.reasoning_tokens = 0  # the tokens of the pieces that were reasoning (tags included)
         self.undecided_tokens = 0  # tokens of pieces held whole (the text may still open reasoning, or a tag)
         self.streamed: tuple[str, int] | None = None  # the open call's id, and how much of its arguments went out
+
+    def after_prompt(self, tokenizer, prompt_ids: list[int] | None) -> None:
+        """With the first output's prompt ids: the text starts where the prompt leaves it (``reasoning.py``)."""
+        if self.reasoning is not None and prompt_ids and tokenizer is not None:
+            self.reasoning.after_prompt(tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], False))
 
     def feed(self, text: str, final: bool = False, num_tokens: int = 0) -> tuple[str, str, list[ToolCall]]:
         """The reasoning, the content and the tool calls in text, the piece of num_tokens tokens. A

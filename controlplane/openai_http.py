@@ -255,7 +255,7 @@ class OpenAIService:
             return response_of(exc)
         if kind == "response":
             builder = ResponsesBuilder(parsed, f"resp_{request_id}", model, body, config.reasoning_parser,
-                                       config.tool_call_parser)
+                                       config.tool_call_parser, self.engine.tokenizer)
             events = _response_sse(choices, builder)
         else:
             builder = ResponseBuilder(parsed, ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id, model,

@@ -180,9 +180,11 @@ class ResponsesBuilder:
     """One request's output as Responses events (``add``), and the response itself (``response``)."""
 
     def __init__(self, request: OpenAIRequest, response_id: str, model: str, body: dict,
-                 reasoning_parser: str | None = None, tool_call_parser: str | None = None):
-        """body: the Responses request, whose settings the response repeats."""
+                 reasoning_parser: str | None = None, tool_call_parser: str | None = None, tokenizer=None):
+        """body: the Responses request, whose settings the response repeats; tokenizer: reads where the
+        prompt leaves the reasoning."""
         self.id, self.model, self.created = response_id, model, int(time.time())
+        self.tokenizer = tokenizer
         self.text = ChatText(reasoning_parser, tool_call_parser if request.tools.parse else None,
                              request.tools.parallel, bool(request.tools.forced))
         self.items: list[dict] = []  # the output items so far, the open one last
@@ -213,6 +215,7 @@ class ResponsesBuilder:
         events: list[dict] = []
         if out.finish_reason is not None:
             self.final = out  # before the items it ends: one cut by max_output_tokens is incomplete
+        self.text.after_prompt(self.tokenizer, out.prompt_ids)
         reasoning, content, calls = self.text.feed(out.text, out.finish_reason is not None, len(out.token_ids))
         deltas = self.text.deltas(calls)
         for delta in deltas:  # a call written in earlier pieces goes on first: text comes after its block

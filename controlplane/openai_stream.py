@@ -220,6 +220,7 @@ class ResponseBuilder:
         """The choice of one output of choice index, in a stream chunk."""
         choice = {"index": index, "logprobs": self._logprobs(index, out)}
         if self.request.chat:
+            self.parts[index].after_prompt(self.tokenizer, out.prompt_ids)
             reasoning, content, calls = self.parts[index].feed(out.text, out.finish_reason is not None,
                                                                len(out.token_ids))
             deltas = [d for d in self.parts[index].deltas(calls) if d.begins or d.arguments]  # an end adds nothing
@@ -254,6 +255,7 @@ class ResponseBuilder:
             self.prompt_logprobs[index] = out.prompt_logprobs
         text = out.text
         if self.request.chat:
+            self.parts[index].after_prompt(self.tokenizer, out.prompt_ids)
             reasoning, text, calls = self.parts[index].feed(text, out.finish_reason is not None, len(out.token_ids))
             self.reasonings[index] += reasoning
             self.calls[index] += calls

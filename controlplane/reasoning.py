@@ -12,6 +12,11 @@ neither.
   prompt), so everything up to ``</think>`` is reasoning, all of it when ``</think>`` never comes.
   A ``<think>`` the model writes anyway at the very start is dropped.
 
+Either parser first looks at how the prompt ends (``after_prompt``): a chat template that opened the
+thinking (``<think>`` last, unclosed: Qwen3's thinking-only models, QwQ, a continued final message)
+puts the text in the reasoning from its first character, up to ``</think>``; one that closed it
+(``<think></think>`` last: thinking turned off) puts all of it in the answer.
+
 Text arrives in pieces; a piece that may be the start of a tag waits for the next one, so the
 pieces of either part, joined, equal the split of the whole text.
 """
@@ -20,6 +25,18 @@ from __future__ import annotations
 
 OPEN, CLOSE = "<think>", "</think>"
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
+
+
+PROMPT_TAIL_TOKENS = 64  # the prompt's last tokens whose text says whether it opened or closed the thinking
+
+
+def prompt_state(tail: str) -> str | None:
+    """Where the text after a prompt ending in tail starts: "reasoning" when the prompt left a <think>
+    open, "content" when it ends with a closed one; None when it does neither (the text says)."""
+    tail = tail.rstrip()
+    if tail.endswith(CLOSE):
+        return "content"
+    return "reasoning" if tail.rfind(OPEN) > tail.rfind(CLOSE) else None
 
 
 def partial_tag(text: str, tag: str) -> int:
@@ -39,6 +56,11 @@ class ReasoningSplitter:
         self.parser = parser
         self.state = "opening"  # before the text shows whether (qwen3) or how (deepseek_r1) reasoning opens
         self.held = ""  # text that may be the start of a tag
+
+    def after_prompt(self, tail: str) -> None:
+        """Starts the text where a prompt ending in tail leaves it (before the first feed)."""
+        if self.state == "opening":
+            self.state = prompt_state(tail) or self.state
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         """The reasoning and the content in text (with what was held before); final: the text ends here."""

@@ -58,6 +58,7 @@ class RequestState:
         unsent.streams.add(self)
         self.end_call: Callable[[ServiceError], None] | None = None  # ends the call at once (set by the server)
         self.pending = self._new_output()
+        self.pending.prompt_ids = prompt
         self.num_outputs = 0  # output tokens recorded so far
         self.finished = False
 

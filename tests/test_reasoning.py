@@ -13,7 +13,7 @@ from twinplane.controlplane.api import Limits, RequestOutput
 from twinplane.controlplane.chat_text import ChatText
 from twinplane.controlplane.openai_api import parse_request
 from twinplane.controlplane.openai_stream import ResponseBuilder
-from twinplane.controlplane.reasoning import ReasoningSplitter, split_reasoning
+from twinplane.controlplane.reasoning import ReasoningSplitter, prompt_state, split_reasoning
 from twinplane.controlplane.sequence import FinishReason
 
 WHOLE = [  # parser, text, (reasoning, content)
@@ -148,3 +148,49 @@ def test_the_http_api_returns_reasoning_content(tiny_qwen3_dir, planes_factory):
     reply = httpx.post(f"http://127.0.0.1:{planes.plane.http_port}/v1/completions", timeout=60,
                        json={"prompt": "Hi", "max_tokens": 2})
     assert "reasoning_content" not in reply.text  # completions keep their text
+
+
+@pytest.mark.parametrize("tail, state", [
+    ("<|im_start|>assistant\n<think>\n", "reasoning"),  # a thinking-only model's template opens it
+    ("<|im_start|>assistant\n<think>\nI was about to", "reasoning"),  # a continued final message
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", "content"),  # enable_thinking false
+    ("<think>a</think>b<|im_end|>\n<|im_start|>assistant\n", None),  # an earlier turn's, closed: the text says
+    ("<|im_start|>assistant\n", None),
+])
+def test_how_the_prompt_ends_says_where_the_text_starts(tail, state):
+    assert prompt_state(tail) == state
+
+
+class TailTokenizer:
+    """Stands in for the tokenizer: token i is the i-th character of text."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(self.text[i] for i in ids)
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+def test_a_prompt_that_opened_or_closed_the_thinking_decides_the_split(parser):
+    """Whole and streamed alike: after a prompt that left <think> open the text is reasoning up to </think>
+    (with qwen3 too, which otherwise wants <think> first); after one that closed it, all answer (with
+    deepseek_r1 too, which otherwise starts in the reasoning)."""
+    request = parse_request({"messages": [{"role": "user", "content": "hi"}]}, Limits(100, 64), "r", chat=True)
+    for prompt, pieces, expected in [
+            ("assistant\n<think>\n", ["I reason", " here.</th", "ink>\n\nThe answer."],
+             {"reasoning_content": "I reason here.", "content": "\n\nThe answer."}),
+            ("assistant\n<think>\n\n</think>\n\n", ["The answer", " at once."],
+             {"reasoning_content": None, "content": "The answer at once."})]:
+        tokenizer = TailTokenizer(prompt)
+        outs = _outputs(pieces)
+        outs[0].prompt_ids = list(range(len(prompt)))
+        streamed = ResponseBuilder(request, "chatcmpl-r", "m", tokenizer, reasoning_parser=parser)
+        deltas = [streamed.chunks(0, out)[-1]["choices"][0]["delta"] for out in outs]
+        whole = ResponseBuilder(request, "chatcmpl-r", "m", tokenizer, reasoning_parser=parser)
+        for out in outs:
+            whole.add(0, out)
+        message = whole.response({})["choices"][0]["message"]
+        assert {k: message[k] for k in expected} == expected, (prompt, message)
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == (expected["reasoning_content"] or "")
+        assert "".join(d.get("content", "") for d in deltas) == expected["content"]
