@@ -58,7 +58,9 @@ class RequestState:
         unsent.streams.add(self)
         self.end_call: Callable[[ServiceError], None] | None = None  # ends the call at once (set by the server)
         self.pending = self._new_output()
-        self.pending.prompt_ids = prompt
+        # where the prompt leaves a reasoning model's text (reasoning.py); structured output's grammar reads the
+        # text as the parser does by default (structured.after_reasoning), so its split does too
+        self.pending.prompt_ids = prompt if params.regex is None else None
         self.num_outputs = 0  # output tokens recorded so far
         self.finished = False
 

@@ -140,6 +140,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         async for out in engine.outputs(state):
             message = output_to_pb(out)
             if parts is not None:  # the answer in text; the reasoning and the tool calls apart
+                parts.after_prompt(engine.tokenizer, out.prompt_ids)
                 reasoning, message.text, calls = parts.feed(out.text, out.finish_reason is not None,
                                                             len(out.token_ids))
                 message.reasoning_text = reasoning

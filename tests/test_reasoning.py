@@ -194,3 +194,23 @@ def test_a_prompt_that_opened_or_closed_the_thinking_decides_the_split(parser):
         assert {k: message[k] for k in expected} == expected, (prompt, message)
         assert "".join(d.get("reasoning_content", "") for d in deltas) == (expected["reasoning_content"] or "")
         assert "".join(d.get("content", "") for d in deltas) == expected["content"]
+
+
+def test_a_continued_open_thinking_is_reasoning_over_both_apis(tmp_path, smollm2_dir):
+    """A final assistant message that opened <think> and is continued: what the model writes up to </think> is
+    reasoning, with qwen3 too, over HTTP and over gRPC (parse_output)."""
+    from tests.test_tools import scripted_planes
+
+    messages = [{"role": "user", "content": "Opened?"}, {"role": "assistant", "content": "<think>\n"}]
+    with scripted_planes(tmp_path, smollm2_dir, [("Opened", "I reason here.</think>\n\nThe answer."), ("", "Plain.")],
+                         reasoning_parser="qwen3") as (planes, stand_in):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{planes.plane.http_port}/v1", api_key="x", max_retries=0)
+        whole = client.chat.completions.create(model="scripted", messages=messages, extra_body={
+            "add_generation_prompt": False, "continue_final_message": True}).choices[0].message
+        with planes.client() as grpc_client:
+            chunks = list(grpc_client.generate(messages=messages, add_generation_prompt=False,
+                                               continue_final_message=True, parse_output=True))
+    assert stand_in.prompts[-1].endswith("<|im_start|>assistant\n<think>\n")
+    assert (whole.reasoning_content, whole.content) == ("I reason here.", "\n\nThe answer.")
+    assert "".join(c.reasoning_text for c in chunks) == "I reason here."
+    assert "".join(c.text for c in chunks) == "\n\nThe answer."
