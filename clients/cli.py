@@ -363,10 +363,21 @@ def _dataplane_children(args: argparse.Namespace, token: str) -> list[DataPlaneP
     groups = [None] * n
     if n > 1 and args.device != "cpu":
         try:
-            groups = gpu_groups(n, args.tensor_parallel_size, os.environ.get("CUDA_VISIBLE_DEVICES"))
+            available = _gpu_count()  # --device auto on a host without any: each on the CPU, no GPU to hand out
+            available = None if args.device == "auto" and not available else available
+            groups = gpu_groups(n, args.tensor_parallel_size, os.environ.get("CUDA_VISIBLE_DEVICES"), available)
         except ValueError as exc:
             _config_error("serve", str(exc))
     return [_dataplane_child(args, address, token, gpus=gpus) for address, gpus in zip(addresses, groups)]
+
+
+def _gpu_count() -> int | None:
+    """The GPUs this host has (torch's count, 0 without CUDA), or None where torch is not installed."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.cuda.device_count()
 
 
 def _child_token(args: argparse.Namespace) -> str:

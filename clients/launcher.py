@@ -19,10 +19,15 @@ log = logging.getLogger("twinplane")
 TOKEN_ENV = "TWINPLANE_DATAPLANE_TOKEN"
 
 
-def gpu_groups(data_parallel_size: int, tensor_parallel_size: int, visible: str | None) -> list[str]:
+def gpu_groups(data_parallel_size: int, tensor_parallel_size: int, visible: str | None,
+               available: int | None = None) -> list[str]:
     """CUDA_VISIBLE_DEVICES for each of data_parallel_size data planes of tensor_parallel_size GPUs each,
-    taken in order from visible (the parent's CUDA_VISIBLE_DEVICES; unset: GPUs 0, 1, ...)."""
+    taken in order from visible (the parent's CUDA_VISIBLE_DEVICES; unset: GPUs 0, 1, ... of the
+    host's ``available``, when known)."""
     needed = data_parallel_size * tensor_parallel_size
+    if not visible and available is not None and available < needed:  # a data plane would get no GPU
+        raise ValueError(f"{data_parallel_size} data planes of {tensor_parallel_size} GPUs need {needed} GPUs; "
+                         f"this host has {available}")
     devices = visible.split(",") if visible else [str(i) for i in range(needed)]
     if len(devices) < needed:
         raise ValueError(f"{data_parallel_size} data planes of {tensor_parallel_size} GPUs need {needed} GPUs; "

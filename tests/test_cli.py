@@ -444,6 +444,16 @@ def test_serve_refuses_a_data_parallel_size_its_addresses_or_gpus_cannot_serve(m
     assert "gives 1 addresses for --data-parallel-size 2" in children("-dp", "2", "--dataplane-listen", "unix:///a")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     assert "need 2 GPUs; CUDA_VISIBLE_DEVICES lists 1" in children("-dp", "2", "--device", "cuda")
+    from twinplane.clients import cli
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(cli, "_gpu_count", lambda: 1)  # GPUs 0 and 1 would be handed out; 1 is not there
+    assert "need 4 GPUs; this host has 1" in children("-dp", "2", "-tp", "2", "--device", "auto")
+    monkeypatch.setattr(cli, "_gpu_count", lambda: 0)  # auto without GPUs: each data plane on the CPU
+    planned = _dataplane_children(build_parser().parse_args(["serve", "-dp", "2"]), "token")
+    for child in planned:
+        child.stop()  # none started: their socket folders go
+    assert len(planned) == 2
 
 
 def test_dataplane_refuses_a_tensor_parallel_size_that_does_not_split_the_model(tmp_path):
