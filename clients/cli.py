@@ -436,7 +436,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = {"messages": [{"role": "user", "content": args.prompt}]} if chat else {"prompt": args.prompt}
         if args.chat_template_kwargs is not None:
             if not chat:
-                raise SystemExit("twinplane generate: --chat-template-kwargs is for chat prompts; leave out --no-chat")
+                why = "leave out --no-chat" if args.chat is False else "this model has no chat template"
+                raise SystemExit(f"twinplane generate: --chat-template-kwargs is for chat prompts; {why}")
             prompt["chat_template_kwargs"] = args.chat_template_kwargs
         try:
             stream = client.generate(**prompt, priority=args.priority, ignore_eos=args.ignore_eos,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -756,3 +757,16 @@ def test_a_data_plane_on_port_0_says_the_port_it_got():
     finally:
         process.terminate()
         process.wait(30)
+
+
+def test_generate_says_why_chat_template_kwargs_do_not_apply(planes_factory, tiny_qwen3_dir, tmp_path):
+    model = tmp_path / "no-template"
+    shutil.copytree(tiny_qwen3_dir, model)
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    planes = planes_factory(model, "--block-size", "16")
+    for flags, why in [([], "this model has no chat template"), (["--no-chat"], "leave out --no-chat")]:
+        result = _refused("generate", "hi", "--server", planes.address, "--chat-template-kwargs", '{"a": 1}', *flags)
+        assert f"--chat-template-kwargs is for chat prompts; {why}" in result.stderr, result.stderr
