@@ -37,6 +37,7 @@ class ChatText:
         self.reasoning_tokens = 0  # the tokens of the pieces that were reasoning (tags included)
         self.undecided_tokens = 0  # tokens of pieces held whole (the text may still open reasoning, or a tag)
         self.streamed: tuple[str, int] | None = None  # the open call's id, and how much of its arguments went out
+        self.call_offsets: list[int] = []  # the last feed's calls: how much of its content came before each
 
     def after_prompt(self, tokenizer, prompt_ids: list[int] | None) -> None:
         """With the first output's prompt ids: the text starts where the prompt leaves it (``reasoning.py``)."""
@@ -60,8 +61,11 @@ class ChatText:
                 self.reasoning_tokens += round(num_tokens * (decided - len(text)) / decided)
         if self.tools is not None:
             text, calls = self.tools.feed(text, final)
+            # where each call came in the content (hermes, whose calls and text mix); else after all of it
+            offsets = getattr(self.tools, "call_offsets", None) or [len(text)] * len(calls)
             text = "" if self.calls_only else text
             calls = calls if self.parallel else calls[:max(0, 1 - self.calls)]
+            self.call_offsets = [min(offset, len(text)) for offset in offsets[:len(calls)]]
             self.calls += len(calls)
         return reasoning, text, calls
 

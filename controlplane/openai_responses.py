@@ -223,11 +223,17 @@ class ResponsesBuilder:
                 events += self._call(delta)
         if reasoning:
             events += self._append("reasoning", reasoning)
-        if content:
-            events += self._append("message", content)
+        done = 0  # the content sent so far: each call that begins here goes where it came in the text
+        cuts = dict(zip((call.id for call in calls), self.text.call_offsets))
         for delta in deltas:
             if delta.begins:
+                cut = cuts.get(delta.call.id, len(content))  # one still being written comes after the text
+                if cut > done:
+                    events += self._append("message", content[done:cut])
+                done = max(done, cut)
                 events += self._call(delta)
+        if len(content) > done:
+            events += self._append("message", content[done:])
         if out.finish_reason is not None:
             events += self._close()
         return events

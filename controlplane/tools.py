@@ -324,12 +324,15 @@ class HermesParser:
         self.has_text = False  # the current stretch holds more than whitespace: it is content
         self.after_call = False  # the stretch follows a tool call
         self.head: _WrittenCall | None = None  # the open block's call, once its text starts as one
+        self.call_offsets: list[int] = []  # the last feed's calls: where each came in its content
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
-        """The content and the calls in text (with what was held before); final: the text ends here."""
+        """The content and the calls in text (with what was held before); final: the text ends here.
+        ``call_offsets`` then says how much of the content came before each call."""
         text, self.partial = self.partial + text, ""
         content: list[str] = []
         calls: list[ToolCall] = []
+        self.call_offsets = []
         while text:
             if self.block is not None:
                 start = max(0, len(self.block) - len(CLOSE) + 1)  # CLOSE may have begun in the last piece
@@ -382,15 +385,14 @@ class HermesParser:
     def _end_block(self, body: str, closed: bool, content: list[str], calls: list[ToolCall]) -> None:
         self._read_head(body)
         if self.head is not None:  # a call from its start on, whatever follows
-            calls.append(self.head.call(body))
-            self.head = None
-            self.gap, self.has_text, self.after_call = "", False, True
-            return
-        call = _hermes_call(body)
+            call, self.head = self.head.call(body), None
+        else:
+            call = _hermes_call(body)
         if call is None:  # not a call: the block is text like any other
             self._outside(OPEN + body + (CLOSE if closed else ""), content)
             return
         calls.append(call)  # whitespace alone before it is dropped
+        self.call_offsets.append(sum(map(len, content)))
         self.gap, self.has_text, self.after_call = "", False, True
 
 
