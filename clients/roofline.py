@@ -91,7 +91,8 @@ def plan_steps(requests: list[tuple[int, int]], limits: StepLimits) -> list[Step
         work, budget = StepWork(), limits.max_num_batched_tokens
         shares = [(seq, 1) for seq in running if seq.num_computed >= seq.prompt_len]  # decodes first
         budget -= len(shares)
-        if shares and limits.max_prefill_tokens_with_decode is not None and not queued:
+        lift = queued and len(running) < limits.max_num_seqs  # the step before left one waiting that fits now
+        if shares and limits.max_prefill_tokens_with_decode is not None and not lift:
             budget = min(budget, limits.max_prefill_tokens_with_decode)
         for seq in running:
             if seq.num_computed < seq.prompt_len and budget > 0:

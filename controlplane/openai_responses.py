@@ -131,6 +131,8 @@ def chat_body(body: dict) -> dict:
         if body.get(name):
             _fail(f"{name}: {why}")
     include = body.get("include") or []
+    if not isinstance(include, list):
+        _fail("include must be a list of strings")
     if "message.output_text.logprobs" in include or body.get("top_logprobs"):
         _fail("include: message.output_text.logprobs (and top_logprobs) are not supported here; the chat "
               "completions API gives log-probabilities")

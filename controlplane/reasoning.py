@@ -12,10 +12,10 @@ neither.
   prompt), so everything up to ``</think>`` is reasoning, all of it when ``</think>`` never comes.
   A ``<think>`` the model writes anyway at the very start is dropped.
 
-Either parser first looks at how the prompt ends (``after_prompt``): a chat template that opened the
-thinking (``<think>`` last, unclosed: Qwen3's thinking-only models, QwQ, a continued final message)
-puts the text in the reasoning from its first character, up to ``</think>``; one that closed it
-(``<think></think>`` last: thinking turned off) puts all of it in the answer.
+Either parser first looks at how the prompt ends (``after_prompt``): a prompt that ends with ``<think>``
+(a chat template that opens the thinking: Qwen3's thinking-only models, QwQ; a continued final message
+"<think>") puts the text in the reasoning from its first character, up to ``</think>``; one that ends
+with ``</think>`` (thinking turned off) puts all of it in the answer.
 
 Text arrives in pieces; a piece that may be the start of a tag waits for the next one, so the
 pieces of either part, joined, equal the split of the whole text.
@@ -31,12 +31,13 @@ PROMPT_TAIL_TOKENS = 64  # the prompt's last tokens whose text says whether it o
 
 
 def prompt_state(tail: str) -> str | None:
-    """Where the text after a prompt ending in tail starts: "reasoning" when the prompt left a <think>
-    open, "content" when it ends with a closed one; None when it does neither (the text says)."""
+    """Where the text after a prompt ending in tail starts: "reasoning" when the prompt ends with <think>
+    (whitespace after it allowed), "content" when it ends with </think>; None otherwise (the text says).
+    Only the very end counts: a tag mentioned earlier (a user asking about <think>) says nothing."""
     tail = tail.rstrip()
     if tail.endswith(CLOSE):
         return "content"
-    return "reasoning" if tail.rfind(OPEN) > tail.rfind(CLOSE) else None
+    return "reasoning" if tail.endswith(OPEN) else None
 
 
 def partial_tag(text: str, tag: str) -> int:
@@ -55,12 +56,18 @@ class ReasoningSplitter:
             raise ValueError(f"reasoning parser must be one of {', '.join(REASONING_PARSERS)}, got {parser!r}")
         self.parser = parser
         self.state = "opening"  # before the text shows whether (qwen3) or how (deepseek_r1) reasoning opens
+        self.unopened = "reasoning" if parser == "deepseek_r1" else "content"  # where text without <think> goes
         self.held = ""  # text that may be the start of a tag
 
     def after_prompt(self, tail: str) -> None:
-        """Starts the text where a prompt ending in tail leaves it (before the first feed)."""
-        if self.state == "opening":
-            self.state = prompt_state(tail) or self.state
+        """Starts the text where a prompt ending in tail leaves it (before the first feed): in the reasoning
+        after an opened <think> (one the model writes anyway at the start is dropped, as deepseek_r1's),
+        in the answer after a closed one."""
+        state = prompt_state(tail) if self.state == "opening" else None
+        if state == "reasoning":
+            self.unopened = "reasoning"
+        elif state == "content":
+            self.state = "content"
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         """The reasoning and the content in text (with what was held before); final: the text ends here."""
@@ -74,7 +81,7 @@ class ReasoningSplitter:
                 self.held = text
                 return "", ""
             else:
-                self.state = "reasoning" if self.parser == "deepseek_r1" else "content"
+                self.state = self.unopened
         if self.state == "reasoning":
             before, closed, after = text.partition(CLOSE)
             if closed:

@@ -42,8 +42,8 @@ class SchedulerConfig:
     max_model_len: int = 4096
     # Most prefill tokens in a step that also decodes (None: only max_num_batched_tokens
     # bounds them). Lower values keep inter-token latency steady while long prompts arrive. The cap
-    # is lifted while requests queue (the step before left one waiting), so a burst is prefilled at
-    # the whole budget.
+    # is lifted while requests queue (the step before left one waiting that could be admitted), so a
+    # burst is prefilled at the whole budget.
     max_prefill_tokens_with_decode: int | None = None
     # Decode steps one plan may hold when only a few sequences decode and none waits (1: one
     # step per plan), and the most sequences such a plan takes.
@@ -183,7 +183,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decodes, chunks, prefilling, budget = self._schedule_decodes(budget)
         cap = self.config.max_prefill_tokens_with_decode
-        if cap is not None and (decodes or chunks) and not self._queued:
+        if cap is not None and (decodes or chunks) and not self._admits_queue():
             budget = min(budget, cap)
         budget = self._schedule_prefills(prefilling, chunks, budget)
         self._admit(chunks, budget)
@@ -193,6 +193,13 @@ class Scheduler:
         if not decodes and not chunks:
             return None
         return self._emit(decodes, chunks)
+
+    def _admits_queue(self) -> bool:
+        """Whether the last schedule left a sequence waiting that could be admitted now (a place among the
+        running ones, a free block): then the prefill cap is lifted, so a burst is prefilled at the whole
+        budget. One that cannot be admitted (max_num_seqs reached, the cache full) leaves the cap in place."""
+        return (self._queued and bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+                and self.block_manager.can_allocate(self.waiting[0], [], 1))
 
     def _schedule_decodes(self, budget: int) -> tuple[list[Sequence], list[ScheduledChunk], list[Sequence], int]:
         """1. Every running sequence with one token to compute gets it: plain decodes, or a chunk

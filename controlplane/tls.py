@@ -86,9 +86,10 @@ def is_unix(target: str) -> bool:
 
 
 def unix_path(target: str) -> str:
-    """The socket path of a unix: address (gRPC's unix:path and unix:///absolute/path)."""
+    """The socket path of a unix: address as gRPC reads it: unix:path (relative or absolute) and
+    unix://absolute_path, where unix://name is /name."""
     path = target.removeprefix("unix:")
-    return path[2:] if path.startswith("//") else path
+    return "/" + path[2:].lstrip("/") if path.startswith("//") else path
 
 
 def _answered(path: str) -> bool:
@@ -121,7 +122,12 @@ def check_target(target: str, flag: str = "--dataplane") -> str:
     """target unless a channel to it could not be what was meant: one with spaces, or a port past 65535
     (gRPC would take 99999 modulo 65536); else ValueError naming the flag."""
     port = target.rpartition(":")[2]
-    if any(c.isspace() for c in target) or not target.startswith(_SCHEMES) and port.isdigit() and not _is_port(port):
+    if is_unix(target):
+        bad = not unix_path(target).strip("/")  # no path: nothing to connect to
+    else:  # a socket path may hold spaces (a TMPDIR with one); a host name may not
+        bad = any(c.isspace() for c in target) or not target.startswith(_SCHEMES) and port.isdigit() and not (
+            _is_port(port))
+    if bad:
         raise ValueError(f"{flag} must be host:port with a port in [0, 65535], or unix:///path; got {target!r}")
     return target
 
@@ -130,7 +136,7 @@ def check_listen(address: str, flag: str = "--listen") -> str:
     """address if a server can be asked to listen there (host:port with a port in [0, 65535], or
     unix:///path), else ValueError naming the flag: gRPC would take port 65536 for port 0, and so on."""
     port = address.rpartition(":")[2]
-    if is_unix(address) and not unix_path(address) or not is_unix(address) and not _is_port(port):
+    if is_unix(address) and not unix_path(address).strip("/") or not is_unix(address) and not _is_port(port):
         raise ValueError(f"{flag} must be host:port with a port in [0, 65535], or unix:///path; got {address!r}")
     return address
 

@@ -611,6 +611,19 @@ def test_a_unix_socket_a_server_listens_on_is_refused_and_one_left_behind_is_tak
         assert result.returncode == 1 and "another server listens there already" in result.stderr, result.stderr
 
 
+def test_unix_addresses_are_read_as_grpc_reads_them():
+    from twinplane.controlplane.config import ControlPlaneConfig
+    from twinplane.controlplane.tls import check_target, unix_path
+
+    assert [unix_path(a) for a in ("unix:///tmp/a.sock", "unix://tmp/a.sock", "unix:rel.sock", "unix:/abs.sock")] == [
+        "/tmp/a.sock", "/tmp/a.sock", "rel.sock", "/abs.sock"]
+    assert check_target("unix:///tmp/a b/dataplane.sock") == "unix:///tmp/a b/dataplane.sock"  # a TMPDIR with a space
+    for target in ("unix:", "unix://", "host:99999", "host name:5"):
+        with pytest.raises(ValueError, match="must be host:port with a port in"):
+            check_target(target)
+    assert ControlPlaneConfig(dataplane="unix:///tmp/a b/dp.sock").dataplanes == ("unix:///tmp/a b/dp.sock",)
+
+
 def test_serve_refuses_a_dataplane_listen_address_without_a_port_or_its_folder():
     from twinplane.clients.cli import _dataplane_children, build_parser
 
@@ -743,14 +756,19 @@ def test_chat_template_takes_a_file_or_the_template_and_must_compile(tmp_path):
 
 
 def test_a_data_plane_on_port_0_says_the_port_it_got():
+    import threading
+
+    from tests.reliability import wait_until
+
     process = subprocess.Popen([*CLI, "dataplane", "--model", "dummy:tiny-qwen3", "--device", "cpu", "--listen",
                                 "127.0.0.1:0", "--insecure"], stderr=subprocess.PIPE, text=True,
                                stdin=subprocess.DEVNULL)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(process.stderr), daemon=True).start()  # reads it to the end
     try:
-        for line in process.stderr:
-            if "data plane ready on" in line:
-                break
-        port = int(re.search(r"ready on 127\.0\.0\.1:(\d+)", line).group(1))
+        wait_until(lambda: any("data plane ready on" in line for line in lines) or process.poll() is not None, 120,
+                   "the data plane's ready line")
+        port = int(re.search(r"ready on 127\.0\.0\.1:(\d+)", "".join(lines)).group(1))
         assert port > 0
         with socket.create_connection(("127.0.0.1", port), timeout=10):
             pass  # it listens there

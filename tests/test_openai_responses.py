@@ -164,9 +164,10 @@ def test_a_function_call_cut_by_max_output_tokens_is_incomplete(client):
     ({"input": [{"type": "function_call_output", "output": "18 C"}]}, "input", "input[0].call_id is required"),
     ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include", "are not supported here"),
     ({"input": [{"type": "reasoning", "content": "thinking"}]}, "input", "list of reasoning_text parts"),
+    ({"input": "hi", "include": 5}, "include", "include must be a list of strings"),
 ], ids=["previous-response", "built-in-tool", "image-item", "image-part", "no-input", "max-output-tokens",
         "unknown-format", "unknown-function", "instructions-number", "call-arguments", "no-call-id",
-        "output-logprobs", "reasoning-text"])
+        "output-logprobs", "reasoning-text", "include-not-a-list"])
 def test_what_the_server_cannot_do_gets_400(client, request_fields, param, words):
     reply = httpx.post(f"{client.base_url}responses", json={"model": "scripted", **request_fields}, timeout=30)
     assert reply.status_code == 400, reply.text

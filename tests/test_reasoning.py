@@ -152,7 +152,7 @@ def test_the_http_api_returns_reasoning_content(tiny_qwen3_dir, planes_factory):
 
 @pytest.mark.parametrize("tail, state", [
     ("<|im_start|>assistant\n<think>\n", "reasoning"),  # a thinking-only model's template opens it
-    ("<|im_start|>assistant\n<think>\nI was about to", "reasoning"),  # a continued final message
+    ("<|im_start|>user\nWhat is <think> for?<|im_end|>\n<|im_start|>assistant\n", None),  # only the end counts
     ("<|im_start|>assistant\n<think>\n\n</think>\n\n", "content"),  # enable_thinking false
     ("<think>a</think>b<|im_end|>\n<|im_start|>assistant\n", None),  # an earlier turn's, closed: the text says
     ("<|im_start|>assistant\n", None),
@@ -181,7 +181,9 @@ def test_a_prompt_that_opened_or_closed_the_thinking_decides_the_split(parser):
             ("assistant\n<think>\n", ["I reason", " here.</th", "ink>\n\nThe answer."],
              {"reasoning_content": "I reason here.", "content": "\n\nThe answer."}),
             ("assistant\n<think>\n\n</think>\n\n", ["The answer", " at once."],
-             {"reasoning_content": None, "content": "The answer at once."})]:
+             {"reasoning_content": None, "content": "The answer at once."}),
+            ("assistant\n<think>\n", ["<th", "ink>\nOpened again.</think>", "Then this."],  # its <think> dropped
+             {"reasoning_content": "\nOpened again.", "content": "Then this."})]:
         tokenizer = TailTokenizer(prompt)
         outs = _outputs(pieces)
         outs[0].prompt_ids = list(range(len(prompt)))

@@ -177,6 +177,20 @@ def test_the_prefill_cap_is_lifted_while_requests_queue():
     assert [(c.seq.seq_id, c.num_tokens) for c in out.chunks] == [(1, 1), (2, 1), (3, 1), (4, 5)]
 
 
+def test_the_prefill_cap_stays_while_what_waits_cannot_be_admitted():
+    """A request left waiting because max_num_seqs sequences run gets nothing from a lifted cap: the running
+    prompt keeps its capped share beside the decodes."""
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_prefill_tokens_with_decode=5)
+    sched = Scheduler(config, BlockManager(64, 4))
+    add(sched, 1, 3)
+    step(sched)
+    add(sched, 2, 40, first_token=50)
+    add(sched, 3, 20, first_token=80)  # no place for it: two run
+    for _ in range(3):
+        out = step(sched)
+        assert [(c.seq.seq_id, c.num_tokens) for c in out.chunks] == [(1, 1), (2, 5)]
+
+
 def test_next_step_is_planned_before_the_result_arrives():
     sched = make()
     a = add(sched, 1, 6)
