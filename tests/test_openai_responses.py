@@ -225,33 +225,44 @@ def test_reasoning_items_become_the_thinking_of_the_assistant_message_after_them
     assert messages[2]["role"] == "tool" and messages[3] == {"role": "assistant", "content": "It is 18 C."}
 
 
-def test_output_items_keep_the_order_the_model_wrote_them_however_the_text_was_cut():
-    """Text after a call that came in the same piece as the call goes after it, in an item of its own, as it
-    does when every token comes alone."""
+def _items(text: str, size: int, tool_call_parser: str, reasoning_parser: str | None = None) -> list[tuple[str, str]]:
+    """The output items (type, text or arguments) of a response whose text came in pieces of size characters."""
     from twinplane.controlplane.api import Limits, RequestOutput
     from twinplane.controlplane.openai_api import parse_request
     from twinplane.controlplane.openai_responses import ResponsesBuilder, chat_body
     from twinplane.controlplane.sequence import FinishReason
 
-    text = "<think>Ask.</think>\nBefore.\n" + CALL + "\nBetween.\n" + CALL.replace("Paris", "Lyon") + "\nAfter."
     body = {"model": "m", "input": "x", "tools": TOOLS}
+    request = parse_request(chat_body(body), Limits(4096, 4096), "r", chat=True, tool_call_parser=tool_call_parser,
+                            reasoning_parser=reasoning_parser)
+    builder = ResponsesBuilder(request, "resp_r", "m", body, reasoning_parser, tool_call_parser)
+    builder.start()
+    pieces = [text[i:i + size] for i in range(0, len(text), size)]
+    for i, piece in enumerate(pieces):
+        builder.add(0, RequestOutput("r", text=piece, token_ids=[0],
+                                     finish_reason=FinishReason.STOP_TOKEN if i == len(pieces) - 1 else None))
+    [last] = builder.finish({"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2,
+                             "prompt_tokens_details": {"cached_tokens": 0}})
+    return [(item["type"], item["arguments"] if item["type"] == "function_call" else item["content"][0]["text"])
+            for item in last["response"]["output"]]
 
-    def items(size: int) -> list[tuple[str, str]]:
-        request = parse_request(chat_body(body), Limits(4096, 4096), "r", chat=True, tool_call_parser="hermes",
-                                reasoning_parser="qwen3")
-        builder = ResponsesBuilder(request, "resp_r", "m", body, "qwen3", "hermes")
-        builder.start()
-        pieces = [text[i:i + size] for i in range(0, len(text), size)]
-        for i, piece in enumerate(pieces):
-            builder.add(0, RequestOutput("r", text=piece, token_ids=[0],
-                                         finish_reason=FinishReason.STOP_TOKEN if i == len(pieces) - 1 else None))
-        [last] = builder.finish({"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2,
-                                 "prompt_tokens_details": {"cached_tokens": 0}})
-        return [(item["type"], item["arguments"] if item["type"] == "function_call" else item["content"][0]["text"])
-                for item in last["response"]["output"]]
 
+def test_output_items_keep_the_order_the_model_wrote_them_however_the_text_was_cut():
+    """Text after a call that came in the same piece as the call goes after it, in an item of its own, as it
+    does when every token comes alone."""
+    text = "<think>Ask.</think>\nBefore.\n" + CALL + "\nBetween.\n" + CALL.replace("Paris", "Lyon") + "\nAfter."
     expected = [("reasoning", "Ask."), ("message", "\nBefore.\n"), ("function_call", '{"city": "Paris"}'),
                 ("message", "\nBetween.\n"), ("function_call", '{"city": "Lyon"}'), ("message", "\nAfter.")]
-    assert items(1) == expected
+    assert _items(text, 1, "hermes", "qwen3") == expected
     for size in (2, 3, 7, 16, 50, len(text)):
-        assert items(size) == expected, size
+        assert _items(text, size, "hermes", "qwen3") == expected, size
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}\nDone.'),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}\nDone.')])
+def test_text_after_the_calls_of_a_json_parser_comes_after_them(parser, text):
+    """llama3_json and mistral write their calls first and what follows the last one is content: it goes after
+    the call's item, whether the text came in one piece or token by token."""
+    for size in (1, len(text)):
+        assert [kind for kind, _ in _items(text, size, parser)] == ["function_call", "message"], size
