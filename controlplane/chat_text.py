@@ -28,8 +28,10 @@ class ChatText:
     cut short (by max_tokens) and is dropped."""
 
     def __init__(self, reasoning_parser: str | None, tool_call_parser: str | None, parallel: bool = True,
-                 calls_only: bool = False):
+                 calls_only: bool = False, tokenizer=None):
+        """tokenizer: reads how the prompt ends (the first output's prompt ids), where the reasoning starts."""
         self.reasoning = ReasoningSplitter(reasoning_parser) if reasoning_parser else None
+        self.tokenizer = tokenizer
         self.tools = parser_for(tool_call_parser) if tool_call_parser else None
         self.parallel = parallel
         self.calls_only = calls_only
@@ -39,10 +41,12 @@ class ChatText:
         self.streamed: tuple[str, int] | None = None  # the open call's id, and how much of its arguments went out
         self.call_offsets: list[int] = []  # the last feed's calls: how much of its content came before each
 
-    def after_prompt(self, tokenizer, prompt_ids: list[int] | None) -> None:
-        """With the first output's prompt ids: the text starts where the prompt leaves it (``reasoning.py``)."""
-        if self.reasoning is not None and prompt_ids and tokenizer is not None:
-            self.reasoning.after_prompt(tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], False))
+    def take(self, out) -> tuple[str, str, list[ToolCall]]:
+        """``feed`` of one RequestOutput; the first, which carries the prompt's ids, starts the text where
+        the prompt leaves it (``reasoning.py``)."""
+        if self.reasoning is not None and out.prompt_ids and self.tokenizer is not None:
+            self.reasoning.after_prompt(self.tokenizer.decode(out.prompt_ids[-PROMPT_TAIL_TOKENS:], False))
+        return self.feed(out.text, out.finish_reason is not None, len(out.token_ids))
 
     def feed(self, text: str, final: bool = False, num_tokens: int = 0) -> tuple[str, str, list[ToolCall]]:
         """The reasoning, the content and the tool calls in text, the piece of num_tokens tokens. A

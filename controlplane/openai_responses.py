@@ -186,9 +186,8 @@ class ResponsesBuilder:
         """body: the Responses request, whose settings the response repeats; tokenizer: reads where the
         prompt leaves the reasoning."""
         self.id, self.model, self.created = response_id, model, int(time.time())
-        self.tokenizer = tokenizer
         self.text = ChatText(reasoning_parser, tool_call_parser if request.tools.parse else None,
-                             request.tools.parallel, bool(request.tools.forced))
+                             request.tools.parallel, bool(request.tools.forced), tokenizer)
         self.items: list[dict] = []  # the output items so far, the open one last
         self.open: str | None = None  # "reasoning" or "message": the last item's kind while it takes text
         self.texts: list[str] = []  # the text of each item (function calls: "")
@@ -217,8 +216,7 @@ class ResponsesBuilder:
         events: list[dict] = []
         if out.finish_reason is not None:
             self.final = out  # before the items it ends: one cut by max_output_tokens is incomplete
-        self.text.after_prompt(self.tokenizer, out.prompt_ids)
-        reasoning, content, calls = self.text.feed(out.text, out.finish_reason is not None, len(out.token_ids))
+        reasoning, content, calls = self.text.take(out)
         deltas = self.text.deltas(calls)
         for delta in deltas:  # a call written in earlier pieces goes on first: text comes after its block
             if not delta.begins:

@@ -180,7 +180,7 @@ class ResponseBuilder:
         self.reasoning_parser = reasoning_parser if request.chat else None
         self.tool_call_parser = tool_call_parser if request.tools.parse else None
         self.parts = [ChatText(self.reasoning_parser, self.tool_call_parser, request.tools.parallel,
-                               bool(request.tools.forced)) for _ in range(n)] if request.chat else None
+                               bool(request.tools.forced), tokenizer) for _ in range(n)] if request.chat else None
         self.texts = [""] * n  # the whole response's text (chat: its content)
         self.reasonings = [""] * n  # chat: the whole response's reasoning
         self.calls: list[list[ToolCall]] = [[] for _ in range(n)]  # chat: the whole response's tool calls
@@ -220,9 +220,7 @@ class ResponseBuilder:
         """The choice of one output of choice index, in a stream chunk."""
         choice = {"index": index, "logprobs": self._logprobs(index, out)}
         if self.request.chat:
-            self.parts[index].after_prompt(self.tokenizer, out.prompt_ids)
-            reasoning, content, calls = self.parts[index].feed(out.text, out.finish_reason is not None,
-                                                               len(out.token_ids))
+            reasoning, content, calls = self.parts[index].take(out)
             deltas = [d for d in self.parts[index].deltas(calls) if d.begins or d.arguments]  # an end adds nothing
             delta = {}
             if reasoning:
@@ -255,8 +253,7 @@ class ResponseBuilder:
             self.prompt_logprobs[index] = out.prompt_logprobs
         text = out.text
         if self.request.chat:
-            self.parts[index].after_prompt(self.tokenizer, out.prompt_ids)
-            reasoning, text, calls = self.parts[index].feed(text, out.finish_reason is not None, len(out.token_ids))
+            reasoning, text, calls = self.parts[index].take(out)
             self.reasonings[index] += reasoning
             self.calls[index] += calls
         self.texts[index] += text

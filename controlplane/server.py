@@ -140,9 +140,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         async for out in engine.outputs(state):
             message = output_to_pb(out)
             if parts is not None:  # the answer in text; the reasoning and the tool calls apart
-                parts.after_prompt(engine.tokenizer, out.prompt_ids)
-                reasoning, message.text, calls = parts.feed(out.text, out.finish_reason is not None,
-                                                            len(out.token_ids))
+                reasoning, message.text, calls = parts.take(out)
                 message.reasoning_text = reasoning
                 message.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls)
                 message.tool_call_deltas.extend(
@@ -163,7 +161,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         parser = config.tool_call_parser if request.chat.tools else None
         if tags_are_special(parser, self.engine.tokenizer):
             call = replace(call, params=replace(call.params, skip_special_tokens=False))
-        return call, ChatText(config.reasoning_parser, parser, calls_only=forces_calls(request))
+        return call, ChatText(config.reasoning_parser, parser, calls_only=forces_calls(request),
+                              tokenizer=self.engine.tokenizer)
 
     @unary_errors
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
