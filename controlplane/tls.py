@@ -118,26 +118,30 @@ def _is_port(text: str) -> bool:
 _SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:")  # gRPC targets that name their kind
 
 
+def _bad_address(address: str, flag: str) -> ValueError:
+    return ValueError(f"{flag} must be host:port with a port in [0, 65535], or unix:///path; got {address!r}")
+
+
 def check_target(target: str, flag: str = "--dataplane") -> str:
-    """target unless a channel to it could not be what was meant: one with spaces, or a port past 65535
-    (gRPC would take 99999 modulo 65536); else ValueError naming the flag."""
-    port = target.rpartition(":")[2]
+    """target unless a channel to it could not be what was meant: no socket path, a host with spaces (a
+    socket path may hold them: a TMPDIR with one), or a port past 65535 (gRPC would take 99999 modulo
+    65536); else ValueError naming the flag."""
     if is_unix(target):
-        bad = not unix_path(target).strip("/")  # no path: nothing to connect to
-    else:  # a socket path may hold spaces (a TMPDIR with one); a host name may not
+        bad = not unix_path(target).strip("/")
+    else:
+        port = target.rpartition(":")[2]
         bad = any(c.isspace() for c in target) or not target.startswith(_SCHEMES) and port.isdigit() and not (
             _is_port(port))
     if bad:
-        raise ValueError(f"{flag} must be host:port with a port in [0, 65535], or unix:///path; got {target!r}")
+        raise _bad_address(target, flag)
     return target
 
 
 def check_listen(address: str, flag: str = "--listen") -> str:
     """address if a server can be asked to listen there (host:port with a port in [0, 65535], or
     unix:///path), else ValueError naming the flag: gRPC would take port 65536 for port 0, and so on."""
-    port = address.rpartition(":")[2]
-    if is_unix(address) and not unix_path(address).strip("/") or not is_unix(address) and not _is_port(port):
-        raise ValueError(f"{flag} must be host:port with a port in [0, 65535], or unix:///path; got {address!r}")
+    if not (unix_path(address).strip("/") if is_unix(address) else _is_port(address.rpartition(":")[2])):
+        raise _bad_address(address, flag)
     return address
 
 
