@@ -144,15 +144,15 @@ OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
 async def _server_ready(client, target: str, server: subprocess.Popen | None, timeout: float) -> None:
     """Waits for the server to be SERVING; one this run started that exits meanwhile ends the wait at once
     (with exit code 78 when the server refused its flags)."""
-    from twinplane.controlplane.ipc import CONFIG_ERROR_EXIT, ConfigExit
+    from twinplane.controlplane.ipc import child_exited
 
     ready = asyncio.ensure_future(client.wait_ready(timeout=timeout))
     while server is not None and not ready.done():
         await asyncio.wait({ready}, timeout=0.5)
         if server.poll() is not None and not ready.done():
             ready.cancel()
-            why = f"twinplane bench: the server it started exited with code {server.returncode} (its error is above)"
-            raise ConfigExit(why) if server.returncode == CONFIG_ERROR_EXIT else SystemExit(why)
+            raise child_exited(f"twinplane bench: the server it started exited with code {server.returncode} "
+                               "(its error is above)", server.returncode)
     try:
         await ready
     except TimeoutError as exc:

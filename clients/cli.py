@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from twinplane.clients.launcher import TOKEN_ENV, DataPlaneProcess, gpu_groups, new_token
-from twinplane.controlplane.ipc import CONFIG_ERROR_EXIT, GROUP_SIGNALS, ConfigExit
+from twinplane.controlplane.ipc import CONFIG_ERROR_EXIT, GROUP_SIGNALS, ConfigExit, child_exited
 from twinplane.controlplane.event_loop import run as run_event_loop
 
 log = logging.getLogger("twinplane")
@@ -355,8 +355,8 @@ def _dataplane_children(args: argparse.Namespace, token: str) -> list[DataPlaneP
     try:
         for address in filter(None, addresses):
             check_listen(address, "--dataplane-listen")
-            folder = os.path.dirname(unix_path(address)) if is_unix(address) else "."
-            if not os.path.isdir(folder or "."):  # the child could not bind, and would be restarted for ever
+            folder = os.path.dirname(unix_path(address)) if is_unix(address) else ""
+            if folder and not os.path.isdir(folder):  # the child could not bind, and would be restarted for ever
                 raise ValueError(f"--dataplane-listen {address}: the folder {folder} does not exist")
     except ValueError as exc:  # the child would refuse it, after the model loads
         _config_error("serve", str(exc))
@@ -557,8 +557,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 async def _wait_ready(plane, child) -> None:
     while not plane.engine.ready.is_set():
         if child.process.poll() is not None:
-            why = f"the data plane exited with code {child.process.returncode}"
-            raise ConfigExit(why) if child.process.returncode == CONFIG_ERROR_EXIT else SystemExit(why)
+            code = child.process.returncode
+            raise child_exited(f"the data plane exited with code {code}", code)
         await asyncio.sleep(0.1)
 
 

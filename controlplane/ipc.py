@@ -44,6 +44,12 @@ class ConfigExit(SystemExit):
         self.code = CONFIG_ERROR_EXIT
 
 
+def child_exited(message: str, returncode: int) -> SystemExit:
+    """The exit of a command whose child (a server it started) exited with returncode: CONFIG_ERROR_EXIT
+    passed on (the child refused its flags: starting it again would not help), 1 for anything else."""
+    return ConfigExit(message) if returncode == CONFIG_ERROR_EXIT else SystemExit(message)
+
+
 def popen_shielded(argv: list[str], **kwargs) -> subprocess.Popen:
     """subprocess.Popen(argv, **kwargs) for a child that calls ignore_group_signals: it starts with
     GROUP_SIGNALS blocked (a signal mask survives fork and exec), so one that reaches the process
