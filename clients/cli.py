@@ -344,7 +344,7 @@ def _dataplane_child(args: argparse.Namespace, address: str | None = None, token
 
 def _dataplane_children(args: argparse.Namespace, token: str) -> list[DataPlaneProcess]:
     """serve's data planes: --data-parallel-size of them, each on its own GPUs and address."""
-    from twinplane.controlplane.tls import check_listen, is_unix, unix_path
+    from twinplane.controlplane.tls import check_listen
 
     n = args.data_parallel_size
     if n < 1:
@@ -354,11 +354,8 @@ def _dataplane_children(args: argparse.Namespace, token: str) -> list[DataPlaneP
         _config_error("serve", f"--dataplane-listen gives {len(addresses)} addresses for --data-parallel-size {n}")
     try:
         for address in filter(None, addresses):
-            check_listen(address, "--dataplane-listen")
-            folder = os.path.dirname(unix_path(address)) if is_unix(address) else ""
-            if folder and not os.path.isdir(folder):  # the child could not bind, and would be restarted for ever
-                raise ValueError(f"--dataplane-listen {address}: the folder {folder} does not exist")
-    except ValueError as exc:  # the child would refuse it, after the model loads
+            check_listen(address, "--dataplane-listen")  # else the child would refuse it, after the model loads
+    except ValueError as exc:
         _config_error("serve", str(exc))
     groups = [None] * n
     if n > 1 and args.device != "cpu":

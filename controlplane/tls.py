@@ -9,6 +9,7 @@ The addresses the servers listen on are checked here as well (``check_listen``, 
 
 from __future__ import annotations
 
+import os
 import socket
 import ssl
 from dataclasses import dataclass
@@ -139,9 +140,19 @@ def check_target(target: str, flag: str = "--dataplane") -> str:
 
 def check_listen(address: str, flag: str = "--listen") -> str:
     """address if a server can be asked to listen there (host:port with a port in [0, 65535], or
-    unix:///path), else ValueError naming the flag: gRPC would take port 65536 for port 0, and so on."""
+    unix:///path to a socket in a folder that exists), else ValueError naming the flag: gRPC would take
+    port 65536 for port 0, and a socket path it cannot bind would fail as a busy port would, though
+    waiting would not free it."""
     if not (unix_path(address).strip("/") if is_unix(address) else _is_port(address.rpartition(":")[2])):
         raise _bad_address(address, flag)
+    if is_unix(address):
+        path = unix_path(address)
+        if os.path.isdir(path):
+            raise ValueError(f"{flag} {address}: {path} is a folder; name a socket file in it, e.g. "
+                             f"unix://{os.path.join(os.path.abspath(path), 'api.sock')}")
+        folder = os.path.dirname(path)
+        if folder and not os.path.isdir(folder):
+            raise ValueError(f"{flag} {address}: the folder {folder} does not exist")
     return address
 
 

@@ -635,6 +635,23 @@ def test_serve_refuses_a_dataplane_listen_address_without_a_port_or_its_folder()
         _dataplane_children(args, "token")
 
 
+def test_a_listen_socket_path_that_cannot_be_bound_is_a_config_error(tmp_path):
+    """A unix socket path that is a folder, or in a folder that does not exist, would fail to bind as a busy port
+    does (exit 1, restarted) though waiting never frees it: every listening flag refuses it up front."""
+    from twinplane.controlplane.config import ControlPlaneConfig
+    from twinplane.controlplane.tls import check_listen
+
+    folder = f"unix://{tmp_path}"
+    with pytest.raises(ValueError, match=f"--health-listen {folder}: {tmp_path} is a folder; name a socket file in "
+                                         f"it, e.g. unix://{tmp_path}/api.sock"):
+        check_listen(folder, "--health-listen")
+    with pytest.raises(ValueError, match=f"--listen unix://{tmp_path}/no/api.sock: the folder {tmp_path}/no does not"):
+        ControlPlaneConfig(dataplane="unix:///tmp/dp.sock", listen=f"unix://{tmp_path}/no/api.sock")
+    assert check_listen(f"unix://{tmp_path}/api.sock") == f"unix://{tmp_path}/api.sock"
+    result = _refused("dataplane", "--device", "cpu", "--listen", folder)
+    assert result.returncode == 78 and f"{tmp_path} is a folder" in result.stderr, result.stderr
+
+
 def test_start_up_problems_that_a_restart_would_not_mend_exit_78(tmp_path, tiny_qwen3_dir):
     """serve restarts a data plane that exits 1, so these must not: a cut-off checkpoint, a cache path that is a
     file; and run checks its request before it loads the model, and passes on its data plane's 78."""
