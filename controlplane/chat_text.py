@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from twinplane.controlplane.reasoning import PROMPT_TAIL_TOKENS, ReasoningSplitter
-from twinplane.controlplane.tools import HermesParser, ToolCall, parser_for
+from twinplane.controlplane.tools import ToolCall, parser_for
 
 
 class CallDelta(NamedTuple):
@@ -65,12 +65,9 @@ class ChatText:
                 self.reasoning_tokens += round(num_tokens * (decided - len(text)) / decided)
         if self.tools is not None:
             text, calls = self.tools.feed(text, final)
-            # where each call came in the content: hermes says (its calls and text mix); the others write their
-            # calls first, and what follows the last one is the content
-            offsets = self.tools.call_offsets if isinstance(self.tools, HermesParser) else [0] * len(calls)
             text = "" if self.calls_only else text
             calls = calls if self.parallel else calls[:max(0, 1 - self.calls)]
-            self.call_offsets = [min(offset, len(text)) for offset in offsets[:len(calls)]]
+            self.call_offsets = [min(offset, len(text)) for offset in self.tools.call_offsets[:len(calls)]]
             self.calls += len(calls)
         return reasoning, text, calls
 

@@ -472,6 +472,18 @@ class _CallSequence:
         self.head: _WrittenCall | None = None  # the call being written
         self.next: _CallStart | None = None  # where a call may open next, while it is not known yet
         self.done = False  # the calls have ended: the rest is content
+        self.call_offsets: list[int] = []  # the last feed's calls: where each came in its content
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
+        """The content and the calls in text (with what was held before); final: the text ends here.
+        ``call_offsets`` then says how much of the content came before each call."""
+        before, calls, after = self._feed(text, final)
+        self.call_offsets = [len(before)] * len(calls)
+        return before + after, calls
+
+    def _feed(self, text: str, final: bool) -> tuple[str, list[ToolCall], str]:
+        """The content before the calls in text, the calls, and the content after them."""
+        raise NotImplementedError
 
     @property
     def open_call(self) -> ToolCall | None:
@@ -533,10 +545,9 @@ class Llama3JsonParser(_CallSequence):
         super().__init__(_LLAMA_CALLS)
         self.state = "opening"  # until the first text past whitespace (and the python tag) shows which
 
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
-        """The content and the calls in text (with what was held before); final: the text ends here."""
+    def _feed(self, text: str, final: bool) -> tuple[str, list[ToolCall], str]:
         if self.done:
-            return text, []
+            return text, [], ""
         self.held += text
         if self.state == "opening":
             start = self.held.lstrip()
@@ -545,19 +556,19 @@ class Llama3JsonParser(_CallSequence):
             if start.startswith("{"):
                 self.state, self.at = "calls", len(self.held) - len(start)
             elif (not start or PYTHON_TAG.startswith(start)) and not final:
-                return "", []
+                return "", [], ""
             else:
                 self.done, held, self.held = True, self.held, ""
-                return held, []
+                return held, [], ""
         found = self._calls(final) if self.state == "calls" else None
         if found is not None:
-            return found
+            return "", found[1], found[0]
         self.state = "whole"  # JSON that is no call as it starts: read whole at the end
         if not final:
-            return "", []
+            return "", [], ""
         body = self.held.lstrip().removeprefix(PYTHON_TAG)
         calls = _llama3_calls(body.strip())
-        return ("", calls) if calls else (self.held, [])
+        return ("", calls, "") if calls else (self.held, [], "")
 
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
@@ -583,10 +594,9 @@ class MistralParser(_CallSequence):
         self.partial = ""  # before the tag: text that may be the start of TOOL_CALLS
         self.tagged = False  # the tag has come: held is the text after it
 
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
-        """The content and the calls in text (with what was held before); final: the text ends here."""
+    def _feed(self, text: str, final: bool) -> tuple[str, list[ToolCall], str]:
         if self.done:
-            return text, []
+            return text, [], ""
         content = ""
         if not self.tagged:
             text, self.partial = self.partial + text, ""
@@ -594,19 +604,19 @@ class MistralParser(_CallSequence):
             if at < 0:
                 keep = 0 if final else partial_tag(text, TOOL_CALLS)
                 self.partial = text[len(text) - keep:]
-                return text[:len(text) - keep], []
+                return text[:len(text) - keep], [], ""
             content, text, self.tagged = text[:at], text[at + len(TOOL_CALLS):], True
         self.held += text
         if self.form is None:
             start = self.held.lstrip()
             if not start and not final:
-                return content, []
+                return content, [], ""
             self.form = _MISTRAL_FORMS["list" if start.startswith("[") else "named"]
         found = self._calls(final)
         if found is None:  # the tag led to no call: text as any other
             self.done = True
-            return content + TOOL_CALLS + self.held, []
-        return content + found[0], found[1]
+            return content + TOOL_CALLS + self.held, [], ""
+        return content, found[1], found[0]
 
 
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}

@@ -266,3 +266,11 @@ def test_text_after_the_calls_of_a_json_parser_comes_after_them(parser, text):
     the call's item, whether the text came in one piece or token by token."""
     for size in (1, len(text)):
         assert [kind for kind, _ in _items(text, size, parser)] == ["function_call", "message"], size
+
+
+def test_mistral_text_before_its_tag_comes_before_the_calls_in_the_same_piece():
+    """Mistral's content runs up to [TOOL_CALLS]: text before the tag goes before the call's item, also when the
+    tag and the call come in the same piece as that text."""
+    text = 'Sure.\n[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+    for size in (1, 4, len(text)):
+        assert _items(text, size, "mistral") == [("message", "Sure.\n"), ("function_call", '{"city": "Paris"}')], size
