@@ -403,20 +403,24 @@ class Engine:
         n = self.config.api_server_count
         return f" (this frontend's share: {n} frontends split the limit)" if n > 1 else ""
 
-    def check_room(self) -> None:
-        """Refuses a request while this frontend's own waiting requests fill its share of
-        max_waiting_requests (all of it, with one frontend)."""
+    def check_room(self, count: int = 1) -> None:
+        """Refuses count sequences (a request's choices) unless they fit beside this frontend's own waiting
+        requests in its share of max_waiting_requests (all of it, with one frontend)."""
         if not self.accepting:
             raise NotReady("the server is shutting down")
         core = self.core_snapshot
         queued = core.waiting_by_frontend[self.index] if core.waiting_by_frontend else 0
         waiting, limit = queued + self._num_not_in_core, self.config.share(self.config.max_waiting_requests)
-        if waiting >= limit:
+        if count > limit:
+            raise InvalidRequest(f"the request asks for {count} sequences (its prompts times n); max_waiting_requests "
+                                 f"{limit}{self._per_frontend} allows at most {limit} at once")
+        if waiting + count > limit:
             raise Overloaded(f"too many waiting requests ({waiting}, max_waiting_requests {limit}"
                              f"{self._per_frontend}); retry later")
 
-    async def add(self, call: GenerateCall) -> RequestState:
-        """Tokenizes and queues a validated request (call after wait_ready); returns its state."""
+    async def add(self, call: GenerateCall, room_checked: bool = False) -> RequestState:
+        """Tokenizes and queues a validated request (call after wait_ready); returns its state.
+        room_checked: check_room was asked for it with the rest of its request."""
         arrival_time = time.monotonic()
         if call.params.regex is not None and self.tokenizer is None:
             raise InvalidRequest("structured output needs the model's tokenizer, to know each token's text; this "
@@ -424,7 +428,8 @@ class Engine:
         if call.params.bad_words and self.tokenizer is None:
             raise InvalidRequest("bad_words needs the model's tokenizer, to know each word's tokens; this "
                                  "server has none (start it with --tokenizer FOLDER)")
-        self.check_room()
+        if not room_checked:
+            self.check_room()
         self.num_tokenizing += 1
         try:
             prompt = await self._prompt_tokens(call)

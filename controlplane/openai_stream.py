@@ -56,7 +56,9 @@ class Choices:
 
     async def open(self) -> None:
         """Adds the first choice of every prompt (raises the engine's ServiceError for a request it
-        refuses, after aborting the ones it added)."""
+        refuses, after aborting the ones it added). The room for every choice is checked here: the
+        others, added once the first has cached the prompt, are not refused part way."""
+        self.engine.check_room(len(self.calls))
         try:
             for index in range(0, len(self.calls), self.n):
                 await self._start(index)
@@ -66,7 +68,7 @@ class Choices:
 
     async def _start(self, index: int) -> None:
         self.started[index] = True
-        state = await self.engine.add(self.calls[index])
+        state = await self.engine.add(self.calls[index], room_checked=True)
         self.states.append(state)
         self.first_tokens[index // self.n] = state.prompt[0]
         if self.echo is not None:

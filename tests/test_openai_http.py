@@ -739,15 +739,36 @@ def test_429_when_too_many_wait_and_shutdown_ends_streams(planes_factory, tiny_q
     planes.plane = None  # already shut down
 
 
-def test_a_batch_refused_part_way_leaves_nothing_behind(planes_factory, tiny_qwen3_dir):
-    """A batch whose later prompts find the queue full gets 429, and the prompts already added are
-    aborted at once: no request and no KV block is left, and a batch that fits runs next."""
-    planes = planes_factory(tiny_qwen3_dir, "--block-size", "16", max_waiting_requests=2, http_listen="127.0.0.1:0")
+def test_the_room_for_every_choice_is_checked_before_the_first_runs(planes_factory, tiny_qwen3_dir):
+    """A request's choices (its prompts times n) are admitted or refused together, before any of them runs: the
+    later choices, added once the first has cached the prompt, were refused part way (429 after the first ran)
+    or waited behind it. More choices than max_waiting_requests allows can never fit: 400."""
+    planes = planes_factory(tiny_qwen3_dir, "--block-size", "16", "--max-num-seqs", "1", max_waiting_requests=2,
+                            http_listen="127.0.0.1:0")
     url = f"http://127.0.0.1:{planes.plane.http_port}/v1/completions"
-    body = {"prompt": ["Once upon a time", [5, 6, 7], "The quick brown fox", [8, 9]], "max_tokens": 512,
+    body = {"prompt": "Once upon a time", "max_tokens": 3000, "stream": True, "ignore_eos": True}
+    too_many = httpx.post(url, json={**body, "stream": False, "n": 3, "max_tokens": 2}, timeout=30)
+    assert too_many.status_code == 400 and "asks for 3 sequences (its prompts times n); max_waiting_requests 2 " \
+        "allows at most 2 at once" in too_many.json()["error"]["message"], too_many.text
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", url, json=body) as running:
+            assert next(running.iter_lines()).startswith("data: ")  # running: the one sequence a step may hold
+            with http.stream("POST", url, json=body):
+                wait_until(lambda: planes.engine.num_waiting == 1, 10, "the second request to wait")
+                refused = http.post(url, json={**body, "stream": False, "n": 2, "max_tokens": 2}, timeout=10)
+                assert refused.status_code == 429 and "max_waiting_requests 2" in refused.json()["error"]["message"]
+                assert planes.engine.num_waiting == 1  # none of its choices was added
+
+
+def test_a_batch_refused_part_way_leaves_nothing_behind(planes_factory, tiny_qwen3_dir):
+    """A batch whose later prompt is refused once tokenized (too long) gets 400, and the prompts already added
+    are aborted at once: no request and no KV block is left, and a batch that fits runs next."""
+    planes = planes_factory(tiny_qwen3_dir, "--block-size", "16", http_listen="127.0.0.1:0")
+    url = f"http://127.0.0.1:{planes.plane.http_port}/v1/completions"
+    body = {"prompt": ["Once upon a time", [5, 6, 7], "The quick brown fox " * 5000, [8, 9]], "max_tokens": 512,
             "ignore_eos": True}
     refused = httpx.post(url, json=body, timeout=60)
-    assert refused.status_code == 429 and "max_waiting_requests 2" in refused.json()["error"]["message"]
+    assert refused.status_code == 400 and "the prompt has" in refused.json()["error"]["message"], refused.text
     assert not planes.engine.requests  # aborted before the answer, not left to run their 512 tokens
     # the core has seen the aborted prompts come and go (until its next report they count as on their way)
     wait_until(lambda: planes.engine.num_waiting == 0 and all_blocks_free(planes), 20,
