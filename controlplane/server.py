@@ -151,14 +151,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     def _output_parts(self, request: pb.GenerateRequest, call: GenerateCall) -> tuple[GenerateCall, ChatText]:
         """parse_output: the splitter of the request's text, with the server's parsers (the tool call
-        parser when the request has tools); the call keeps special tokens when the parser's tags are."""
+        parser when the request has tools and a tool_choice other than "none", as the OpenAI API reads
+        it); the call keeps special tokens when the parser's tags are."""
         config = self.engine.config
         if request.WhichOneof("input") != "chat":
             raise InvalidRequest("parse_output is for chat input: send chat messages, or leave parse_output false")
         if not (config.reasoning_parser or config.tool_call_parser):
             raise InvalidRequest("parse_output needs a server started with --reasoning-parser or --tool-call-parser; "
                                  "this one returns the text as written")
-        parser = config.tool_call_parser if request.chat.tools else None
+        parser = config.tool_call_parser if request.chat.tools and request.chat.tool_choice != "none" else None
         if tags_are_special(parser, self.engine.tokenizer):
             call = replace(call, params=replace(call.params, skip_special_tokens=False))
         return call, ChatText(config.reasoning_parser, parser, calls_only=forces_calls(request),

@@ -829,6 +829,11 @@ def test_grpc_parse_output_splits_reasoning_answer_and_calls(tmp_path_factory, s
         no_tools = list(client.generate(messages=question, parse_output=True))  # reasoning apart, calls in text
         assert "".join(chunk.text for chunk in no_tools) == "\n\nLet me check.\n" + CALL
         assert not any(chunk.tool_calls for chunk in no_tools)
+        # tool_choice "none", as the OpenAI API reads it: no calls parsed, their text left in the answer
+        no_calls = list(client.generate(messages=_question("Think: the weather in Paris?"), tools=TOOLS,
+                                        tool_choice="none", parse_output=True))
+        assert "".join(chunk.text for chunk in no_calls) == "\n\nLet me check.\n" + CALL
+        assert not any(chunk.tool_calls or chunk.tool_call_deltas for chunk in no_calls)
         with pytest.raises(grpc.RpcError) as info:
             client.generate_text("Think", parse_output=True)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "parse_output is for chat input" in \
