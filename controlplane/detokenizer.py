@@ -11,7 +11,7 @@ stop string never reaches the client, not even in part.
 
 from __future__ import annotations
 
-from twinplane.controlplane.finish import first_stop_string
+from twinplane.controlplane.finish import first_stop_string, partial_tag
 from twinplane.controlplane.tokenizer import Tokenizer
 
 CONTEXT_TOKENS = 5  # left context decoded with each delta
@@ -79,16 +79,6 @@ class IncrementalDetokenizer:
 
     def take_text(self, final: bool = False) -> str:
         """Pending text that cannot be part of a stop string (all of it when final)."""
-        keep = 0 if final else self._partial_stop_len()
+        keep = 0 if final else max((partial_tag(self.pending, s) for s in self.stop), default=0)
         text, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
         return text
-
-    def _partial_stop_len(self) -> int:
-        """Length of the longest pending suffix that is a proper prefix of a stop string."""
-        longest = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(self.pending)), longest, -1):
-                if self.pending.endswith(s[:n]):
-                    longest = n
-                    break
-        return longest

@@ -73,6 +73,15 @@ def first_stop_string(text: str, stop: tuple[str, ...]) -> tuple[int, str] | Non
     return best
 
 
+def partial_tag(text: str, marker: str) -> int:
+    """Length of the longest end of text that is a proper start of marker (a stop string, or a parser's
+    tag): that much of the text is held back, as the marker may be completed later."""
+    for size in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
 def output_room(num_prompt_tokens: int, max_model_len: int) -> int:
     """Output tokens that fit after the prompt within max_model_len."""
     return max_model_len - num_prompt_tokens

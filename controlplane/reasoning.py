@@ -23,6 +23,8 @@ pieces of either part, joined, equal the split of the whole text.
 
 from __future__ import annotations
 
+from twinplane.controlplane.finish import partial_tag
+
 OPEN, CLOSE = "<think>", "</think>"
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
@@ -38,14 +40,6 @@ def prompt_state(tail: str) -> str | None:
     if tail.endswith(CLOSE):
         return "content"
     return "reasoning" if tail.endswith(OPEN) else None
-
-
-def partial_tag(text: str, tag: str) -> int:
-    """Length of the longest end of text that is a proper start of tag (it may be completed later)."""
-    for size in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0
 
 
 class ReasoningSplitter:

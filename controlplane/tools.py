@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from twinplane.controlplane.errors import InvalidRequest
-from twinplane.controlplane.reasoning import partial_tag
+from twinplane.controlplane.finish import partial_tag
 from twinplane.controlplane.grammar import Grammar, regex_literal
 from twinplane.controlplane.structured import json_schema_regex
 
