@@ -1,6 +1,6 @@
 """The control plane's frontend: requests, validation, text and streams; the step loop runs apart.
 
-gRPC handlers add requests here and read their outputs from per-request queues.
+The gRPC and HTTP handlers add requests here and read their outputs from per-request queues.
 The engine core (``engine_core.py``), in a process of its own, owns every Sequence
 and runs the step loop; once per step it sends the sampled tokens, which this
 side detokenizes, checks against stop strings and streams. So streaming to many

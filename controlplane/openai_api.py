@@ -48,7 +48,8 @@ FINISH_REASONS = {FinishReason.STOP_TOKEN: "stop", FinishReason.STOP_STRING: "st
 
 @dataclass(frozen=True)
 class OpenAIRequest:
-    """A validated /v1/chat/completions or /v1/completions request: one GenerateCall per choice."""
+    """A validated /v1/chat/completions or /v1/completions request (a /v1/responses request as the chat
+    request it reads as): one GenerateCall per choice."""
 
     chat: bool  # chat completion, else text completion
     calls: list[GenerateCall]  # n per prompt, prompt after prompt (a completion may send a batch of prompts)
