@@ -2,7 +2,8 @@
 
 POST /v1/chat/completions, /v1/completions and /v1/responses (streamed as server-sent events or not),
 POST /tokenize and /detokenize, GET /v1/models, /v1/models/{model}, /health and /version. Requests go
-to the same Engine as gRPC calls, with the same validation, API key and metrics. Errors become OpenAI's JSON error objects here and nowhere else.
+to the same Engine as gRPC calls, with the same validation, API key and metrics. Errors become OpenAI's
+JSON error objects here and nowhere else.
 """
 
 from __future__ import annotations
