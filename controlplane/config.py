@@ -9,6 +9,7 @@ import jinja2
 
 from twinplane.controlplane.reasoning import REASONING_PARSERS
 from twinplane.controlplane.router import ROUTING_POLICIES
+from twinplane.controlplane.scheduler import check_step_limits
 from twinplane.controlplane.tls import DataPlaneTls, check_listen, check_target, parse_listen
 from twinplane.controlplane.tokenizer import Tokenizer
 from twinplane.controlplane.tools import TOOL_CALL_PARSERS
@@ -115,6 +116,8 @@ class ControlPlaneConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        if self.max_num_seqs is not None and self.max_num_batched_tokens is not None:
+            check_step_limits(self.max_num_seqs, self.max_num_batched_tokens)
         if self.max_steps_in_flight < 1:
             raise ValueError(f"max_steps_in_flight must be >= 1, got {self.max_steps_in_flight}")
         if not 1 <= self.decode_steps <= 64:

@@ -24,6 +24,7 @@ from twinplane.controlplane.sequence import Sequence
 from twinplane.proto import dataplane_pb2 as dp, step_path_names
 
 if TYPE_CHECKING:
+    from twinplane.controlplane.config import ControlPlaneConfig
     from twinplane.controlplane.engine_core import EngineCore
 
 log = logging.getLogger("twinplane.controlplane")
@@ -37,6 +38,19 @@ STAT_NAMES = ("steps", "idle_us", "execute_us", "launch_us", "computed_tokens",
               "full_decode_steps", "full_decode_execute_us", "full_decode_idle_us")
 RECONNECT_DELAY = 0.5  # seconds between attempts to reach a data plane
 RECONNECT_TIMEOUT = 2.0  # seconds one attempt waits for the data plane to answer
+
+
+def scheduler_config(c: ControlPlaneConfig, desc: dp.DescribeResponse) -> SchedulerConfig:
+    """The scheduler's limits for a data plane: the control plane's flags within what the data plane takes,
+    and no more sequences in a step than its tokens, however the two were set."""
+    budget = min(c.max_num_batched_tokens or desc.max_num_batched_tokens, desc.max_num_batched_tokens)
+    return SchedulerConfig(
+        max_num_seqs=min(c.max_num_seqs or desc.max_num_seqs, desc.max_num_seqs, budget),
+        max_num_batched_tokens=budget,
+        max_model_len=desc.max_model_len, max_prefill_tokens_with_decode=c.max_prefill_tokens_with_decode,
+        decode_steps=max(min(c.decode_steps, desc.max_decode_steps), 1),
+        decode_steps_max_seqs=c.decode_steps_max_seqs, by_priority=c.scheduling_policy == "priority",
+        masks_follow=desc.masks_follow)
 
 
 class Replica:
@@ -315,14 +329,7 @@ class Replica:
                 await asyncio.sleep(RECONNECT_DELAY)
         self.describe = desc
         c = self.config
-        sched_config = SchedulerConfig(
-            max_num_seqs=min(c.max_num_seqs or desc.max_num_seqs, desc.max_num_seqs),
-            max_num_batched_tokens=min(c.max_num_batched_tokens or desc.max_num_batched_tokens,
-                                       desc.max_num_batched_tokens),
-            max_model_len=desc.max_model_len, max_prefill_tokens_with_decode=c.max_prefill_tokens_with_decode,
-            decode_steps=max(min(c.decode_steps, desc.max_decode_steps), 1),
-            decode_steps_max_seqs=c.decode_steps_max_seqs, by_priority=c.scheduling_policy == "priority",
-            masks_follow=desc.masks_follow)
+        sched_config = scheduler_config(c, desc)
         block_manager = BlockManager(desc.num_kv_blocks, desc.block_size, c.enable_prefix_caching)
         if self.scheduler is None:
             self.scheduler = Scheduler(sched_config, block_manager)

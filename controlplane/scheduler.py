@@ -57,6 +57,17 @@ class SchedulerConfig:
     # sequence with structured output is planned while its token is in flight, as others are.
     masks_follow: bool = True
 
+    def __post_init__(self) -> None:
+        check_step_limits(self.max_num_seqs, self.max_num_batched_tokens)
+
+
+def check_step_limits(max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    """Every running sequence decodes in each step: a budget below max_num_seqs would leave the newest
+    ones holding their blocks without a token, and the waiting ones never admitted."""
+    if max_num_batched_tokens < max_num_seqs:
+        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
+                         f"({max_num_seqs}): every running sequence decodes in each step")
+
 
 @dataclass(slots=True)
 class ScheduledChunk:

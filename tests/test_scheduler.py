@@ -106,7 +106,7 @@ def test_preempted_sequence_is_dropped_from_the_data_plane():
 
 
 def test_full_cache_never_crashes_and_everything_is_freed():
-    sched = make(num_blocks=6, block_size=2, max_num_seqs=8, max_num_batched_tokens=6)
+    sched = make(num_blocks=6, block_size=2, max_num_seqs=6, max_num_batched_tokens=6)
     seqs = [add(sched, i, 3, first_token=10 * i) for i in range(6)]
     for _ in range(200):
         out = sched.schedule()
@@ -439,3 +439,51 @@ def test_rows_in_the_same_state_share_one_mask_on_the_wire():
     bad = dp.StepPlan(step_id=1, token_masks=[dp.TokenMask(index=0, same_as=3), dp.TokenMask(index=3, allowed=b"\x01")])
     with pytest.raises(ValueError, match="the token mask of plan index 0 is empty and refers to index 3"):
         masks_from_pb(bad)
+
+
+def test_a_sequence_preempted_in_a_step_is_not_admitted_again_in_it():
+    """A sequence preempted to make room stays out of the step that preempted it (its blocks would be freed and
+    taken again at once: its cache thrown away for nothing), and waits at the queue's front. Seeded random
+    workloads with shared prefixes, tight caches and budgets, checked at every step."""
+    rng = np.random.default_rng(7)
+    preemptions = 0
+    for _ in range(40):
+        block_size, max_num_seqs = int(rng.integers(1, 4)), int(rng.integers(2, 6))
+        sched = make(num_blocks=int(rng.integers(4, 10)), block_size=block_size, max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=int(rng.integers(max_num_seqs, 12)))
+        for seq_id in range(int(rng.integers(3, 7))):
+            add(sched, seq_id, int(rng.integers(1, 2 * block_size + 2)), first_token=int(rng.integers(0, 2)) * 100)
+        for _ in range(60):
+            out = sched.schedule()
+            if out is None:
+                break
+            preempted = set(out.dropped_seq_ids)  # preempted in this step (nothing here is aborted)
+            preemptions += len(preempted)
+            assert not preempted & {c.seq.seq_id for c in out.chunks}
+            assert all(seq.status is SequenceStatus.WAITING for seq in sched.waiting if seq.seq_id in preempted)
+            sched.update(out, [1] * sum(c.sample for c in out.chunks))
+            for seq in [s for s in sched.running if s.num_output_tokens >= 3]:
+                sched.finish(seq)
+    assert preemptions > 10  # the workloads do preempt
+
+
+
+def test_a_step_holds_no_more_sequences_than_tokens():
+    """A token budget below max_num_seqs would starve the newest running sequences (they hold blocks and never
+    decode) and every waiting one: refused where both are given, and max_num_seqs lowered to the budget where the
+    data plane sets one of them."""
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(4\) must be >= max_num_seqs \(8\): every running"):
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4)
+    from twinplane.controlplane.config import ControlPlaneConfig
+
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(4\) must be >= max_num_seqs \(8\)"):
+        ControlPlaneConfig(dataplane="unix:///tmp/dp.sock", max_num_seqs=8, max_num_batched_tokens=4)
+    assert ControlPlaneConfig(dataplane="unix:///tmp/dp.sock", max_num_batched_tokens=4).max_num_batched_tokens == 4
+    from twinplane.controlplane.replica import scheduler_config
+    from twinplane.proto import dataplane_pb2 as dp
+
+    desc = dp.DescribeResponse(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=64, max_decode_steps=8)
+    lowered = scheduler_config(ControlPlaneConfig(dataplane="unix:///tmp/dp.sock", max_num_batched_tokens=4), desc)
+    assert (lowered.max_num_seqs, lowered.max_num_batched_tokens) == (4, 4)
+    kept = scheduler_config(ControlPlaneConfig(dataplane="unix:///tmp/dp.sock", max_num_seqs=8), desc)
+    assert (kept.max_num_seqs, kept.max_num_batched_tokens) == (8, 8192)
