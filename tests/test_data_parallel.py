@@ -67,6 +67,17 @@ def test_prefix_routing_follows_the_longest_prefix_unless_that_plane_is_much_bus
     assert router.pick(seq(shared + [6]), [r1]) is r1  # only connected, able replicas are candidates
 
 
+def test_prefix_routing_takes_the_longest_prefix_held_and_the_balance_slack_exactly():
+    r0, r1 = FakeReplica(0), FakeReplica(1, load=1)
+    router = Router("prefix")
+    a, b, c = [1] * 4, [2] * 4, [3] * 4  # blocks
+    assert router.pick(seq(a + b + [0]), [r0, r1]) is r0
+    r0.load = r1.load + BALANCE_SLACK + 1
+    assert router.pick(seq(a + c + [0]), [r0, r1]) is r1  # r0 too busy: a's block is now routed to r1
+    r0.load = r1.load + BALANCE_SLACK  # busier by the slack exactly: still the holder
+    assert router.pick(seq(a + b + [4] * 4 + [0]), [r0, r1]) is r0  # a+b (r0's) is longer than a (r1's)
+
+
 def test_a_full_prefix_holder_passes_new_sequences_to_one_with_room():
     """Requests that share a system prompt fill its data plane up to max_num_seqs (4 here), then go to the
     other, which holds the prefix from then on; once both are full, the prefix's holder takes them."""
@@ -268,6 +279,34 @@ def test_max_tokens_left_unset_is_lowered_only_when_no_data_plane_can_hold_it():
     assert waited == [(1, 54)]  # not lowered while a data plane that holds it may come back
     assert on_first == (0, 32 - 10)  # the most the one left holds
     assert on_second == (1, 40 - 10) and refused == []
+
+
+def test_a_recomputed_request_with_as_many_outputs_as_now_fit_is_refused_not_lowered():
+    """Lowering an unset max_tokens leaves room for at least one more token: a request that already has every
+    output the data planes left can hold is refused (it would run past their length), one short of it runs."""
+    async def run(num_outputs: int):
+        frontend = RefusalsSeen()
+        core = _core_of_two(frontend)
+        first, second = core.replicas
+        first.describe.num_kv_blocks = 8  # 32 tokens: 22 outputs after a 10-token prompt
+        second.describe, second.connected = None, False  # gone for good
+        params = RequestParams(max_tokens=54, max_tokens_unset=True)
+        core.add(AddRequest(1, "r1", [5] * 10, params, output_ids=[6] * num_outputs))
+        seq = core.seqs.get(1)
+        return [seq_id for seq_id, _ in frontend.refused], seq and seq.params.max_tokens
+
+    assert asyncio.run(run(21)) == ([], 22)
+    assert asyncio.run(run(22)) == ([1], None)
+
+
+def test_the_frontend_checks_requests_against_the_smallest_data_plane():
+    """What every connected data plane holds: the shortest max_model_len, the fewest KV tokens, the fewest
+    log-probabilities (a request the frontend takes then fits wherever it is routed)."""
+    from twinplane.controlplane.engine_core import common_describe
+
+    common = common_describe([_desc(num_kv_blocks=16, max_logprobs=20), _desc(num_kv_blocks=8, max_model_len=48,
+                                                                              max_logprobs=5)])
+    assert (common.num_kv_blocks, common.max_model_len, common.max_logprobs) == (8, 48, 5)
 
 
 def _desc(**fields):

@@ -35,6 +35,23 @@ def test_deltas_join_to_the_full_text_and_are_whole_characters(tokenizer, text):
     assert all("\ufffd" not in d for d in deltas)
 
 
+def test_a_long_output_decodes_a_bounded_window_of_tokens(tokenizer):
+    """Each token decodes only the last few tokens (left context included), not the whole output so far: a
+    long stream costs the same per token, and its text is still the whole output's."""
+    from twinplane.controlplane.detokenizer import CONTEXT_TOKENS
+
+    ids = tokenizer.encode("naïve café — 東京 🙂 done, and so on. " * 80)
+    assert len(ids) > 1000
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"))
+    text, widest = "", 0
+    for token_id in ids:
+        detok.add_token(token_id)
+        text += detok.take_text()
+        widest = max(widest, len(detok.ids))
+    assert widest <= 5 * CONTEXT_TOKENS + 2
+    assert text + detok.take_text(final=True) == tokenizer.decode(ids)
+
+
 def test_emoji_split_over_tokens_waits_for_its_last_byte(tokenizer):
     ids = tokenizer.encode("🙂")
     assert len(ids) > 1  # byte-level pieces
