@@ -618,7 +618,7 @@ def setups(draw) -> Setup:
     block_size = draw(st.sampled_from([1, 2, 4]))
     num_blocks = draw(st.integers(8 // block_size, 24 // block_size))
     max_num_seqs = draw(st.integers(1, 6))
-    max_num_batched_tokens = draw(st.integers(1, 16))
+    max_num_batched_tokens = draw(st.integers(max_num_seqs, 16))  # a step holds no more sequences than tokens
     limits = Limits(block_size, num_blocks, draw(st.integers(4, 40)), max_num_seqs, max_num_batched_tokens)
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=limits.max_model_len,
