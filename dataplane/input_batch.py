@@ -319,11 +319,11 @@ class InputBatch:
         """Which sequences decode a PENDING token (unknown: per token, whether it is PENDING);
         each must have sampled in the previous plan. decode: one token a sequence."""
         pending = unknown if decode else unknown[np.cumsum(cols.num_tokens) - 1]
-        if not pending.any():
-            return pending
-        ok = bool((self.sampled_at[rows[pending]] == self.plan_index - 1).all())
-        if not decode:  # and it is the sequence's only token
-            ok = ok and bool((cols.num_tokens[pending] == 1).all()) and int(unknown.sum()) == int(pending.sum())
+        ok = decode or int(unknown.sum()) == int(pending.sum())  # none inside a chunk
+        if pending.any():
+            ok = ok and bool((self.sampled_at[rows[pending]] == self.plan_index - 1).all())
+            if not decode:  # and it is the sequence's only token
+                ok = ok and bool((cols.num_tokens[pending] == 1).all())
         if not ok:
             _fail(f"token id {PENDING} (pending) is allowed only as the one token of a sequence that sampled "
                   "in the previous plan")

@@ -252,6 +252,10 @@ def test_pending_token_needs_a_sample_in_the_previous_plan(runner: ModelRunner) 
     c = builder.new_seq(3, [7, 8])
     with pytest.raises(ValueError, match="pending"):  # not the single token of its chunk
         runner.step(StepPlan(5, [dataclasses.replace(builder.schedule(c), token_ids=np.array([7, -1], np.int32))]))
+    d = builder.new_seq(4, [7, 8, 9])
+    with pytest.raises(ValueError, match="pending"):  # inside a prompt chunk (it would index the embedding at -1)
+        runner.step(StepPlan(6, [dataclasses.replace(builder.schedule(d), token_ids=np.array([7, -1, 9], np.int32))]))
+    assert 4 not in runner.sequences.row_of  # refused whole: the new sequence is not kept
 
 
 def test_step_arrays_start_16_byte_aligned_whatever_the_token_count(runner: ModelRunner) -> None:
