@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import threading
 
 import grpc
 import pytest
@@ -63,24 +64,33 @@ def test_node_streams_the_same_greedy_text_as_the_python_client(node, loopback_p
     assert int(cached) <= int(prompt_tokens)
 
 
-# prints the chunks of one generate call as JSON; argv: module, address, the options as JSON
+# prints the chunks of one generate call as they come, one JSON line each; argv: module, address, the options as JSON
 CHUNKS_SCRIPT = """
 const { Client } = require(process.argv[1]);
 (async () => {
   const client = new Client(process.argv[2]);
-  const chunks = [];
-  for await (const chunk of client.generate(JSON.parse(process.argv[3]))) chunks.push(chunk);
+  for await (const chunk of client.generate(JSON.parse(process.argv[3]))) console.log(JSON.stringify(chunk));
   client.close();
-  console.log(JSON.stringify(chunks));
 })();
 """
 
 
-def node_chunks(node: str, address: str, options: dict) -> list[dict]:
-    result = subprocess.run([node, "-e", CHUNKS_SCRIPT, str(NODE_CLIENT / "twinplane.js"), address,
-                             json.dumps(options)], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+def node_chunks(node: str, address: str, options: dict, on_chunk=lambda chunk: None) -> list[dict]:
+    """The chunks of one generate call through the Node.js client, each given to on_chunk as it comes."""
+    with subprocess.Popen([node, "-e", CHUNKS_SCRIPT, str(NODE_CLIENT / "twinplane.js"), address, json.dumps(options)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True) as run:
+        timer = threading.Timer(60, run.kill)
+        timer.start()
+        try:
+            chunks = []
+            for line in run.stdout:
+                chunks.append(json.loads(line))
+                on_chunk(chunks[-1])
+            stderr = run.stderr.read()
+        finally:
+            timer.cancel()
+    assert run.returncode == 0, stderr
+    return chunks
 
 
 def test_node_chunks_carry_the_log_probabilities_and_the_prompts(node, loopback_planes):

@@ -11,6 +11,7 @@ import random
 import re
 import shutil
 import subprocess
+import threading
 
 import grpc
 import httpx
@@ -563,19 +564,27 @@ def test_llama3_json_calls_come_in_the_last_chunk():
 
 
 FAULT = "<the step fails here>"
+PAUSE = "<the stream waits here>"
 
 
 class ScriptedDataPlane(NullDataPlane):
     """Answers each sequence with the text of the first script whose key its prompt's last user turn
     holds (else the last script's), then the end of turn, or fails the step where the text holds
-    FAULT; keeps each prompt's text."""
+    FAULT; keeps each prompt's text. Where the text holds PAUSE, the step waits until ``resume`` is
+    set (a test sets it once it has what came before), so the client gets that text on its own."""
 
     def __init__(self, tokenizer: Tokenizer, scripts: list[tuple[str, str]]):
         self.tokenizer, self.eos = tokenizer, tokenizer.token_id("<|im_end|>")
-        self.scripts = [(key, tokenizer.encode(text.partition(FAULT)[0], add_special_tokens=False)
-                         + [-1] * (FAULT in text)) for key, text in scripts]
+        self.scripts = [(key, self._encode(text.partition(FAULT)[0]) + [-1] * (FAULT in text))
+                        for key, text in scripts]
         self.left: dict[int, list[int]] = {}  # each sequence's tokens still to come
         self.prompts: list[str] = []
+        self.resume, self.waits = threading.Event(), []  # waits: each pause's, True where resume came in time
+
+    def _encode(self, text: str) -> list[int]:
+        """The text's tokens, each PAUSE in it as -2."""
+        pieces = [self.tokenizer.encode(piece, add_special_tokens=False) for piece in text.split(PAUSE)]
+        return [token for i, piece in enumerate(pieces) for token in [-2] * (i > 0) + piece]
 
     def Describe(self, request, context):
         described = dp.DescribeResponse()
@@ -598,6 +607,9 @@ class ScriptedDataPlane(NullDataPlane):
                     turn = prompt.rsplit("<|im_start|>user", 1)[-1]
                     self.left[seq_id] = next(ids for key, ids in self.scripts if key in turn)[:]
                 for _ in range(int(budget[i]) if plan.num_steps > 1 else int(sample[i])):
+                    if self.left[seq_id][:1] == [-2]:
+                        self.left[seq_id].pop(0)
+                        self.waits.append(self.resume.wait(30))
                     sampled.append(self.left[seq_id].pop(0) if self.left[seq_id] else self.eos)
                     failed = failed or sampled[-1] < 0
             if failed:
@@ -606,6 +618,8 @@ class ScriptedDataPlane(NullDataPlane):
                 yield dp.StepResult(step_id=plan.step_id, sampled_token_ids=np.array(sampled, "<i4").tobytes())
 
 
+# the call, its arguments cut by a pause: the client gets the call's start on its own
+PAUSED_CALL = CALL.replace('"Paris"}', PAUSE + '"Paris"}')
 SCRIPTS = [("Paris", "Let me check.\n" + CALL), ("two cities", CALL + "\n" + CALL.replace("Paris", "Lyon")),
            ("", "It is 18 C and sunny in Paris.")]
 
@@ -791,12 +805,14 @@ def test_the_node_client_gives_reasoning_and_calls_apart(node, tmp_path_factory,
     as the Python client's carry them (the ids are drawn per request)."""
     from tests.test_node_client import node_chunks
 
-    scripts = [("Think", "<think>Paris is in France.</think>\n\nLet me check.\n" + CALL)]
+    scripts = [("Think", "<think>Paris is in France.</think>\n\nLet me check.\n" + PAUSED_CALL)]
     question = _question("Think: the weather in Paris?")
     with scripted_planes(tmp_path_factory.mktemp("node-parse"), smollm2_dir, scripts, tool_call_parser="hermes",
-                         reasoning_parser="qwen3") as (planes, _), planes.client() as client:
+                         reasoning_parser="qwen3") as (planes, stand_in), planes.client() as client:
+        got = node_chunks(node, planes.address, {"messages": question, "tools": TOOLS, "parseOutput": True},
+                          on_chunk=lambda chunk: chunk["toolCallDeltas"] and stand_in.resume.set())
+        assert stand_in.waits == [True], "the call's first delta came before the rest of it was written"
         chunks = list(client.generate(messages=question, tools=TOOLS, parse_output=True))
-        got = node_chunks(node, planes.address, {"messages": question, "tools": TOOLS, "parseOutput": True})
     for mine, theirs in (("reasoningText", "reasoning_text"), ("text", "text")):
         assert "".join(c[mine] for c in got) == "".join(getattr(c, theirs) for c in chunks) != ""
     [call] = [call for c in got for call in c["toolCalls"]]
@@ -809,13 +825,18 @@ def test_the_node_client_gives_reasoning_and_calls_apart(node, tmp_path_factory,
 
 def test_grpc_parse_output_splits_reasoning_answer_and_calls(tmp_path_factory, smollm2_dir):
     thinking = "<think>Paris is in France.</think>\n\nLet me check.\n" + CALL
-    scripts = [("Think", thinking), ("", "Plain.")]
+    scripts = [("Think", thinking.replace(CALL, PAUSED_CALL)), ("", "Plain.")]
     question = _question("Think: the weather in Paris?")
     with scripted_planes(tmp_path_factory.mktemp("parse-output"), smollm2_dir, scripts, tool_call_parser="hermes",
-                         reasoning_parser="qwen3") as (planes, _), planes.client() as client:
+                         reasoning_parser="qwen3") as (planes, stand_in), planes.client() as client:
         info = client.model_info()
         assert (info.reasoning_parser, info.tool_call_parser) == ("qwen3", "hermes")
-        chunks = list(client.generate(messages=question, tools=TOOLS, parse_output=True))
+        chunks = []
+        for chunk in client.generate(messages=question, tools=TOOLS, parse_output=True):
+            chunks.append(chunk)
+            if chunk.tool_call_deltas:  # the call's start is here: let the model write the rest of it
+                stand_in.resume.set()
+        assert stand_in.waits == [True], "the call's first delta came before the rest of it was written"
         assert "".join(chunk.reasoning_text for chunk in chunks) == "Paris is in France."
         assert "".join(chunk.text for chunk in chunks) == "\n\nLet me check.\n"
         [call] = [call for chunk in chunks for call in chunk.tool_calls]
