@@ -291,8 +291,7 @@ class InputBatch:
                 _fail("a plan whose token masks follow is one step and carries no masks itself")
             if not plan.masks_follow:
                 self._check_masks(cols, rows)
-            positions, token_rows = self._apply_blocks_and_check(
-                cols, rows, cols.start_pos + cols.num_tokens + budget - 1, decode)
+            positions, token_rows = self._apply_blocks_and_check(cols, rows, budget, decode)
         except ValueError:
             self._undo(undo)
             raise
@@ -328,6 +327,11 @@ class InputBatch:
             _fail(f"token id {PENDING} (pending) is allowed only as the one token of a sequence that sampled "
                   "in the previous plan")
         return pending
+
+    def sampling_refused(self) -> None:
+        """The last plan samples nothing after all (its token masks were refused): no PENDING token may
+        stand for what its rows would have sampled."""
+        self.sampled_at[self.sampled_at == self.plan_index] = -1
 
     def record_sampled(self, sampled: SampledRows, token_ids: np.ndarray) -> None:
         """Writes a step's sampled tokens into the history of rows still held by the same sequences
@@ -424,11 +428,11 @@ class InputBatch:
         self.drop(added)
         self.row_of.update(replaced)
 
-    def _apply_blocks_and_check(self, cols: PlanColumns, rows: np.ndarray, final: np.ndarray,
+    def _apply_blocks_and_check(self, cols: PlanColumns, rows: np.ndarray, budget: np.ndarray,
                                 decode: bool) -> tuple[np.ndarray, np.ndarray]:
         """Appends new blocks, checks slots and prompts; returns each token's position and row.
-        final: each sequence's context once the plan has run (all its steps); decode: one token a sequence."""
-        bs = self.limits.block_size
+        budget: each sequence's decode steps in the plan; decode: one token a sequence."""
+        bs, final = self.limits.block_size, cols.start_pos + cols.num_tokens + budget - 1
         growing = np.flatnonzero(cols.num_new_blocks)
         saved = self.num_blocks[rows].copy() if len(growing) else None
         try:
@@ -451,6 +455,9 @@ class InputBatch:
             slots = cols.slot_mapping
             if not np.array_equal(slots, expected):  # -1 too: attention would read a position never stored
                 _fail("slot_mapping disagrees with the block table (slot = block_id * block_size + offset)")
+            if len(rows) > 1:
+                self._check_slots_distinct(slots if budget.max() == 1 else
+                                           self._decode_steps(rows, cols.start_pos, budget)[1])
             if np.any(cols.sample & (cols.start_pos + cols.num_tokens < self.num_prompt[rows])):
                 _fail("sample=True before the prompt is complete")
             return positions, token_rows
@@ -458,6 +465,14 @@ class InputBatch:
             if saved is not None:
                 self.num_blocks[rows] = saved
             raise
+
+    @staticmethod
+    def _check_slots_distinct(slots: np.ndarray) -> None:
+        """No two tokens of a plan (over all its steps; -1: none) are stored in one KV slot, where one
+        sequence's keys and values would overwrite another's."""
+        ordered = np.sort(slots, axis=None)
+        if np.any((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)):
+            _fail("plan stores two tokens in one KV slot: the sequences of a plan write blocks of their own")
 
     def _build(self, cols: PlanColumns, rows: np.ndarray, positions: np.ndarray, context: np.ndarray,
                pending: np.ndarray, budget: np.ndarray | None, masks_follow: bool = False) -> StepInputs:

@@ -448,6 +448,7 @@ class ModelRunner:
         try:
             inputs.sampling = inputs.with_masks(token_masks)
         except ValueError:
+            self.sequences.sampling_refused()
             self._launched(step, started)
             raise
         self._sample(step, inputs, hidden, keep_logits=False)

@@ -258,6 +258,40 @@ def test_pending_token_needs_a_sample_in_the_previous_plan(runner: ModelRunner) 
     assert 4 not in runner.sequences.row_of  # refused whole: the new sequence is not kept
 
 
+def test_a_plan_whose_sequences_write_one_kv_slot_is_refused(runner: ModelRunner) -> None:
+    """Two sequences of one plan given the same block to write would lose one's keys and values to the
+    other's: the plan is refused whole. Sharing a full cached block they do not write is allowed, in one
+    plan as in the next."""
+    runner.reset()
+    builder = PlanBuilder(BLOCK)
+    a = builder.new_seq(1, [1, 2, 3, 4, 5])  # blocks 0, 1
+    first = builder.schedule(a)
+    builder.next_block = 1
+    b = builder.new_seq(2, [6, 7, 8])  # block 1 too, written by both
+    with pytest.raises(ValueError, match="two tokens in one KV slot"):
+        runner.step(StepPlan(1, [first, builder.schedule(b)]))
+    assert not runner.sequences.mirrors and runner.sequences.num_blocks.max() == 0  # nothing kept
+    shared = builder.new_seq(3, [1, 2, 3, 4, 9], shared_blocks=[0])  # a's first block, computed by a in this plan
+    out = runner.step(StepPlan(2, [first, builder.schedule(shared)]))
+    assert out.sampled_token_ids.shape == (2,)
+
+
+def test_a_plan_of_several_steps_whose_later_steps_write_one_kv_slot_is_refused(runner: ModelRunner) -> None:
+    """The slots a plan of several decode steps writes after its first step are its sequences' own too."""
+    runner.reset()
+    builder = PlanBuilder(BLOCK)
+    a, b = builder.new_seq(1, [1, 2, 3]), builder.new_seq(2, [4, 5, 6])  # blocks 0 and 1
+    out = runner.step(StepPlan(1, [builder.schedule(a), builder.schedule(b)]))
+    a.tokens.append(int(out.sampled_token_ids[0]))
+    b.tokens.append(int(out.sampled_token_ids[1]))
+    first = builder.schedule(a, decode_budget=3)  # positions 3, 4, 5: block 2 after the first step
+    builder.next_block = 2
+    second = builder.schedule(b, decode_budget=3)  # its first slot its own, its later ones in block 2 as well
+    assert first.slot_mapping.tolist() != second.slot_mapping.tolist()
+    with pytest.raises(ValueError, match="two tokens in one KV slot"):
+        runner.step(StepPlan(2, [first, second], num_steps=3))
+
+
 def test_step_arrays_start_16_byte_aligned_whatever_the_token_count(runner: ModelRunner) -> None:
     """Triton specializes kernels on pointer alignment: an odd token count must not shift the
     arrays after the tokens off 16 bytes (that compiled new kernel variants mid-serving)."""
@@ -421,10 +455,13 @@ def test_a_plan_whose_masks_follow_runs_its_forward_pass_and_samples_once_they_c
     with pytest.raises(ValueError, match=r"wanted one for each sampled sequence with a masked sampler, \[1\]"):
         runner.sample_with_masks(3, {0: _only(5)})
     assert not runner.awaits_masks
-    out = runner.step(StepPlan(4, [], dropped_seq_ids=[1, 2]))  # the failed step's sequences are dropped
+    free.tokens.append(-1)
+    with pytest.raises(ValueError, match="pending"):  # the failed step sampled nothing a PENDING could stand for
+        runner.step(StepPlan(4, [builder.schedule(free)]))
+    out = runner.step(StepPlan(5, [], dropped_seq_ids=[1, 2]))  # the failed step's sequences are dropped
     assert len(out.sampled_token_ids) == 0 and not runner.sequences.mirrors
     with pytest.raises(ValueError, match="carries no masks itself"):
-        bad = StepPlan(5, [builder.schedule(builder.new_seq(3, [1, 2], SamplingParams(masked=True)))],
+        bad = StepPlan(6, [builder.schedule(builder.new_seq(3, [1, 2], SamplingParams(masked=True)))],
                        masks_follow=True)
         bad.cols().token_masks = {0: _only(5)}
         runner.launch(bad)
