@@ -127,13 +127,16 @@ def _bad_words(body: dict) -> tuple[str, ...]:
 def _logit_bias(body: dict) -> dict[int, float]:
     """OpenAI's logit_bias: an object from token ids (as strings, as JSON keys are) to numbers."""
     bias = _typed(body, "logit_bias", (dict,), "an object from token ids to biases") or {}
-    parsed = {}
+    parsed, keys = {}, {}
     for key, value in bias.items():
         if not isinstance(key, str) or not _TOKEN_ID.fullmatch(key):  # ASCII digits: int() takes others too
             _fail(f"logit_bias keys must be token ids (integers), got {key[:40]!r}")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             _fail(f"logit_bias[{key}] must be a number, got {value!r}")
-        parsed[int(key)] = value
+        token_id = int(key)
+        if token_id in keys:  # "7" and "07": one token, two biases
+            _fail(f"logit_bias names token id {token_id} twice, as {keys[token_id]!r} and {key!r}")
+        keys[token_id], parsed[token_id] = key, value
     return parsed
 
 
@@ -280,9 +283,9 @@ def _output_regex(body: dict, tools: list[dict] | None, spec: ToolSpec, parser: 
     if asked[0] in GUIDED:
         kind, value, where = GUIDED[asked[0]], body[asked[0]], asked[0]
     else:
-        outputs = body["structured_outputs"]
-        given = [k for k in ("json", "regex", "choice") if isinstance(outputs, dict) and outputs.get(k) is not None]
-        if len(given) != 1 or len(outputs) != 1:
+        outputs = body["structured_outputs"]  # a null field is unset, as vLLM reads it
+        given = [k for k, v in outputs.items() if v is not None] if isinstance(outputs, dict) else []
+        if len(given) != 1 or given[0] not in ("json", "regex", "choice"):
             _fail("structured_outputs must hold one of json (a JSON Schema), regex (a string) or choice (strings)")
         kind, value, where = given[0], outputs[given[0]], f"structured_outputs.{given[0]}"
     if kind == "json":
@@ -338,8 +341,12 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool,
         _fail("allowed_token_ids must not be empty (leave it out to allow every token)")
     max_tokens, max_tokens_name = _max_tokens(body)
     prompt_only = echo and max_tokens == 0  # scores a text: its prompt computed, the token drawn after it dropped
+    min_tokens = _int(body, "min_tokens") or 0
+    if prompt_only and min_tokens > 0:  # checked here: the params ask for the one token drawn, not for 0
+        _fail(f"min_tokens ({min_tokens}) must not exceed {max_tokens_name} (0), which with echo gives the prompt "
+              "alone")
     params = request_params(
-        limits, _sampling(body), max_tokens=1 if prompt_only else max_tokens, min_tokens=_int(body, "min_tokens") or 0,
+        limits, _sampling(body), max_tokens=1 if prompt_only else max_tokens, min_tokens=min_tokens,
         stop=_stop(body), stop_token_ids=_int_list(body, "stop_token_ids"), ignore_eos=_bool(body, "ignore_eos"),
         logprobs=top, skip_special_tokens=_typed(body, "skip_special_tokens", (bool,), "true or false") is not False
         and not (tools.parse and special_tool_tags),

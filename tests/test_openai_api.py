@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from twinplane.controlplane.api import Limits
 from twinplane.controlplane.errors import InvalidRequest, NotReady, Overloaded, StepFailed
-from twinplane.controlplane.openai_api import parse_request, tokenize_prompt
+from twinplane.controlplane.openai_api import detokenize_ids, parse_request, tokenize_prompt
 from twinplane.controlplane.openai_http import NotFound, Unauthenticated, response_of
 from twinplane.controlplane.tls import parse_listen
 from twinplane.controlplane.tokenizer import ChatOptions
@@ -153,11 +154,91 @@ def test_prompt_forms():
     ({**CHAT, "chat_template_kwargs": {"x": "\ud800"}}, True, "chat_template_kwargs is not valid Unicode"),
     ({**CHAT, "chat_template_kwargs": {"x": json.loads("[" * 16 + "]" * 16)}}, True,
      "chat_template_kwargs nests objects and lists more than 16 levels deep"),
+    ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, True,
+     ('response_format must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+      '{"name": ..., "schema": {...}}}')),
+    ({**CHAT, "response_format": {"type": "json_schema"}}, True, '"json_schema": {"name": ..., "schema": {...}}'),
+    # a bool is no integer in JSON: never read as 1
+    ({**CHAT, "stop_token_ids": [True]}, True, "stop_token_ids must be a list of integers"),
+    ({**CHAT, "allowed_token_ids": [3, True]}, True, "allowed_token_ids must be a list of integers"),
+    ({"prompt": [1, True]}, False, "prompt must be a string or a list of token ids (integers)"),
+    ({"prompt": ["a", [1, True]]}, False, "prompt[1] must be a string or a list of token ids (integers)"),
+    ({**CHAT, "logit_bias": {"7": True}}, True, "logit_bias[7] must be a number, got True"),
+    ({**CHAT, "logit_bias": {"7": 1, "07": -1}}, True, "logit_bias names token id 7 twice, as '7' and '07'"),
+    ({"prompt": "x", "best_of": 2}, False, "best_of is not supported by this server (leave it unset or equal to n)"),
+    ({"prompt": "x", "best_of": 3, "n": 2}, False, "best_of is not supported by this server"),
+    ({"prompt": "x", "best_of": "2"}, False, "best_of must be an integer, got str"),
+    ({"prompt": "x", "suffix": "end"}, False, "suffix is not supported by this server"),
+    ({**CHAT, "audio": {"voice": "alloy", "format": "wav"}}, True, "audio is not supported by this server"),
+    ({**CHAT, "prediction": {"type": "content", "content": "x"}}, True, "prediction is not supported by this server"),
+    ({"prompt": "x", "echo": True, "max_tokens": 0, "min_tokens": 3}, False,
+     "min_tokens (3) must not exceed max_tokens (0), which with echo gives the prompt alone"),
+    ({**CHAT, "structured_outputs": {"json": {"type": "object"}, "regex": "a"}}, True,
+     "structured_outputs must hold one of json (a JSON Schema), regex (a string) or choice (strings)"),
+    ({**CHAT, "structured_outputs": {"json": None, "regex": None}}, True, "structured_outputs must hold one of"),
+    ({**CHAT, "structured_outputs": {"grammar": "root ::= x", "json": None}}, True,
+     "structured_outputs must hold one of"),
 ])
 def test_invalid_fields_name_the_field(body, chat, words):
     with pytest.raises(InvalidRequest) as error:
         parse(body, chat)
     assert words in str(error.value)
+
+
+@pytest.mark.parametrize("body, chat, taken", [
+    ({"prompt": ["a"] * 32}, False, lambda req: len(req.calls) == 32),
+    ({**CHAT, "n": 16}, True, lambda req: len(req.calls) == 16),
+    ({"messages": [{"role": "user", "content": "hi"}] * 1024}, True,
+     lambda req: len(req.calls[0].prompt.messages) == 1024),
+    ({**CHAT, "stop": [f"s{i}" for i in range(16)]}, True, lambda req: len(req.calls[0].params.stop) == 16),
+    ({**CHAT, "stop": ["x" * 256]}, True, lambda req: req.calls[0].params.stop == ("x" * 256,)),
+    ({**CHAT, "stop_token_ids": list(range(64))}, True, lambda req: len(req.calls[0].params.stop_token_ids) == 64),
+    ({**CHAT, "bad_words": [f"w{i}" for i in range(64)]}, True, lambda req: len(req.calls[0].params.bad_words) == 64),
+    ({**CHAT, "logit_bias": {str(i): 1 for i in range(1024)}}, True,
+     lambda req: len(req.calls[0].params.logit_bias) == 1024),
+    ({**CHAT, "logprobs": True, "top_logprobs": 20}, True, lambda req: req.calls[0].params.logprobs == 20),
+    ({**CHAT, "max_completion_tokens": 512}, True, lambda req: req.calls[0].params.max_tokens == 512),
+    ({"prompt": "x", "truncate_prompt_tokens": 511}, False, lambda req: req.calls[0].truncate_prompt_tokens == 511),
+], ids=["prompts", "n", "messages", "stop", "stop-length", "stop-token-ids", "bad-words", "logit-bias",
+        "top-logprobs", "max-tokens", "truncate"])
+def test_each_bound_takes_its_limit(body, chat, taken):
+    """A request at a limit whose next value is refused (above) is taken whole."""
+    wide = Limits(vocab_size=2048, max_model_len=512)  # room for 1024 logit_bias token ids
+    assert taken(parse_request(body, wide, "rid", chat))
+
+
+@pytest.mark.parametrize("body, chat", [
+    ({"prompt": "x", "best_of": 1}, False),
+    ({"prompt": "x", "best_of": 3, "n": 3}, False),
+    ({"prompt": "x", "suffix": ""}, False),  # empty or null: as if unset
+    ({**CHAT, "audio": None, "functions": []}, True),
+])
+def test_unsupported_fields_are_taken_where_they_ask_nothing(body, chat):
+    assert len(parse(body, chat).calls) == body.get("n", 1)
+
+
+def test_echo_with_max_tokens_0_gives_the_prompt_alone():
+    req = parse({"prompt": "x", "echo": True, "max_tokens": 0, "min_tokens": 0}, chat=False)
+    assert req.prompt_only and req.calls[0].params.max_tokens == 1  # one token drawn, left unshown
+    with pytest.raises(InvalidRequest, match=r"min_tokens \(1\) must not exceed max_tokens \(0\)"):
+        parse({"prompt": "x", "echo": True, "max_tokens": 0, "min_tokens": 1}, chat=False)
+    with pytest.raises(InvalidRequest, match=r"max_tokens must be in \[1, 512\] \(max_model_len\), got 0"):  # no echo
+        parse({"prompt": "x", "max_tokens": 0, "min_tokens": 3}, chat=False)
+
+
+def test_detokenize_takes_no_bools_for_token_ids():
+    assert detokenize_ids({"tokens": [1, 0]}, LIMITS) == [1, 0]
+    with pytest.raises(InvalidRequest, match=r"tokens is required: a list of token ids \(integers\)"):
+        detokenize_ids({"tokens": [1, True]}, LIMITS)
+
+
+def test_structured_outputs_read_null_fields_as_unset():
+    """As vLLM's: a client that sends every field, the unused ones null, constrains the output by the one set."""
+    regex = parse({**CHAT, "structured_outputs": {"regex": "a+"}}).calls[0].params.regex
+    assert regex and parse({**CHAT, "structured_outputs": {"json": None, "regex": "a+", "choice": None,
+                                                           "grammar": None}}).calls[0].params.regex == regex
+    choice = parse({**CHAT, "structured_outputs": {"choice": ["yes", "no"], "json": None}}).calls[0].params.regex
+    assert choice == parse({**CHAT, "guided_choice": ["yes", "no"]}).calls[0].params.regex
 
 
 def test_logit_bias_arrives_as_sorted_token_id_and_float_pairs():
@@ -243,6 +324,23 @@ def test_usage_counts_each_prompt_once_and_every_completion():
                                        "prompt_tokens_details": {"cached_tokens": 2}}
     assert usage_json(finals[:1]) == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
                                       "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_an_infinite_logprob_goes_out_as_a_number_json_can_hold():
+    """A token the sampler could not draw (banned, masked) has log-probability -inf, which JSON cannot hold:
+    each form of logprobs gives -9999.0 for it."""
+    from twinplane.controlplane.api import TokenLogprobs
+    from twinplane.controlplane.openai_api import logprobs_json, prompt_logprobs_json
+
+    entries = [TokenLogprobs(5, -math.inf, top=[(6, -0.5), (5, -math.inf)], rank=2)]
+    chat, text, prompt = (logprobs_json(True, entries, None), logprobs_json(False, entries, None),
+                          prompt_logprobs_json([None, *entries], None))
+    for out in (chat, text, prompt):
+        assert json.loads(json.dumps(out, allow_nan=False)) == out
+    assert chat["content"][0]["logprob"] == chat["content"][0]["top_logprobs"][1]["logprob"] == -9999.0
+    assert text["token_logprobs"] == [-9999.0] and text["top_logprobs"] == [{"token_id:5": -9999.0,
+                                                                            "token_id:6": -0.5}]
+    assert prompt[1]["5"] == {"logprob": -9999.0, "rank": 2, "decoded_token": "token_id:5"}
 
 
 def test_chat_logprobs_bytes_join_the_parts_of_a_character(smollm2_dir):

@@ -225,6 +225,97 @@ def test_reasoning_items_become_the_thinking_of_the_assistant_message_after_them
     assert messages[2]["role"] == "tool" and messages[3] == {"role": "assistant", "content": "It is 18 C."}
 
 
+@pytest.mark.parametrize("items, expected", [
+    # reasoning between an assistant's text and a call: the call is a turn of its own, with the thinking
+    ([{"role": "assistant", "content": "Let me check."}, "Ask.", "call"],
+     [{"role": "assistant", "content": "Let me check."},
+      {"role": "assistant", "content": None, "reasoning_content": "Ask.", "tool_calls": ["call"]}]),
+    (["Ask.", {"role": "assistant", "content": "Hi."}, "call"],  # a call joins the assistant message before it
+     [{"role": "assistant", "content": "Hi.", "reasoning_content": "Ask.", "tool_calls": ["call"]}]),
+    (["One. ", "Two.", {"role": "assistant", "content": "Hi."}],  # reasoning items in a row are joined
+     [{"role": "assistant", "content": "Hi.", "reasoning_content": "One. Two."}]),
+    # reasoning before a message not the model's goes with none: not with a later assistant message
+    (["Ask.", {"role": "user", "content": "Go on."}, {"role": "assistant", "content": "Hi."}],
+     [{"role": "user", "content": "Go on."}, {"role": "assistant", "content": "Hi."}]),
+    (["Ask.", "output", {"role": "assistant", "content": "Hi."}],
+     [{"role": "tool", "tool_call_id": "c1", "content": "18 C"}, {"role": "assistant", "content": "Hi."}]),
+], ids=["after-text", "before-text", "joined", "before-user", "before-output"])
+def test_reasoning_items_go_with_the_next_assistant_message_only(items, expected):
+    from twinplane.controlplane.openai_responses import chat_body
+
+    def item(short):  # "call", "output", a message, or the text of a reasoning item
+        if short == "call":
+            return {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+        if short == "output":
+            return {"type": "function_call_output", "call_id": "c1", "output": "18 C"}
+        return short if isinstance(short, dict) else {"type": "reasoning", "content": [{"type": "reasoning_text",
+                                                                                         "text": short}]}
+
+    chat_call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = chat_body({"input": [{"role": "user", "content": "Weather?"}, *map(item, items)]})["messages"]
+    expected = [{**m, "tool_calls": [chat_call]} if "tool_calls" in m else m for m in expected]
+    assert messages == [{"role": "user", "content": "Weather?"}, *expected]
+
+
+def test_a_named_tool_choice_becomes_the_chat_form_and_forces_that_call():
+    from twinplane.controlplane.api import Limits
+    from twinplane.controlplane.openai_api import parse_request
+    from twinplane.controlplane.openai_responses import chat_body
+
+    body = {"input": "hi", "tools": TOOLS, "tool_choice": {"type": "function", "name": "get_weather"}}
+    chat = chat_body(body)
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert chat["tools"] == [{"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}}]
+    tools = parse_request(chat, Limits(4096, 4096), "r", chat=True, tool_call_parser="hermes").tools
+    assert tools.forced == ("get_weather",) and tools.named
+    for choice in ("auto", "required", "none"):
+        assert chat_body({**body, "tool_choice": choice})["tool_choice"] == choice
+
+
+@pytest.mark.parametrize("text, response_format", [
+    ({"format": {"type": "json_object"}}, {"type": "json_object"}),
+    ({"format": {"type": "text"}}, {"type": "text"}),
+    ({}, {"type": "text"}),
+    ({"format": {"type": "json_schema", "name": "p", "schema": TOOLS[0]["parameters"], "strict": True}},
+     {"type": "json_schema", "json_schema": {"name": "p", "schema": TOOLS[0]["parameters"], "strict": True}}),
+])
+def test_text_format_becomes_the_chat_response_format(text, response_format):
+    from twinplane.controlplane.api import Limits
+    from twinplane.controlplane.json_schema import any_json_regex
+    from twinplane.controlplane.openai_api import parse_request
+    from twinplane.controlplane.openai_responses import chat_body
+
+    chat = chat_body({"input": "hi", "text": text})
+    assert chat["response_format"] == response_format
+    regex = parse_request(chat, Limits(4096, 4096), "r", chat=True).calls[0].params.regex
+    assert (regex == any_json_regex()) == (response_format["type"] == "json_object")
+    assert (regex is None) == (response_format["type"] == "text")
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"text": {"format": {"type": "json_schema", "name": "p"}}},
+     ('text.format must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "name": ..., '
+      '"schema": {...}}')),
+    ({"text": {"format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {}}}}}, "text.format must be"),
+    ({"top_logprobs": 2}, "include: message.output_text.logprobs (and top_logprobs) are not supported here"),
+], ids=["json-schema-without-schema", "chat-json-schema", "top-logprobs"])
+def test_what_the_responses_api_cannot_take_is_refused_naming_its_field(body, words):
+    from twinplane.controlplane.errors import InvalidRequest
+    from twinplane.controlplane.openai_responses import chat_body
+
+    with pytest.raises(InvalidRequest) as error:
+        chat_body({"input": "hi", **body})
+    assert str(error.value).startswith(words)
+
+
+def test_top_logprobs_0_asks_for_nothing_and_is_taken():
+    from twinplane.controlplane.openai_responses import chat_body
+
+    for top in (0, None):
+        chat = chat_body({"input": "hi", "top_logprobs": top})
+        assert not {"logprobs", "top_logprobs"} & set(chat)
+
+
 def _items(text: str, size: int, tool_call_parser: str, reasoning_parser: str | None = None) -> list[tuple[str, str]]:
     """The output items (type, text or arguments) of a response whose text came in pieces of size characters."""
     from twinplane.controlplane.api import Limits, RequestOutput
