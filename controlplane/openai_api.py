@@ -7,6 +7,7 @@ and messages are those of the gRPC API (fields named as OpenAI names them).
 from __future__ import annotations
 
 import codecs
+import json
 import math
 import re
 from dataclasses import dataclass, replace
@@ -39,7 +40,7 @@ PARAMS = frozenset((*SAMPLING_FIELDS, *_INTS, "messages", "prompt", "stop", "sto
                     "bad_words", "logprobs", "logit_bias",
                     "skip_special_tokens", "stream_options", "response_format", "echo", "include_stop_str_in_output",
                     "return_tokens_as_token_ids", "ignore_eos", "stream", "best_of",
-                    "tokens", *CHAT_OPTIONS, *TOOL_FIELDS, *UNSUPPORTED,
+                    "tokens", "modalities", *CHAT_OPTIONS, *TOOL_FIELDS, *UNSUPPORTED,
                     "input", "instructions", "text", "previous_response_id", "conversation", "background", "include",
                     "structured_outputs", *GUIDED))
 FINISH_REASONS = {FinishReason.STOP_TOKEN: "stop", FinishReason.STOP_STRING: "stop",
@@ -118,7 +119,8 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 
 def _bad_words(body: dict) -> tuple[str, ...]:
-    words = body.get("bad_words") or []
+    words = body.get("bad_words")
+    words = [] if words is None else words
     if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
         _fail("bad_words must be a list of strings")
     return tuple(words)
@@ -141,7 +143,8 @@ def _logit_bias(body: dict) -> dict[int, float]:
 
 
 def _int_list(body: dict, name: str) -> tuple[int, ...]:
-    value = body.get(name) or []
+    value = body.get(name)
+    value = [] if value is None else value
     if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
         _fail(f"{name} must be a list of integers")
     return tuple(value)
@@ -251,6 +254,9 @@ def _check_supported(body: dict) -> None:
     for name in UNSUPPORTED:
         if body.get(name):
             _fail(f"{name} is not supported by this server")
+    modalities = body.get("modalities")
+    if modalities is not None and (not isinstance(modalities, list) or set(modalities) - {"text"}):
+        _fail(f'modalities must be ["text"] (this server writes text alone), got {json.dumps(modalities)[:80]}')
     best_of = _int(body, "best_of")
     if best_of is not None and best_of != (body.get("n") or 1):
         _fail("best_of is not supported by this server (leave it unset or equal to n)")

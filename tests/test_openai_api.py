@@ -171,6 +171,13 @@ def test_prompt_forms():
     ({"prompt": "x", "suffix": "end"}, False, "suffix is not supported by this server"),
     ({**CHAT, "audio": {"voice": "alloy", "format": "wav"}}, True, "audio is not supported by this server"),
     ({**CHAT, "prediction": {"type": "content", "content": "x"}}, True, "prediction is not supported by this server"),
+    ({**CHAT, "modalities": ["text", "audio"]}, True,
+     'modalities must be ["text"] (this server writes text alone), got ["text", "audio"]'),
+    ({**CHAT, "modalities": "text"}, True, 'modalities must be ["text"]'),
+    # a value of the wrong type is no empty list, however falsy
+    ({**CHAT, "stop_token_ids": False}, True, "stop_token_ids must be a list of integers"),
+    ({**CHAT, "allowed_token_ids": 0}, True, "allowed_token_ids must be a list of integers"),
+    ({**CHAT, "bad_words": ""}, True, "bad_words must be a list of strings"),
     ({"prompt": "x", "echo": True, "max_tokens": 0, "min_tokens": 3}, False,
      "min_tokens (3) must not exceed max_tokens (0), which with echo gives the prompt alone"),
     ({**CHAT, "structured_outputs": {"json": {"type": "object"}, "regex": "a"}}, True,
@@ -212,6 +219,8 @@ def test_each_bound_takes_its_limit(body, chat, taken):
     ({"prompt": "x", "best_of": 3, "n": 3}, False),
     ({"prompt": "x", "suffix": ""}, False),  # empty or null: as if unset
     ({**CHAT, "audio": None, "functions": []}, True),
+    ({**CHAT, "modalities": ["text"]}, True),
+    ({**CHAT, "modalities": None, "stop_token_ids": None, "bad_words": None, "allowed_token_ids": None}, True),
 ])
 def test_unsupported_fields_are_taken_where_they_ask_nothing(body, chat):
     assert len(parse(body, chat).calls) == body.get("n", 1)
