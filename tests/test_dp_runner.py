@@ -13,7 +13,7 @@ from tests.test_dp_helpers import PlanBuilder
 from twinplane.dataplane.config import DataPlaneConfig
 from twinplane.dataplane.convert import describe_to_pb
 from twinplane.dataplane.model_runner import ModelRunner
-from twinplane.dataplane.plan import PromptLogprobsAsk, SamplingParams, SequenceInit, StepPlan
+from twinplane.dataplane.plan import PromptLogprobsAsk, SamplingParams, ScheduledSeq, SequenceInit, StepPlan
 
 BLOCK = 4
 
@@ -64,6 +64,9 @@ def _bad_plans(builder: PlanBuilder) -> dict[str, StepPlan]:
         "unstored": StepPlan(0, [unstored]),
         "max_model_len": fresh(54, [1, 2], start_pos=63),
         "block id": fresh(55, [1, 2], new_block_ids=np.array([64], np.int32)),
+        # slots that agree with a block -1: only the block id check stands between them and the KV cache
+        "negative block id": fresh(70, [1, 2], new_block_ids=np.array([-1], np.int32),
+                                   slot_mapping=np.array([-BLOCK, 1 - BLOCK], np.int32)),
         "batch": fresh(56, [1] * 65),
         "repeated": StepPlan(0, [builder.schedule(builder.new_seq(57, [1, 2]))] * 2),
         "bias id": StepPlan(0, [builder.schedule(builder.new_seq(58, [1, 2], SamplingParams(
@@ -90,13 +93,15 @@ BAD_PLAN_MESSAGES = {"repeated": "schedules a seq_id more than once", "bias id":
                      "start overflow": "positions exceed max_model_len",
                      "prompt length": "num_prompt_tokens 2147483648",
                      "negative blocks": "num_new_blocks >= 0", "unstored": "slot_mapping disagrees",
+                     "block id": r"new_block_ids must be in \[0, 64\)",
+                     "negative block id": r"new_block_ids must be in \[0, 64\)",
                      "tiny temperature": "neither 0 \\(greedy\\) nor", "penalty": "penalties not finite"}
 
 
 @pytest.mark.parametrize("case", ["unknown", "vocab", "slot", "table", "unstored", "max_model_len", "block id", "batch",
                                   "repeated", "bias id", "bias value", "prompt positions", "prompt token",
                                   "prompt top", "negative blocks", "start overflow", "prompt length",
-                                  "tiny temperature", "penalty"])
+                                  "tiny temperature", "penalty", "negative block id"])
 def test_bad_plans_fail_the_step_not_the_runner(runner: ModelRunner, case: str) -> None:
     runner.reset()
     builder = PlanBuilder(BLOCK, first_block=20)
@@ -214,7 +219,7 @@ def test_step_output_carries_logprobs(runner: ModelRunner) -> None:
         runner.step(StepPlan(2, [builder.schedule(c)]))
 
 
-def _pending_decode(builder: PlanBuilder, seq) -> "ScheduledSeq":
+def _pending_decode(builder: PlanBuilder, seq) -> ScheduledSeq:
     """The next decode of seq with its last token PENDING (sampled by the previous plan, not yet read)."""
     seq.tokens.append(-1)
     return builder.schedule(seq)
@@ -270,7 +275,7 @@ def test_a_plan_whose_sequences_write_one_kv_slot_is_refused(runner: ModelRunner
     b = builder.new_seq(2, [6, 7, 8])  # block 1 too, written by both
     with pytest.raises(ValueError, match="two tokens in one KV slot"):
         runner.step(StepPlan(1, [first, builder.schedule(b)]))
-    assert not runner.sequences.mirrors and runner.sequences.num_blocks.max() == 0  # nothing kept
+    assert not runner.sequences.mirrors  # nothing kept
     shared = builder.new_seq(3, [1, 2, 3, 4, 9], shared_blocks=[0])  # a's first block, computed by a in this plan
     out = runner.step(StepPlan(2, [first, builder.schedule(shared)]))
     assert out.sampled_token_ids.shape == (2,)
@@ -302,7 +307,8 @@ def test_step_arrays_start_16_byte_aligned_whatever_the_token_count(runner: Mode
     m = inputs.metadata
     arrays = {"input_ids": inputs.input_ids, "positions": inputs.positions, "slot_mapping": m.slot_mapping,
               "cu_seqlens_q": m.cu_seqlens_q, "cu_seqlens_k": m.cu_seqlens_k, "context_lens": m.context_lens,
-              "block_tables": m.block_tables, "sample_indices": inputs.sample_indices, "sample_rows": inputs.sample_rows}
+              "block_tables": m.block_tables, "sample_indices": inputs.sample_indices,
+              "sample_rows": inputs.sample_rows}
     assert inputs.input_ids.shape[0] == 18
     misaligned = {name: t.data_ptr() % 16 for name, t in arrays.items() if t.data_ptr() % 16}
     assert not misaligned, misaligned
@@ -526,3 +532,229 @@ def test_logit_bias_ids_and_values_of_other_lengths_are_refused() -> None:
     init.sampling.logit_bias_values.append(1.0)
     with pytest.raises(ValueError, match="seq 4: 2 logit_bias_ids for 1 logit_bias_values"):
         init_from_pb(init)
+
+
+NAN = float("nan")
+
+
+@pytest.mark.parametrize("name, allowed, refused, message", [
+    ("min_p", [0.0, 1.0], [-1e-6, 1.000001, NAN], r"min_p \S+ not in \[0, 1\]"),
+    ("top_p", [1e-6, 1.0], [0.0, -0.5, 1.000001, NAN], r"top_p \S+ not in \(0, 1\]"),
+    ("repetition_penalty", [1e-6, 1.0, 100.0], [0.0, -1.0], r"repetition_penalty \S+ <= 0"),
+    ("stop_token_ids", [(0,), (49151,), (0, 49151)], [(-1,), (49152,), (5, 49152)],
+     "stop_token_ids outside the vocabulary"),
+])
+def test_sampling_bounds_of_a_sequence_init(runner: ModelRunner, name: str, allowed, refused, message: str) -> None:
+    """A SequenceInit's sampling fields are taken up to their bounds and refused just past them, the error
+    naming the field: min_p in [0, 1], top_p in (0, 1], repetition_penalty > 0, stop ids in the vocabulary."""
+    from twinplane.dataplane.input_batch import check_sampling
+
+    limits = runner.sequences.limits
+    for value in allowed:
+        check_sampling(4, SequenceInit(SamplingParams(**{name: value}), 2), limits)
+    for value in refused:
+        with pytest.raises(ValueError, match=f"seq 4: {message}"):
+            check_sampling(4, SequenceInit(SamplingParams(**{name: value}), 2), limits)
+
+
+def test_sampling_at_the_bounds_runs_and_samples_as_they_say(runner: ModelRunner) -> None:
+    """Inits at the edge values pass a plan's checks and sample: min_p 1 and the smallest top_p keep the
+    most likely token alone (the greedy one), a tiny repetition_penalty runs, and stop ids at both ends of
+    the vocabulary are masked below min_tokens (without them, a bias makes those ends the greedy tokens)."""
+    runner.reset()
+    builder = PlanBuilder(BLOCK)
+    ends = (0, 49151)
+    bias = tuple((t, 100.0) for t in ends)
+    kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, min_p=1.0, seed=1),
+             SamplingParams(temperature=1.0, top_p=1e-6, seed=2),
+             SamplingParams(temperature=0.0, repetition_penalty=1e-6),
+             SamplingParams(temperature=0.0, logit_bias=bias),
+             SamplingParams(temperature=0.0, logit_bias=bias, min_tokens=2, stop_token_ids=ends)]
+    seqs = [builder.new_seq(i, [10, 11, 12], p) for i, p in enumerate(kinds)]
+    out = runner.step(StepPlan(1, [builder.schedule(s) for s in seqs])).sampled_token_ids.tolist()
+    greedy, min_p, top_p, _, biased, stopped = out
+    assert min_p == top_p == greedy and biased in ends and stopped not in ends
+    assert len(runner.sequences) == 6
+    runner.reset()
+
+
+PENALIZED = SamplingParams(temperature=0.8, seed=5, repetition_penalty=1.5)  # reads the token history
+PROMPT = [10, 11, 12, 13, 14]
+
+
+def _decode(runner: ModelRunner, builder: PlanBuilder, seq, steps: int, first_step: int = 1) -> None:
+    """Runs ``steps`` plans of ``seq`` alone (its prompt first, if not computed yet), keeping its tokens."""
+    for step in range(first_step, first_step + steps):
+        seq.tokens.append(int(runner.step(StepPlan(step, [builder.schedule(seq)])).sampled_token_ids[0]))
+
+
+def _unbroken(runner: ModelRunner, steps: int) -> list[int]:
+    runner.reset()
+    builder = PlanBuilder(BLOCK)
+    seq = builder.new_seq(1, PROMPT, PENALIZED)
+    _decode(runner, builder, seq, steps)
+    runner.reset()
+    return seq.tokens
+
+
+def _from_scratch(builder: PlanBuilder, seq, sampling: SamplingParams = PENALIZED):
+    """``seq`` sent again with a SequenceInit, its prompt and outputs to compute in new blocks."""
+    again = builder.new_seq(seq.seq_id, seq.tokens[:seq.num_prompt_tokens], sampling)
+    again.tokens = list(seq.tokens)
+    return again
+
+
+def test_a_refused_plan_that_sends_a_held_sequence_again_keeps_its_old_row(runner: ModelRunner) -> None:
+    """A held sequence sent again from scratch (a SequenceInit, as after a preemption) in a plan that is then
+    refused keeps its row, block table, history and sampling: it decodes on as if that plan never came. Sent
+    again in a plan that runs, it starts over in a new row and its old row is freed."""
+    unbroken = _unbroken(runner, 9)
+    builder, batch = PlanBuilder(BLOCK), runner.sequences
+    seq = builder.new_seq(1, PROMPT, PENALIZED)
+    _decode(runner, builder, seq, 4)
+    row, free = batch.row_of[1], len(batch.free_rows)
+    table = batch.block_table[row, :batch.num_blocks[row]].tolist()
+    again = builder.schedule(_from_scratch(builder, seq, SamplingParams(temperature=0.0)))
+    other = builder.schedule(builder.new_seq(2, [3, 4]))
+    with pytest.raises(ValueError, match="slot_mapping disagrees"):  # found once both have rows
+        runner.step(StepPlan(10, [again, dataclasses.replace(other, slot_mapping=other.slot_mapping + 1)]))
+    assert batch.row_of == {1: row} and len(batch.free_rows) == free and batch.owner[row] == 1
+    assert batch.params[row] == PENALIZED and batch.block_table[row, :batch.num_blocks[row]].tolist() == table
+    _decode(runner, builder, seq, 4, first_step=11)
+    assert seq.tokens == unbroken[:-1]
+    again = _from_scratch(builder, seq)
+    _decode(runner, builder, again, 1, first_step=20)
+    assert again.tokens == unbroken and batch.row_of[1] != row and len(batch.free_rows) == free
+
+
+def test_a_plan_may_drop_a_sequence_and_send_it_again_from_scratch(runner: ModelRunner) -> None:
+    """dropped_seq_ids and a SequenceInit for the same seq_id in one plan: the drop comes first, and the
+    sequence, computed again from its prompt and outputs, samples what it would have sampled unbroken.
+    In a plan that is refused, the drop holds and the new init is not kept."""
+    unbroken = _unbroken(runner, 8)
+    builder, batch = PlanBuilder(BLOCK), runner.sequences
+    seq = builder.new_seq(1, PROMPT, PENALIZED)
+    _decode(runner, builder, seq, 4)
+    free = len(batch.free_rows)
+    again = _from_scratch(builder, seq)
+    out = runner.step(StepPlan(10, [builder.schedule(again)], dropped_seq_ids=[1]))
+    again.tokens.append(int(out.sampled_token_ids[0]))
+    assert set(batch.mirrors) == {1} and len(batch.free_rows) == free  # the old row freed, a new one taken
+    _decode(runner, builder, again, 3, first_step=11)
+    assert again.tokens == unbroken
+    refused = builder.schedule(_from_scratch(builder, again))
+    with pytest.raises(ValueError, match="slot_mapping disagrees"):
+        runner.step(StepPlan(20, [dataclasses.replace(refused, slot_mapping=refused.slot_mapping + 1)],
+                             dropped_seq_ids=[1]))
+    assert not batch.mirrors and len(batch.free_rows) == free + 1
+
+
+def test_reset_while_a_step_waits_for_its_token_masks_lets_the_runner_take_plans(runner: ModelRunner) -> None:
+    """reset() (a control plane that reconnects) while a launched plan waits for its token masks: nothing waits
+    any more, the forgotten step's masks are refused, and the runner takes the next plan."""
+    runner.reset()
+    builder = PlanBuilder(BLOCK)
+    masked = builder.new_seq(2, [6, 7], SamplingParams(temperature=0.0, masked=True))
+    runner.launch(StepPlan(1, [builder.schedule(masked)], masks_follow=True))
+    assert runner.awaits_masks
+    runner.reset()
+    assert not runner.awaits_masks and not runner.sequences.mirrors
+    with pytest.raises(ValueError, match="token masks for step 1, but the step waiting for masks is None"):
+        runner.sample_with_masks(1, {0: _only(5)})
+    fresh = builder.new_seq(3, [1, 2, 3])
+    assert runner.step(StepPlan(2, [builder.schedule(fresh)])).sampled_token_ids.shape == (1,)
+    runner.reset()
+
+
+def _plan_pb(plan: StepPlan):
+    """A plan as the control plane sends it (inits with temperature, top-p and masked only)."""
+    from twinplane.proto import dataplane_pb2 as dp
+
+    c = plan.cols()
+    inits = [dp.SequenceInit(seq_id=seq_id, num_prompt_tokens=init.num_prompt_tokens, sampling=dp.SamplingParams(
+        temperature=init.sampling.temperature, top_p=1.0, repetition_penalty=1.0, num_logprobs=-1,
+        masked=init.sampling.masked)) for seq_id, init in c.inits.items()]
+    packed = {name: getattr(c, name).astype("<i4").tobytes() for name in
+              ("num_tokens", "start_pos", "token_ids", "slot_mapping", "num_new_blocks", "new_block_ids")}
+    return dp.StepPlan(step_id=plan.step_id, seq_ids=c.seq_ids.astype("<i8").tobytes(),
+                       sample=c.sample.astype(np.uint8).tobytes(), **packed,
+                       inits=inits, dropped_seq_ids=plan.dropped_seq_ids, masks_follow=plan.masks_follow)
+
+
+class _StepStream:
+    """A Step stream to a data-plane server, fed one plan at a time."""
+
+    def __init__(self, stub) -> None:
+        import queue
+
+        self.plans = queue.SimpleQueue()
+        self.call = stub.Step(iter(self.plans.get, None), timeout=30)
+
+    def step(self, plan: StepPlan):
+        """Sends a plan and returns the next result."""
+        self.plans.put(_plan_pb(plan))
+        return next(self.call)
+
+    def close(self) -> list:
+        """Ends the stream; returns the results still due."""
+        self.plans.put(None)
+        return list(self.call)
+
+
+@pytest.fixture
+def dataplane_stub(runner: ModelRunner, tmp_path):
+    """A data-plane gRPC server over the module's runner, on a unix socket; its stub."""
+    import grpc
+    from twinplane.dataplane.server import create_server
+    from twinplane.proto import dataplane_pb2_grpc as dp_grpc
+
+    address = f"unix://{tmp_path}/dp.sock"
+    server, _, _ = create_server(runner, address)
+    server.start()
+    try:
+        with grpc.insecure_channel(address) as channel:
+            yield dp_grpc.DataPlaneStub(channel)
+    finally:
+        server.stop(0)  # not the servicer's close(): it would release the module's runner
+        runner.reset()
+
+
+def test_a_new_step_stream_forgets_the_sequences_of_the_one_before(runner: ModelRunner, dataplane_stub) -> None:
+    """A new Step stream starts the data plane afresh: a sequence of the stream before is unknown (its decode
+    plan, without a SequenceInit, fails), and the new stream's own sequences run. So does a Reset."""
+    from twinplane.proto import dataplane_pb2 as dp
+
+    runner.reset()
+    builder = PlanBuilder(BLOCK)
+    held = builder.new_seq(7, [3, 4, 5])
+    first = _StepStream(dataplane_stub)
+    result = first.step(StepPlan(1, [builder.schedule(held)]))
+    assert not result.error and len(result.sampled_token_ids) == 4
+    held.tokens.append(int(np.frombuffer(result.sampled_token_ids, "<i4")[0]))
+    assert first.close() == [] and set(runner.sequences.mirrors) == {7}
+    second = _StepStream(dataplane_stub)
+    assert "seq 7: unknown to the data plane" in second.step(StepPlan(2, [builder.schedule(held)])).error
+    assert not runner.sequences.mirrors
+    result = second.step(StepPlan(3, [builder.schedule(builder.new_seq(8, [1, 2, 3]))]))
+    assert not result.error and set(runner.sequences.mirrors) == {8}
+    second.close()
+    dataplane_stub.Reset(dp.ResetRequest(), timeout=30)
+    assert not runner.sequences.mirrors
+
+
+def test_a_step_stream_that_ends_while_its_plan_waits_for_masks_leaves_the_next_stream_free(
+        runner: ModelRunner, dataplane_stub) -> None:
+    """A Step stream that ends with its last plan still waiting for its token masks (a control plane gone
+    mid-step) leaves the runner waiting; the next stream's reset lets its plans run."""
+    runner.reset()
+    builder = PlanBuilder(BLOCK)
+    masked = builder.new_seq(2, [6, 7], SamplingParams(temperature=0.0, masked=True))
+    first = _StepStream(dataplane_stub)
+    first.plans.put(_plan_pb(StepPlan(1, [builder.schedule(masked)], masks_follow=True)))
+    first.close()
+    assert runner.awaits_masks
+    second = _StepStream(dataplane_stub)
+    result = second.step(StepPlan(2, [builder.schedule(builder.new_seq(3, [1, 2, 3]))]))
+    assert not result.error and len(result.sampled_token_ids) == 4
+    assert not runner.awaits_masks and set(runner.sequences.mirrors) == {3}
+    second.close()
