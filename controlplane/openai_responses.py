@@ -15,6 +15,7 @@ items again (the output items of a response are valid input items).
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 
@@ -148,9 +149,13 @@ def chat_body(body: dict) -> dict:
             _fail("tools must be a list of function tools")
         chat["tools"] = [_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
     choice = body.get("tool_choice")
-    if choice is not None:  # a named function: {"type": "function", "name": ...} in this API
-        named = isinstance(choice, dict) and choice.get("type") == "function"
-        chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}} if named else choice
+    if isinstance(choice, dict):  # a named function: {"type": "function", "name": ...} in this API
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            _fail('tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}, got '
+                  f"{json.dumps(choice)[:80]}")
+        chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    elif choice is not None:
+        chat["tool_choice"] = choice
     if body.get("text") is not None:
         chat["response_format"] = _response_format(_text_format(body))
     return chat

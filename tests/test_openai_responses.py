@@ -298,7 +298,12 @@ def test_text_format_becomes_the_chat_response_format(text, response_format):
       '"schema": {...}}')),
     ({"text": {"format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {}}}}}, "text.format must be"),
     ({"top_logprobs": 2}, "include: message.output_text.logprobs (and top_logprobs) are not supported here"),
-], ids=["json-schema-without-schema", "chat-json-schema", "top-logprobs"])
+    ({"tool_choice": {"type": "function"}},
+     'tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}, got {"type": "function"}'),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, 'tool_choice must be "auto", "none"'),
+    ({"tool_choice": {"type": "file_search"}}, 'tool_choice must be "auto", "none"'),
+], ids=["json-schema-without-schema", "chat-json-schema", "top-logprobs", "tool-choice-unnamed",
+        "tool-choice-chat-form", "tool-choice-other-tool"])
 def test_what_the_responses_api_cannot_take_is_refused_naming_its_field(body, words):
     from twinplane.controlplane.errors import InvalidRequest
     from twinplane.controlplane.openai_responses import chat_body
