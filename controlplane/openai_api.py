@@ -257,8 +257,8 @@ def _check_supported(body: dict) -> None:
     modalities = body.get("modalities")
     if modalities is not None and (not isinstance(modalities, list) or set(modalities) - {"text"}):
         _fail(f'modalities must be ["text"] (this server writes text alone), got {json.dumps(modalities)[:80]}')
-    best_of = _int(body, "best_of")
-    if best_of is not None and best_of != (body.get("n") or 1):
+    best_of, n = _int(body, "best_of"), _int(body, "n")  # n's own checks come after
+    if best_of is not None and best_of != (1 if n is None else n):
         _fail("best_of is not supported by this server (leave it unset or equal to n)")
 
 

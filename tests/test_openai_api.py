@@ -168,6 +168,8 @@ def test_prompt_forms():
     ({"prompt": "x", "best_of": 2}, False, "best_of is not supported by this server (leave it unset or equal to n)"),
     ({"prompt": "x", "best_of": 3, "n": 2}, False, "best_of is not supported by this server"),
     ({"prompt": "x", "best_of": "2"}, False, "best_of must be an integer, got str"),
+    ({"prompt": "x", "best_of": 3, "n": "3"}, False, "n must be an integer, got str"),  # the cause, not best_of
+    ({"prompt": "x", "best_of": 0, "n": 0}, False, "n must be in [1, 16], got 0"),
     ({"prompt": "x", "suffix": "end"}, False, "suffix is not supported by this server"),
     ({**CHAT, "audio": {"voice": "alloy", "format": "wav"}}, True, "audio is not supported by this server"),
     ({**CHAT, "prediction": {"type": "content", "content": "x"}}, True, "prediction is not supported by this server"),
