@@ -14,6 +14,7 @@ express it refuses with a ``SchemaError`` naming the schema path.
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import math
@@ -24,10 +25,13 @@ from twinplane.controlplane.grammar import regex_literal
 MAX_REGEX = 200_000  # characters; a schema needing a larger regex is refused
 MAX_COUNT = 1000  # the largest count of a {n,m} quantifier
 MAX_OPTIONAL = 64  # optional properties per object
+MAX_SCHEMAS = 50_000  # subschemas a schema's regex may visit ($refs expanded again and again count each time)
 
 _SEP, _COLON = ",[ ]?", ":[ ]?"
 _CHAR = r'(?:[^"\\\x00-\x1f]|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))'  # one character of a JSON string
 _STRING = f'"{_CHAR}*"'
+# one character of a JSON string, for counting: no surrogate \u escape (a character past U+FFFF comes as itself)
+_CODE_POINT = r'(?:[^"\\\x00-\x1f]|\\(?:["\\/bfnrt]|u(?:[0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2})))'
 _DIGITS = "(?:0|[1-9][0-9]*)"
 _FRACTION, _EXPONENT = r"(?:\.[0-9]+)?", r"(?:[eE][+\-]?[0-9]+)?"
 _INTEGER = "-?" + _DIGITS
@@ -95,10 +99,11 @@ def schema_regex(schema: dict, max_depth: int = 4) -> str:
       a string); with none of them, any value;
     - ``oneOf`` is ``anyOf``: its branches are not checked to exclude one another;
     - a ``pattern`` is matched whole (as if anchored); it describes the string's value, so the
-      characters JSON escapes (quote, backslash, control characters) come escaped in the text;
+      characters JSON escapes (quote, backslash, control characters) come escaped in the text; of ``\\d \\w
+      \\s`` the ASCII characters, and ``\\D \\W \\S`` and classes negating them only ASCII ones;
     - enum values and integers as written (``1``, not ``1.0``); with bounds, numbers without an exponent
-      (``0.001``, not ``1e-3``) and no ``-0`` (nor ``-0.0``); ``minLength`` and ``maxLength`` count
-      each character or escape in the text as one (a surrogate pair of ``\\u`` escapes as two);
+      (``0.001``, not ``1e-3``) and no ``-0`` (nor ``-0.0``); with ``minLength`` or ``maxLength``, no
+      surrogate escapes (``\\ud83d\\ude00``): a character past U+FFFF comes as itself, one as ``len`` counts;
     - any value (``{}``, ``true``) nests containers at most max_depth deep, counted from the top,
       and a recursive ``$ref`` unrolls at most max_depth times, the branches recursing further (an
       optional property, an array item, an ``anyOf`` branch) left out.
@@ -391,23 +396,39 @@ def _string(schema: dict, path: str) -> str:
     low, high = _count(schema, "minLength", path, 0), _count(schema, "maxLength", path, None)
     if high is not None and low > high:
         raise SchemaError(f"{path}.maxLength: {high} is below minLength {low}")
-    return f'"{_repeat(_CHAR, low, high)}"'
+    return f'"{_repeat(_CODE_POINT, low, high)}"' if "minLength" in schema or "maxLength" in schema else _STRING
+
+
+def _holds_ref(schema) -> bool:
+    """Whether a $ref is anywhere in schema."""
+    if isinstance(schema, dict):
+        return "$ref" in schema or any(map(_holds_ref, schema.values()))
+    return isinstance(schema, list) and any(map(_holds_ref, schema))
 
 
 class _Builder:
-    """The regex of one root schema: $refs resolve against it; ``expanding`` holds the $refs being expanded."""
+    """The regex of one root schema: $refs resolve against it; ``expanding`` holds the $refs being expanded, and
+    ``expanded`` what each expansion came to (a regex or the error), by the $ref, the depth and ``expanding``'s
+    counts, which decide it: a $ref met again there is not expanded again."""
 
     def __init__(self, root, max_depth: int):
-        self.root, self.max_depth, self.expanding = root, max_depth, []
+        self.root, self.max_depth, self.expanding, self.expanded, self.visited = root, max_depth, [], {}, 0
 
     def regex(self, schema, path: str, depth: int) -> str:
         """The regex of schema at path, a value inside depth containers."""
+        self.visited += 1
+        if self.visited > MAX_SCHEMAS:
+            raise SchemaError(f"{path}: building the regex visits over {MAX_SCHEMAS} subschemas ($refs expanding "
+                              "each other); simplify the schema or lower max_depth")
         if schema is True:
             return _any_value(self.max_depth - depth)
         if schema is False:
             raise SchemaError(f"{path}: the schema false allows no value")
         if not isinstance(schema, dict):
             raise SchemaError(f"{path}: a schema must be an object or a boolean, got {schema!r}")
+        if "$id" in schema and schema is not self.root and _holds_ref(schema):
+            raise SchemaError(f"{path}.$id: an $id below the root, over a $ref, is not supported (the $ref would "
+                              "resolve against this $id)")
         keys = [key for key in schema if key not in _ANNOTATIONS]
         for key in keys:
             if key not in _KEYWORDS:
@@ -471,26 +492,33 @@ class _Builder:
         if self.expanding.count(ref) >= self.max_depth:
             raise _Cut(f"{path}: {ref!r} recurses more than max_depth={self.max_depth} times, with no branch that "
                        "ends the recursion (an optional property, an empty array, an anyOf alternative)")
-        self.expanding.append(ref)
-        try:
-            return self.regex(target, where, depth)
-        finally:
-            self.expanding.pop()
+        key = (ref, depth, tuple(sorted(collections.Counter(self.expanding).items())))
+        if key not in self.expanded:
+            self.expanding.append(ref)
+            try:
+                self.expanded[key] = self.regex(target, where, depth)
+            except SchemaError as exc:
+                self.expanded[key] = exc
+            finally:
+                self.expanding.pop()
+        if isinstance(self.expanded[key], SchemaError):
+            raise self.expanded[key]
+        return self.expanded[key]
 
     def _enum(self, schema: dict, path: str, depth: int) -> str:
         """The values listed; checked against the schema's other keywords (its regex) when it has some."""
         values = schema.get("enum", [])
         if "enum" in schema and (not isinstance(values, list) or not values):
             raise SchemaError(f"{path}.enum: must be a non-empty list")
+        for key, value in [("enum", v) for v in values] + [("const", schema.get("const"))] * ("const" in schema):
+            try:
+                json.dumps(value, allow_nan=False)
+            except (TypeError, ValueError):  # NaN or an infinity (1e400 reads as one), an integer too long to write
+                raise SchemaError(f"{path}.{key}: a value that cannot be written as JSON (NaN, an infinity, an "
+                                  "integer of too many digits, not a JSON type)") from None
         if "const" in schema:
             const = _json(schema["const"])
             values = [v for v in values if _json(v) == const] if "enum" in schema else [schema["const"]]
-        for value in values:
-            try:
-                json.dumps(value, allow_nan=False)
-            except ValueError:  # NaN or an infinity (1e400 reads as one): no JSON text writes it
-                raise SchemaError(f"{path}.{'enum' if 'enum' in schema else 'const'}: {value} is no JSON value; "
-                                  "NaN and infinities cannot be written") from None
         rest = {key: value for key, value in schema.items() if key not in ("enum", "const")}
         if set(rest) - _ANNOTATIONS:
             allowed = re.compile(self.regex(rest, path, depth))
@@ -693,26 +721,42 @@ def _class_char(code: int) -> str:
 def _class(negated: bool, items: list, fail) -> str:
     """A class of the pattern: its characters JSON holds as they are in a class, the others escaped.
 
-    ``\\d \\w \\s`` are ASCII, as the token-mask compiler reads them; ``\\s`` offers the space only plainly.
+    ``\\d \\w \\s`` mean what Python's ``re`` (the validator's) makes of them, in Unicode, but only their ASCII
+    members are offered, spelled out (the token-mask compiler reads the shorthands as ASCII); a class negating
+    one (``\\D``, ``[^\\s,]``) offers only the ASCII characters it allows.
     """
+    shorthands = [item for item in items if isinstance(item, str)]
+    for item in shorthands:
+        if not negated and item[1] not in "dws":
+            fail(f"{item} inside [...]")
+    if shorthands:
+        members = re.compile(f"[{'^' * negated}{''.join(map(_class_item, items))}]")
+        runs = _runs([code for code in range(0x80) if members.fullmatch(chr(code))])
+        items, negated = runs + [item for item in items if not negated and item not in shorthands], False
+        if not items:
+            fail("a class no ASCII character matches")
     body = "".join(map(_class_item, items))
     if negated:
         plain = "[^" + body + r'"\\\x00-\x1f]'
     else:
-        parts = []
-        for item in items:
-            if isinstance(item, str):
-                if item[1] not in "dws":
-                    fail(f"{item} inside [...]")
-                parts.append(" " if item == r"\s" else item)
-            else:
-                parts += [_class_item((max(lo, item[0]), min(hi, item[1])))
-                          for lo, hi in _JSON_PLAIN if max(lo, item[0]) <= min(hi, item[1])]
+        parts = [_class_item((max(lo, item[0]), min(hi, item[1])))
+                 for item in items for lo, hi in _JSON_PLAIN if max(lo, item[0]) <= min(hi, item[1])]
         plain = f"[{''.join(parts)}]" if parts else ""
-    members = re.compile(f"[{'^' * negated}{body}]", re.ASCII)
+    members = re.compile(f"[{'^' * negated}{body}]")
     escaped = [c for c in _JSON_ESCAPED if members.fullmatch(c)]
     options = [plain] * bool(plain) + [_escapes(escaped)] * bool(escaped)
     return plain if options == [plain] else f"(?:{'|'.join(options)})"
+
+
+def _runs(codes: list[int]) -> list[tuple[int, int]]:
+    """Ascending code points as ranges of consecutive ones."""
+    out = []
+    for code in codes:
+        if out and out[-1][1] == code - 1:
+            out[-1] = (out[-1][0], code)
+        else:
+            out.append((code, code))
+    return out
 
 
 def _escapes(chars: list[str]) -> str:

@@ -151,6 +151,8 @@ CASES = [  # (name, schema, valid instances, invalid instances)
     ("recursive tree", TREE, [chain(1), chain(3), chain(4), chain(4, children=[])],
      [chain(5), chain(4, children=[{"value": 1}]), {"children": []}]),
     ("recursive list", LIST, [None, linked(1), linked(3)], [linked(4), {"head": 1}]),  # the 4th unrolling: null
+    ("$id below the root, over no $ref", {"type": "object", "properties": {"p": {"$id": "p.json", "type": "integer"}}},
+     [{}, {"p": 1}], [{"p": "1"}]),
     ("recursive root", {"type": "object", "properties": {"next": {"$ref": "#"}}},
      [{}, {"next": {"next": {}}}], [{"next": 1}]),
     ("any value", {}, [1, "x", None, [1, {"a": [2]}], {"a": {"b": {"c": {"d": 1}}}}, [[[[]]]]],
@@ -195,6 +197,49 @@ def test_string_and_number_syntax():
         assert not number.fullmatch(text) and not integer.fullmatch(text), text
     for text in ["1E5", "-0", "1.5e-3", "0.0"]:
         assert number.fullmatch(text), text
+
+
+SHORTHAND_CASES = [  # (pattern, strings Python's re matches whole, strings it does not)
+    ("\\S+", ["a!", "~\x7f", "\x00\x1b"], ["\x1c", "\x1f", "\x85", "\u3000", "a\u2028"]),
+    ("\\D", ["a", " ", "\x1c", "\n"], ["7", "\u0663", "\uff11"]),
+    ("\\W", ["-", " ", "\x00"], ["_", "a", "\u00e9", "\u0663"]),
+    ("[^\\s,]+", ["ab", 'q"\\'], ["a,b", "\x1d", "\xa0"]),
+    ("[^\\d]", ["x"], ["7", "\u0663"]),
+    ("\\d+", ["0", "42"], ["x"]),
+    ("[\\w.]+", ["a_1.b"], ["-"]),
+    ("\\s", [" ", "\t", "\x1c"], ["a"]),
+]
+
+
+@pytest.mark.parametrize("pattern, valid, invalid", SHORTHAND_CASES, ids=[case[0] for case in SHORTHAND_CASES])
+def test_pattern_shorthands_as_python_reads_them(pattern, valid, invalid):
+    """``\\d \\w \\s`` and their negations mean what Python's re makes of them, in Unicode (\\x1c is a space to it,
+    \\u0663 a digit): of a negated one only ASCII characters come, those it allows; re and the token-mask compiler
+    read the regex alike."""
+    regex = schema_regex({"type": "string", "pattern": pattern})
+    grammar = Grammar.from_regex(regex)
+    for value, expected in [(v, True) for v in valid] + [(v, False) for v in invalid]:
+        assert bool(re.fullmatch(pattern, value)) == expected, value
+        text = json.dumps(value, ensure_ascii=False)
+        assert bool(re.fullmatch(regex, text)) == expected, (regex, text)
+        assert through_grammar(grammar, text) == expected, (regex, text)
+    for value in ["\u0663", "\u00e9", "\u3000", "\x85"]:
+        text = json.dumps(value, ensure_ascii=False)
+        assert bool(re.fullmatch(regex, text)) == through_grammar(grammar, text), (regex, text)
+
+
+def test_string_lengths_count_characters_as_the_string_holds_them():
+    """minLength and maxLength count characters as the string holds them: where the length is bounded, a
+    character past U+FFFF comes as itself, one character, never as a surrogate pair of \\u escapes (two)."""
+    regex = schema_regex({"type": "string", "minLength": 2, "maxLength": 2})
+    grammar = Grammar.from_regex(regex)
+    for text, expected in [('"a😀"', True), ('"😀\\u00e9"', True), ('"😀😀"', True), ('"a\\ud83d\\ude00"', False),
+                           ('"\\ud7ff\\ue000"', True), ('"\\ud83d\\ude00"', False), ('"a\\ud83d\\ude00b"', False),
+                           ('"a\\ud800"', False), ('"\\udc00a"', False), ('"\\ude00\\ud83d"', False)]:
+        assert bool(re.fullmatch(regex, text)) == expected, text
+        assert through_grammar(grammar, text) == expected, text
+        if expected:
+            assert len(json.loads(text)) == 2, text
 
 
 @pytest.mark.parametrize("pattern", [".*", "[ -~]*", "[^x]*", "\\S*", "(?:a|\\W)*", '["\\\\\\n]*'])
@@ -526,6 +571,17 @@ def test_number_ranges_random():
     assert min(counts.values()) > 3000, counts
 
 
+@pytest.mark.timeout(60)
+def test_refs_met_again_expand_once():
+    """A $ref met again at the same depth, with the same $refs open, is not expanded again: fifty references to
+    the root build at once; $refs that expand one another without end are refused, not followed."""
+    assert schema_regex({"anyOf": [{"$ref": "#"} for _ in range(50)] + [{"type": "null"}]}) == "null"
+    assert schema_regex({"anyOf": [{"$ref": "#"} for _ in range(50)] + [{"type": "null"}]}, max_depth=8) == "null"
+    defs = {f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{j}"} for j in range(8)] + [{"type": "null"}]} for i in range(8)}
+    with pytest.raises(SchemaError, match="subschemas"):
+        schema_regex({"$defs": defs, "$ref": "#/$defs/d0"})
+
+
 def test_max_depth():
     assert re.fullmatch(any_json_regex(1), '{"a":1}') and not re.fullmatch(any_json_regex(1), '{"a":[]}')
     one_level = re.compile(schema_regex({}, max_depth=1))
@@ -587,6 +643,9 @@ REFUSED = [  # (schema, the path the message starts with)
     ({"enum": []}, "schema.enum"),
     ({"const": float("nan")}, "schema.const"),  # no JSON text writes NaN or an infinity (1e400 reads as one)
     ({"enum": [1, float("inf")]}, "schema.enum"),
+    ({"const": 10 ** 5000}, "schema.const"),  # more digits than Python's json writes
+    ({"enum": [1], "const": 10 ** 5000}, "schema.const"),
+    ({"type": "integer", "enum": [10 ** 5000]}, "schema.enum"),
     ({"type": "integer", "enum": ["a"]}, "schema.enum"),
     ({"anyOf": []}, "schema.anyOf"),
     ({"oneOf": {}}, "schema.oneOf"),
@@ -596,6 +655,9 @@ REFUSED = [  # (schema, the path the message starts with)
     ({"$ref": "#/properties/a", "properties": {"a": {}}}, "schema.$ref"),
     ({"$ref": "other.json#/$defs/a"}, "schema.$ref"),
     ({"$defs": {"a": {}}, "$ref": "#/$defs/b"}, "schema.$ref"),
+    ({"$defs": {"a": {"type": "integer"}}, "type": "object", "properties": {  # names p.json's a, a string
+        "p": {"$id": "p.json", "$defs": {"a": {"type": "string"}}, "properties": {"q": {"$ref": "#/$defs/a"}}}}},
+     "schema.properties.p.$id"),
     ({"$defs": {"a": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "required": ["a"]}},
       "$ref": "#/$defs/a"}, "schema.$defs.a.properties.a.$ref"),
     ({"type": "array", "items": {"$ref": "#"}, "minItems": 1}, "schema.items.$ref"),
