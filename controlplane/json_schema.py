@@ -32,6 +32,7 @@ _CHAR = r'(?:[^"\\\x00-\x1f]|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))'  # one characte
 _STRING = f'"{_CHAR}*"'
 # one character of a JSON string, for counting: no surrogate \u escape (a character past U+FFFF comes as itself)
 _CODE_POINT = r'(?:[^"\\\x00-\x1f]|\\(?:["\\/bfnrt]|u(?:[0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2})))'
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _DIGITS = "(?:0|[1-9][0-9]*)"
 _FRACTION, _EXPONENT = r"(?:\.[0-9]+)?", r"(?:[eE][+\-]?[0-9]+)?"
 _INTEGER = "-?" + _DIGITS
@@ -124,7 +125,8 @@ def any_json_regex(max_depth: int = 4) -> str:
 
 
 def _json(value) -> str:
-    return json.dumps(value, ensure_ascii=False)
+    """value as JSON text, characters as themselves but lone surrogates, escaped (UTF-8 cannot hold them)."""
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(value, ensure_ascii=False))
 
 
 def _literal(value) -> str:
@@ -684,7 +686,8 @@ def _pattern_atom(text: str, i: int, fail) -> tuple[str, int]:
         negated, item = _SHORTHANDS[text[i + 1]]
         return _class(negated, [item], fail), i + 2
     char, i = _pattern_char(text, i, fail)
-    return f"(?:{_json_char(char)})" if char in _JSON_ESCAPED else _json_char(char), i  # an escape: one atom
+    one = _json_char(char)
+    return f"(?:{one})" if _json(char) != f'"{char}"' else one, i  # an escape: one atom
 
 
 def _pattern_char(text: str, i: int, fail) -> tuple[str, int]:

@@ -242,6 +242,20 @@ def test_string_lengths_count_characters_as_the_string_holds_them():
             assert len(json.loads(text)) == 2, text
 
 
+@pytest.mark.parametrize("schema, value", [
+    ({"enum": ["\ud800", "a"]}, "\ud800"), ({"const": "x\udfff"}, "x\udfff"),
+    ({"type": "object", "properties": {"\ud800": {"const": 1}}, "required": ["\ud800"]}, {"\ud800": 1}),
+    ({"type": "string", "pattern": "\udc00+"}, "\udc00\udc00"),
+], ids=["enum", "const", "property", "pattern"])
+def test_lone_surrogates_come_escaped(schema, value):
+    """A lone surrogate in a name, a value or a pattern (JSON may hold one, UTF-8 cannot) is offered as its \\u
+    escape, which the token-mask compiler takes and which reads back as the value."""
+    regex = schema_regex(schema)
+    text = json.dumps(value)
+    assert re.fullmatch(regex, text) and through_grammar(Grammar.from_regex(regex), text)
+    assert json.loads(text) == value
+
+
 @pytest.mark.parametrize("pattern", [".*", "[ -~]*", "[^x]*", "\\S*", "(?:a|\\W)*", '["\\\\\\n]*'])
 def test_patterns_keep_strings_json(pattern):
     """Whatever a pattern allows, a bare quote, a lone backslash or a raw control character never matches."""
