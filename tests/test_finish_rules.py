@@ -144,3 +144,11 @@ def test_the_core_words_a_misfit_after_a_data_plane_shrank(max_model_len, num_kv
     why = never_fits(seq, dp.DescribeResponse(max_model_len=max_model_len, num_kv_blocks=num_kv_blocks,
                                               block_size=4))
     assert (why is None) if words is None else (why.startswith("prompt + max_tokens (20 tokens) ") and words in why)
+
+
+def test_text_held_back_for_a_stop_string_goes_out_when_length_ends_the_request():
+    """"b" may begin "bc" and waits for the next token; max_tokens ends the request there, so it goes out."""
+    state = request(("bc",), max_tokens=2)
+    assert feed(state, [0, 1], [None, LENGTH]) == [None, LENGTH]
+    sent = [state.outputs.popleft() for _ in range(len(state.outputs))]
+    assert [out.text for out in sent] == ["a", "b"] and sent[-1].matched_stop == ""

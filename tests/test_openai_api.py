@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 
-from twinplane.controlplane.api import Limits
+from twinplane.controlplane.api import Limits, RequestOutput, TokenLogprobs
 from twinplane.controlplane.errors import InvalidRequest, NotReady, Overloaded, StepFailed
 from twinplane.controlplane.openai_api import detokenize_ids, parse_request, tokenize_prompt
 from twinplane.controlplane.openai_http import NotFound, Unauthenticated, response_of
+from twinplane.controlplane.openai_stream import Choices, ResponseBuilder
+from twinplane.controlplane.sequence import FinishReason
 from twinplane.controlplane.tls import parse_listen
 from twinplane.controlplane.tokenizer import ChatOptions
 
@@ -398,3 +402,195 @@ def test_completion_logprobs_name_the_parts_of_a_character_apart_and_offset_by_w
     for entry in entries:
         streamed += logprobs_json(False, [entry], tokenizer, offsets)["text_offset"]
     assert streamed == whole["text_offset"]
+
+
+# ---- a request's choices read through a stand-in engine -----------------------------------------
+
+
+class _ScriptedEngine:
+    """Stands in for the engine: each choice (a call of the request) gets its own outputs, in order."""
+
+    def __init__(self, calls: list, outputs):
+        """outputs(choice, prompt): that choice's outputs."""
+        self.calls, self.outputs_of = calls, outputs
+        self.tokenizer = SimpleNamespace(decode=lambda ids, skip: "".join(f"<{i}>" for i in ids))
+        self.added, self.aborted = [], []
+
+    def check_room(self, count: int = 1) -> None:
+        pass
+
+    async def in_tokenizer_pool(self, function, *args):
+        return function(*args)
+
+    async def add(self, call, room_checked: bool = False):
+        choice = next(i for i, c in enumerate(self.calls) if c is call)
+        self.added.append(choice)
+        return SimpleNamespace(choice=choice, prompt=list(call.prompt.token_ids or (1, 2, 3)))  # chat: any prompt
+
+    async def outputs(self, state):
+        for out in self.outputs_of(state.choice, state.prompt):
+            yield out
+
+    def abort(self, state) -> None:
+        self.aborted.append(state.choice)
+
+
+def _run_choices(request, outputs) -> tuple[list[tuple[int, RequestOutput]], _ScriptedEngine, dict]:
+    engine = _ScriptedEngine(request.calls, outputs)
+
+    async def read():
+        choices = Choices(engine, request)
+        await choices.open()
+        return [item async for item in choices], choices.usage()
+
+    got, usage = asyncio.run(read())
+    return got, engine, usage
+
+
+def _scored_outputs(calls: list):
+    """Each choice's one output: token 40 + its index; a prompt's first choice scores the prompt (its top
+    three, more than asked for)."""
+    def outputs(choice: int, prompt: list[int]) -> list[RequestOutput]:
+        scored = None
+        if calls[choice].params.prompt_logprobs is not None:
+            scored = [None, *(TokenLogprobs(t, -1.0, [(t, -1.0), (99, -2.0), (98, -3.0)]) for t in prompt[1:])]
+        token = 40 + choice
+        return [RequestOutput("r", [token], f"t{choice}", [TokenLogprobs(token, -0.5, [(token, -0.5), (97, -4.0)])],
+                              scored, FinishReason.LENGTH, prompt_tokens=len(prompt), completion_tokens=1)]
+    return outputs
+
+
+def test_echo_with_logprobs_starts_each_choice_of_a_batch_with_its_own_prompt():
+    """Every choice of every prompt echoes that prompt: its text, and its tokens' log-probabilities (the first
+    null, the others with as many top tokens as asked) before those of the tokens drawn."""
+    request = parse({"prompt": [[5, 6, 7], [8, 9]], "n": 2, "echo": True, "logprobs": 1, "max_tokens": 1},
+                    chat=False)
+    got, engine, usage = _run_choices(request, _scored_outputs(request.calls))
+    assert sorted(engine.added) == [0, 1, 2, 3] and sorted(i for i, _ in got) == [0, 1, 2, 3]
+    builder = ResponseBuilder(request, "cmpl-r", "m", None)
+    for index, out in got:
+        builder.add(index, out)
+    choices = builder.response(usage)["choices"]
+    for c, prompt in enumerate([[5, 6, 7], [5, 6, 7], [8, 9], [8, 9]]):
+        logprobs, token = choices[c]["logprobs"], f"token_id:{40 + c}"
+        assert choices[c]["text"] == "".join(f"<{t}>" for t in prompt) + f"t{c}"
+        assert logprobs["tokens"] == [f"token_id:{t}" for t in prompt] + [token]
+        assert logprobs["token_logprobs"] == [None] + [-1.0] * (len(prompt) - 1) + [-0.5]
+        assert logprobs["top_logprobs"] == [None, *({f"token_id:{t}": -1.0} for t in prompt[1:]),
+                                            {token: -0.5, "token_id:97": -4.0}][:len(prompt) + 1]
+    assert usage["prompt_tokens"] == 5 and usage["completion_tokens"] == 4
+
+
+def test_echo_with_max_tokens_0_shows_each_choice_its_prompt_alone():
+    """The token drawn after the prompt is neither shown nor counted; its log-probability is left out too."""
+    request = parse({"prompt": [5, 6, 7], "n": 2, "echo": True, "logprobs": 1, "max_tokens": 0}, chat=False)
+    got, _, usage = _run_choices(request, _scored_outputs(request.calls))
+    builder = ResponseBuilder(request, "cmpl-r", "m", None)
+    for index, out in got:
+        builder.add(index, out)
+    response = builder.response(usage)
+    for choice in response["choices"]:
+        assert (choice["text"], choice["finish_reason"]) == ("<5><6><7>", "length")
+        assert choice["logprobs"]["tokens"] == ["token_id:5", "token_id:6", "token_id:7"]
+        assert choice["logprobs"]["token_logprobs"] == [None, -1.0, -1.0]
+    assert usage == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3,
+                     "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def _two_outputs(calls: list):
+    """Each choice's two outputs: tokens 40 + its index then 50 + its index, one text character each; the
+    first choice scores the prompt (its top three, more than asked for)."""
+    def outputs(choice: int, prompt: list[int]) -> list[RequestOutput]:
+        first, last = (_scored_outputs(calls)(choice, prompt)[0], RequestOutput("r", [50 + choice], "y"))
+        first.text, first.finish_reason, first.completion_tokens = "x", None, 0
+        last.logprobs = [TokenLogprobs(50 + choice, -0.75, [(50 + choice, -0.75)])]
+        last.finish_reason, last.prompt_tokens, last.completion_tokens = FinishReason.LENGTH, len(prompt), 2
+        return [first, last]
+    return outputs
+
+
+def test_prompt_logprobs_and_logprobs_of_every_output_reach_the_whole_response():
+    """Each choice's prompt_logprobs keep as many top tokens as asked, whatever the first choice computed, and
+    are kept past the outputs after the first; logprobs add up over the outputs."""
+    request = parse({"prompt": [5, 6, 7], "n": 2, "prompt_logprobs": 1, "logprobs": 0, "max_tokens": 2}, chat=False)
+    got, _, usage = _run_choices(request, _two_outputs(request.calls))
+    builder = ResponseBuilder(request, "cmpl-r", "m", None)
+    for index, out in got:
+        builder.add(index, out)
+    response = builder.response(usage)
+    for c, choice in enumerate(response["choices"]):
+        assert choice["text"] == "xy" and choice["logprobs"]["tokens"] == [f"token_id:{40 + c}", f"token_id:{50 + c}"]
+        assert choice["logprobs"]["text_offset"] == [0, len(f"token_id:{40 + c}")]  # named by id: no tokenizer
+        assert choice["prompt_logprobs"] == [None, *({str(t): {"logprob": -1.0, "rank": 1,
+                                                                "decoded_token": f"token_id:{t}"}} for t in (6, 7))]
+    assert usage["completion_tokens"] == 4
+
+
+def test_streamed_completions_offset_each_choices_tokens_by_its_own_text():
+    """text_offset goes on from the choice's own text sent before, whichever choices' chunks came between."""
+    request = parse({"prompt": [5, 6, 7], "n": 2, "logprobs": 0, "max_tokens": 2, "stream": True}, chat=False)
+    got, _, _ = _run_choices(request, _two_outputs(request.calls))
+    builder = ResponseBuilder(request, "cmpl-r", "m", None)
+    offsets = {0: [], 1: []}
+    for index, out in got:
+        (chunk,) = builder.chunks(index, out)
+        assert chunk["object"] == "text_completion" and chunk["choices"][0]["index"] == index
+        offsets[index] += chunk["choices"][0]["logprobs"]["text_offset"]
+    assert offsets == {0: [0, len("token_id:40")], 1: [0, len("token_id:41")]}  # named by id: no tokenizer
+
+
+def test_a_chat_stream_begins_each_choice_with_its_role_once_and_ends_with_the_usage_alone():
+    """With include_usage, every chunk carries a null usage, and a last chunk with no choices the usage."""
+    request = parse({**CHAT, "n": 2, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}})
+    got, _, usage = _run_choices(request, _two_outputs(request.calls))
+    builder = ResponseBuilder(request, "chatcmpl-r", "m", None)
+    chunks = [chunk for index, out in got for chunk in builder.chunks(index, out)] + [builder.usage_chunk(usage)]
+    assert all(chunk["object"] == "chat.completion.chunk" for chunk in chunks)
+    assert all("usage" in chunk and chunk["usage"] is None for chunk in chunks[:-1])
+    for c in (0, 1):
+        deltas = [chunk["choices"][0]["delta"] for chunk in chunks[:-1] if chunk["choices"][0]["index"] == c]
+        assert deltas == [{"role": "assistant", "content": ""}, {"content": "x"}, {"content": "y"}]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+def _service_over_an_engine(**config):
+    """The HTTP routes over an engine that has had a data plane (described), with no core behind it."""
+    from starlette.testclient import TestClient
+
+    from twinplane.controlplane.config import ControlPlaneConfig
+    from twinplane.controlplane.engine import Engine
+    from twinplane.controlplane.openai_http import OpenAIService
+    from twinplane.proto import dataplane_pb2 as dp
+
+    engine = Engine(ControlPlaneConfig(dataplane="unix:///nowhere", **config))
+    engine.describe, engine.limits = dp.DescribeResponse(model="m", max_model_len=512), LIMITS
+    return engine, TestClient(OpenAIService(engine).app())
+
+
+def test_a_generation_is_refused_at_once_while_the_data_plane_is_stalled_or_lost():
+    engine, http = _service_over_an_engine()
+    engine._connected = True
+    engine._set_stalled("data plane", True)
+    answer = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert answer.status_code == 503 and answer.json()["error"]["message"] == "the data plane stalled; retry later"
+    engine._set_stalled("data plane", False)
+    engine.lost()
+    answer = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+    assert answer.status_code == 503 and "it was lost" in answer.json()["error"]["message"]
+    engine._tokenizer_pool.shutdown()
+
+
+def test_a_generation_is_refused_for_the_queue_before_it_is_parsed():
+    """A request that finds the queue full gets 429 without taking a tokenizer thread for its parse."""
+    engine, http = _service_over_an_engine(max_waiting_requests=1)
+    engine._connected = True
+    engine._update_ready()
+    engine.num_waiting_ready = 1  # one call waits already
+
+    async def parse(*args):
+        raise AssertionError("parsed")
+
+    engine.parse = parse
+    answer = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert answer.status_code == 429 and "too many waiting requests (1" in answer.json()["error"]["message"]
+    engine._tokenizer_pool.shutdown()

@@ -683,6 +683,21 @@ def test_disconnect_while_waiting_for_a_whole_response_aborts(base_url, model, h
     assert http_planes.engine.metrics.finished["aborted"] == aborted_before + 1
 
 
+def test_a_whole_response_left_by_its_client_leaves_nothing_waiting_for_its_outputs(base_url, model, http_planes):
+    """Once the client went away and the request was aborted, no task is left collecting outputs that never come."""
+    import asyncio
+
+    body = {"model": model, "prompt": LONG_PROMPT, "max_tokens": 3000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base_url + "/v1/completions", json=body, headers={"authorization": f"Bearer {KEY}"}, timeout=1.5)
+
+    async def collecting() -> int:
+        return sum(task.get_coro().__qualname__.endswith(".collect") for task in asyncio.all_tasks())
+
+    wait_until(lambda: all_blocks_free(http_planes) and http_planes.call(collecting()) == 0, 20,
+               "every KV block free and no task collecting outputs after the client left")
+
+
 def test_503_without_a_data_plane(tmp_path):
     planes = Planes(tmp_path, "unused", http_listen="127.0.0.1:0")
     planes.start_controlplane()  # no data plane ever answers

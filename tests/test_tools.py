@@ -464,6 +464,15 @@ def _outputs(pieces: list[str], reason=FinishReason.STOP_TOKEN) -> list[RequestO
     return outs
 
 
+def test_a_chunk_that_only_adds_to_tool_calls_carries_no_content():
+    """A chunk with tool call deltas and no text leaves content out (an empty content is for a chunk with nothing)."""
+    request = parse_request(chat(tools=TOOLS), LIMITS, "r", chat=True, tool_call_parser="hermes")
+    builder = ResponseBuilder(request, "chatcmpl-r", "m", None, tool_call_parser="hermes")
+    deltas = [builder.chunks(0, out)[-1]["choices"][0]["delta"] for out in _outputs([CALL[:20], CALL[20:], ""])]
+    assert [sorted(delta) for delta in deltas] == [["content"], ["tool_calls"], ["content"]]
+    assert deltas[0]["content"] == deltas[2]["content"] == ""
+
+
 def test_chunks_and_message_carry_tool_calls():
     request = parse_request(chat(tools=TOOLS), LIMITS, "r", chat=True, tool_call_parser="hermes")
     lyon = CALL.replace("Paris", "Lyon")
