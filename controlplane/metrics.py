@@ -297,7 +297,7 @@ def _accepts_gzip(accept_encoding: str) -> bool:
     for part in accept_encoding.split(","):
         coding, _, params = part.partition(";")
         if coding.strip().lower() == "gzip":
-            return params.replace(" ", "") not in ("q=0", "q=0.0", "q=0.00", "q=0.000")
+            return params.replace(" ", "").lower() not in ("q=0", "q=0.0", "q=0.00", "q=0.000")
     return False
 
 

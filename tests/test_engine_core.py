@@ -198,6 +198,32 @@ def test_a_request_its_plans_cannot_carry_fails_alone():
     assert list(core.seqs) == [8] and [s.seq_id for s in core.unrouted] == [8]
 
 
+def test_the_core_keeps_each_frontends_requests_apart_and_ends_them_when_it_is_gone():
+    """With two frontends, the core counts each one's added and waiting requests apart; an abort takes
+    a request out of the queue for a data plane; once a frontend's channel closes, its requests end and
+    the other's wait on; Shutdown stops the core."""
+    from twinplane.controlplane.config import ControlPlaneConfig
+    from twinplane.controlplane.engine_core import EngineCore
+    from twinplane.controlplane.messages import Shutdown
+
+    async def run():
+        core = EngineCore(ControlPlaneConfig(dataplane="unix:///nowhere", api_server_count=2), Frontend())
+        for seq_id in (2, 3, 4, 5, 7):  # frontend 0 numbers its sequences 2, 4, ...; frontend 1 3, 5, 7, ...
+            core.receive(AddRequest(seq_id, f"r{seq_id}", [5, 6], RequestParams(max_tokens=3)))
+        core.receive(Abort(5))
+        before = core.snapshot()
+        core.frontend_gone(1)
+        after = core.snapshot()
+        core.receive(Shutdown())
+        return core, before, after
+
+    core, before, after = asyncio.run(run())
+    assert (before.added_by_frontend, before.waiting_by_frontend, before.waiting) == ((2, 3), (2, 2), 4)
+    assert (after.waiting_by_frontend, after.waiting) == ((2, 0), 2)
+    assert sorted(core.seqs) == [2, 4] and [seq.seq_id for seq in core.unrouted] == [2, 4]
+    assert core.stopped.is_set() and core.frontend.messages == []
+
+
 def test_the_core_applies_a_step_counts_it_and_logs_it_at_debug(caplog):
     import numpy as np
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import pickle
 import signal
 import socket
 import subprocess
@@ -25,7 +26,8 @@ from tests.test_e2e_reference import random_prompts
 from twinplane.clients.client import AsyncClient, Client
 from twinplane.controlplane.config import ControlPlaneConfig
 from twinplane.controlplane.fanout import Frontends, owner, seq_ids
-from twinplane.controlplane.messages import Refused, Rejected
+from twinplane.controlplane.messages import (CoreSnapshot, Heartbeat, Refused, Rejected, Snapshot, Stalled, StepFailed,
+                                             StepOutputs, TokenOutput)
 
 CLI = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", "WARNING"]
 DP_ARGS = ("--block-size", "16", "--max-model-len", "512")
@@ -76,6 +78,39 @@ def test_the_core_tells_only_the_owner_of_a_request_that_it_failed():
     frontends.send(Refused([(3, "too long"), (4, "too long"), (6, "too long")]))
     assert [c.sent for c in channels] == [[Refused([(3, "too long"), (6, "too long")])],
                                           [Rejected(7, "top_k out of range"), Refused([(4, "too long")])], []]
+
+
+class _Channel:
+    """Stands in for a channel to a frontend: keeps what it is sent, as the frontend would read it."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, message):
+        self.sent.append(message)
+
+    def send_encoded(self, data: bytes):
+        self.sent.append(pickle.loads(data[4:]))
+
+
+def test_each_frontend_hears_the_tokens_of_its_own_sequences_and_everyone_the_rest():
+    """A step's tokens go to the frontends that own their sequences, with the snapshot (one that owns
+    none of them gets the snapshot alone); a failed step to the owners of the sequences in it; the
+    rest (heartbeats, stalls) to every frontend."""
+    channels = [_Channel() for _ in range(3)]
+    frontends, snapshot = Frontends(channels), CoreSnapshot({"steps": 1})
+
+    def token(seq_id: int) -> TokenOutput:
+        return TokenOutput(seq_id, 5, 3, None, None, 0)
+
+    frontends.send(StepOutputs([token(3), token(4), token(6)], snapshot))
+    frontends.send(StepFailed([4, 9, 7], "out of memory"))
+    frontends.send(Heartbeat())
+    frontends.send(Stalled(True))
+    everyone, failed = [Heartbeat(), Stalled(True)], "out of memory"
+    assert channels[0].sent == [StepOutputs([token(3), token(6)], snapshot), StepFailed([9], failed), *everyone]
+    assert channels[1].sent == [StepOutputs([token(4)], snapshot), StepFailed([4, 7], failed), *everyone]
+    assert channels[2].sent == [Snapshot(snapshot), *everyone]
 
 
 def test_a_unix_socket_cannot_be_shared_by_several_frontends(tmp_path):
@@ -155,8 +190,9 @@ async def _sigterm_on_two_frontends(address: str, control: subprocess.Popen) -> 
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await tokens_async(client, [13] * 5, max_tokens=3, timeout=10, **GREEDY)
             report["new_requests"].append(refused.value.code())
-        report["shorts"] = [len(first.token_ids) + sum([len(c.token_ids) async for c in stream])
-                            for first, stream in zip(firsts, shorts)]
+        report["shorts"] = []
+        for first, stream in zip(firsts, shorts):  # an async comprehension in a plain one needs Python 3.11
+            report["shorts"].append(len(first.token_ids) + sum([len(c.token_ids) async for c in stream]))
         report["longs"] = []
         for stream in longs:
             with pytest.raises(grpc.aio.AioRpcError) as ended:

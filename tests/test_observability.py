@@ -354,6 +354,57 @@ def test_a_data_planes_counters_carry_on_across_engine_cores():
     assert values("dataplane_computed_tokens") == [520] and values("dataplane_prefix_cache_hits") == [80]
 
 
+def test_a_new_engine_core_counts_on_from_the_one_it_replaces():
+    """Preemptions and prefix-cache queries and hits carry on across engine cores, on /metrics too; the
+    gauges (waiting, running, KV blocks) are the new core's data planes' alone."""
+    from twinplane.controlplane.config import ControlPlaneConfig
+    from twinplane.controlplane.engine_core import EngineCore
+    from twinplane.controlplane.messages import CoreSnapshot, DataPlaneSnapshot
+    from twinplane.controlplane.replica import STAT_NAMES
+
+    earlier = DataPlaneSnapshot("earlier cores", num_preemptions=1, prefix_cache_queries=30, prefix_cache_hits=8)
+    dying = DataPlaneSnapshot("dp:1", True, waiting=2, running=3, free_kv_blocks=5, num_kv_blocks=16,
+                              num_preemptions=4, prefix_cache_queries=100, prefix_cache_hits=32)
+    before = CoreSnapshot(dict.fromkeys(STAT_NAMES, 0), unrouted=1, earlier=earlier, dataplanes=[dying])
+    core = EngineCore(ControlPlaneConfig(dataplane="unix:///nowhere"), SimpleNamespace(send=None), before)
+    snapshot = core.snapshot()
+    assert (snapshot.num_preemptions, snapshot.prefix_cache_queries, snapshot.prefix_cache_hits) == (5, 130, 40)
+    snapshot.unrouted = 3  # and the new core's data plane has done some work
+    snapshot.dataplanes = [DataPlaneSnapshot("dp:1", True, waiting=1, running=2, free_kv_blocks=12, num_kv_blocks=16,
+                                             num_preemptions=2, prefix_cache_queries=20, prefix_cache_hits=4)]
+    assert (snapshot.waiting, snapshot.running, snapshot.free_kv_blocks, snapshot.num_kv_blocks) == (4, 2, 12, 16)
+    engine, _ = _engine_with_a_request()
+    engine.snapshot(snapshot)
+    names = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "num_requests_running",
+             "kv_cache_usage_perc")
+    assert {name: _family(engine, name).samples[0].value for name in names} == {
+        "num_preemptions": 7, "prefix_cache_queries": 150, "prefix_cache_hits": 44, "num_requests_running": 2,
+        "kv_cache_usage_perc": 0.25}
+
+
+def test_the_primary_frontends_metrics_count_every_frontends_requests():
+    """With several frontends, the primary's /metrics sums the request counters and histograms of all of
+    them (the others' as they last reported them); an observation on a bucket's bound is in that bucket."""
+    from twinplane.controlplane.metrics import EngineCollector, EngineMetrics
+
+    engine, _ = _engine_with_a_request()
+    own, other = engine.metrics, EngineMetrics()
+    own.prompt_tokens, own.generation_tokens, own.finished["length"] = 3, 10, 1
+    other.prompt_tokens, other.generation_tokens, other.finished["stop_token"] = 5, 7, 2
+    own.e2e_request_latency.observe(0.1)
+    other.e2e_request_latency.observe(2.0, count=2)
+    collected = EngineCollector(engine, SimpleNamespace(metrics={1: other})).collect()
+    samples = {(s.name, s.labels.get("finished_reason") or s.labels.get("le")): s.value
+               for family in collected for s in family.samples}
+    assert samples["twinplane:prompt_tokens_total", None] == 8
+    assert samples["twinplane:generation_tokens_total", None] == 17
+    success = "twinplane:request_success_total"
+    assert (samples[success, "length"], samples[success, "stop_token"], samples[success, "error"]) == (1, 2, 0)
+    latency = "twinplane:e2e_request_latency_seconds"
+    assert [samples[f"{latency}_bucket", le] for le in ("0.1", "1.0", "2.5", "+Inf")] == [1, 1, 3, 3]
+    assert (samples[f"{latency}_count", None], samples[f"{latency}_sum", None]) == (3, pytest.approx(4.1))
+
+
 # ---- the metrics server ---------------------------------------------------------------------
 
 
@@ -397,6 +448,12 @@ def test_a_scrape_gets_gzip_when_it_asks_and_only_the_names_it_asks_for(metrics_
                             "twinplane:e2e_request_latency_seconds_count"}
 
 
+def test_a_scrape_that_refuses_gzip_in_capitals_gets_plain_text(metrics_server):
+    """The weight's name is case-insensitive (RFC 9110): 'GZIP; Q=0' refuses gzip as 'gzip;q=0' does."""
+    assert _get(metrics_server, "/metrics", {"Accept-Encoding": "GZIP; Q=0, identity"})[0]["Content-Encoding"] is None
+    assert _get(metrics_server, "/metrics", {"Accept-Encoding": "GZIP; Q=0.5"})[0]["Content-Encoding"] == "gzip"
+
+
 def test_slow_connections_cannot_keep_a_scrape_out(metrics_server, monkeypatch):
     """Connections past the cap wait their turn, and none keeps its turn past the timeout however it
     trickles its request: a scrape behind a full house of slow clients is still answered."""
@@ -431,3 +488,38 @@ def test_slow_connections_cannot_keep_a_scrape_out(metrics_server, monkeypatch):
     for thread in slow:
         thread.join(15)
     assert len(closed_after) == metrics.MAX_SCRAPES and max(closed_after) < 5, closed_after
+
+
+def _raw(server, request: bytes) -> bytes:
+    """What the server answers to request bytes, read until it closes the connection."""
+    import socket
+
+    answer = b""
+    with socket.create_connection(("127.0.0.1", server.server_port), timeout=20) as sock:
+        sock.sendall(request)
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_a_head_request_gets_the_headers_alone(metrics_server):
+    head, _, body = _raw(metrics_server, b"HEAD /metrics HTTP/1.0\r\n\r\n").partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") and b"Content-Length: " in head and body == b""
+    _, _, body = _raw(metrics_server, b"GET /metrics HTTP/1.0\r\n\r\n").partition(b"\r\n\r\n")
+    assert b"twinplane:num_requests_running" in body
+
+
+def test_a_request_head_past_its_bound_is_dropped_at_once(metrics_server, monkeypatch):
+    """A connection that sends more than MAX_REQUEST_HEAD bytes of request line and headers is closed
+    as soon as they have come, not when its time runs out."""
+    import time
+
+    from twinplane.controlplane import metrics
+
+    monkeypatch.setattr(metrics, "SCRAPE_TIMEOUT", 120.0)
+    started = time.monotonic()
+    try:
+        answer = _raw(metrics_server, b"GET /metrics HTTP/1.1\r\nX-Padding: " + b"a" * (2 * metrics.MAX_REQUEST_HEAD))
+    except ConnectionError:  # closed while it still sent, or with some of it unread
+        answer = b""
+    assert answer == b"" and time.monotonic() - started < 20

@@ -16,6 +16,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -24,6 +25,7 @@ from tests.faulty_dataplane import SLOW_SECONDS, SLOW_TOKEN
 from tests.reliability import GREEDY, all_blocks_free, greedy_references, running_streams, tokens_async, wait_until
 from tests.test_e2e_reference import random_prompts
 from twinplane.clients.client import AsyncClient
+from twinplane.controlplane import liveness
 from twinplane.controlplane.liveness import Silence
 
 NUM_STREAMS, MAX_TOKENS = 8, 100
@@ -225,3 +227,24 @@ def test_silence_counts_from_the_first_tick_that_hears_nothing():
     assert silence.tick(False, 1.0) == 0.0  # a late tick does not count the time before it went quiet
     assert silence.tick(False, 0.5) == 0.5 and silence.tick(False, 0.5) == 1.0
     assert silence.tick(True, 0.5) == 0.0 and silence.tick(False, 0.5) == 0.0
+
+
+def test_each_tick_counts_the_time_since_the_last_and_a_late_one_two_intervals_at_most(monkeypatch):
+    """A tick that comes late (the process was stopped or starved) counts two intervals, not the time
+    it lost; the tick after it counts from the late one."""
+    clock = iter([10.0, 10.5, 11.0, 14.0, 14.5, 15.0])
+
+    async def no_wait(_seconds):
+        pass
+
+    loop = SimpleNamespace(time=lambda: next(clock))
+    monkeypatch.setattr(liveness, "asyncio", SimpleNamespace(get_running_loop=lambda: loop, sleep=no_wait))
+
+    async def first_ticks(count: int) -> list[float]:
+        elapsed = []
+        async for seconds in liveness.ticks(0.5):
+            elapsed.append(seconds)
+            if len(elapsed) == count:
+                return elapsed
+
+    assert asyncio.run(first_ticks(5)) == [0.5, 0.5, 1.0, 0.5, 0.5]
