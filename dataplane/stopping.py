@@ -49,4 +49,7 @@ class Stop:
         if not self.supervised:
             for sig in GROUP_SIGNALS:
                 signal.signal(sig, self._request)
-        self.requested.wait()
+        # in steps: a signal that the kernel hands to another thread (gRPC's) only marks the handler due, and
+        # the main thread runs it at its next bytecode, which an endless wait would never reach
+        while not self.requested.wait(0.2):
+            pass
