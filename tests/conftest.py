@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.reliability import stop_process
 from twinplane.clients.client import Client
 from twinplane.controlplane.config import ControlPlaneConfig
 from twinplane.controlplane.main import ControlPlane, Security
@@ -135,9 +136,8 @@ class Planes:
         if self.thread.is_alive():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
-        if self.dataplane is not None and self.dataplane.poll() is None:
-            self.dataplane.terminate()
-            self.dataplane.wait(30)
+        if self.dataplane is not None:
+            stop_process(self.dataplane)
 
 
 @pytest.fixture

@@ -25,6 +25,20 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str, poll: f
         time.sleep(poll)
 
 
+def stop_process(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30) -> None:
+    """Sends sig to process unless it has exited, and waits for it. One that does not exit in timeout
+    seconds is killed, so no test leaves a process behind, and the test fails (TimeoutExpired)."""
+    if process.poll() is not None:
+        return
+    process.send_signal(sig)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise
+
+
 class StderrLog:
     """What the processes of a test have written to stderr (the engine core's log among it), read as it grows
     (from pytest's capfd)."""

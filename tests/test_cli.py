@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Planes
-from tests.reliability import interrupt_mid_stream
+from tests.reliability import interrupt_mid_stream, stop_process
 from twinplane.clients.client import Client
 
 CLI = [sys.executable, "-m", "twinplane.clients.cli"]
@@ -790,8 +790,7 @@ def test_a_data_plane_on_port_0_says_the_port_it_got():
         with socket.create_connection(("127.0.0.1", port), timeout=10):
             pass  # it listens there
     finally:
-        process.terminate()
-        process.wait(30)
+        stop_process(process)
 
 
 def test_generate_says_why_chat_template_kwargs_do_not_apply(planes_factory, tiny_qwen3_dir, tmp_path):

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import Planes
-from tests.reliability import GREEDY, StderrLog, all_blocks_free, greedy_references, tokens_async, wait_until
+from tests.reliability import (GREEDY, StderrLog, all_blocks_free, greedy_references, stop_process, tokens_async,
+                               wait_until)
 from tests.test_e2e_reference import random_prompts
 from twinplane.clients.client import AsyncClient
 from twinplane.controlplane.messages import AddRequest
@@ -408,9 +409,8 @@ class DataParallelPlanes(Planes):
     def stop(self) -> None:
         super().stop()
         for process in self.dataplanes:
-            if process is not None and process.poll() is None:
-                process.terminate()
-                process.wait(30)
+            if process is not None:
+                stop_process(process)
 
 
 @pytest.fixture

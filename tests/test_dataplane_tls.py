@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.conftest import Planes
-from tests.reliability import GREEDY, StderrLog, wait_until
+from tests.reliability import GREEDY, StderrLog, stop_process, wait_until
 from tests.test_reliability_security import self_signed_cert
 from twinplane.controlplane.dataplane_client import DataPlaneClient, DataPlaneLost
 from twinplane.controlplane.tls import DataPlaneTls, server_credentials
@@ -68,8 +68,7 @@ def tls_dataplane(tiny_qwen3_dir, tmp_path_factory):
         yield dict(address=address, health_address=health_address, ca=str(cert), other_ca=str(other_ca),
                    folder=folder, log=log)
     finally:
-        process.terminate()
-        process.wait(30)
+        stop_process(process)
 
 
 def _control_plane(tmp_path, model, dataplane: dict, tls: DataPlaneTls, token: str = TOKEN) -> Planes:

@@ -22,7 +22,7 @@ from collections import Counter
 import grpc
 import pytest
 
-from tests.reliability import rss_bytes
+from tests.reliability import rss_bytes, stop_process
 from twinplane.clients.client import AsyncClient, Client
 
 CLIENTS, WARMUP_S = 100, 20.0
@@ -128,6 +128,4 @@ def test_soak_100_clients(tiny_qwen3_dir, tmp_path):
         assert control.wait(30) == 0
     finally:
         for process in (control, dataplane):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                process.wait(30)
+            stop_process(process)

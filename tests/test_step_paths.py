@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
+from tests.reliability import stop_process
 from twinplane.clients.bench import Request, _paths, report
 from twinplane.clients.client import Client
 from twinplane.controlplane.bench_stream import QWEN3_0_6B, EmulatedDataPlane, EmulatedDevice, NullDataPlane, serve_stand_in
@@ -64,8 +65,7 @@ def control_plane():
         client.wait_ready(60)
         yield client
     finally:
-        control.terminate()
-        control.wait(30)
+        stop_process(control)
         server.stop(0)
 
 
@@ -375,8 +375,7 @@ def test_emulated_device_behind_the_real_data_plane_server_serves_a_control_plan
         assert after["multi_decode_steps"] > before["multi_decode_steps"]  # it takes plans of several steps
         assert execute_us % 2_000 == 0 and execute_us >= 2_000 * 20  # 2 ms a device step, 20 steps at least
     finally:
-        control.terminate()
-        control.wait(30)
+        stop_process(control)
         server.stop(0)
 
 
