@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import json
 import ssl
 import time
+from types import SimpleNamespace
 
 import grpc
 import httpx
@@ -14,6 +16,7 @@ import pytest
 
 from tests.conftest import Planes
 from tests.reliability import all_blocks_free, wait_until
+from twinplane.controlplane import openai_http
 from twinplane.controlplane.main import Security
 from twinplane.controlplane.tokenizer import ChatOptions, Tokenizer
 
@@ -580,6 +583,36 @@ def test_bodies_json_cannot_hold_get_400(base_url):
             assert response.status_code == 400, response.text
             error = response.json()["error"]
             assert error["type"] == "invalid_request_error" and words in error["message"]
+
+
+def test_a_large_body_is_parsed_off_the_event_loop(base_url, model, monkeypatch):
+    """A body past THREAD_PARSE_BYTES is parsed on a tokenizer thread (12 MB of token ids take ~0.1 s, which
+    would stall every stream the frontend serves meanwhile), a small one on the event loop; both answer alike,
+    and a large body that is not JSON is still a 400."""
+    where = []
+
+    def recording(data):
+        try:
+            asyncio.get_running_loop()
+            where.append((len(data), "event loop"))
+        except RuntimeError:  # no event loop runs in this thread
+            where.append((len(data), "thread"))
+        return json.loads(data)
+
+    monkeypatch.setattr(openai_http, "json", SimpleNamespace(loads=recording, dumps=json.dumps,
+                                                             JSONDecodeError=json.JSONDecodeError))
+    headers = {"authorization": f"Bearer {KEY}"}
+    small = {"model": model, "prompt": [21] * 8, "max_tokens": 4, "temperature": 0}
+    large = {**small, "prompt": [21] * 8, "user": "u" * openai_http.THREAD_PARSE_BYTES}
+    with httpx.Client(timeout=60, headers=headers) as http:
+        texts = [http.post(base_url + "/v1/completions", json=body).json()["choices"][0]["text"]
+                 for body in (small, large)]
+        broken = http.post(base_url + "/v1/completions", content=b"{" + b" " * openai_http.THREAD_PARSE_BYTES,
+                           headers={"content-type": "application/json"})
+    assert texts[0] == texts[1]
+    assert broken.status_code == 400 and "not valid JSON" in broken.json()["error"]["message"]
+    assert [kind for _, kind in where] == ["event loop", "thread", "thread"], where
+    assert where[0][0] <= openai_http.THREAD_PARSE_BYTES < where[1][0]
 
 
 def test_odd_values_get_a_4xx_saying_what_is_allowed(base_url, model):
