@@ -28,10 +28,22 @@ from twinplane.controlplane.tools import ToolSpec, forced_calls_regex, template_
 MAX_CHOICES = 16  # most sequences (n) one request may ask for
 MAX_BATCH_PROMPTS = 32  # most prompts in one completion request (each gets n choices)
 # refused unless null or empty
-UNSUPPORTED = ("functions", "function_call", "suffix", "audio", "prediction", "guided_grammar")
+UNSUPPORTED = ("functions", "function_call", "suffix", "audio", "prediction", "guided_grammar",
+               "guided_whitespace_pattern", "use_beam_search")
 CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}  # vLLM's older fields
+# vLLM's structured_outputs: one constraint (json, regex, choice or json_object here), with options beside it
+OUTPUT_KINDS = ("json", "regex", "choice", "json_object", "grammar", "structural_tag")
+OUTPUT_KINDS_TAKEN = "one of json (a JSON Schema), regex (a string) or choice (strings), or json_object: true"
+# true asks for what this server's JSON always is: no fallback to another compiler (there is one, and a
+# constraint it cannot compile is refused), no properties but those a schema lists (vLLM's flag sets
+# additionalProperties false where properties are listed; these objects hold only those anyway)
+OUTPUT_FLAGS_HONOURED = ("disable_fallback", "disable_additional_properties")
+# the library vLLM compiles the constraint with (set by its clients, or copied from its own params): this
+# server compiles every constraint alike
+OUTPUT_BACKEND = ("backend", "_backend", "backend_was_auto", "_backend_was_auto")
+OUTPUT_FIELDS = (*OUTPUT_KINDS, *OUTPUT_FLAGS_HONOURED, "disable_any_whitespace", "whitespace_pattern")
 _TOKEN_ID = re.compile(r"-?[0-9]{1,20}")  # a logit_bias key
 _INTS = ("top_k", "seed", "n", "max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens",
          "top_logprobs", "truncate_prompt_tokens", "priority", "prompt_logprobs")
@@ -243,7 +255,7 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     if chat:
         top = _int(body, "top_logprobs")
         if not _bool(body, "logprobs"):
-            if top is not None:
+            if top:  # 0 asks for nothing without them (vLLM's default, which its clients send)
                 _fail("top_logprobs needs logprobs: true")
             return None
         return top or 0
@@ -264,7 +276,7 @@ def _check_supported(body: dict) -> None:
 
 def _output_regex(body: dict, tools: list[dict] | None, spec: ToolSpec, parser: str | None) -> str | None:
     """Structured output, as one regex: response_format (json_object or json_schema), vLLM's
-    structured_outputs (json, regex or choice) or its older guided_json, guided_regex and guided_choice,
+    structured_outputs (json, regex, choice or json_object) or its older guided_json, guided_regex and guided_choice,
     or a forced tool call; None for free text."""
     fmt = body.get("response_format")
     asked = [name for name in ("response_format", "structured_outputs", *GUIDED) if body.get(name) is not None]
@@ -289,16 +301,41 @@ def _output_regex(body: dict, tools: list[dict] | None, spec: ToolSpec, parser: 
     if asked[0] in GUIDED:
         kind, value, where = GUIDED[asked[0]], body[asked[0]], asked[0]
     else:
-        outputs = body["structured_outputs"]  # a null field is unset, as vLLM reads it
-        given = [k for k, v in outputs.items() if v is not None] if isinstance(outputs, dict) else []
-        if len(given) != 1 or given[0] not in ("json", "regex", "choice"):
-            _fail("structured_outputs must hold one of json (a JSON Schema), regex (a string) or choice (strings)")
-        kind, value, where = given[0], outputs[given[0]], f"structured_outputs.{given[0]}"
+        kind, value = _structured_outputs(body["structured_outputs"])
+        where = f"structured_outputs.{kind}"
+    if kind == "json_object":
+        return any_json_regex()
     if kind == "json":
         return json_schema_regex(schema_text(value, where) if isinstance(value, str) else value, where)
     if kind == "regex":
         return client_regex(value, where)
     return choice_regex(value, where)
+
+
+def _structured_outputs(outputs) -> tuple[str, object]:
+    """vLLM's structured_outputs: its one constraint, as (kind, value). A null field is unset, as vLLM reads
+    it, and so is an option at its default (false or null), as a client that sends every field sends it."""
+    if not isinstance(outputs, dict):
+        _fail(f"structured_outputs must hold {OUTPUT_KINDS_TAKEN}")
+    for name, value in outputs.items():
+        if value is not None and name not in (*OUTPUT_FIELDS, *OUTPUT_BACKEND):
+            _fail(f"structured_outputs has no field {name[:40]!r}; its fields are {', '.join(OUTPUT_FIELDS)}")
+        if value is not None and name.startswith("disable_") and not isinstance(value, bool):
+            _fail(f"structured_outputs.{name} must be true or false, got {type(value).__name__}")
+    # json_object false asks for nothing, as null does
+    given = [k for k in OUTPUT_KINDS if outputs.get(k) is not None and not (k == "json_object" and outputs[k] is False)]
+    if len(given) == 1 and given[0] in ("grammar", "structural_tag"):
+        _fail(f"structured_outputs must hold {OUTPUT_KINDS_TAKEN}; {given[0]} is not supported by this server")
+    if len(given) != 1 or given[0] == "json_object" and outputs["json_object"] is not True:
+        _fail(f"structured_outputs must hold {OUTPUT_KINDS_TAKEN}")
+    if given[0] in ("json", "json_object"):  # the options of a JSON text's layout
+        if outputs.get("disable_any_whitespace"):
+            _fail("structured_outputs.disable_any_whitespace: true is not supported: this server's JSON may hold "
+                  "a space after each : and , (leave it false)")
+        if outputs.get("whitespace_pattern") is not None:
+            _fail("structured_outputs.whitespace_pattern is not supported: this server's JSON may hold a space "
+                  "after each : and , and no other whitespace (leave it null)")
+    return given[0], outputs[given[0]]
 
 
 def _max_tokens(body: dict) -> tuple[int | None, str]:

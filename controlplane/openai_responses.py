@@ -35,6 +35,7 @@ REFUSED = {"previous_response_id": "this server stores no responses; send the co
            "background": "background responses are not supported; stream the response instead",
            "prompt": "stored prompt templates are not supported; send instructions and input"}
 ROLES = ("user", "assistant", "system", "developer")
+MAX_TOP_LOGPROBS = 20  # the API's bound on top_logprobs
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -132,9 +133,14 @@ def chat_body(body: dict) -> dict:
         if body.get(name):
             _fail(f"{name}: {why}")
     include = body.get("include") or []
-    if not isinstance(include, list):
+    if not isinstance(include, list) or not all(isinstance(name, str) for name in include):
         _fail("include must be a list of strings")
-    if "message.output_text.logprobs" in include or body.get("top_logprobs"):
+    top = body.get("top_logprobs")
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool)):
+        _fail(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {type(top).__name__}")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        _fail(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+    if "message.output_text.logprobs" in include or top:
         _fail("include: message.output_text.logprobs (and top_logprobs) are not supported here; the chat "
               "completions API gives log-probabilities")
     instructions = body.get("instructions")
@@ -154,7 +160,7 @@ def chat_body(body: dict) -> dict:
             _fail('tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}, got '
                   f"{json.dumps(choice)[:80]}")
         chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
-    elif choice is not None:
+    elif choice is not None and (choice != "auto" or tools):  # "auto" (the API's default) without tools: none
         chat["tool_choice"] = choice
     if body.get("text") is not None:
         chat["response_format"] = _response_format(_text_format(body))

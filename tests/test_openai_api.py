@@ -191,6 +191,19 @@ def test_prompt_forms():
     ({**CHAT, "structured_outputs": {"json": None, "regex": None}}, True, "structured_outputs must hold one of"),
     ({**CHAT, "structured_outputs": {"grammar": "root ::= x", "json": None}}, True,
      "structured_outputs must hold one of"),
+    ({**CHAT, "structured_outputs": {"grammar": "root ::= x"}}, True, "; grammar is not supported by this server"),
+    ({**CHAT, "structured_outputs": {"structural_tag": "{}"}}, True, "; structural_tag is not supported"),
+    ({**CHAT, "structured_outputs": {"json_object": "yes"}}, True, "structured_outputs must hold one of"),
+    ({**CHAT, "structured_outputs": {"json": {}, "disable_any_whitespace": True}}, True,
+     "structured_outputs.disable_any_whitespace: true is not supported"),
+    ({**CHAT, "structured_outputs": {"json_object": True, "whitespace_pattern": "[ ]*"}}, True,
+     "structured_outputs.whitespace_pattern is not supported"),
+    ({**CHAT, "structured_outputs": {"json": {}, "disable_fallback": "no"}}, True,
+     "structured_outputs.disable_fallback must be true or false, got str"),
+    ({**CHAT, "structured_outputs": {"json": {}, "strict": True}}, True,
+     "structured_outputs has no field 'strict'; its fields are json, regex, choice, json_object"),
+    ({**CHAT, "guided_whitespace_pattern": " "}, True, "guided_whitespace_pattern is not supported by this server"),
+    ({"prompt": "x", "use_beam_search": True}, False, "use_beam_search is not supported by this server"),
 ])
 def test_invalid_fields_name_the_field(body, chat, words):
     with pytest.raises(InvalidRequest) as error:
@@ -254,6 +267,32 @@ def test_structured_outputs_read_null_fields_as_unset():
                                                            "grammar": None}}).calls[0].params.regex == regex
     choice = parse({**CHAT, "structured_outputs": {"choice": ["yes", "no"], "json": None}}).calls[0].params.regex
     assert choice == parse({**CHAT, "guided_choice": ["yes", "no"]}).calls[0].params.regex
+
+
+def test_structured_outputs_take_options_at_their_defaults_and_those_the_json_keeps_anyway():
+    """A client that sends vLLM's whole StructuredOutputsParams (its options false or null, its backend
+    fields) gets the constraint alone; disable_fallback and disable_additional_properties true ask for what
+    the JSON is anyway, and the JSON layout's options ask nothing of a regex."""
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    alone = parse({**CHAT, "structured_outputs": {"json": schema}}).calls[0].params.regex
+    full = {"json": schema, "regex": None, "choice": None, "grammar": None, "json_object": None,
+            "structural_tag": None, "disable_fallback": False, "disable_any_whitespace": False,
+            "disable_additional_properties": False, "whitespace_pattern": None, "_backend": None,
+            "_backend_was_auto": False}
+    for outputs in (full, {**full, "disable_fallback": True, "disable_additional_properties": True},
+                    {**full, "_backend": "xgrammar", "_backend_was_auto": True, "backend": "guidance"}):
+        assert parse({**CHAT, "structured_outputs": outputs}).calls[0].params.regex == alone
+    any_object = parse({**CHAT, "response_format": {"type": "json_object"}}).calls[0].params.regex
+    assert parse({**CHAT, "structured_outputs": {"json_object": True}}).calls[0].params.regex == any_object
+    regex = parse({**CHAT, "structured_outputs": {"regex": "a+"}}).calls[0].params.regex
+    assert parse({**CHAT, "structured_outputs": {"regex": "a+", "json_object": False, "disable_any_whitespace": True,
+                                                 "whitespace_pattern": " "}}).calls[0].params.regex == regex
+
+
+def test_top_logprobs_0_asks_for_nothing_without_logprobs():
+    """vLLM's default, which its clients send: taken, and no log-probabilities come back."""
+    req = parse({**CHAT, "logprobs": False, "top_logprobs": 0})
+    assert not req.logprobs and req.calls[0].params.logprobs is None
 
 
 def test_logit_bias_arrives_as_sorted_token_id_and_float_pairs():

@@ -649,6 +649,42 @@ def test_odd_values_get_a_4xx_saying_what_is_allowed(base_url, model):
         assert http.get(base_url + "/health").json() == {"status": "SERVING"}
 
 
+def test_fields_clients_send_at_their_defaults_are_taken(base_url, model):
+    """A body as vLLM's own request models dump it (every field, most at its default: top_logprobs 0 without
+    logprobs, vLLM's whole structured_outputs) and the neutral values of OpenAI's clients get an answer."""
+    vllm = {"frequency_penalty": 0.0, "logit_bias": None, "n": 1, "presence_penalty": 0.0, "seed": None, "stop": [],
+            "stream": False, "stream_options": None, "temperature": None, "top_p": None, "user": None,
+            "best_of": None, "use_beam_search": False, "top_k": None, "min_p": None, "repetition_penalty": None,
+            "length_penalty": 1.0, "stop_token_ids": [], "include_stop_str_in_output": False, "ignore_eos": False,
+            "min_tokens": 0, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+            "truncate_prompt_tokens": None, "prompt_logprobs": None, "allowed_token_ids": None, "priority": 0,
+            "response_format": None, "return_tokens_as_token_ids": None, "cache_salt": None, "vllm_xargs": None}
+    chat = {**vllm, "messages": QUESTION, "logprobs": False, "top_logprobs": 0, "max_completion_tokens": None,
+            "tools": None, "tool_choice": "none", "reasoning_effort": None, "parallel_tool_calls": True,
+            "bad_words": [], "echo": False, "add_generation_prompt": True, "continue_final_message": False,
+            "chat_template_kwargs": None}
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
+    structured = {"json": schema, "regex": None, "choice": None, "grammar": None, "json_object": None,
+                  "structural_tag": None, "disable_fallback": False, "disable_any_whitespace": False,
+                  "disable_additional_properties": False, "whitespace_pattern": None, "_backend": None,
+                  "_backend_was_auto": False}
+    neutral = {"store": False, "service_tier": "auto", "metadata": {}, "user": "u", "stop": None, "n": 1,
+               "response_format": {"type": "text"}, "prediction": None, "tools": [], "modalities": ["text"]}
+    requests = [("chat/completions", {**chat, "max_tokens": 3}),
+                ("chat/completions", {**chat, "max_tokens": 32, "structured_outputs": structured}),
+                ("chat/completions", {"messages": QUESTION, "max_completion_tokens": 3, **neutral}),
+                ("completions", {**vllm, "prompt": "Hello", "logprobs": None, "max_tokens": 3, "suffix": None,
+                                 "echo": False, "add_special_tokens": True, "structured_outputs": None})]
+    with httpx.Client(timeout=60, headers={"authorization": f"Bearer {KEY}"}) as http:
+        answers = []
+        for path, body in requests:
+            response = http.post(f"{base_url}/v1/{path}", json={"model": model, **body})
+            assert response.status_code == 200, (path, response.text)
+            answers.append(response.json()["choices"][0])
+    assert [answer["logprobs"] for answer in answers] == [None] * 4
+    assert json.loads(answers[1]["message"]["content"]) in ({"answer": "yes"}, {"answer": "no"}), answers[1]
+
+
 def test_request_ids_need_not_be_unique(base_url, model, http_planes):
     """A request id is the client's label, not a key: requests that share one with a request in flight (a
     retry, another client's choice, the choices of a request of several) run beside it, each stream with

@@ -165,9 +165,11 @@ def test_a_function_call_cut_by_max_output_tokens_is_incomplete(client):
     ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include", "are not supported here"),
     ({"input": [{"type": "reasoning", "content": "thinking"}]}, "input", "list of reasoning_text parts"),
     ({"input": "hi", "include": 5}, "include", "include must be a list of strings"),
+    ({"input": "hi", "top_logprobs": "2"}, "top_logprobs", "top_logprobs must be an integer in [0, 20], got str"),
+    ({"input": "hi", "top_logprobs": -1}, "top_logprobs", "top_logprobs must be in [0, 20], got -1"),
 ], ids=["previous-response", "built-in-tool", "image-item", "image-part", "no-input", "max-output-tokens",
         "unknown-format", "unknown-function", "instructions-number", "call-arguments", "no-call-id",
-        "output-logprobs", "reasoning-text", "include-not-a-list"])
+        "output-logprobs", "reasoning-text", "include-not-a-list", "top-logprobs-string", "top-logprobs-negative"])
 def test_what_the_server_cannot_do_gets_400(client, request_fields, param, words):
     reply = httpx.post(f"{client.base_url}responses", json={"model": "scripted", **request_fields}, timeout=30)
     assert reply.status_code == 400, reply.text
@@ -272,6 +274,20 @@ def test_a_named_tool_choice_becomes_the_chat_form_and_forces_that_call():
         assert chat_body({**body, "tool_choice": choice})["tool_choice"] == choice
 
 
+def test_tool_choice_auto_without_tools_asks_for_nothing(client):
+    """"auto" is the API's default, which clients send with no tools too: taken, as no tool choice; "required"
+    without tools still cannot be honoured."""
+    from twinplane.controlplane.openai_responses import chat_body
+
+    for tools in (None, []):
+        assert "tool_choice" not in chat_body({"input": "hi", "tools": tools, "tool_choice": "auto"})
+        answer = client.responses.create(model="scripted", input="Hello!", tools=tools, tool_choice="auto")
+        assert answer.output_text == ANSWER and answer.tool_choice == "auto"
+    reply = httpx.post(f"{client.base_url}responses", json={"model": "scripted", "input": "hi",
+                                                            "tool_choice": "required"}, timeout=30)
+    assert reply.status_code == 400 and 'tool_choice "required" needs tools' in reply.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("text, response_format", [
     ({"format": {"type": "json_object"}}, {"type": "json_object"}),
     ({"format": {"type": "text"}}, {"type": "text"}),
@@ -302,8 +318,15 @@ def test_text_format_becomes_the_chat_response_format(text, response_format):
      'tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}, got {"type": "function"}'),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, 'tool_choice must be "auto", "none"'),
     ({"tool_choice": {"type": "file_search"}}, 'tool_choice must be "auto", "none"'),
+    ({"top_logprobs": 2.0}, "top_logprobs must be an integer in [0, 20], got float"),
+    ({"top_logprobs": True}, "top_logprobs must be an integer in [0, 20], got bool"),
+    ({"top_logprobs": False}, "top_logprobs must be an integer in [0, 20], got bool"),
+    ({"top_logprobs": 21}, "top_logprobs must be in [0, 20], got 21"),
+    ({"top_logprobs": 2 ** 70}, "top_logprobs must be in [0, 20], got 1180591620717411303424"),
+    ({"include": ["reasoning.encrypted_content", 5]}, "include must be a list of strings"),
 ], ids=["json-schema-without-schema", "chat-json-schema", "top-logprobs", "tool-choice-unnamed",
-        "tool-choice-chat-form", "tool-choice-other-tool"])
+        "tool-choice-chat-form", "tool-choice-other-tool", "top-logprobs-float", "top-logprobs-true",
+        "top-logprobs-false", "top-logprobs-over-20", "top-logprobs-huge", "include-not-strings"])
 def test_what_the_responses_api_cannot_take_is_refused_naming_its_field(body, words):
     from twinplane.controlplane.errors import InvalidRequest
     from twinplane.controlplane.openai_responses import chat_body
