@@ -261,12 +261,13 @@ class Scheduler:
             if not self.block_manager.can_allocate(seq, cached, num_tokens):
                 break
             self.waiting.popleft()
-            first_admission = seq.num_preemptions == 0 and seq.num_output_tokens == 0
             self.block_manager.allocate(seq, cached, num_tokens)
-            if first_admission:
-                seq.num_cached_tokens = seq.num_computed_tokens
+            # the request reports its first admission's hit, not a recompute's (after a preemption or a lost data
+            # plane); one that an earlier engine core ran has its count from that core (with its tokens so far)
             if seq.scheduled_time is None:
                 seq.scheduled_time = time.monotonic()
+                if seq.num_output_tokens == 0:
+                    seq.num_cached_tokens = seq.num_computed_tokens
             if self.block_manager.enable_prefix_caching:
                 self.num_prefix_cache_queries += seq.num_tokens
                 self.num_prefix_cache_hits += seq.num_computed_tokens

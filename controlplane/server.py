@@ -7,7 +7,6 @@ become gRPC status codes here and nowhere else.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 from dataclasses import replace
@@ -49,11 +48,18 @@ _ending: set[asyncio.Task] = set()  # calls being ended by _end_call (held until
 
 
 def _end_call(context: grpc.aio.ServicerContext, handler: asyncio.Task, exc: Exception) -> None:
-    """Ends a call now, even one whose handler waits on a write its client never reads: the status
-    goes out behind what gRPC already holds for the client, and the handler stops."""
+    """Ends a call with exc, even one whose handler waits on a write its client never reads: the handler
+    stops now and the status goes out behind what gRPC already holds for the client (HTTP/2 sends a
+    stream's trailers after its data, and a gRPC client reports the status after the messages before
+    it). A client that reads again gets them, then the status; one that never does ends the call by
+    its deadline or by leaving, and the status is dropped with it: nothing to report as an error."""
     async def abort() -> None:
-        with contextlib.suppress(grpc.aio.AbortError):
+        try:
             await _abort(context, exc)
+        except grpc.aio.AbortError:
+            pass
+        except Exception as error:  # noqa: BLE001 -- the send failed: the client left before it read the status
+            log.debug("a call ended before its status (%s) reached the client: %r", status_of(exc)[0].name, error)
 
     task = asyncio.ensure_future(abort())
     _ending.add(task)

@@ -139,6 +139,57 @@ def test_messages_arrive_in_order_with_what_they_carry():
     assert received[1].params == RequestParams(max_tokens=7, stop=("x",)) and received[3].seq_id == 999
 
 
+def test_a_channel_that_was_never_opened_closes_its_socket():
+    """A process that stops before opening its channels (no event loop even) still closes their sockets: the
+    other end sees the channel closed instead of waiting on it; what was sent meanwhile is dropped."""
+    a, b = socket.socketpair()
+    with b:
+        channel = Channel(a)
+        channel.send(Abort(1))  # dropped: not open
+        channel.close()
+        assert a.fileno() == -1
+        b.settimeout(10)
+        assert b.recv(16) == b""
+
+
+LEVEL_CHILD = """
+import logging
+from twinplane.controlplane.ipc import child_argv
+
+def main():
+    args, level = child_argv()
+    log = logging.getLogger("twinplane.controlplane")
+    log.debug("child debug")
+    log.info("child info")
+    log.warning("child warning: args %s, level %d", args, level)
+"""
+
+
+def test_a_child_process_logs_at_its_parents_level(tmp_path, monkeypatch, capfd):
+    """start_process hands a child the parent's log level (after its own args); child_argv sets logging to it."""
+    import logging
+
+    from twinplane.controlplane.ipc import start_process
+
+    (tmp_path / "level_child.py").write_text(LEVEL_CHILD)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (str(tmp_path), os.environ.get("PYTHONPATH")))))
+    root, logged = logging.getLogger(), {}
+    was = root.level
+    try:
+        for level in (logging.DEBUG, logging.INFO, logging.WARNING):
+            root.setLevel(level)
+            capfd.readouterr()
+            process = start_process("level_child", ["a", "7"], [])
+            assert process.wait(60) == 0
+            logged[level] = [line for line in capfd.readouterr().err.splitlines() if " child " in line]
+    finally:
+        root.setLevel(was)
+    for level, names in ((logging.DEBUG, ("debug", "info", "warning")), (logging.INFO, ("info", "warning")),
+                         (logging.WARNING, ("warning",))):
+        assert [line.split(" child ")[1].split(":")[0] for line in logged[level]] == list(names), logged[level]
+        assert logged[level][-1].endswith(f"child warning: args ['a', '7'], level {level}")
+
+
 def test_step_outputs_cross_as_token_outputs():
     snapshot = CoreSnapshot({"steps": 3})
     outputs = [TokenOutput(7, 2, 3, None, "stop_token", 0), TokenOutput(8, 9, 2, TokenLogprobs(9, -0.5), None, 4)]
@@ -158,16 +209,17 @@ class Frontend:
 
 
 
-def connected_core(frontend: Frontend, tokenizer_dir):
+def connected_core(frontend: Frontend, tokenizer_dir, **config):
     """An engine core whose one replica has just connected to a data plane (of 16 KV blocks of 4 tokens, the
-    vocabulary of the tokenizer in tokenizer_dir) that it never talks to: the core, and the replica."""
+    vocabulary of the tokenizer in tokenizer_dir) that it never talks to: the core, and the replica.
+    config: more ControlPlaneConfig fields."""
     from twinplane.controlplane import engine_core
     from twinplane.controlplane.block_manager import BlockManager
     from twinplane.controlplane.config import ControlPlaneConfig
     from twinplane.controlplane.scheduler import Scheduler, SchedulerConfig
     from twinplane.proto import dataplane_pb2 as dp
 
-    core = engine_core.EngineCore(ControlPlaneConfig(dataplane="unix:///nowhere"), frontend)
+    core = engine_core.EngineCore(ControlPlaneConfig(dataplane="unix:///nowhere", **config), frontend)
     replica = core.replicas[0]
     replica.describe = dp.DescribeResponse(max_model_len=64, eos_token_ids=[2], num_kv_blocks=16, block_size=4,
                                            vocab_size=49152, tokenizer_path=str(tokenizer_dir))
@@ -224,6 +276,44 @@ def test_the_core_keeps_each_frontends_requests_apart_and_ends_them_when_it_is_g
     assert core.stopped.is_set() and core.frontend.messages == []
 
 
+def test_when_a_frontends_channel_closes_its_running_requests_are_freed_and_the_others_run_on():
+    """A frontend's channel closes (its process died): the core ends that frontend's requests, running ones
+    (their KV blocks freed, the data plane told to drop them) and waiting ones alike; the other frontend's
+    requests keep their places and blocks."""
+    from twinplane.controlplane.engine_core import _serve_frontend
+    from twinplane.controlplane.sequence import SequenceStatus
+
+    async def run():
+        core, replica = connected_core(Frontend(), "", api_server_count=2)
+        a, b = socket.socketpair()
+        frontend, core_end = Channel(a), Channel(b)
+        await frontend.open()
+        await core_end.open()
+        serving = asyncio.create_task(_serve_frontend(core, 1, core_end))
+        for seq_id in (2, 4):  # frontend 0's
+            core.receive(AddRequest(seq_id, f"r{seq_id}", [5, 6, 7, 8, 9], RequestParams(max_tokens=8)))
+        for seq_id in (3, 5, 7):  # frontend 1's, over its channel
+            frontend.send(AddRequest(seq_id, f"r{seq_id}", [5, 6, 7, 8, 9], RequestParams(max_tokens=8)))
+        while len(core.seqs) < 5:
+            await asyncio.sleep(0.01)
+        out = replica.scheduler.schedule()  # admits four (max_num_seqs): 7 waits
+        assert sorted(chunk.seq.seq_id for chunk in out.chunks) == [2, 3, 4, 5]
+        kept = {seq_id: list(core.seqs[seq_id].block_table) for seq_id in (2, 4)}
+        frontend.close()
+        await asyncio.wait_for(serving, 10)  # the channel closed: the core ended frontend 1's requests
+        return core, replica, kept
+
+    core, replica, kept = asyncio.run(run())
+    sched = replica.scheduler
+    assert sorted(core.seqs) == [2, 4] and not core.replica_of.keys() - {2, 4}
+    assert [seq.seq_id for seq in sched.running] == [2, 4] and not sched.waiting
+    assert all(core.seqs[i].status is SequenceStatus.RUNNING and core.seqs[i].block_table == kept[i] for i in kept)
+    assert sched.block_manager.num_free_blocks == 16 - 4  # two blocks each for frontend 0's two requests
+    assert sorted(sched.dropped_seq_ids) == [3, 5]  # the data plane mirrored these: it drops them next step
+    snapshot = core.snapshot()
+    assert (snapshot.running, snapshot.waiting, snapshot.waiting_by_frontend) == (2, 0, (0, 0))
+
+
 def test_the_core_applies_a_step_counts_it_and_logs_it_at_debug(caplog):
     import numpy as np
 
@@ -262,6 +352,34 @@ def test_the_core_applies_a_step_counts_it_and_logs_it_at_debug(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         f"step {step_id}: 2 sequences, 5 tokens, path mixed_graph, idle 40 us, prepare 60 us, "
         "execute 900 us"]
+
+
+def test_a_replayed_request_reports_the_cache_hit_of_its_first_admission():
+    """A request recomputed on a fresh KV cache (its data plane lost before its first token) or sent again to a
+    new engine core (with its tokens so far and the count its frontend had) reports the cached prompt tokens of
+    its first admission with each token, not the replay's."""
+    import numpy as np
+
+    from twinplane.proto import dataplane_pb2 as dp
+
+    def run_step(replica, tokens: list[int]):
+        out = replica.scheduler.schedule()
+        result = dp.StepResult(step_id=out.step_id, sampled_token_ids=np.array(tokens, "<i4").tobytes())
+        return {o.seq_id: o.num_cached_tokens for o in replica._apply(out, result)}
+
+    async def run():
+        core, replica = connected_core(Frontend(), "")
+        prompt, params = list(range(5, 15)), RequestParams(max_tokens=8)  # 10 tokens: two full blocks of 4
+        core.add(AddRequest(1, "warm", prompt, params))
+        run_step(replica, [9])
+        core.abort(1)  # its prompt's two full blocks stay in the prefix cache
+        core.add(AddRequest(2, "hit", prompt, params))
+        replica.scheduler.schedule()  # admitted with 8 cached tokens; its first token is in flight
+        core.recompute(replica, replica.scheduler.evict_all())  # the data plane is lost with its KV cache
+        core.add(AddRequest(3, "replayed", prompt, params, output_ids=[9], num_cached_tokens=4))
+        return run_step(replica, [9, 9])  # both admitted on an empty cache
+
+    assert asyncio.run(run()) == {2: 8, 3: 4}
 
 
 def test_a_core_still_waiting_for_its_data_plane_stops_at_once(tmp_path):

@@ -145,6 +145,36 @@ def test_a_client_that_does_not_read_is_cut_off_and_others_are_not(planes, stub)
     assert planes.engine.unsent.total == 0 and not planes.engine.unsent.streams
 
 
+def test_a_client_that_never_reads_is_cut_off_and_its_call_ends_when_it_leaves(planes, caplog):
+    """A stream whose client never reads a message: once its unsent output passes the bound, the request ends
+    with RESOURCE_EXHAUSTED and is freed (nothing running or waiting) while the client still reads nothing.
+    The status waits behind the messages the client has not read; when the client leaves, the call ends and
+    sending the status fails quietly (no error, no task left behind)."""
+    from twinplane.controlplane import server
+
+    caplog.set_level(logging.INFO, logger="twinplane.controlplane.requests")
+    earlier = set(server._ending)  # calls of other tests (each server's statuses still to send)
+    with grpc.insecure_channel(planes.address, options=[("grpc.http2.bdp_probe", 0)]) as channel:
+        call = pb_grpc.GenerationStub(channel).Generate(greedy_request([31, 32, 33], 480, logprobs=20), timeout=120)
+
+        def ended() -> list[str]:  # the requests' one log line each, once they end
+            return [r.getMessage() for r in caplog.records if r.name == "twinplane.controlplane.requests"]
+
+        wait_until(ended, 60, "the unread request to end")
+        assert len(ended()) == 1 and "reason=error:RESOURCE_EXHAUSTED" in ended()[0], ended()
+        wait_until(lambda: all_blocks_free(planes) and planes.engine.core_snapshot.running == 0, 30,
+                   "the unread request's blocks to be freed")
+        assert planes.engine.num_waiting == 0
+        assert planes.engine.unsent.total == 0 and not planes.engine.unsent.streams
+        statuses = list(server._ending - earlier)  # queued behind what the client has not read
+        assert len(statuses) == 1 and not statuses[0].done() and not call.done()
+        call.cancel()  # the client leaves without reading
+        wait_until(lambda: not server._ending - earlier, 30, "the status's send to end with the call")
+    assert call.code() == grpc.StatusCode.CANCELLED
+    assert statuses[0].exception() is None
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.records
+
+
 def test_an_http_client_that_does_not_read_its_event_stream_is_cut_off(planes):
     port = planes.plane.http_port
     # 16 choices of ~2 KB events: ~15 MB, more than the sockets' buffers hold, so the server waits on the client

@@ -134,6 +134,31 @@ def test_prefix_cache_hit_skips_cached_tokens():
     assert b.num_cached_tokens == 8
 
 
+def test_a_sequence_recomputed_after_its_data_plane_was_lost_reports_its_first_cache_hit():
+    """The cached prompt tokens a request reports are its first admission's hit (as vLLM reports them): a data
+    plane lost before its first token came back (its step in flight with it) makes it start over on a cache
+    that hits more, or less, and neither replaces the first count."""
+    warm = make(num_blocks=16, block_size=4)
+    done = add(warm, 1, 10)
+    step(warm)
+    warm.finish(done)  # its first two blocks stay in this cache
+    hit = add(warm, 2, 10)
+    missed = add(warm, 3, 10, first_token=50)
+    warm.schedule()  # both admitted; their first tokens are in flight when the data plane goes
+    assert (hit.num_cached_tokens, missed.num_cached_tokens) == (8, 0)
+    assert warm.evict_all() == [hit, missed]
+    assert hit.num_output_tokens == missed.num_output_tokens == 0 and hit.num_preemptions == 0
+    other = make(num_blocks=16, block_size=4)  # another data plane, which holds what missed had missed
+    done = add(other, 4, 10, first_token=50)
+    step(other)
+    other.finish(done)
+    for seq in (hit, missed):
+        other.add(seq)
+    out = step(other)
+    assert [(c.seq.seq_id, c.start_pos) for c in out.chunks] == [(2, 0), (3, 8)]  # the replay's hits: 0 and 8
+    assert (hit.num_cached_tokens, missed.num_cached_tokens) == (8, 0)
+
+
 def test_finish_frees_blocks_and_records_drop():
     sched = make()
     a = add(sched, 1, 5)
