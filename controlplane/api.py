@@ -55,6 +55,9 @@ class Prompt:
     messages: list[dict[str, str]] | None = None
     messages_name: str = "chat.messages"  # what the client's API calls the messages, for error messages
     chat_options: ChatOptions = ChatOptions()  # how the messages are rendered
+    # the tokenizer's special tokens (a BOS) added to a text or to the rendered messages: None for the kind's
+    # default, as vLLM's add_special_tokens (text: added; chat: not, its template places them)
+    add_special_tokens: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -95,9 +98,9 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # first output only: entry i prompt token i's (0: None)
     finish_reason: FinishReason | None = None
     matched_stop: str = ""
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # the counts so far (the last output's: the usage)
     completion_tokens: int = 0
-    cached_prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # the last output's
     # first output only, within the process: the prompt's token ids (whether the chat template opened the
     # model's thinking, for the OpenAI API's reasoning parser)
     prompt_ids: list[int] | None = None

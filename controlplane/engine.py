@@ -317,8 +317,8 @@ class Engine:
                                  "not as text or chat messages")
         if prompt.messages is not None:
             return await self.in_tokenizer_pool(self.tokenizer.encode_chat, prompt.messages, prompt.messages_name,
-                                                prompt.chat_options)
-        return await self.in_tokenizer_pool(self.tokenizer.encode, prompt.text)
+                                                prompt.chat_options, bool(prompt.add_special_tokens))
+        return await self.in_tokenizer_pool(self.tokenizer.encode, prompt.text, prompt.add_special_tokens is not False)
 
     async def parse(self, function, *args):
         """A request's parse and checks, function(*args), on a tokenizer thread; the request counts as

@@ -44,6 +44,8 @@ OUTPUT_FLAGS_HONOURED = ("disable_fallback", "disable_additional_properties")
 # server compiles every constraint alike
 OUTPUT_BACKEND = ("backend", "_backend", "backend_was_auto", "_backend_was_auto")
 OUTPUT_FIELDS = (*OUTPUT_KINDS, *OUTPUT_FLAGS_HONOURED, "disable_any_whitespace", "whitespace_pattern")
+# reasoning_effort's values (vLLM's): a chat template variable of that name, for the templates that read one
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _TOKEN_ID = re.compile(r"-?[0-9]{1,20}")  # a logit_bias key
 _INTS = ("top_k", "seed", "n", "max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens",
          "top_logprobs", "truncate_prompt_tokens", "priority", "prompt_logprobs")
@@ -54,7 +56,8 @@ PARAMS = frozenset((*SAMPLING_FIELDS, *_INTS, "messages", "prompt", "stop", "sto
                     "return_tokens_as_token_ids", "ignore_eos", "stream", "best_of",
                     "tokens", "modalities", *CHAT_OPTIONS, *TOOL_FIELDS, *UNSUPPORTED,
                     "input", "instructions", "text", "previous_response_id", "conversation", "background", "include",
-                    "structured_outputs", *GUIDED))
+                    "structured_outputs", *GUIDED, "include_reasoning", "reasoning_effort", "add_special_tokens",
+                    "spaces_between_special_tokens", "reasoning", "truncation", "max_tool_calls"))
 FINISH_REASONS = {FinishReason.STOP_TOKEN: "stop", FinishReason.STOP_STRING: "stop",
                   FinishReason.LENGTH: "length", FinishReason.ABORTED: "abort"}
 
@@ -71,10 +74,12 @@ class OpenAIRequest:
     prompt_only: bool = False  # completions, echo with max_tokens 0: the prompt alone (one token is drawn, unshown)
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: each chunk with its choice's counts
     logprobs: bool = False  # return log-probabilities (the top ones: calls[i].params.logprobs of them)
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's log-probability and rank, and the top n
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:<id>"
     tools: ToolSpec = ToolSpec()  # chat: whether the output is parsed for tool calls
+    include_reasoning: bool = True  # chat: the reasoning parser's reasoning goes out (reasoning_content)
 
 
 def _fail(message: str) -> None:
@@ -186,11 +191,17 @@ def _messages(body: dict, limits: Limits) -> Prompt:
     check_chat_count(len(messages), limits, "messages")  # before any work per message
     out = [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
     generation_prompt = _typed(body, "add_generation_prompt", (bool,), "true or false")
-    kwargs = _typed(body, "chat_template_kwargs", (dict,), "an object of template variables")
+    kwargs = _typed(body, "chat_template_kwargs", (dict,), "an object of template variables") or {}
+    effort = body.get("reasoning_effort")
+    if effort is not None:  # a template variable, as vLLM passes it; "none" turns off a template's thinking
+        if effort not in REASONING_EFFORTS:
+            _fail(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {str(effort)[:40]!r}")
+        kwargs = {"enable_thinking": effort != "none", **kwargs, "reasoning_effort": effort}
     options = chat_options(True if generation_prompt is None else generation_prompt,
-                           bool(_typed(body, "continue_final_message", (bool,), "true or false")), kwargs or {},
+                           bool(_typed(body, "continue_final_message", (bool,), "true or false")), kwargs,
                            prefix="", tools=template_tools(body))
-    return chat_prompt(out, limits, name="messages", options=options)
+    prompt = chat_prompt(out, limits, name="messages", options=options)
+    return replace(prompt, add_special_tokens=_typed(body, "add_special_tokens", (bool,), "true or false"))
 
 
 def _message(m, where: str) -> dict:
@@ -218,16 +229,17 @@ def _prompts(body: dict, limits: Limits) -> list[Prompt]:
     prompt = body.get("prompt")
     if prompt is None:
         _fail("prompt is required: a string or a list of token ids")
+    special = _typed(body, "add_special_tokens", (bool,), "true or false")  # a text's (token ids are as sent)
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) > MAX_BATCH_PROMPTS:
             _fail(f"prompt: a batch holds at most {MAX_BATCH_PROMPTS} prompts, got {len(prompt)}")
-        return [_one_prompt(p, limits, f"prompt[{i}]") for i, p in enumerate(prompt)]
-    return [_one_prompt(prompt, limits, "prompt")]
+        return [_one_prompt(p, limits, f"prompt[{i}]", special) for i, p in enumerate(prompt)]
+    return [_one_prompt(prompt, limits, "prompt", special)]
 
 
-def _one_prompt(value, limits: Limits, name: str) -> Prompt:
+def _one_prompt(value, limits: Limits, name: str, add_special_tokens: bool | None = None) -> Prompt:
     if isinstance(value, str):
-        return text_prompt(value, limits, name=name)
+        return replace(text_prompt(value, limits, name=name), add_special_tokens=add_special_tokens)
     if isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
         return token_prompt(value, limits, name=name)
     _fail(f"{name} must be a string or a list of token ids (integers)")
@@ -239,7 +251,7 @@ def tokenize_prompt(body: dict, limits: Limits) -> Prompt:
         return _messages(body, limits)
     if not isinstance(body.get("prompt"), str):
         _fail("prompt is required: a string (or send messages: a list of {role, content} objects)")
-    return text_prompt(body["prompt"], limits, name="prompt")
+    return _one_prompt(body["prompt"], limits, "prompt", _typed(body, "add_special_tokens", (bool,), "true or false"))
 
 
 def detokenize_ids(body: dict, limits: Limits) -> list[int]:
@@ -356,15 +368,21 @@ def choice_seed(seed: int | None, index: int) -> int | None:
 
 def parse_request(body: dict, limits: Limits, request_id: str, chat: bool,
                   tool_call_parser: str | None = None, special_tool_tags: bool = False,
-                  reasoning_parser: str | None = None) -> OpenAIRequest:
+                  reasoning_parser: str | None = None, spaced_special_tokens: bool = False) -> OpenAIRequest:
     """Validates an OpenAI request body; each choice gets the request id with '-<index>' when there are several.
     tool_call_parser: the server's ``--tool-call-parser``, which tool_choice "auto" needs; special_tool_tags:
     the tags it reads are special tokens, so a request whose calls it reads keeps special tokens in its text;
-    reasoning_parser: the server's ``--reasoning-parser``, whose reasoning a chat's structured output leaves free."""
+    reasoning_parser: the server's ``--reasoning-parser``, whose reasoning a chat's structured output leaves free;
+    spaced_special_tokens: the tokenizer decodes special tokens with a space between them
+    (``Tokenizer.spaces_special_tokens``)."""
     _check_supported(body)
-    for name in () if chat else TOOL_FIELDS:
+    for name in () if chat else (*TOOL_FIELDS, "reasoning_effort"):
         if body.get(name) is not None:
             _fail(f"{name} is only for /v1/chat/completions")
+    include_reasoning = _typed(body, "include_reasoning", (bool,), "true or false") is not False
+    if not chat and not include_reasoning:
+        _fail("include_reasoning: false is only for /v1/chat/completions (a completion's text is not split into "
+              "reasoning and answer)")
     n = _int(body, "n")
     n = 1 if n is None else n
     if not 1 <= n <= MAX_CHOICES:
@@ -397,15 +415,22 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool,
         priority=_int(body, "priority") or 0, logprobs_name="top_logprobs" if chat else "logprobs",
         max_tokens_name=max_tokens_name, regex=regex, prompt_logprobs=prompt_top, allowed_token_ids=allowed_token_ids,
         bad_words=_bad_words(body))
+    spaces = _typed(body, "spaces_between_special_tokens", (bool,), "true or false")
+    if spaces is False and spaced_special_tokens and not params.skip_special_tokens:
+        _fail("spaces_between_special_tokens: false is not supported with this model's tokenizer, whose decoding "
+              "puts a space between special tokens (leave it true, or leave the special tokens out with "
+              "skip_special_tokens)")
     truncate = _int(body, "truncate_prompt_tokens") or 0
     check_truncation(truncate, limits)
     options = _typed(body, "stream_options", (dict,), "an object")
     stream = _bool(body, "stream")
     if options is not None and not stream:
         _fail("stream_options is only allowed with stream: true")
-    include_usage = options.get("include_usage") if options is not None else None
-    if include_usage is not None and not isinstance(include_usage, bool):
-        _fail(f"stream_options.include_usage must be true or false, got {type(include_usage).__name__}")
+    usage = {}  # include_usage: a last chunk with the usage; continuous_usage_stats: every chunk with the counts
+    for name in ("include_usage", "continuous_usage_stats"):  # (apart from each other: each asks for its own)
+        usage[name] = options.get(name) if options is not None else None
+        if usage[name] is not None and not isinstance(usage[name], bool):
+            _fail(f"stream_options.{name} must be true or false, got {type(usage[name]).__name__}")
     if prompt_top is not None and stream:
         _fail("prompt_logprobs is not available with stream: true")
     # the prompt's log-probabilities come from its first choice, the others share them (echo with logprobs
@@ -420,9 +445,10 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool,
             calls.append(GenerateCall(request_id, prompt, replace(params, sampling=sampling, prompt_logprobs=scored),
                                       truncate, "messages" if chat else "prompt", max_tokens_name, choice))
     return OpenAIRequest(chat=chat, calls=calls, n=n, echo=echo, prompt_only=prompt_only, stream=stream,
-                         include_usage=bool(include_usage), logprobs=top is not None,
+                         include_usage=bool(usage["include_usage"]),
+                         continuous_usage=bool(usage["continuous_usage_stats"]), logprobs=top is not None,
                          prompt_logprobs=prompt_top, tokens_as_ids=_bool(body, "return_tokens_as_token_ids"),
-                         tools=tools)
+                         tools=tools, include_reasoning=include_reasoning)
 
 
 # ---- responses ------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from twinplane.controlplane.auth import MESSAGE as API_KEY_MESSAGE
 from twinplane.controlplane.engine import Engine
 from twinplane.controlplane.errors import InvalidRequest, NotReady, ServiceError
 from twinplane.controlplane.openai_api import PARAMS, detokenize_ids, parse_request, tokenize_prompt
-from twinplane.controlplane.openai_responses import ResponsesBuilder, chat_body
+from twinplane.controlplane.openai_responses import ResponsesBuilder, chat_body, fit_input
 from twinplane.controlplane.openai_stream import Choices, ResponseBuilder
 from twinplane.controlplane.tls import every_address, parse_listen
 from twinplane.controlplane.tools import tags_are_special
@@ -236,6 +236,19 @@ class OpenAIService:
             raise NotFound(f"the model {asked[:256]!r} does not exist; this server serves {names}", "model_not_found")
         return asked
 
+    async def _fitted(self, chat: dict, instructions: bool) -> dict:
+        """The Responses API's truncation "auto": the chat request less its earliest input messages, as few as
+        let its prompt and max_output_tokens (1 when unset) fit max_model_len and the KV cache."""
+        engine, described = self.engine, self.engine.describe
+        window = min(engine.limits.max_model_len, described.num_kv_blocks * described.block_size)
+        most = chat.get("max_output_tokens")
+        most = most if isinstance(most, int) and not isinstance(most, bool) and most > 0 else 1  # else refused later
+
+        async def tokens(fields: dict) -> int:
+            return len(await engine.tokenize(tokenize_prompt(fields, engine.limits)))
+
+        return await fit_input(chat, int(instructions), tokens, window - most)
+
     async def _generate(self, request: Request, kind: str) -> Response:
         """kind: "chat" (completions), "completion" or "response" (the Responses API)."""
         try:
@@ -248,10 +261,13 @@ class OpenAIService:
             request_id = checked_request_id("", request.headers.get(REQUEST_ID_HEADER))
             config = self.engine.config
             fields = chat_body(body) if kind == "response" else body
+            if kind == "response" and body.get("truncation") == "auto":
+                fields = await self._fitted(fields, body.get("instructions") is not None)
             chat, tokenizer, parser = kind != "completion", self.engine.tokenizer, config.tool_call_parser
             # on a tokenizer thread: a large schema's grammar takes 0.1-1 s to compile
             parsed = await self.engine.parse(parse_request, fields, self.engine.limits, request_id, chat, parser,
-                                             tags_are_special(parser, tokenizer), config.reasoning_parser)
+                                             tags_are_special(parser, tokenizer), config.reasoning_parser,
+                                             tokenizer is not None and tokenizer.spaces_special_tokens)
             choices = Choices(self.engine, parsed)
             await choices.open()
         except ClientDisconnect:

@@ -7,7 +7,9 @@ fields and this server's extensions go as they are. So the same validation, chat
 call parser and reasoning parser apply. The output is a list of items, in the order the model
 wrote them: its reasoning (with ``--reasoning-parser``), its message, its function calls. Streamed,
 every item is announced, filled and closed with the API's events, each numbered; the last event
-carries the whole response, which is also what a request without ``stream`` gets.
+carries the whole response, which is also what a request without ``stream`` gets. ``reasoning.effort``
+reaches the chat template as chat's ``reasoning_effort``; ``truncation: "auto"`` leaves out the earliest
+input messages that a prompt too long for the model has no room for.
 
 Nothing is stored: ``previous_response_id`` is refused, and a conversation goes on by sending its
 items again (the output items of a response are valid input items).
@@ -22,7 +24,7 @@ import time
 from twinplane.controlplane.api import SAMPLING_FIELDS, RequestOutput
 from twinplane.controlplane.chat_text import CallDelta, ChatText
 from twinplane.controlplane.errors import InvalidRequest
-from twinplane.controlplane.openai_api import OpenAIRequest
+from twinplane.controlplane.openai_api import REASONING_EFFORTS, OpenAIRequest
 from twinplane.controlplane.sequence import FinishReason
 from twinplane.controlplane.tools import template_tool_call
 
@@ -35,6 +37,7 @@ REFUSED = {"previous_response_id": "this server stores no responses; send the co
            "background": "background responses are not supported; stream the response instead",
            "prompt": "stored prompt templates are not supported; send instructions and input"}
 ROLES = ("user", "assistant", "system", "developer")
+TRUNCATIONS = ("auto", "disabled")
 MAX_TOP_LOGPROBS = 20  # the API's bound on top_logprobs
 TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -146,7 +149,15 @@ def chat_body(body: dict) -> dict:
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         _fail("instructions must be a string")
+    if body.get("truncation") not in (None, *TRUNCATIONS):
+        _fail(f"truncation must be auto or disabled, got {json.dumps(body['truncation'])[:40]}")
+    limit = body.get("max_tool_calls")  # of built-in tools, which this server runs none of: nothing to limit
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
+        _fail(f"max_tool_calls must be an integer >= 0, got {json.dumps(limit)[:40]}")
     chat = {name: body[name] for name in PASSED if name in body}
+    effort = _reasoning_effort(body.get("reasoning"))
+    if effort is not None:  # the chat template's reasoning_effort, as chat's
+        chat["reasoning_effort"] = effort
     chat["messages"] = [{"role": "system", "content": instructions}] * (instructions is not None) + _messages(
         body.get("input"))
     tools = body.get("tools")
@@ -165,6 +176,40 @@ def chat_body(body: dict) -> dict:
     if body.get("text") is not None:
         chat["response_format"] = _response_format(_text_format(body))
     return chat
+
+
+def _reasoning_effort(reasoning) -> str | None:
+    """reasoning.effort (its summary is taken and unused: no model here writes a summary of its reasoning)."""
+    if reasoning is None:
+        return None
+    effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
+    if not isinstance(reasoning, dict) or effort not in (None, *REASONING_EFFORTS):
+        _fail(f"reasoning must be an object whose effort is one of {', '.join(REASONING_EFFORTS)}, got "
+              f"{json.dumps(reasoning)[:80]}")
+    return effort
+
+
+async def fit_input(chat: dict, kept: int, tokens, room: int) -> dict:
+    """truncation "auto": the chat request less the fewest of its earliest messages that bring its prompt within
+    room tokens (``await tokens(chat)``: its prompt's length); its first kept messages (the instructions) and its
+    last message stay. As it is when it fits, or when even its last message leaves too many: that prompt's
+    length is refused then, as any other's."""
+    messages = chat["messages"]
+
+    def less(drop: int) -> dict:
+        return {**chat, "messages": messages[:kept] + messages[kept + drop:]}
+
+    most = len(messages) - kept - 1  # all but the last
+    if most < 1 or await tokens(chat) <= room or await tokens(less(most)) > room:
+        return chat
+    low, high = 1, most  # the fewest that fit lie in [low, high]: a halving search, as fewer leave more tokens
+    while low < high:
+        middle = (low + high) // 2
+        if await tokens(less(middle)) <= room:
+            high = middle
+        else:
+            low = middle + 1
+    return less(low)
 
 
 def _text_format(body: dict):
@@ -210,7 +255,11 @@ class ResponsesBuilder:
                          "tool_choice": body.get("tool_choice") or ("auto" if tools else "none"),
                          "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
                          "metadata": body.get("metadata"), "text": {"format": _text_format(body)},
+                         "truncation": body.get("truncation") or "disabled",
+                         "max_tool_calls": body.get("max_tool_calls"), "reasoning": None,
                          "store": False}  # nothing is kept: a later request cannot name this one
+        if body.get("reasoning") is not None:
+            self.settings["reasoning"] = {key: body["reasoning"].get(key) for key in ("effort", "summary")}
         self.final: RequestOutput | None = None
 
     def _event(self, kind: str, **fields) -> dict:

@@ -205,25 +205,37 @@ class ResponseBuilder:
 
     def chunks(self, index: int, out: RequestOutput) -> list[dict]:
         """The stream chunks of one output of choice index: in chat, a choice's first output comes after a
-        chunk of its role alone (as OpenAI's and vLLM's streams begin each choice)."""
+        chunk of its role alone (as OpenAI's and vLLM's streams begin each choice). An output that was reasoning
+        alone, with include_reasoning false, has no chunk (unless it ends the choice or carries logprobs)."""
         first = []
         if self.request.chat and not self.started[index]:
             first = [self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None})]
-        return first + [self._chunk(self._choice(index, out))]
+                                  "finish_reason": None}, out.prompt_tokens, 0)]
+        choice = self._choice(index, out)
+        return first + ([] if choice is None else [self._chunk(choice, out.prompt_tokens, out.completion_tokens)])
 
-    def _chunk(self, choice: dict) -> dict:
+    def _chunk(self, choice: dict, prompt_tokens: int, completion_tokens: int) -> dict:
+        """A stream chunk of choice; with continuous_usage_stats, the counts of that choice so far (vLLM's)."""
         chunk = {**self._object(True), "choices": [choice]}
-        if self.request.include_usage:
+        if self.request.continuous_usage:
+            chunk["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                              "total_tokens": prompt_tokens + completion_tokens}
+        elif self.request.include_usage:
             chunk["usage"] = None
         return chunk
 
-    def _choice(self, index: int, out: RequestOutput) -> dict:
-        """The choice of one output of choice index, in a stream chunk."""
+    def _choice(self, index: int, out: RequestOutput) -> dict | None:
+        """The choice of one output of choice index, in a stream chunk (None: no chunk)."""
+        self.started[index] = True
         choice = {"index": index, "logprobs": self._logprobs(index, out)}
         if self.request.chat:
             reasoning, content, calls = self.parts[index].take(out)
             deltas = [d for d in self.parts[index].deltas(calls) if d.begins or d.arguments]  # an end adds nothing
+            reason = tool_finish_reason(out, self.parts[index], self.request.tools.named)
+            if not self.request.include_reasoning:
+                if reasoning and not (content or deltas or reason or choice["logprobs"]):
+                    return None
+                reasoning = ""
             delta = {}
             if reasoning:
                 delta["reasoning_content"] = reasoning
@@ -231,11 +243,9 @@ class ResponseBuilder:
                 delta["content"] = content
             if deltas:
                 delta["tool_calls"] = [_call_delta(d) for d in deltas]
-            choice["delta"] = delta
-            choice["finish_reason"] = tool_finish_reason(out, self.parts[index], self.request.tools.named)
+            choice["delta"], choice["finish_reason"] = delta, reason
         else:
             choice["text"], choice["finish_reason"] = out.text, finish_reason(out)
-        self.started[index] = True
         return choice
 
     def usage_chunk(self, usage: dict) -> dict:
@@ -272,7 +282,7 @@ class ResponseBuilder:
             if self.request.chat:
                 calls = self.calls[i]
                 message = {"role": "assistant", "content": text if text or not calls else None}
-                if self.reasoning_parser:
+                if self.reasoning_parser and self.request.include_reasoning:
                     message["reasoning_content"] = self.reasonings[i] or None
                 if calls:
                     message["tool_calls"] = [call.json() for call in calls]

@@ -99,16 +99,16 @@ class RequestState:
         return reason
 
     def emit(self, finish_reason: FinishReason | None = None) -> None:
-        """Pushes what is pending to the stream; the last output carries the usage."""
+        """Pushes what is pending to the stream; each output carries the token counts so far (the OpenAI API's
+        continuous_usage_stats), the last one the usage."""
         out = self.pending
         if self.detokenizer is not None:
             out.text += self.detokenizer.take_text(final=finish_reason is not None)
         if finish_reason is None and len(out.token_ids) < self.stream_interval and self.first_token_time is not None:
             return  # fewer new tokens than one message carries (the first token never waits)
+        out.prompt_tokens, out.completion_tokens = self.num_prompt_tokens, self.num_outputs
         if finish_reason is not None:
             out.finish_reason = finish_reason
-            out.prompt_tokens = self.num_prompt_tokens
-            out.completion_tokens = self.num_outputs
             out.cached_prompt_tokens = self.num_cached_tokens
             self.finished = True
         if out.token_ids:

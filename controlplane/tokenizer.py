@@ -159,6 +159,13 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    @functools.cached_property
+    def spaces_special_tokens(self) -> bool:
+        """Whether decoding puts a space between two special tokens, as a tokenizer without a decoder (or with
+        WordPiece's) joins every token; byte-level and SentencePiece decoders join them as they are."""
+        token = min(self.special_ids, default=None)
+        return token is not None and self.decode([token, token], False) != self.decode([token], False) * 2
+
     def token_texts(self, token_ids: list[int]) -> list[str]:
         """Each token's own text, special tokens included."""
         return self._tok.decode_batch([[i] for i in token_ids], skip_special_tokens=False)
@@ -220,16 +227,17 @@ class Tokenizer:
         return _cut_at_open_end(text) if options.continue_final_message else text
 
     def encode_chat(self, messages: list[dict], name: str = "chat.messages",
-                    options: ChatOptions = ChatOptions()) -> list[int]:
+                    options: ChatOptions = ChatOptions(), add_special_tokens: bool = False) -> list[int]:
         """Token ids of the rendered messages; content may not spell out special tokens, which only the
         template places (else a message could forge turns, e.g. end its own and start the system's).
-        ``name``: what the client's API calls the messages."""
+        ``name``: what the client's API calls the messages; add_special_tokens: the tokenizer's own (a BOS)
+        too, beside the template's."""
         for where, text in chat_texts(messages, name, {"tools": options.tools}) if self._special_text else ():
             found = self._special_text.search(text)
             if found:
                 raise InvalidRequest(f"{where} holds {found.group()!r}, a special token of this model that only the "
                                      "chat template may place; remove it or send text")
-        return self.encode(self.render_chat(messages, options), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, options), add_special_tokens=add_special_tokens)
 
     @staticmethod
     def compile_template(template: str) -> jinja2.Template:

@@ -204,6 +204,16 @@ def test_prompt_forms():
      "structured_outputs has no field 'strict'; its fields are json, regex, choice, json_object"),
     ({**CHAT, "guided_whitespace_pattern": " "}, True, "guided_whitespace_pattern is not supported by this server"),
     ({"prompt": "x", "use_beam_search": True}, False, "use_beam_search is not supported by this server"),
+    ({"prompt": "x", "include_reasoning": False}, False, "include_reasoning: false is only for /v1/chat/completions"),
+    ({"prompt": "x", "reasoning_effort": "low"}, False, "reasoning_effort is only for /v1/chat/completions"),
+    ({**CHAT, "include_reasoning": "no"}, True, "include_reasoning must be true or false, got str"),
+    ({**CHAT, "reasoning_effort": "extreme"}, True,
+     "reasoning_effort must be one of none, minimal, low, medium, high, xhigh, max, got 'extreme'"),
+    ({**CHAT, "stream": True, "stream_options": {"continuous_usage_stats": 1}}, True,
+     "stream_options.continuous_usage_stats must be true or false, got int"),
+    ({"prompt": "x", "add_special_tokens": "yes"}, False, "add_special_tokens must be true or false, got str"),
+    ({**CHAT, "add_special_tokens": 1}, True, "add_special_tokens must be true or false, got int"),
+    ({**CHAT, "spaces_between_special_tokens": "no"}, True, "spaces_between_special_tokens must be true or false"),
 ])
 def test_invalid_fields_name_the_field(body, chat, words):
     with pytest.raises(InvalidRequest) as error:
@@ -632,4 +642,79 @@ def test_a_generation_is_refused_for_the_queue_before_it_is_parsed():
     engine.parse = parse
     answer = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert answer.status_code == 429 and "too many waiting requests (1" in answer.json()["error"]["message"]
+    engine._tokenizer_pool.shutdown()
+
+
+def _tokenizer_folder(smollm2_dir, folder, **changes):
+    """SmolLM2's tokenizer files in folder, with changes to tokenizer.json's top-level fields."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        data = json.loads((smollm2_dir / name).read_text())
+        (folder / name).write_text(json.dumps({**data, **changes} if name == "tokenizer.json" else data))
+    return folder
+
+
+# a post-processor that starts each text with <|endoftext|> (id 0), as a BOS
+BOS = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+                                                {"Sequence": {"id": "A", "type_id": 0}}],
+       "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+       "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}}}
+EFFORT_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %} effort={{ reasoning_effort }} " \
+                  "thinking={{ enable_thinking }}"
+
+
+def test_add_special_tokens_and_reasoning_effort_reach_the_tokenizer_and_the_template(smollm2_dir, tmp_path):
+    """As vLLM's: add_special_tokens adds the tokenizer's own (a BOS) to a text by default and to the rendered
+    messages when asked; reasoning_effort is the template's variable, with enable_thinking false for "none"
+    unless chat_template_kwargs set it. /tokenize shows what a generation's prompt would be."""
+    from twinplane.controlplane.tokenizer import Tokenizer
+
+    engine, http = _service_over_an_engine()
+    engine.tokenizer = Tokenizer(_tokenizer_folder(smollm2_dir, tmp_path, post_processor=BOS), EFFORT_TEMPLATE)
+
+    def tokens(**body) -> list[int]:
+        answer = http.post("/tokenize", json=body)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["tokens"]
+
+    text = tokens(prompt="hi")
+    assert text[0] == 0 and tokens(prompt="hi", add_special_tokens=False) == text[1:]
+    chat = tokens(**CHAT)
+    assert chat[0] != 0 and tokens(**CHAT, add_special_tokens=True) == [0, *chat]
+    for body, rendered in [({}, "hi effort= thinking="), ({"reasoning_effort": "low"}, "hi effort=low thinking=True"),
+                           ({"reasoning_effort": "none"}, "hi effort=none thinking=False"),
+                           ({"reasoning_effort": "none", "chat_template_kwargs": {
+                               "enable_thinking": True, "reasoning_effort": "high"}}, "hi effort=none thinking=True")]:
+        assert engine.tokenizer.decode(tokens(**CHAT, **body), False) == rendered
+    refused = http.post("/tokenize", json={**CHAT, "reasoning_effort": "extreme"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "reasoning_effort"
+    engine._tokenizer_pool.shutdown()
+    assert parse({"prompt": "hi", "add_special_tokens": False}, chat=False).calls[0].prompt.add_special_tokens is False
+    (call,) = parse({**CHAT, "add_special_tokens": True, "reasoning_effort": "low"}).calls
+    assert call.prompt.add_special_tokens is True
+    assert call.prompt.chat_options.template_kwargs == {"enable_thinking": True, "reasoning_effort": "low"}
+
+
+def test_spaces_between_special_tokens_false_is_refused_where_decoding_spaces_them(smollm2_dir, tmp_path):
+    """A tokenizer that decodes two special tokens with a space between them cannot honour false (vLLM's fast
+    tokenizers' way); one that joins them as they are (byte-level, SentencePiece) already does."""
+    from twinplane.controlplane.tokenizer import Tokenizer
+
+    assert not Tokenizer(smollm2_dir).spaces_special_tokens
+    spaced = Tokenizer(_tokenizer_folder(smollm2_dir, tmp_path, decoder=None))  # joins every token with a space
+    assert spaced.spaces_special_tokens and spaced.decode([1, 2], False) == "<|im_start|> <|im_end|>"
+    body = {**CHAT, "spaces_between_special_tokens": False, "skip_special_tokens": False}
+    with pytest.raises(InvalidRequest, match="^spaces_between_special_tokens: false is not supported"):
+        parse_request(body, LIMITS, "r", True, spaced_special_tokens=True)
+    parse_request(body, LIMITS, "r", True, spaced_special_tokens=False)
+    parse_request({**body, "skip_special_tokens": True}, LIMITS, "r", True, spaced_special_tokens=True)  # none shown
+    engine, http = _service_over_an_engine()  # over HTTP, the served tokenizer decides
+    engine.tokenizer, engine._connected = spaced, True
+    engine._update_ready()
+
+    async def add(*args, **kwargs):
+        raise AssertionError("added")
+
+    engine.add = add
+    answer = http.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "spaces_between_special_tokens"
     engine._tokenizer_pool.shutdown()

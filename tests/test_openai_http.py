@@ -100,6 +100,34 @@ def test_chat_stream_with_usage(client, model, http_planes):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_continuous_usage_stats_give_every_chunk_its_choices_counts_so_far(base_url, model):
+    """stream_options.continuous_usage_stats, as vLLM's: each chunk's usage counts the prompt and the tokens of
+    its choice so far (0 in a chat's role chunk); with include_usage too, a last chunk has the usage alone."""
+    headers = {"authorization": f"Bearer {KEY}"}
+    for path, body in (("/v1/chat/completions", {"messages": QUESTION, "logprobs": True}),
+                       ("/v1/completions", {"prompt": "Once upon a time", "logprobs": 0})):
+        for include_usage in (True, False):
+            options = {"continuous_usage_stats": True, "include_usage": include_usage}
+            request = {**body, "model": model, "max_tokens": 7, "n": 2, "temperature": 1.0, "seed": 5,
+                       "ignore_eos": True, "stream": True, "stream_options": options}
+            with httpx.stream("POST", base_url + path, json=request, headers=headers, timeout=60) as reply:
+                lines = [line for line in reply.iter_lines() if line.startswith("data: {")]
+            chunks = [json.loads(line.removeprefix("data: ")) for line in lines]
+            final = chunks.pop() if include_usage else None
+            assert final is None or final["choices"] == [] and final["usage"]["completion_tokens"] == 14
+            prompt_tokens = {chunk["usage"]["prompt_tokens"] for chunk in chunks}
+            assert len(prompt_tokens) == 1 and prompt_tokens.pop() > 0
+            drawn = {0: 0, 1: 0}  # tokens of each choice so far, by its chunks' logprobs
+            for chunk in chunks:
+                (choice,) = chunk["choices"]
+                logprobs = choice["logprobs"] or {}
+                drawn[choice["index"]] += len(logprobs.get("content") or logprobs.get("tokens") or [])
+                usage = chunk["usage"]
+                assert usage["completion_tokens"] == drawn[choice["index"]], (path, chunk)
+                assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+            assert drawn == {0: 7, 1: 7}
+
+
 def test_chat_stream_of_several_choices_begins_each_with_its_role_alone(client, model):
     """Each choice's first chunk is its role and empty content, no log-probabilities (as OpenAI's and vLLM's):
     the SDK's stream helper, which takes a choice's first chunk as its start, then counts each token once."""

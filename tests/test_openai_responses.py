@@ -167,14 +167,59 @@ def test_a_function_call_cut_by_max_output_tokens_is_incomplete(client):
     ({"input": "hi", "include": 5}, "include", "include must be a list of strings"),
     ({"input": "hi", "top_logprobs": "2"}, "top_logprobs", "top_logprobs must be an integer in [0, 20], got str"),
     ({"input": "hi", "top_logprobs": -1}, "top_logprobs", "top_logprobs must be in [0, 20], got -1"),
+    ({"input": "hi", "truncation": "sometimes"}, "truncation", 'truncation must be auto or disabled, got "sometimes"'),
+    ({"input": "hi", "max_tool_calls": -1}, "max_tool_calls", "max_tool_calls must be an integer >= 0, got -1"),
+    ({"input": "hi", "reasoning": {"effort": "extreme"}}, "reasoning",
+     'reasoning must be an object whose effort is one of none, minimal, low, medium, high, xhigh, max, got {"effort"'),
 ], ids=["previous-response", "built-in-tool", "image-item", "image-part", "no-input", "max-output-tokens",
         "unknown-format", "unknown-function", "instructions-number", "call-arguments", "no-call-id",
-        "output-logprobs", "reasoning-text", "include-not-a-list", "top-logprobs-string", "top-logprobs-negative"])
+        "output-logprobs", "reasoning-text", "include-not-a-list", "top-logprobs-string", "top-logprobs-negative",
+        "truncation", "max-tool-calls", "reasoning-effort"])
 def test_what_the_server_cannot_do_gets_400(client, request_fields, param, words):
     reply = httpx.post(f"{client.base_url}responses", json={"model": "scripted", **request_fields}, timeout=30)
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+def test_reasoning_effort_reaches_the_template_and_the_settings_come_back(client):
+    """reasoning.effort is the chat template's reasoning_effort, as chat's; max_tool_calls (of built-in tools,
+    which this server runs none of) is taken; the response repeats them and truncation, streamed or not."""
+    from twinplane.controlplane.api import Limits
+    from twinplane.controlplane.openai_api import parse_request
+    from twinplane.controlplane.openai_responses import chat_body
+
+    (call,) = parse_request(chat_body({"input": "hi", "reasoning": {"effort": "high", "summary": "auto"}}),
+                            Limits(4096, 4096), "r", chat=True).calls
+    assert call.prompt.chat_options.template_kwargs == {"enable_thinking": True, "reasoning_effort": "high"}
+    assert "reasoning_effort" not in chat_body({"input": "hi", "reasoning": {"summary": "auto"}})
+    request = dict(model="scripted", input="Hello!", reasoning={"effort": "low", "summary": "auto"}, max_tool_calls=2)
+    whole = client.responses.create(**request)
+    assert whole.output_text == ANSWER
+    assert (whole.reasoning.effort, whole.reasoning.summary, whole.max_tool_calls, whole.truncation) == (
+        "low", "auto", 2, "disabled")
+    _, last = _streamed(client, **request, truncation="auto")
+    assert (last["reasoning"], last["max_tool_calls"], last["truncation"]) == (
+        {"effort": "low", "summary": "auto"}, 2, "auto")
+
+
+def test_truncation_auto_leaves_out_the_earliest_input_messages_that_do_not_fit(client, scripted):
+    """The data plane's max_model_len is 4096: of turns that add up past it, the earliest are left out, as few as
+    let the rest, the instructions and max_output_tokens fit; without truncation the request is refused."""
+    turn = "lorem " * 400
+    turns = [{"role": ("user", "assistant")[i % 2], "content": f"turn{i} {turn}"} for i in range(8)]
+    request = dict(model="scripted", instructions="Be brief.", input=[*turns, {"role": "user", "content": "Hello?"}],
+                   max_output_tokens=16)
+    refused = httpx.post(f"{client.base_url}responses", json=request, timeout=30)
+    assert refused.status_code == 400 and "the prompt has" in refused.json()["error"]["message"]
+    whole = client.responses.create(**request, truncation="auto")
+    assert whole.output_text == ANSWER and whole.truncation == "auto"
+    prompt = scripted[1].prompts[-1]
+    assert prompt.startswith("<|im_start|>system\nBe brief.<|im_end|>") and "Hello?" in prompt
+    kept = [i for i in range(8) if f"turn{i} " in prompt]
+    assert kept == list(range(kept[0], 8)) and kept[0] > 0  # the earliest left out, those after kept
+    one_more = len(scripted[1].tokenizer.encode(f"turn0 {turn}", add_special_tokens=False))
+    assert whole.usage.input_tokens + 16 <= 4096 < whole.usage.input_tokens + 16 + one_more
 
 
 def test_a_step_that_fails_ends_the_stream_with_an_error_event(client):

@@ -3,6 +3,7 @@ streamed in pieces cut anywhere, and through the HTTP API."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import httpx
@@ -120,6 +121,55 @@ def test_chat_chunks_and_message_carry_reasoning_content_apart():
     completion = parse_request({"prompt": "hi"}, Limits(100, 64), "r", chat=False)
     text = ResponseBuilder(completion, "cmpl-r", "m", None, reasoning_parser="qwen3")
     assert text.chunks(0, _outputs(["<think>a"])[0])[-1]["choices"][0]["text"] == "<think>a"  # completions: untouched
+
+
+def test_without_include_reasoning_a_piece_of_reasoning_alone_has_no_chunk():
+    """include_reasoning false: the reasoning goes out in no delta and no message, the answer as usual; a piece
+    that was reasoning alone has no chunk, unless it ends the choice (or carries logprobs)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "include_reasoning": False}
+    request = parse_request(body, Limits(100, 64), "r", chat=True)
+    pieces = ["<think>", "hmm</th", "ink>\n\nPar", "is."]
+    builder = ResponseBuilder(request, "chatcmpl-r", "m", None, reasoning_parser="qwen3")
+    chunks = [builder.chunks(0, out) for out in _outputs(pieces)]
+    assert [[c["choices"][0]["delta"] for c in pair] for pair in chunks] == [
+        [{"role": "assistant", "content": ""}, {"content": ""}], [], [{"content": "\n\nPar"}], [{"content": "is."}]]
+    whole = ResponseBuilder(request, "chatcmpl-r", "m", None, reasoning_parser="qwen3")
+    for out in _outputs(pieces):
+        whole.add(0, out)
+    assert whole.response({})["choices"][0]["message"] == {"role": "assistant", "content": "\n\nParis."}
+    last = _outputs(["<think>cut short"])[0]
+    last.finish_reason = FinishReason.LENGTH
+    ended = ResponseBuilder(request, "chatcmpl-r", "m", None, reasoning_parser="qwen3").chunks(0, last)[-1]
+    assert ended["choices"][0]["delta"] == {"content": ""} and ended["choices"][0]["finish_reason"] == "length"
+
+
+def test_include_reasoning_false_over_http(tmp_path, smollm2_dir):
+    """Whole and streamed, the scripted reply's reasoning stays out and its answer comes as it would with it;
+    a completion, whose text is never split, refuses the field."""
+    from tests.test_tools import scripted_planes
+
+    question = [{"role": "user", "content": "Think first?"}]
+    with scripted_planes(tmp_path, smollm2_dir, [("", "<think>Paris is in France.</think>\n\nParis.")],
+                         reasoning_parser="qwen3") as (planes, _):
+        url = f"http://127.0.0.1:{planes.plane.http_port}/v1"
+        counted = []
+        for include in (True, False):
+            body = {"messages": question, "include_reasoning": include}
+            whole = httpx.post(f"{url}/chat/completions", json=body, timeout=30).json()
+            message = whole["choices"][0]["message"]
+            assert message["content"] == "\n\nParis."
+            counted.append(whole["usage"]["completion_tokens_details"]["reasoning_tokens"])  # drawn either way
+            assert message.get("reasoning_content", "gone") == ("Paris is in France." if include else "gone")
+            with httpx.stream("POST", f"{url}/chat/completions", json={**body, "stream": True}, timeout=30) as reply:
+                events = [line for line in reply.iter_lines() if line.startswith("data: {")]
+            deltas = [json.loads(event.removeprefix("data: "))["choices"][0]["delta"] for event in events]
+            assert "".join(d.get("content", "") for d in deltas) == "\n\nParis."
+            assert "".join(d.get("reasoning_content", "") for d in deltas) == ("Paris is in France." if include
+                                                                               else "")
+        refused = httpx.post(f"{url}/completions", json={"prompt": "hi", "include_reasoning": False}, timeout=30)
+    assert counted[0] == counted[1] > 0
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "include_reasoning"
+    assert "only for /v1/chat/completions" in refused.json()["error"]["message"]
 
 
 def test_the_http_api_returns_reasoning_content(tiny_qwen3_dir, planes_factory):
