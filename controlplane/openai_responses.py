@@ -20,13 +20,14 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from dataclasses import replace
 
 from twinplane.controlplane.api import SAMPLING_FIELDS, RequestOutput
 from twinplane.controlplane.chat_text import CallDelta, ChatText
 from twinplane.controlplane.errors import InvalidRequest
 from twinplane.controlplane.openai_api import REASONING_EFFORTS, OpenAIRequest
 from twinplane.controlplane.sequence import FinishReason
-from twinplane.controlplane.tools import template_tool_call
+from twinplane.controlplane.tools import ToolCall, template_tool_call
 
 # fields that go to the chat completion request as they are
 PASSED = (*SAMPLING_FIELDS, "stream", "parallel_tool_calls", "max_output_tokens", "min_tokens",
@@ -272,11 +273,19 @@ class ResponsesBuilder:
         return [self._event("created", response=self.response()), self._event("in_progress", response=self.response())]
 
     def add(self, index: int, out: RequestOutput) -> list[dict]:
-        """The events of one output (of the one choice: index 0)."""
+        """The events of one output (of the one choice: index 0). The last one's text is read first as if
+        more were to come, then its end: an item that ended before the text did is whole, and only those
+        the end closes are cut short (incomplete), however many tokens that output carries."""
+        if out.finish_reason is None:
+            return self._events(*self.text.take(out))
+        events = self._events(*self.text.take(replace(out, finish_reason=None)))
+        self.final = out  # before the items the end closes: one cut by max_output_tokens is incomplete
+        return events + self._events(*self.text.feed("", final=True)) + self._close()
+
+    def _events(self, reasoning: str, content: str, calls: list[ToolCall]) -> list[dict]:
+        """The events of what a piece of the text adds: reasoning, content and calls, as ``ChatText.feed``
+        split them."""
         events: list[dict] = []
-        if out.finish_reason is not None:
-            self.final = out  # before the items it ends: one cut by max_output_tokens is incomplete
-        reasoning, content, calls = self.text.take(out)
         deltas = self.text.deltas(calls)
         for delta in deltas:  # a call written in earlier pieces goes on first: text comes after its block
             if not delta.begins:
@@ -294,8 +303,6 @@ class ResponsesBuilder:
                 events += self._call(delta)
         if len(content) > done:
             events += self._append("message", content[done:])
-        if out.finish_reason is not None:
-            events += self._close()
         return events
 
     def finish(self, usage: dict) -> list[dict]:

@@ -414,6 +414,9 @@ def _llama3_calls(text: str) -> list[ToolCall] | None:
 
 
 _JSON_STRING = r'"(?:[^"\\]|\\[\s\S])*"'  # a JSON string, in the syntax re and grammar.py share
+# JSON's whitespace, spelled out: re's \s is Unicode's and grammar.py's ASCII's, so with it a start such as
+# '{"name":\u3000"f"' would be one to re, read whole, and dead to the automaton, read in pieces
+_WS = r"[ \t\n\r]*"
 
 
 class _CallHeader:
@@ -530,7 +533,12 @@ class _CallSequence:
             return ("" if rest.isspace() else rest), calls
 
 
-_LLAMA = rf'\s*\{{\s*"name"\s*:\s*({_JSON_STRING})\s*,\s*"(?:parameters|arguments)"\s*:\s*'
+def _object_start(key: str) -> str:
+    """A call object's start, up to the "{" of its arguments (key: their key, a regex), its name captured."""
+    return rf'{_WS}\{{{_WS}"name"{_WS}:{_WS}({_JSON_STRING}){_WS},{_WS}"(?:{key})"{_WS}:{_WS}'
+
+
+_LLAMA = _object_start("parameters|arguments")
 _LLAMA_CALLS = _CallForm(_CallHeader(_LLAMA), _CallHeader(";" + _LLAMA))
 
 
@@ -573,11 +581,11 @@ class Llama3JsonParser(_CallSequence):
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 _MISTRAL_FORMS = {
-    "list": _CallForm(_CallHeader(rf'\s*\[\s*\{{\s*"name"\s*:\s*({_JSON_STRING})\s*,\s*"arguments"\s*:\s*'),
-                      _CallHeader(rf'\s*,\s*\{{\s*"name"\s*:\s*({_JSON_STRING})\s*,\s*"arguments"\s*:\s*'),
+    "list": _CallForm(_CallHeader(rf"{_WS}\[" + _object_start("arguments")),
+                      _CallHeader(f"{_WS}," + _object_start("arguments")),
                       end="]", new_id=_mistral_call_id),
-    "named": _CallForm(_CallHeader(r"\s*([A-Za-z0-9_\-]{1,64})\[ARGS\]"),
-                       _CallHeader(r"\s*\[TOOL_CALLS\]\s*([A-Za-z0-9_\-]{1,64})\[ARGS\]"),
+    "named": _CallForm(_CallHeader(rf"{_WS}([A-Za-z0-9_\-]{{1,64}})\[ARGS\]"),
+                       _CallHeader(rf"{_WS}\[TOOL_CALLS\]{_WS}([A-Za-z0-9_\-]{{1,64}})\[ARGS\]"),
                        closed=False, new_id=_mistral_call_id),
 }
 

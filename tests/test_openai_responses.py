@@ -391,6 +391,13 @@ def test_top_logprobs_0_asks_for_nothing_and_is_taken():
 
 def _items(text: str, size: int, tool_call_parser: str, reasoning_parser: str | None = None) -> list[tuple[str, str]]:
     """The output items (type, text or arguments) of a response whose text came in pieces of size characters."""
+    return [(item["type"], item["arguments"] if item["type"] == "function_call" else item["content"][0]["text"])
+            for item in _output(text, size, tool_call_parser, reasoning_parser)]
+
+
+def _output(text: str, size: int, tool_call_parser: str, reasoning_parser: str | None = None,
+            reason: str = "stop_token") -> list[dict]:
+    """The output of a response whose text came in pieces of size characters, ended for reason."""
     from twinplane.controlplane.api import Limits, RequestOutput
     from twinplane.controlplane.openai_api import parse_request
     from twinplane.controlplane.openai_responses import ResponsesBuilder, chat_body
@@ -404,11 +411,10 @@ def _items(text: str, size: int, tool_call_parser: str, reasoning_parser: str | 
     pieces = [text[i:i + size] for i in range(0, len(text), size)]
     for i, piece in enumerate(pieces):
         builder.add(0, RequestOutput("r", text=piece, token_ids=[0],
-                                     finish_reason=FinishReason.STOP_TOKEN if i == len(pieces) - 1 else None))
+                                     finish_reason=FinishReason(reason) if i == len(pieces) - 1 else None))
     [last] = builder.finish({"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2,
                              "prompt_tokens_details": {"cached_tokens": 0}})
-    return [(item["type"], item["arguments"] if item["type"] == "function_call" else item["content"][0]["text"])
-            for item in last["response"]["output"]]
+    return last["response"]["output"]
 
 
 def test_output_items_keep_the_order_the_model_wrote_them_however_the_text_was_cut():
@@ -438,3 +444,18 @@ def test_mistral_text_before_its_tag_comes_before_the_calls_in_the_same_piece():
     text = 'Sure.\n[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
     for size in (1, 4, len(text)):
         assert _items(text, size, "mistral") == [("message", "Sure.\n"), ("function_call", '{"city": "Paris"}')], size
+
+
+@pytest.mark.parametrize("parser, text, statuses", [
+    ("hermes", "<think>Ask.</think>Hi" + CALL + " and mo", ["completed", "completed", "completed", "incomplete"]),
+    ("hermes", "Hi" + CALL, ["completed", "completed"]),  # the call's block closed: whole
+    ("hermes", "Hi" + CALL[:-3], ["completed", "incomplete"]),  # its block cut short
+    ("llama3_json", '{"name": "get_weather", "parameters": {}}; {"name": "get_weather", "parameters": {"ci',
+     ["completed", "incomplete"])])
+def test_only_the_item_the_cut_left_short_is_incomplete_however_the_text_was_cut(parser, text, statuses):
+    """Cut by max_output_tokens, the item the text ends in is incomplete and those that ended before it are
+    whole: the same whether the last output brought one token or many (--stream-interval, a stream that
+    fell behind)."""
+    for size in (1, 5, len(text)):
+        output = _output(text, size, parser, "qwen3", reason="length")
+        assert [item["status"] for item in output] == statuses, size

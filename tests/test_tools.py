@@ -82,6 +82,9 @@ LLAMA_WHOLE = [
      ("", [("f", '{"x":[1,"}"]}'), ("g", "{}")])),
     ('{"name": "get_weather", "parameters": {"ci', ("", [("get_weather", '{"ci')])),  # cut short: as written
     ('{"name": "get_wea', ('{"name": "get_wea', [])),  # cut short before the arguments: no call
+    # whitespace inside a call's JSON is JSON's: U+2003 and U+00A0 there make no call, however the text comes
+    ('{"name":\u2003"f", "parameters": {}}', ('{"name":\u2003"f", "parameters": {}}', [])),
+    (LLAMA + ";\xa0" + LLAMA, (";\xa0" + LLAMA, [WEATHER])),
     ("<|python", ("<|python", [])),
     ("", ("", [])),
 ]
@@ -100,6 +103,7 @@ MISTRAL_WHOLE = [
     ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"ci', ("", [("get_weather", '{"ci')])),  # cut short
     ('[TOOL_CALLS]f[ARGS]{"a": ', ("", [("f", '{"a": ')])),
     ("[TOOL_CALLS]Sunny.", ("[TOOL_CALLS]Sunny.", [])),  # no call follows the tag: text as written
+    ('[TOOL_CALLS][{\xa0"name": "f", "arguments": {}}]', ('[TOOL_CALLS][{\xa0"name": "f", "arguments": {}}]', [])),
     ('[TOOL_CALLS][{"city": "Paris"}]', ('[TOOL_CALLS][{"city": "Paris"}]', [])),
     ("[TOOL_CALLS] ", ("[TOOL_CALLS] ", [])),
     ("It is sunny.", ("It is sunny.", [])),
