@@ -857,6 +857,7 @@ def test_grpc_parse_output_splits_reasoning_answer_and_calls(tmp_path_factory, s
         deltas = [delta for chunk in chunks for delta in chunk.tool_call_deltas]  # the call while it was written
         assert len(deltas) > 1 and {d.index for d in deltas} == {0}
         assert (deltas[0].id, deltas[0].name) == (call.id, call.name) and not any(d.id or d.name for d in deltas[1:])
+        assert all(d.arguments for d in deltas[1:])  # each delta adds something
         assert "".join(d.arguments for d in deltas) == call.arguments
         assert sum(len(chunk.token_ids) for chunk in chunks) == chunks[-1].usage.completion_tokens  # every token
         assert client.generate_text(messages=question, tools=TOOLS) == thinking  # as written without it
