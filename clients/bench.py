@@ -131,7 +131,8 @@ async def _one(client, req: Request, args, progress) -> None:
             now = time.perf_counter()
             req.token_times.extend([now] * len(chunk.token_ids))
     except Exception as exc:  # noqa: BLE001 -- counted and reported: a benchmark run names every failure
-        req.error = f"{type(exc).__name__}: {getattr(exc, 'details', lambda: exc)()}"
+        details = exc.details() if callable(getattr(exc, "details", None)) else exc  # a gRPC error's own words
+        req.error = f"{type(exc).__name__}: {details}"
     progress.update(1)
 
 
@@ -408,6 +409,8 @@ async def _kill_a_dataplane(server: subprocess.Popen, after: float) -> None:
 def _check_workload(args: argparse.Namespace) -> None:
     """The workload's flags in range, before a server starts: SystemExit names the one that is not."""
     from twinplane.clients.client import MAX_WAIT_S
+    from twinplane.controlplane.api import sampling_options
+    from twinplane.controlplane.errors import InvalidRequest
 
     problems = [
         (args.num_requests >= 1, f"--num-requests must be >= 1, got {args.num_requests}"),
@@ -432,11 +435,19 @@ def _check_workload(args: argparse.Namespace) -> None:
     for ok, message in problems:
         if not ok:
             raise SystemExit(f"twinplane bench: {message}")
+    try:  # as the server checks every request's, which would fail each one, after the model loads
+        sampling_options({"temperature": args.temperature}, prefix="--")
+    except InvalidRequest as exc:
+        raise SystemExit(f"twinplane bench: {exc}") from None
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    from twinplane.clients.cli import _check_server
+
     if args.client_processes < 1 or args.channels < 1:
         raise SystemExit("twinplane bench: --client-processes and --channels must be >= 1")
+    if args.server is not None:  # "" too: not the server bench would start without one
+        _check_server("bench", args.server)
     _check_workload(args)
     requests = make_workload(args)
     server, target = (None, args.server) if args.server else _start_server(args)

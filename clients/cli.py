@@ -67,14 +67,15 @@ def _dataplane_config(args: argparse.Namespace):
 
 
 def _dataplane_argv(args: argparse.Namespace) -> list[str]:
-    """The data-plane flags of args, to pass on to a child process."""
+    """The data-plane flags of args, to pass on to a child process: each as --flag=value, as a value that
+    starts with '-' (--model=-m, --cpu-kv-cache-gib=-1e+300) would be taken for a flag of its own."""
     out = []
     for name in ("model", "device", "dtype", "block_size", "max_model_len", "max_num_seqs",
                  "max_num_batched_tokens", "gpu_memory_utilization", "num_kv_blocks", "cpu_kv_cache_gib",
                  "tensor_parallel_size", "attention_backend", "weights_seed"):
         value = getattr(args, name)
         if value is not None:
-            out += [f"--{name.replace('_', '-')}", str(value)]
+            out.append(f"--{name.replace('_', '-')}={value}")
     return out + (["--enforce-eager"] if args.enforce_eager else [])
 
 
@@ -175,7 +176,11 @@ def _chat_template(value: str | None) -> str | None:
     path = Path(value)
     if not path.is_file():
         raise ValueError(f"chat_template: {value!r} is no file, nor a template (no {{{{ or {{%)")
-    return path.read_text()
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:  # unreadable, or not text: say which file
+        raise ValueError(f"chat_template: {value!r} cannot be read as UTF-8 text: "
+                         f"{getattr(exc, 'strerror', None) or exc}") from None
 
 
 def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None, dataplane_tls=None):
@@ -226,6 +231,21 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 seed=args.sample_seed)
+
+
+def _check_sampling(args: argparse.Namespace) -> None:
+    """The sampling flags in the ranges the server takes (ValueError names one that is not), for a command
+    that would otherwise learn of it only once its model has loaded."""
+    from twinplane.controlplane.api import sampling_options
+    from twinplane.controlplane.errors import InvalidRequest
+
+    if args.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {args.max_tokens}")
+    given = {name: value for name, value in _sampling_kwargs(args).items() if value is not None}
+    try:
+        sampling_options(given, prefix="")
+    except InvalidRequest as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _progress(message: str) -> None:
@@ -299,7 +319,8 @@ def cmd_dataplane(args: argparse.Namespace) -> int:
     except (ValueError, EmbeddedModelError) as exc:  # the model, the TP size or the KV cache size
         _refuse(str(exc))
     except MemoryError as exc:  # host arrays sized by the limits (--max-num-seqs 100000000)
-        _refuse(f"the host has no memory for the data plane's limits ({exc}); lower --max-num-seqs, "
+        what = f" ({exc})" if str(exc) else ""  # a list too long for memory says nothing
+        _refuse(f"the host has no memory for the data plane's limits{what}; lower --max-num-seqs, "
                 "--max-num-batched-tokens or --max-model-len")
     return 0
 
@@ -419,10 +440,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_server(command: str, server: str) -> None:
+    """--server, refused in one line where gRPC would connect elsewhere than meant (a port past 65535,
+    taken modulo 65536) or fail in a multi-line error (none given)."""
+    from twinplane.controlplane.tls import check_target
+
+    try:
+        check_target(server, "--server")
+    except ValueError as exc:
+        raise SystemExit(f"twinplane {command}: {exc}") from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from twinplane.clients.client import Client
     from twinplane.controlplane.config import check_secret
 
+    _check_server("generate", args.server)
     api_key = args.api_key or os.environ.get("TWINPLANE_API_KEY")
     try:
         check_secret(api_key, "the API key (--api-key or TWINPLANE_API_KEY)")
@@ -450,6 +483,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 
     if not 0 < args.timeout <= MAX_WAIT_S:
         raise SystemExit(f"twinplane health: --timeout must be in (0, {MAX_WAIT_S:.0f}] seconds, got {args.timeout}")
+    _check_server("health", args.server)
     with Client(args.server) as client:
         status = client.health_check(args.timeout)  # a failed call raises: main prints its code and details
     if status != "SERVING":
@@ -498,6 +532,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     prompt = {"prompt": args.prompt} if args.no_chat else {"messages": [{"role": "user", "content": args.prompt}]}
     try:  # the request's values, before the model loads
         build_request(**prompt, **_sampling_kwargs(args))
+        _check_sampling(args)
     except (TypeError, ValueError) as exc:
         _config_error("run", str(exc))
     token = _child_token(args)

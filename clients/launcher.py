@@ -51,7 +51,7 @@ class DataPlaneProcess:
         self._folder = None if address else tempfile.mkdtemp(prefix="twinplane-")  # mode 0700
         self.address = address or f"unix://{os.path.join(self._folder, 'dataplane.sock')}"
         self.command = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", log_level, "dataplane", *args,
-                        "--listen", self.address]
+                        f"--listen={self.address}"]
         self.env = {**os.environ, **(env or {}), **({TOKEN_ENV: token} if token else {}), SUPERVISED_ENV: "1"}
         self.restart = restart
         self.process: subprocess.Popen | None = None

@@ -35,7 +35,7 @@ from twinplane.controlplane.request_state import RequestState, Unsent
 from twinplane.controlplane.sequence import FinishReason
 from twinplane.controlplane.structured import bad_words_ids
 from twinplane.controlplane.supervisor import CoreSupervisor
-from twinplane.controlplane.tokenizer import Tokenizer
+from twinplane.controlplane.tokenizer import Tokenizer, TokenizerFilesError
 from twinplane.proto import dataplane_pb2 as dp
 
 log = logging.getLogger("twinplane.controlplane")
@@ -113,8 +113,11 @@ class Engine:
     async def _run_core(self) -> None:
         try:
             await self.supervisor.run()
-        except Exception:
-            log.critical("the control plane's engine stopped on an unexpected error", exc_info=True)
+        except Exception as exc:
+            if isinstance(exc, TokenizerFilesError):  # a file to mend, not a fault of this code: no traceback
+                log.critical("the control plane's engine stopped: it cannot load the tokenizer: %s", exc)
+            else:
+                log.critical("the control plane's engine stopped on an unexpected error", exc_info=True)
             self.crashed.set()
             self._connected = False
             self._update_ready()

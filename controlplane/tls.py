@@ -124,10 +124,12 @@ def _bad_address(address: str, flag: str) -> ValueError:
 
 
 def check_target(target: str, flag: str = "--dataplane") -> str:
-    """target unless a channel to it could not be what was meant: no socket path, a host with spaces (a
-    socket path may hold them: a TMPDIR with one), or a port past 65535 (gRPC would take 99999 modulo
-    65536); else ValueError naming the flag."""
-    if is_unix(target):
+    """target unless a channel to it could not be what was meant: none at all, no socket path, a host with
+    spaces (a socket path may hold them: a TMPDIR with one), or a port past 65535 (gRPC would take 99999
+    modulo 65536); else ValueError naming the flag."""
+    if not target:
+        bad = True
+    elif is_unix(target):
         bad = not unix_path(target).strip("/")
     else:
         port = target.rpartition(":")[2]

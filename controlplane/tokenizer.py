@@ -110,21 +110,34 @@ def _sentencepiece_bytes(piece: str | None) -> bytes | None:
     return bytes([int(byte[1], 16)]) if byte else piece.replace("\u2581", " ").encode()
 
 
+class TokenizerFilesError(ValueError):
+    """A tokenizer folder whose files are missing or cannot be read: what a restart would not mend."""
+
+
 class Tokenizer:
     def __init__(self, folder: str | Path, chat_template: str | None = None):
-        """chat_template: a template's text, in place of the folder's."""
+        """chat_template: a template's text, in place of the folder's. TokenizerFilesError names the file
+        that is missing or cannot be read."""
         folder = Path(folder)
         self.folder = folder
         if not (folder / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"no tokenizer.json in {folder}: point --tokenizer at the model's tokenizer "
-                                    "files (tokenizer.json, tokenizer_config.json)")
-        self._tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+            raise TokenizerFilesError(f"no tokenizer.json in {folder}: point --tokenizer at the model's tokenizer "
+                                      "files (tokenizer.json, tokenizer_config.json)")
+        try:
+            self._tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as exc:  # the tokenizers library raises a bare Exception for a file it cannot parse
+            raise TokenizerFilesError(f"{folder / 'tokenizer.json'} cannot be read: {exc}") from None
         config_path = folder / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        template_file = folder / "chat_template.jinja"
+        try:
+            config = json.loads(config_path.read_text()) if config_path.exists() else {}
+            if not isinstance(config, dict):
+                raise ValueError(f"a JSON object is needed, not {type(config).__name__}")
+            template = template_file.read_text() if template_file.exists() else config.get("chat_template")
+        except (OSError, ValueError) as exc:
+            raise TokenizerFilesError(f"{config_path} or {template_file.name} cannot be read: {exc}") from None
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
-        template_file = folder / "chat_template.jinja"
-        template = template_file.read_text() if template_file.exists() else config.get("chat_template")
         if isinstance(template, list):  # named templates: use "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         template = chat_template if chat_template is not None else template

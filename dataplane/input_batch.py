@@ -186,7 +186,10 @@ class InputBatch:
     def _allocate_staging(self, size: int) -> None:
         """Two staging buffers, alternating: one may still be copying while the next plan is prepared."""
         pinned = self.device.type == "cuda"
-        self._staging = [torch.empty(size, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
+        try:
+            self._staging = [torch.empty(size, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
+        except RuntimeError:  # torch's host allocator says so in a RuntimeError: the data plane's limits are too large
+            raise MemoryError(f"2 staging buffers of {size * 4 / 2**30:.1f} GiB each") from None
         self._staging_host = [buffer.numpy() for buffer in self._staging]
 
     def use_graph_inputs(self, graph_inputs: GraphInputs | None) -> None:

@@ -48,6 +48,19 @@ def load_hf_config(model: str) -> PretrainedConfig:
         raise ValueError(f"model {model!r}: {exc}") from None
 
 
+def check_shape(hf_config: PretrainedConfig, model: str) -> None:
+    """Raises ValueError for a config.json the model cannot be built from: its heads do not group
+    (query heads a multiple of KV heads), or an activation other than SiLU."""
+    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    if not (kv_heads >= 1 and heads >= 1 and heads % kv_heads == 0):
+        raise ValueError(f"model {model!r}: config.json's num_attention_heads ({heads}) must be a positive "
+                         f"multiple of its num_key_value_heads ({kv_heads})")
+    activation = getattr(hf_config, "hidden_act", "silu")
+    if activation != "silu":
+        raise ValueError(f"model {model!r}: config.json's hidden_act {activation!r} is not supported; only "
+                         "'silu' is")
+
+
 def check_tensor_parallel(hf_config: PretrainedConfig, tensor_parallel_size: int) -> None:
     """Raises ValueError unless the model's heads and MLP split evenly over tensor_parallel_size
     ranks: query heads and the intermediate size divide by it, and KV heads either divide by it
@@ -116,13 +129,18 @@ def load_weights(model: DecoderForCausalLM, weights: Iterable[tuple[str, torch.T
             raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
         param = params[param_name]
         loader = getattr(param, "weight_loader", None)
-        if shard_id is not None:
-            loader(param, tensor, shard_id)
-        elif loader is not None:
-            loader(param, tensor)
-        else:
-            assert param.shape == tensor.shape, f"{name}: parameter {tuple(param.shape)}, checkpoint {tuple(tensor.shape)}"
-            param.data.copy_(tensor)
+        try:
+            if shard_id is not None:
+                loader(param, tensor, shard_id)
+            elif loader is not None:
+                loader(param, tensor)
+            elif param.shape != tensor.shape:
+                raise ValueError(f"parameter {tuple(param.shape)}, checkpoint {tuple(tensor.shape)}")
+            else:
+                param.data.copy_(tensor)
+        except (ValueError, RuntimeError) as exc:  # RuntimeError: a shard past the tensor's end (narrow)
+            raise ValueError(f"checkpoint tensor {name!r} {tuple(tensor.shape)} does not fit the model config.json "
+                             f"describes: {exc}") from None
         seen.add(param_name)
     missing = sorted(set(params) - seen)
     if missing:

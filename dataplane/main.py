@@ -18,15 +18,17 @@ log = logging.getLogger("twinplane.dataplane")
 
 def check_config(config: DataPlaneConfig) -> DataPlaneConfig:
     """The config with its model resolved to a folder (or dummy name) and named as given, after
-    checking that the model's config loads, that a folder holds weights, and that the model splits
-    over the tensor-parallel ranks; ValueError says what is wrong."""
-    from twinplane.dataplane.loader import check_tensor_parallel, is_dummy, load_hf_config  # imports torch
+    checking that the model's config loads and describes a model that can be built, that a folder
+    holds weights, and that the model splits over the tensor-parallel ranks; ValueError says what is
+    wrong."""
+    from twinplane.dataplane.loader import check_shape, check_tensor_parallel, is_dummy, load_hf_config  # imports torch
 
     config = dataclasses.replace(config, model=resolve_model(config.model),
                                  model_name=config.model_name or model_name(config.model))
     hf_config = load_hf_config(config.model)
     if not is_dummy(config.model) and not any(Path(config.model).glob("*.safetensors")):
         raise ValueError(f"model {config.model!r} holds no *.safetensors files: its weights are needed")
+    check_shape(hf_config, config.model)
     check_tensor_parallel(hf_config, config.tensor_parallel_size)
     return config
 

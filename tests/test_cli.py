@@ -358,8 +358,20 @@ def test_controlplane_exits_with_the_reason_when_its_engine_fails(tiny_qwen3_dir
     finally:
         planes.stop()
     assert result.returncode != 0
-    assert "engine stopped on an unexpected error" in result.stderr and str(model) in result.stderr, (
+    assert f"engine stopped: it cannot load the tokenizer: no tokenizer.json in {model}" in result.stderr, (
         result.stderr[-2000:])
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]  # a file to mend, said in one line
+
+
+def test_a_tokenizer_file_that_cannot_be_read_is_named_in_one_error(tiny_qwen3_dir, tmp_path):
+    from twinplane.controlplane.tokenizer import Tokenizer, TokenizerFilesError
+
+    for name, text in (("tokenizer.json", "{not json"), ("tokenizer_config.json", "[1]")):
+        folder = tmp_path / name
+        shutil.copytree(tiny_qwen3_dir, folder)
+        (folder / name).write_text(text)
+        with pytest.raises(TokenizerFilesError, match=re.escape(str(folder / name))):
+            Tokenizer(folder)
 
 
 def test_a_data_plane_that_keeps_failing_is_restarted_with_growing_delays(monkeypatch):
@@ -683,6 +695,12 @@ def test_dataplane_refuses_bad_addresses_and_sizes_in_one_line(taken_port, tmp_p
     weightless = tmp_path / "weightless"
     weightless.mkdir()
     shutil.copy(Path(tiny_qwen3_dir) / "config.json", weightless / "config.json")
+    reshaped = {}  # config.json edited after the weights were saved: no model that can be built, or not theirs
+    for name, change in (("ungrouped", {"num_key_value_heads": 3}), ("wider", {"hidden_size": 128})):
+        reshaped[name] = tmp_path / name
+        shutil.copytree(tiny_qwen3_dir, reshaped[name])
+        config = json.loads((reshaped[name] / "config.json").read_text())
+        (reshaped[name] / "config.json").write_text(json.dumps({**config, **change}))
     cases = [
         ([*dataplane, "--listen", "127.0.0.1:99999", "--insecure"], "--listen must be host:port with a port in"),
         ([*dataplane, "--listen", socket_path, "--health-listen", "nowhere"], "--health-listen must be host:port"),
@@ -695,6 +713,12 @@ def test_dataplane_refuses_bad_addresses_and_sizes_in_one_line(taken_port, tmp_p
          f"model '{broken}': It looks like the config file"),
         (["dataplane", "--model", str(weightless), "--device", "cpu", "--listen", socket_path],
          "holds no *.safetensors files"),
+        (["dataplane", "--model", str(reshaped["ungrouped"]), "--device", "cpu", "--listen", socket_path],
+         "config.json's num_attention_heads (4) must be a positive multiple of its num_key_value_heads (3)"),
+        (["dataplane", "--model", str(reshaped["wider"]), "--device", "cpu", "--listen", socket_path],
+         "checkpoint tensor 'model.embed_tokens.weight' (49152, 64) does not fit the model config.json describes"),
+        ([*dataplane, "--listen", socket_path, "--max-num-batched-tokens", str(10**14)],  # past any address space
+         "the host has no memory for the data plane's limits (2 staging buffers of"),
         ([*dataplane, "--listen", "127.0.0.1:0"], "127.0.0.1:0 is a TCP address, which needs a token"),
         ([*dataplane, "--listen", "127.0.0.1:0", "--insecure", "--tls-cert", str(tmp_path / "cert.pem")],
          "--tls-cert and --tls-key go together"),
@@ -770,6 +794,10 @@ def test_chat_template_takes_a_file_or_the_template_and_must_compile(tmp_path):
         config("--chat-template", "nope.jinja")
     with pytest.raises(SystemExit, match="chat_template does not compile"):
         config("--chat-template", "{% for m in messages %}")
+    (tmp_path / "latin1.jinja").write_bytes("{{ m.role }}: caf\xe9".encode("latin-1"))  # a file, but no UTF-8
+    with pytest.raises(SystemExit, match=re.escape(f"chat_template: '{tmp_path}/latin1.jinja' cannot be read as "
+                                                   "UTF-8 text: 'utf-8' codec can't decode byte 0xe9")):
+        config("--chat-template", str(tmp_path / "latin1.jinja"))
 
 
 def test_a_data_plane_on_port_0_says_the_port_it_got():
@@ -804,3 +832,53 @@ def test_generate_says_why_chat_template_kwargs_do_not_apply(planes_factory, tin
     for flags, why in [([], "this model has no chat template"), (["--no-chat"], "leave out --no-chat")]:
         result = _refused("generate", "hi", "--server", planes.address, "--chat-template-kwargs", '{"a": 1}', *flags)
         assert f"--chat-template-kwargs is for chat prompts; {why}" in result.stderr, result.stderr
+
+
+def test_client_commands_refuse_a_server_address_grpc_would_take_for_another(monkeypatch):
+    """gRPC takes port 99999 as 34463 (modulo 65536), where another server may answer, and fails on an
+    empty target in several lines: generate, health and bench refuse both before they connect."""
+    from twinplane.clients import bench, cli
+
+    monkeypatch.setattr(bench, "_start_server", lambda args: pytest.fail("bench took --server '' for none"))
+    for argv in (["health", "--server", "127.0.0.1:99999", "--timeout", "0.5"], ["health", "--server", ""],
+                 ["generate", "hi", "--server", "127.0.0.1:99999"],
+                 ["bench", "--server", "127.0.0.1:65536", "--ready-timeout", "1"], ["bench", "--server", ""]):
+        args = cli.build_parser().parse_args(argv)
+        with pytest.raises(SystemExit, match=f"twinplane {argv[0]}: --server must be host:port with a port in "
+                                             r"\[0, 65535\], or unix:///path; got '"):
+            args.func(args)
+
+
+def test_data_plane_flags_reach_a_child_as_given_even_when_they_start_with_a_dash():
+    """serve, run and bench hand their data-plane flags on to a child's command line, where a value that
+    starts with '-' must not be read as a flag: the child would exit 2, and serve restart it for ever."""
+    import math
+
+    from twinplane.clients.cli import _dataplane_child, build_parser
+
+    args = build_parser().parse_args(["--log-level", "info", "serve", "--model=-m", "--cpu-kv-cache-gib=-1e300",
+                                      "--gpu-memory-utilization=-inf"])
+    child = _dataplane_child(args, "unix:///tmp/dp.sock")
+    passed = build_parser().parse_args(child.command[child.command.index("--log-level"):])
+    assert (passed.model, passed.cpu_kv_cache_gib, passed.gpu_memory_utilization, passed.listen) == (
+        "-m", -1e300, -math.inf, "unix:///tmp/dp.sock")
+
+
+def test_run_and_bench_refuse_sampling_values_before_a_model_loads(monkeypatch):
+    """The server would refuse them, but only once run's or bench's model had loaded (minutes, for a
+    large one), and bench would report every request as failed."""
+    from twinplane.clients import bench, cli
+    from twinplane.controlplane.ipc import CONFIG_ERROR_EXIT, ConfigExit
+
+    monkeypatch.setattr(cli, "_dataplane_child", lambda *a, **k: pytest.fail("run started a data plane"))
+    for flags, message in [(["--temperature", "-1"], "temperature must be a finite number >= 0"),
+                           (["--top-p", "2"], r"top_p must be in \(0.0, 1.0\], got 2"),
+                           (["--top-k", "-5"], r"top_k must be in \[-1, 2147483647\]"),
+                           (["--max-tokens", "0"], "max_tokens must be >= 1, got 0")]:
+        args = cli.build_parser().parse_args(["run", "hi", "--model", "dummy:tiny-qwen3", *flags])
+        with pytest.raises(ConfigExit, match=f"twinplane run: {message}") as refused:
+            cli.cmd_run(args)
+        assert refused.value.code == CONFIG_ERROR_EXIT
+    for value in ("-1", "nan", "inf"):
+        with pytest.raises(SystemExit, match="twinplane bench: --temperature must be a finite number >= 0"):
+            bench._check_workload(cli.build_parser().parse_args(["bench", "--temperature", value]))

@@ -30,9 +30,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        assert loaded.shape[0] == self.num_embeddings and loaded.shape[1] == param.shape[1], (
-            f"embedding shape mismatch: expected ({self.num_embeddings}, {param.shape[1]}), "
-            f"checkpoint {tuple(loaded.shape)}")
+        if tuple(loaded.shape) != (self.num_embeddings, param.shape[1]):  # not the table config.json describes
+            raise ValueError(f"embedding shape mismatch: expected ({self.num_embeddings}, {param.shape[1]}), "
+                             f"checkpoint {tuple(loaded.shape)}")
         rows = self.vocab_end - self.vocab_start
         param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
         param.data[rows:].zero_()

@@ -38,7 +38,8 @@ def _divide(numerator: int, denominator: int) -> int:
 
 
 def _copy_checked(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    assert param.shape == loaded.shape, f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}"
+    if param.shape != loaded.shape:  # a checkpoint that config.json does not describe
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}")
     param.data.copy_(loaded)
 
 
