@@ -17,6 +17,7 @@ from twinplane.controlplane.tools import TOOL_CALL_PARSERS
 SCHEDULING_POLICIES = ("fcfs", "priority")
 BYTES_PER_TOKEN = 64  # default max_prompt_bytes per token of max_model_len (generous: room for truncation)
 MAX_DATAPLANE_TIMEOUT = 86_400.0  # seconds; keepalive pings take half of it in int32 milliseconds
+MAX_API_SERVERS = 64  # frontend processes (each a Python process with its own tokenizer and socket to the core)
 
 
 @dataclass(frozen=True)
@@ -159,8 +160,8 @@ class ControlPlaneConfig:
 
     def _check_api_server_count(self) -> None:
         n = self.api_server_count
-        if n < 1:
-            raise ValueError(f"api_server_count must be >= 1, got {n}")
+        if not 1 <= n <= MAX_API_SERVERS:
+            raise ValueError(f"api_server_count must be in [1, {MAX_API_SERVERS}] (frontend processes), got {n}")
         if n > 1 and self.listen.startswith("unix:"):
             raise ValueError(f"api_server_count {n} needs a TCP listen address (host:port): the frontends share "
                              f"its port, and a unix socket ({self.listen}) cannot be shared")

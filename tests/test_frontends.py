@@ -116,6 +116,10 @@ def test_each_frontend_hears_the_tokens_of_its_own_sequences_and_everyone_the_re
 def test_a_unix_socket_cannot_be_shared_by_several_frontends(tmp_path):
     with pytest.raises(ValueError, match="cannot be shared"):
         ControlPlaneConfig(dataplane="unix:///dp.sock", listen=f"unix://{tmp_path}/cp.sock", api_server_count=2)
+    for count in (0, 65):
+        with pytest.raises(ValueError, match=rf"api_server_count must be in \[1, 64\] \(frontend \w+\), got {count}"):
+            ControlPlaneConfig(dataplane="unix:///dp.sock", api_server_count=count)
+    ControlPlaneConfig(dataplane="unix:///dp.sock", api_server_count=64, max_waiting_requests=64)
     with pytest.raises(ValueError, match="split between the 4 frontends"):
         ControlPlaneConfig(dataplane="unix:///dp.sock", api_server_count=4, max_waiting_requests=3)
     result = subprocess.run([*CLI, "controlplane", "--listen", f"unix://{tmp_path}/cp.sock",
