@@ -59,6 +59,11 @@ class BlockManager:
 
     # ---- prefix cache -------------------------------------------------------------------
 
+    def looks_up(self, seq: Sequence) -> bool:
+        """Whether seq's prefix is looked up in the cache (not without prefix caching, nor for a sequence
+        that wants its prompt's log-probabilities)."""
+        return self.enable_prefix_caching and seq.prompt_logprobs is None
+
     def find_cached_blocks(self, seq: Sequence) -> list[int]:
         """Blocks holding a computed prefix of seq's tokens (pure: changes nothing).
 
@@ -66,7 +71,7 @@ class BlockManager:
         computes it can sample. A sequence that wants its prompt's log-probabilities computes
         the whole prompt: a cached position has no logits.
         """
-        if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
+        if not self.looks_up(seq):
             return []
         hits: list[int] = []
         prefix_hash = None

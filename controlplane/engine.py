@@ -28,7 +28,7 @@ from twinplane.controlplane.errors import (InvalidRequest, NoLongerFits, NotRead
 from twinplane.controlplane import fanout
 from twinplane.controlplane.finish import Limit, default_max_tokens, misfit, output_room
 from twinplane.controlplane import messages
-from twinplane.controlplane.messages import CoreSnapshot, TokenOutput
+from twinplane.controlplane.messages import CoreSnapshot, DataPlaneSnapshot, TokenOutput
 from twinplane.controlplane.metrics import DATAPLANE_COUNTERS, EngineMetrics
 from twinplane.controlplane.replica import STAT_NAMES
 from twinplane.controlplane.request_state import RequestState, Unsent
@@ -238,7 +238,9 @@ class Engine:
             for name in DATAPLANE_COUNTERS:
                 self.dataplane_counters_carried[part.target, name] += getattr(part, name)
         zeroed = dict.fromkeys(("waiting", "running", *DATAPLANE_COUNTERS), 0)
-        earlier = replace(core.earlier, prefix_cache_hits=core.prefix_cache_hits)  # the total carries on
+        # the totals carry on in earlier, which the next core is given (steps and computed tokens in stats)
+        earlier = replace(core.earlier, num_preemptions=core.num_preemptions,
+                          prefix_cache_queries=core.prefix_cache_queries, prefix_cache_hits=core.prefix_cache_hits)
         self.core_snapshot = replace(core, num_added=0, unrouted=0, added_by_frontend=(), waiting_by_frontend=(),
                                      earlier=earlier, dataplanes=[replace(d, **zeroed) for d in core.dataplanes])
         self._num_added = 0
@@ -251,6 +253,14 @@ class Engine:
 
     def snapshot(self, snapshot: CoreSnapshot) -> None:
         self.core_snapshot = snapshot
+
+    @property
+    def dataplanes(self) -> list[DataPlaneSnapshot]:
+        """Each data plane's share of the latest snapshot, its counters carried on from the engine cores
+        before this one (GetStats and /metrics report these)."""
+        carried = self.dataplane_counters_carried
+        return [replace(part, **{name: getattr(part, name) + carried[part.target, name] for name in DATAPLANE_COUNTERS})
+                for part in self.core_snapshot.dataplanes]
 
     def step(self, outputs: list[TokenOutput], snapshot: CoreSnapshot) -> None:
         """A step's tokens: detokenizes, applies stop strings and pushes each request's new output."""
@@ -421,10 +431,12 @@ class Engine:
             raise Overloaded(f"too many waiting requests ({waiting}, max_waiting_requests {limit}"
                              f"{self._per_frontend}); retry later")
 
-    async def add(self, call: GenerateCall, room_checked: bool = False) -> RequestState:
+    async def add(self, call: GenerateCall, room_checked: bool = False,
+                  arrival_time: float | None = None) -> RequestState:
         """Tokenizes and queues a validated request (call after wait_ready); returns its state.
-        room_checked: check_room was asked for it with the rest of its request."""
-        arrival_time = time.monotonic()
+        room_checked: check_room was asked for it with the rest of its request; arrival_time: when that
+        request arrived (time.monotonic()), for a choice added after the others (default: now)."""
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
         if call.params.regex is not None and self.tokenizer is None:
             raise InvalidRequest("structured output needs the model's tokenizer, to know each token's text; this "
                                  "server has none (start it with --tokenizer FOLDER)")

@@ -64,8 +64,9 @@ PHASES = {"queue": "Seconds from arrival until the engine core first scheduled i
           "prefill": "Seconds from its first scheduling to its first token.",
           "decode": "Seconds from its first token to its last.",
           "inference": "Seconds from its first scheduling to its last token."}
-# The per-data-plane counters (DataPlaneSnapshot fields) on /metrics, which carry on across engine cores.
-DATAPLANE_COUNTERS = ("computed_tokens", "prefix_cache_hits")
+# The per-data-plane counters (DataPlaneSnapshot fields) of /metrics and GetStats, which carry on across engine
+# cores (a new core counts them from 0).
+DATAPLANE_COUNTERS = ("steps", "computed_tokens", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
 
 
 class Histogram:
@@ -175,7 +176,7 @@ class EngineCollector:
     def _per_dataplane(self, model: str) -> Iterator[Metric]:
         """Each data plane's share, labelled by its address (several with data parallelism); its
         counters carry on across engine-core restarts."""
-        parts, carried = self.engine.core_snapshot.dataplanes, self.engine.dataplane_counters_carried
+        parts = self.engine.dataplanes
         families = (
             (GaugeMetricFamily, "dataplane_connected", "1 while the control plane is connected to the data plane.",
              lambda d: int(d.connected)),
@@ -186,9 +187,9 @@ class EngineCollector:
             (GaugeMetricFamily, "dataplane_free_kv_blocks", "Free KV blocks on the data plane.",
              lambda d: d.free_kv_blocks),
             (CounterMetricFamily, "dataplane_computed_tokens", "Tokens the data plane computed.",
-             lambda d: d.computed_tokens + carried[d.target, "computed_tokens"]),
+             lambda d: d.computed_tokens),
             (CounterMetricFamily, "dataplane_prefix_cache_hits", "Tokens found in the data plane's prefix cache.",
-             lambda d: d.prefix_cache_hits + carried[d.target, "prefix_cache_hits"]),
+             lambda d: d.prefix_cache_hits),
         )
         for kind, name, documentation, value in families:
             family = kind(f"{PREFIX}{name}", documentation, labels=["model_name", "dataplane"])

@@ -52,6 +52,7 @@ class Choices:
         self.fresh = [True] * len(self.calls)  # no output yet
         # per prompt: its first token and the log-probabilities of the others, once its first choice brings them
         self.first_tokens = [0] * (len(self.calls) // self.n)
+        self.arrival_times = [0.0] * (len(self.calls) // self.n)  # per prompt: when its first choice arrived
         self.scored: list[list[TokenLogprobs]] = [[] for _ in range(0, len(self.calls), self.n)]
 
     async def open(self) -> None:
@@ -68,8 +69,14 @@ class Choices:
 
     async def _start(self, index: int) -> None:
         self.started[index] = True
-        state = await self.engine.add(self.calls[index], room_checked=True)
+        # a prompt's later choices arrived with the first: their times to the first token and to the end count
+        # from then, as the client sees them (and as vLLM times a request's choices)
+        first = index % self.n == 0
+        state = await self.engine.add(self.calls[index], room_checked=True,
+                                      arrival_time=None if first else self.arrival_times[index // self.n])
         self.states.append(state)
+        if first:
+            self.arrival_times[index // self.n] = state.arrival_time
         self.first_tokens[index // self.n] = state.prompt[0]
         if self.echo is not None:
             self.echo[index] = await self._prompt_text(self.calls[index], state.prompt)

@@ -268,7 +268,7 @@ class Scheduler:
                 seq.scheduled_time = time.monotonic()
                 if seq.num_output_tokens == 0:
                     seq.num_cached_tokens = seq.num_computed_tokens
-            if self.block_manager.enable_prefix_caching:
+            if self.block_manager.looks_up(seq):  # not one that computes its whole prompt (prompt log-probabilities)
                 self.num_prefix_cache_queries += seq.num_tokens
                 self.num_prefix_cache_hits += seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING

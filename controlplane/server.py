@@ -210,7 +210,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             free_kv_blocks=d.free_kv_blocks, num_kv_blocks=d.num_kv_blocks, steps=d.steps,
             computed_tokens=d.computed_tokens, preemptions=d.num_preemptions,
             prefix_cache_queries=d.prefix_cache_queries, prefix_cache_hits=d.prefix_cache_hits)
-            for d in core.dataplanes]
+            for d in self.engine.dataplanes]
         return pb.ServerStats(**core.stats, preemptions=core.num_preemptions, waiting=self.engine.num_waiting,
                               running=core.running, free_kv_blocks=core.free_kv_blocks,
                               prefix_cache_queries=core.prefix_cache_queries,

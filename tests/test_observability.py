@@ -324,6 +324,30 @@ def test_a_finished_request_is_timed_in_its_phases_as_vllm_times_them(monkeypatc
     assert samples["twinplane:request_prefill_time_seconds_count"] == 1
 
 
+def test_a_choice_added_after_its_request_arrived_is_timed_from_that_arrival():
+    """An HTTP request's later choices join once its first has a token; each is timed from the arrival it
+    is given (the request's), so its time to first token and end-to-end latency are what the client waited."""
+    import asyncio
+    import time
+
+    from twinplane.controlplane.api import GenerateCall, Prompt
+    from twinplane.controlplane.config import ControlPlaneConfig
+    from twinplane.controlplane.engine import Engine
+    from twinplane.controlplane.messages import TokenOutput
+    from twinplane.controlplane.sequence import RequestParams
+    from twinplane.proto import dataplane_pb2 as dp
+
+    engine = Engine(ControlPlaneConfig(dataplane="unix:///nowhere"), link=lambda config, engine: SimpleNamespace(
+        send=lambda message: None))
+    engine.connected(dp.DescribeResponse(model="m", vocab_size=100, max_model_len=64, num_kv_blocks=16, block_size=16,
+                                         max_logprobs=5), engine.core_snapshot)
+    call = GenerateCall("r", Prompt(token_ids=[1, 2, 3]), RequestParams(max_tokens=1), choice=1)
+    state = asyncio.run(engine.add(call, room_checked=True, arrival_time=time.monotonic() - 2.0))
+    engine.step([TokenOutput(state.seq_id, 5, 3, None, "length", 0)], engine.core_snapshot)
+    m = engine.metrics
+    assert m.finished["length"] == 1 and m.time_to_first_token.sum >= 2.0 and m.e2e_request_latency.sum >= 2.0
+
+
 def test_a_request_that_ends_with_an_error_is_counted_as_one():
     engine, state = _engine_with_a_request()
     engine.step_failed([7], "out of memory")
@@ -352,6 +376,35 @@ def test_a_data_planes_counters_carry_on_across_engine_cores():
     restarted = replace(part, computed_tokens=20, prefix_cache_hits=16)  # the new core counts from 0
     engine.snapshot(replace(engine.core_snapshot, dataplanes=[restarted]))
     assert values("dataplane_computed_tokens") == [520] and values("dataplane_prefix_cache_hits") == [80]
+
+
+def test_get_stats_gives_each_data_plane_its_counts_of_every_engine_core():
+    """A new engine core counts each data plane's steps, tokens, preemptions and prefix-cache lookups from 0;
+    GetStats's DataPlaneStats carry on from the cores before it, as the totals beside them do, which they sum to."""
+    import asyncio
+
+    from twinplane.controlplane.engine_core import EngineCore
+    from twinplane.controlplane.messages import DataPlaneSnapshot
+    from twinplane.controlplane.server import GenerationServicer
+    from twinplane.proto import generation_pb2 as pb
+
+    engine, _ = _engine_with_a_request()
+    target = engine.config.dataplanes[0]
+    first = dict(steps=10, computed_tokens=500, num_preemptions=3, prefix_cache_queries=100, prefix_cache_hits=64)
+    stats = dict(engine.core_snapshot.stats, steps=10, computed_tokens=500)
+    engine.snapshot(replace(engine.core_snapshot, stats=stats, dataplanes=[DataPlaneSnapshot(target, True, **first)]))
+    engine.core_died()
+    snapshot = EngineCore(engine.config, SimpleNamespace(send=None), engine.core_snapshot).snapshot()  # the next core
+    snapshot.dataplanes = [DataPlaneSnapshot(target, True, steps=2, computed_tokens=20, num_preemptions=1,
+                                             prefix_cache_queries=30, prefix_cache_hits=16)]
+    snapshot.stats["steps"] += 2
+    snapshot.stats["computed_tokens"] += 20
+    engine.snapshot(snapshot)
+    engine.ready.set()
+    reply = asyncio.run(GenerationServicer(engine).GetStats(pb.GetStatsRequest(), None))
+    names = ("steps", "computed_tokens", "preemptions", "prefix_cache_queries", "prefix_cache_hits")
+    assert [getattr(reply, name) for name in names] == [12, 520, 4, 130, 80]
+    assert [getattr(reply.dataplanes[0], name) for name in names] == [12, 520, 4, 130, 80]
 
 
 def test_a_new_engine_core_counts_on_from_the_one_it_replaces():

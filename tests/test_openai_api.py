@@ -464,6 +464,7 @@ class _ScriptedEngine:
         self.calls, self.outputs_of = calls, outputs
         self.tokenizer = SimpleNamespace(decode=lambda ids, skip: "".join(f"<{i}>" for i in ids))
         self.added, self.aborted = [], []
+        self.arrivals = {}  # the arrival time each choice was added with (None: the engine's clock)
 
     def check_room(self, count: int = 1) -> None:
         pass
@@ -471,10 +472,12 @@ class _ScriptedEngine:
     async def in_tokenizer_pool(self, function, *args):
         return function(*args)
 
-    async def add(self, call, room_checked: bool = False):
+    async def add(self, call, room_checked: bool = False, arrival_time: float | None = None):
         choice = next(i for i, c in enumerate(self.calls) if c is call)
         self.added.append(choice)
-        return SimpleNamespace(choice=choice, prompt=list(call.prompt.token_ids or (1, 2, 3)))  # chat: any prompt
+        self.arrivals[choice] = arrival_time
+        return SimpleNamespace(choice=choice, prompt=list(call.prompt.token_ids or (1, 2, 3)),  # chat: any prompt
+                               arrival_time=1000.0 + choice if arrival_time is None else arrival_time)
 
     async def outputs(self, state):
         for out in self.outputs_of(state.choice, state.prompt):
@@ -528,6 +531,14 @@ def test_echo_with_logprobs_starts_each_choice_of_a_batch_with_its_own_prompt():
         assert logprobs["top_logprobs"] == [None, *({f"token_id:{t}": -1.0} for t in prompt[1:]),
                                             {token: -0.5, "token_id:97": -4.0}][:len(prompt) + 1]
     assert usage["prompt_tokens"] == 5 and usage["completion_tokens"] == 4
+
+
+def test_a_prompts_later_choices_are_timed_from_its_first_choices_arrival():
+    """A prompt's later choices start once its first has its first token, but the client waits for them from
+    the first's arrival: the engine times them from then (time to first token, end to end), as vLLM does."""
+    request = parse({"prompt": [[5, 6, 7], [8, 9]], "n": 3, "max_tokens": 1}, chat=False)
+    _, engine, _ = _run_choices(request, _scored_outputs(request.calls))
+    assert engine.arrivals == {0: None, 1: 1000.0, 2: 1000.0, 3: None, 4: 1003.0, 5: 1003.0}
 
 
 def test_echo_with_max_tokens_0_shows_each_choice_its_prompt_alone():

@@ -134,6 +134,22 @@ def test_prefix_cache_hit_skips_cached_tokens():
     assert b.num_cached_tokens == 8
 
 
+def test_a_sequence_that_wants_its_prompt_logprobs_is_no_prefix_cache_query():
+    """Its prompt is computed whole, never looked up in the cache: the queries count only the tokens
+    looked up, so hits / queries is the hit rate of the lookups that took place."""
+    sched = make(num_blocks=16, block_size=4)
+    done = add(sched, 1, 10)
+    step(sched)
+    sched.finish(done)
+    scored = Sequence(2, "2", list(range(10)), RequestParams(max_tokens=100, prompt_logprobs=1))
+    sched.add(scored)
+    step(sched)
+    again = add(sched, 3, 10)
+    step(sched)
+    assert (scored.num_cached_tokens, again.num_cached_tokens) == (0, 8)
+    assert (sched.num_prefix_cache_queries, sched.num_prefix_cache_hits) == (20, 8)
+
+
 def test_a_sequence_recomputed_after_its_data_plane_was_lost_reports_its_first_cache_hit():
     """The cached prompt tokens a request reports are its first admission's hit (as vLLM reports them): a data
     plane lost before its first token came back (its step in flight with it) makes it start over on a cache
