@@ -91,6 +91,8 @@ def common_describe(descs: list[dp.DescribeResponse]) -> dp.DescribeResponse:
     common.max_model_len = min(d.max_model_len for d in descs)
     common.num_kv_blocks = min(d.num_kv_blocks * d.block_size for d in descs) // common.block_size
     common.max_logprobs = min(d.max_logprobs for d in descs)
+    common.max_num_seqs = min(d.max_num_seqs for d in descs)  # reported in ModelInfo as the smallest's
+    common.max_num_batched_tokens = min(d.max_num_batched_tokens for d in descs)
     return common
 
 

@@ -302,12 +302,14 @@ def test_a_recomputed_request_with_as_many_outputs_as_now_fit_is_refused_not_low
 
 def test_the_frontend_checks_requests_against_the_smallest_data_plane():
     """What every connected data plane holds: the shortest max_model_len, the fewest KV tokens, the fewest
-    log-probabilities (a request the frontend takes then fits wherever it is routed)."""
+    log-probabilities (a request the frontend takes then fits wherever it is routed), the smallest step."""
     from twinplane.controlplane.engine_core import common_describe
 
-    common = common_describe([_desc(num_kv_blocks=16, max_logprobs=20), _desc(num_kv_blocks=8, max_model_len=48,
-                                                                              max_logprobs=5)])
+    common = common_describe([_desc(num_kv_blocks=16, max_logprobs=20, max_num_seqs=8, max_num_batched_tokens=64),
+                              _desc(num_kv_blocks=8, max_model_len=48, max_logprobs=5, max_num_seqs=16,
+                                    max_num_batched_tokens=32)])
     assert (common.num_kv_blocks, common.max_model_len, common.max_logprobs) == (8, 48, 5)
+    assert (common.max_num_seqs, common.max_num_batched_tokens) == (8, 32)  # ModelInfo's step limits
 
 
 def _desc(**fields):
