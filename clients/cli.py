@@ -214,6 +214,10 @@ def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None, d
             api_server_count=args.api_server_count, served_model_names=tuple(args.served_model_name or ()),
             reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
             scheduling_policy=args.scheduling_policy)
+        if config.tokenizer is not None:  # read now: a broken one would surface only once a data plane connects
+            from twinplane.controlplane.tokenizer import Tokenizer
+
+            Tokenizer(config.tokenizer, config.chat_template)
     except ValueError as exc:  # a flag out of range or an unusable file: say which, without a traceback
         _config_error(args.command, str(exc))
     return config, security

@@ -574,6 +574,9 @@ def test_serve_refusing_its_flags_leaves_no_socket_folder(tmp_path):
 def test_controlplane_says_which_address_it_cannot_listen_on(taken_port, tmp_path):
     controlplane = ["controlplane", "--dataplane", f"unix://{tmp_path}/dp.sock"]
     busy = f"127.0.0.1:{taken_port}"
+    broken = tmp_path / "broken-tokenizer"  # read at start-up, not once a data plane connects
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text('{"model": ')
     cases = [
         (["--listen", busy], f"--listen {busy}: cannot listen there"),
         (["--listen", "127.0.0.1:99999"], "--listen must be host:port with a port in [0, 65535]"),
@@ -587,6 +590,7 @@ def test_controlplane_says_which_address_it_cannot_listen_on(taken_port, tmp_pat
         (["--listen", "localhost:²"], "--listen must be host:port with a port in [0, 65535]"),
         (["--listen", "127.0.0.1:0", "--max-message-mb", "-1"], "--max-message-mb must be in [1, 2047], got -1"),
         (["--listen", "127.0.0.1:0", "--tokenizer", str(tmp_path)], f"tokenizer: no tokenizer.json in {tmp_path}"),
+        (["--listen", "127.0.0.1:0", "--tokenizer", str(broken)], f"{broken / 'tokenizer.json'} cannot be read"),
     ]
     for flags, message in cases:
         result = _refused(*controlplane, *flags)
