@@ -19,6 +19,11 @@ class CallDelta(NamedTuple):
     begins: bool  # the call's first delta: its id and name go with it
     ends: bool  # the call is whole
 
+    @property
+    def adds(self) -> bool:
+        """Whether a stream sends it: the call's start or text of its arguments (its end alone adds nothing)."""
+        return self.begins or bool(self.arguments)
+
 
 class ChatText:
     """One choice's chat text, piece by piece, split into its reasoning (``--reasoning-parser``),
@@ -79,7 +84,7 @@ class ChatText:
         writing = self.tools.open_call if self.tools is not None and (self.parallel or not self.calls) else None
         if writing is not None:
             delta = self._delta(self.calls, writing, ends=False)
-            if delta.begins or delta.arguments:
+            if delta.adds:
                 deltas.append(delta)
         return deltas
 

@@ -190,6 +190,11 @@ class Engine:
         """The name reported first ("" until a data plane has told it, when none is configured)."""
         return self.model_names[0] if self.config.served_model_names or self.describe else ""
 
+    @property
+    def kv_capacity(self) -> int:
+        """Tokens the KV cache of the smallest connected data plane holds."""
+        return self.describe.num_kv_blocks * self.describe.block_size
+
     def connected(self, desc: dp.DescribeResponse, snapshot: CoreSnapshot) -> None:
         if self.describe is None:
             folder = self.config.tokenizer or desc.tokenizer_path
@@ -484,7 +489,7 @@ class Engine:
     def _resolve_max_tokens(self, params, num_prompt_tokens: int, name: str):
         """Checks max_tokens/min_tokens against the room the prompt leaves; fills in the default.
         ``name``: what the client's API calls max_tokens."""
-        limit, kv_capacity = self.limits.max_model_len, self.describe.num_kv_blocks * self.describe.block_size
+        limit, kv_capacity = self.limits.max_model_len, self.kv_capacity
         room = output_room(num_prompt_tokens, limit)
         # unset: as many as fit in max_model_len and in the KV cache (one at least: a prompt that fills the
         # cache alone is refused below for that)

@@ -35,6 +35,7 @@ from twinplane.controlplane.api import REQUEST_ID_HEADER, checked_request_id, re
 from twinplane.controlplane.auth import MESSAGE as API_KEY_MESSAGE
 from twinplane.controlplane.engine import Engine
 from twinplane.controlplane.errors import InvalidRequest, NotReady, ServiceError
+from twinplane.controlplane.finish import misfit
 from twinplane.controlplane.openai_api import PARAMS, detokenize_ids, parse_request, tokenize_prompt
 from twinplane.controlplane.openai_responses import ResponsesBuilder, chat_body, fit_input
 from twinplane.controlplane.openai_stream import Choices, ResponseBuilder
@@ -239,15 +240,15 @@ class OpenAIService:
     async def _fitted(self, chat: dict, instructions: bool) -> dict:
         """The Responses API's truncation "auto": the chat request less its earliest input messages, as few as
         let its prompt and max_output_tokens (1 when unset) fit max_model_len and the KV cache."""
-        engine, described = self.engine, self.engine.describe
-        window = min(engine.limits.max_model_len, described.num_kv_blocks * described.block_size)
+        engine = self.engine
         most = chat.get("max_output_tokens")
         most = most if isinstance(most, int) and not isinstance(most, bool) and most > 0 else 1  # else refused later
 
-        async def tokens(fields: dict) -> int:
-            return len(await engine.tokenize(tokenize_prompt(fields, engine.limits)))
+        async def fits(fields: dict) -> bool:  # by the rule a request is refused by
+            num_prompt_tokens = len(await engine.tokenize(tokenize_prompt(fields, engine.limits)))
+            return misfit(num_prompt_tokens, most, engine.limits.max_model_len, engine.kv_capacity) is None
 
-        return await fit_input(chat, int(instructions), tokens, window - most)
+        return await fit_input(chat, int(instructions), fits)
 
     async def _generate(self, request: Request, kind: str) -> Response:
         """kind: "chat" (completions), "completion" or "response" (the Responses API)."""

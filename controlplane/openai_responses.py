@@ -190,23 +190,22 @@ def _reasoning_effort(reasoning) -> str | None:
     return effort
 
 
-async def fit_input(chat: dict, kept: int, tokens, room: int) -> dict:
-    """truncation "auto": the chat request less the fewest of its earliest messages that bring its prompt within
-    room tokens (``await tokens(chat)``: its prompt's length); its first kept messages (the instructions) and its
-    last message stay. As it is when it fits, or when even its last message leaves too many: that prompt's
-    length is refused then, as any other's."""
+async def fit_input(chat: dict, kept: int, fits) -> dict:
+    """truncation "auto": the chat request less the fewest of its earliest messages that let it fit (``await
+    fits(chat)``); its first kept messages (the instructions) and its last message stay. As it is when it fits,
+    or when even its last message leaves too many: that prompt's length is refused then, as any other's."""
     messages = chat["messages"]
 
     def less(drop: int) -> dict:
         return {**chat, "messages": messages[:kept] + messages[kept + drop:]}
 
     most = len(messages) - kept - 1  # all but the last
-    if most < 1 or await tokens(chat) <= room or await tokens(less(most)) > room:
+    if most < 1 or await fits(chat) or not await fits(less(most)):
         return chat
     low, high = 1, most  # the fewest that fit lie in [low, high]: a halving search, as fewer leave more tokens
     while low < high:
         middle = (low + high) // 2
-        if await tokens(less(middle)) <= room:
+        if await fits(less(middle)):
             high = middle
         else:
             low = middle + 1

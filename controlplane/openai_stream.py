@@ -237,7 +237,7 @@ class ResponseBuilder:
         choice = {"index": index, "logprobs": self._logprobs(index, out)}
         if self.request.chat:
             reasoning, content, calls = self.parts[index].take(out)
-            deltas = [d for d in self.parts[index].deltas(calls) if d.begins or d.arguments]  # an end adds nothing
+            deltas = [d for d in self.parts[index].deltas(calls) if d.adds]
             reason = tool_finish_reason(out, self.parts[index], self.request.tools.named)
             if not self.request.include_reasoning:
                 if reasoning and not (content or deltas or reason or choice["logprobs"]):

@@ -152,7 +152,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 message.tool_call_deltas.extend(
                     pb.ToolCallDelta(index=d.index, id=d.call.id if d.begins else "",
                                      name=d.call.name if d.begins else "", arguments=d.arguments)
-                    for d in parts.deltas(calls) if d.begins or d.arguments)  # a call's end adds nothing
+                    for d in parts.deltas(calls) if d.adds)
             yield message
 
     def _output_parts(self, request: pb.GenerateRequest, call: GenerateCall) -> tuple[GenerateCall, ChatText]:
