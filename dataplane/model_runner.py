@@ -236,6 +236,9 @@ class ModelRunner:
         hf_config = self.loaded.hf_config
         self.vocab_size = int(hf_config.vocab_size)
         self.max_model_len = min(self.config.max_model_len, int(hf_config.max_position_embeddings))
+        if self.max_model_len < self.config.max_model_len:
+            log.info("the model has positions for %d tokens (max_position_embeddings); max_model_len is cut from %d "
+                     "to %d", self.max_model_len, self.config.max_model_len, self.max_model_len)
         window = sliding_window(hf_config)
         if window is not None and window < self.max_model_len:  # attention over all of it is the window's
             log.info("the model attends over a sliding window of %d tokens; max_model_len is cut from %d to %d, "
@@ -322,7 +325,8 @@ class ModelRunner:
 
     def describe(self) -> DataPlaneDescription:
         c = self.config
-        device = "cpu" if self.device.type == "cpu" else f"{torch.cuda.get_device_name(self.device)} x{c.tensor_parallel_size}"
+        device = "cpu" if self.device.type == "cpu" else \
+            f"{torch.cuda.get_device_name(self.device)} x{c.tensor_parallel_size}"
         return DataPlaneDescription(
             model=c.model_name or c.model, tokenizer_path=self.loaded.tokenizer_path,
             architecture=self.loaded.architecture,
@@ -362,7 +366,8 @@ class ModelRunner:
         """Release the KV cache, the model and the mirrors (the runner is unusable afterwards)."""
         self.sequences.reset()
         for layer in self.model.attention_layers():
-            layer.bind_kv_cache(torch.empty(0, 0, layer.num_kv_heads, layer.head_dim), torch.empty(0, 0, layer.num_kv_heads, layer.head_dim))
+            empty = torch.empty(0, 0, layer.num_kv_heads, layer.head_dim)
+            layer.bind_kv_cache(empty, empty)
         del self.kv_cache, self.model, self.loaded, self.graphs
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -464,7 +469,8 @@ class ModelRunner:
             return self.model(input_ids, positions, metadata), StepPath.EAGER
         return self.graphs.run(shape, input_ids, positions, metadata), self.graphs.path_of(shape)
 
-    def _draw(self, inputs: StepInputs, hidden: torch.Tensor) -> tuple[torch.Tensor, SamplerOutput | None, torch.Tensor | None]:
+    def _draw(self, inputs: StepInputs,
+              hidden: torch.Tensor) -> tuple[torch.Tensor, SamplerOutput | None, torch.Tensor | None]:
         """Samples on rank 0 and broadcasts: the token ids (int32, on every rank), and rank 0's
         sampler output and logits (None on other ranks)."""
         num_sampled = inputs.sample_indices.shape[0]

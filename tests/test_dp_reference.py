@@ -8,6 +8,7 @@ prefix-cached prefill, comparing every sampled row with the reference model's lo
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -120,6 +121,24 @@ def test_a_sliding_window_shorter_than_the_context_cuts_max_model_len(tmp_path: 
     runner = ModelRunner(DataPlaneConfig(model=str(tmp_path / "qwen2"), block_size=4, num_kv_blocks=16,
                                          dtype="float32", device="cpu", max_model_len=256))
     assert runner.max_model_len == 256
+
+
+def test_max_model_len_past_the_models_positions_is_cut_to_them_and_said(tmp_path: Path, caplog) -> None:
+    """A max_model_len longer than the model has positions for (max_position_embeddings) is cut to them, with
+    a log line saying so; a shorter one stays."""
+    config = Qwen3Config(**{**COMMON, "max_position_embeddings": 96}, head_dim=16, architectures=["Qwen3ForCausalLM"])
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path, safe_serialization=True)
+
+    def runner(max_model_len: int) -> ModelRunner:
+        return ModelRunner(DataPlaneConfig(model=str(tmp_path), block_size=4, num_kv_blocks=16, dtype="float32",
+                                           device="cpu", max_model_len=max_model_len))
+    with caplog.at_level(logging.INFO, logger="twinplane.dataplane"):
+        assert runner(256).describe().max_model_len == 96
+    assert "max_model_len is cut from 256 to 96" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="twinplane.dataplane"):
+        assert runner(64).describe().max_model_len == 64
+    assert "max_model_len is cut" not in caplog.text
 
 
 def _qwen3_harness(folder: Path) -> Harness:
