@@ -32,7 +32,7 @@ from twinplane.controlplane.messages import CoreSnapshot, DataPlaneSnapshot, Tok
 from twinplane.controlplane.metrics import DATAPLANE_COUNTERS, EngineMetrics
 from twinplane.controlplane.replica import STAT_NAMES
 from twinplane.controlplane.request_state import RequestState, Unsent
-from twinplane.controlplane.sequence import FinishReason
+from twinplane.controlplane.sequence import FinishReason, RequestParams
 from twinplane.controlplane.structured import bad_words_ids
 from twinplane.controlplane.supervisor import CoreSupervisor
 from twinplane.controlplane.tokenizer import Tokenizer, TokenizerFilesError
@@ -441,32 +441,46 @@ class Engine:
         """Tokenizes and queues a validated request (call after wait_ready); returns its state.
         room_checked: check_room was asked for it with the rest of its request; arrival_time: when that
         request arrived (time.monotonic()), for a choice added after the others (default: now)."""
+        return (await self.add_all([call], room_checked, arrival_time))[0]
+
+    async def add_all(self, calls: list[GenerateCall], room_checked: bool = False,
+                      arrival_time: float | None = None) -> list[RequestState]:
+        """``add`` for the prompts of one request: each is tokenized and checked first, and all are queued
+        only then, so a prompt refused leaves none of the others queued (or counted as aborted)."""
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        if call.params.regex is not None and self.tokenizer is None:
-            raise InvalidRequest("structured output needs the model's tokenizer, to know each token's text; this "
-                                 "server has none (start it with --tokenizer FOLDER)")
-        if call.params.bad_words and self.tokenizer is None:
-            raise InvalidRequest("bad_words needs the model's tokenizer, to know each word's tokens; this "
-                                 "server has none (start it with --tokenizer FOLDER)")
+        for call in calls:
+            if call.params.regex is not None and self.tokenizer is None:
+                raise InvalidRequest("structured output needs the model's tokenizer, to know each token's text; "
+                                     "this server has none (start it with --tokenizer FOLDER)")
+            if call.params.bad_words and self.tokenizer is None:
+                raise InvalidRequest("bad_words needs the model's tokenizer, to know each word's tokens; this "
+                                     "server has none (start it with --tokenizer FOLDER)")
         if not room_checked:
-            self.check_room()
-        self.num_tokenizing += 1
+            self.check_room(len(calls))
+        self.num_tokenizing += len(calls)
         try:
-            prompt = await self._prompt_tokens(call)
-            if call.params.bad_words:  # their tokens, on the tokenizer threads as the prompt's, once it has room
-                words = await self.in_tokenizer_pool(bad_words_ids, self.tokenizer, call.params.bad_words)
-                call = replace(call, params=replace(call.params, bad_words_ids=words))
+            checked = [await self._checked(call) for call in calls]
         finally:
-            self.num_tokenizing -= 1
+            self.num_tokenizing -= len(calls)
         if not self.accepting:
             raise NotReady("the server is shutting down")
-        params = self._resolve_max_tokens(call.params, len(prompt), call.max_tokens_name)
-        state = RequestState(next(self._seq_ids), call.name, prompt, params, self.tokenizer,
-                             self.config.stream_interval, self.metrics, arrival_time, self.unsent)
-        self.requests[state.seq_id] = state
-        if not self._replay:  # else the next core gets it with the others
-            self._send_to_core(state)
-        return state
+        states = []
+        for name, prompt, params in checked:
+            state = RequestState(next(self._seq_ids), name, prompt, params, self.tokenizer,
+                                 self.config.stream_interval, self.metrics, arrival_time, self.unsent)
+            self.requests[state.seq_id] = state
+            if not self._replay:  # else the next core gets it with the others
+                self._send_to_core(state)
+            states.append(state)
+        return states
+
+    async def _checked(self, call: GenerateCall) -> tuple[str, list[int], RequestParams]:
+        """A request's name, prompt tokens and parameters (max_tokens resolved, bad words tokenized)."""
+        prompt = await self._prompt_tokens(call)
+        if call.params.bad_words:  # their tokens, on the tokenizer threads as the prompt's, once it has room
+            words = await self.in_tokenizer_pool(bad_words_ids, self.tokenizer, call.params.bad_words)
+            call = replace(call, params=replace(call.params, bad_words_ids=words))
+        return call.name, prompt, self._resolve_max_tokens(call.params, len(prompt), call.max_tokens_name)
 
     def _send_to_core(self, state: RequestState) -> None:
         state.num_cores += 1

@@ -56,41 +56,47 @@ class Choices:
         self.scored: list[list[TokenLogprobs]] = [[] for _ in range(0, len(self.calls), self.n)]
 
     async def open(self) -> None:
-        """Adds the first choice of every prompt (raises the engine's ServiceError for a request it
-        refuses, after aborting the ones it added). The room for every choice is checked here: the
-        others, added once the first has cached the prompt, are not refused part way."""
+        """Adds the first choice of every prompt, all or none (raises the engine's ServiceError for a request
+        it refuses). The room for every choice is checked here: the others, added once the first has cached
+        the prompt, are not refused part way."""
         self.engine.check_room(len(self.calls))
+        if self.echo is not None and self.engine.tokenizer is None and any(
+                call.prompt.text is None or call.truncate_prompt_tokens for call in self.calls):
+            raise InvalidRequest("echo needs the model's tokenizer to show a prompt of token ids; this server has none")
+        firsts = range(0, len(self.calls), self.n)
+        states = await self.engine.add_all([self.calls[index] for index in firsts], room_checked=True)
+        self.states.extend(states)
         try:
-            for index in range(0, len(self.calls), self.n):
-                await self._start(index)
+            for index, state in zip(firsts, states):
+                await self._start(index, state)
         except BaseException:
             self.close()
             raise
 
-    async def _start(self, index: int) -> None:
+    async def _start(self, index: int, state: RequestState) -> None:
+        """A choice whose request is added (and in self.states): pumps its outputs."""
         self.started[index] = True
-        # a prompt's later choices arrived with the first: their times to the first token and to the end count
-        # from then, as the client sees them (and as vLLM times a request's choices)
-        first = index % self.n == 0
-        state = await self.engine.add(self.calls[index], room_checked=True,
-                                      arrival_time=None if first else self.arrival_times[index // self.n])
-        self.states.append(state)
-        if first:
+        if index % self.n == 0:
             self.arrival_times[index // self.n] = state.arrival_time
         self.first_tokens[index // self.n] = state.prompt[0]
         if self.echo is not None:
             self.echo[index] = await self._prompt_text(self.calls[index], state.prompt)
         self.tasks.append(asyncio.create_task(self._pump(index, state)))
 
+    async def _add_sibling(self, index: int) -> None:
+        # a prompt's later choices arrived with the first: their times to the first token and to the end count
+        # from then, as the client sees them (and as vLLM times a request's choices)
+        state = await self.engine.add(self.calls[index], room_checked=True,
+                                      arrival_time=self.arrival_times[index // self.n])
+        self.states.append(state)
+        await self._start(index, state)
+
     async def _prompt_text(self, call: GenerateCall, token_ids: list[int]) -> str:
         """The prompt as echoed: a text prompt as sent, else (token ids, or a truncated text) the
-        text of the tokens the model was given."""
+        text of the tokens the model was given (``open`` has checked there is a tokenizer for it)."""
         if call.prompt.text is not None and not call.truncate_prompt_tokens:
             return call.prompt.text
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            raise InvalidRequest("echo needs the model's tokenizer to show a prompt of token ids; this server has none")
-        return await self.engine.in_tokenizer_pool(tokenizer.decode, token_ids, False)
+        return await self.engine.in_tokenizer_pool(self.engine.tokenizer.decode, token_ids, False)
 
     async def _pump(self, index: int, state: RequestState) -> None:
         try:
@@ -108,7 +114,7 @@ class Choices:
                     raise out
                 if index % self.n == 0 and not self.started[index + self.n - 1]:  # the prompt's blocks are cached now
                     for sibling in range(index + 1, index + self.n):
-                        await self._start(sibling)
+                        await self._add_sibling(sibling)
                 if out.prompt_logprobs is not None:  # the first output of a prompt's first choice
                     self.scored[index // self.n] = out.prompt_logprobs[1:]
                 if self.fresh[index]:

@@ -479,6 +479,9 @@ class _ScriptedEngine:
         return SimpleNamespace(choice=choice, prompt=list(call.prompt.token_ids or (1, 2, 3)),  # chat: any prompt
                                arrival_time=1000.0 + choice if arrival_time is None else arrival_time)
 
+    async def add_all(self, calls: list, room_checked: bool = False, arrival_time: float | None = None):
+        return [await self.add(call, room_checked, arrival_time) for call in calls]
+
     async def outputs(self, state):
         for out in self.outputs_of(state.choice, state.prompt):
             yield out
@@ -531,6 +534,17 @@ def test_echo_with_logprobs_starts_each_choice_of_a_batch_with_its_own_prompt():
         assert logprobs["top_logprobs"] == [None, *({f"token_id:{t}": -1.0} for t in prompt[1:]),
                                             {token: -0.5, "token_id:97": -4.0}][:len(prompt) + 1]
     assert usage["prompt_tokens"] == 5 and usage["completion_tokens"] == 4
+
+
+def test_echo_of_token_ids_without_a_tokenizer_is_refused_before_any_prompt_is_added():
+    """Showing token ids as text needs the tokenizer: without one the request is refused whole, before its
+    first prompt (which would echo fine) is added."""
+    request = parse({"prompt": ["Once", [5, 6, 7]], "echo": True, "max_tokens": 1}, chat=False)
+    engine = _ScriptedEngine(request.calls, _scored_outputs(request.calls))
+    engine.tokenizer = None
+    with pytest.raises(InvalidRequest, match="echo needs the model's tokenizer"):
+        asyncio.run(Choices(engine, request).open())
+    assert engine.added == []
 
 
 def test_a_prompts_later_choices_are_timed_from_its_first_choices_arrival():

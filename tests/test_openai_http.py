@@ -582,7 +582,8 @@ def test_sse_framing_over_raw_http(base_url, model):
 def test_bad_json_gets_400_and_leaks_nothing(base_url):
     secret = "s3cr3t-payload-do-not-echo"
     with httpx.Client(timeout=30, headers={"authorization": f"Bearer {KEY}"}) as http:
-        bodies = ('{"messages": [{"role": "user", "content": "' + secret, f'["{secret}"]', b"\xff\xfe" + secret.encode())
+        bodies = ('{"messages": [{"role": "user", "content": "' + secret, f'["{secret}"]',
+                  b"\xff\xfe" + secret.encode())
         for body in bodies:
             response = http.post(base_url + "/v1/chat/completions", content=body,
                                  headers={"content-type": "application/json"})
@@ -873,16 +874,16 @@ def test_the_room_for_every_choice_is_checked_before_the_first_runs(planes_facto
 
 
 def test_a_batch_refused_part_way_leaves_nothing_behind(planes_factory, tiny_qwen3_dir):
-    """A batch whose later prompt is refused once tokenized (too long) gets 400, and the prompts already added
-    are aborted at once: no request and no KV block is left, and a batch that fits runs next."""
+    """A batch whose later prompt is refused once tokenized (too long) gets 400, and none of its prompts is
+    added: none is left to run, none counts as aborted, no KV block is taken, and a batch that fits runs next."""
     planes = planes_factory(tiny_qwen3_dir, "--block-size", "16", http_listen="127.0.0.1:0")
     url = f"http://127.0.0.1:{planes.plane.http_port}/v1/completions"
     body = {"prompt": ["Once upon a time", [5, 6, 7], "The quick brown fox " * 5000, [8, 9]], "max_tokens": 512,
             "ignore_eos": True}
     refused = httpx.post(url, json=body, timeout=60)
     assert refused.status_code == 400 and "the prompt has" in refused.json()["error"]["message"], refused.text
-    assert not planes.engine.requests  # aborted before the answer, not left to run their 512 tokens
-    # the core has seen the aborted prompts come and go (until its next report they count as on their way)
+    assert not planes.engine.requests  # not left to run their 512 tokens
+    assert planes.engine.metrics.finished["aborted"] == 0  # the client was told 400: no prompt of it ran
     wait_until(lambda: planes.engine.num_waiting == 0 and all_blocks_free(planes), 20,
                "no request waiting and every KV block free after the refused batch")
     answer = httpx.post(url, json={**body, "prompt": body["prompt"][:2], "max_tokens": 4}, timeout=60).json()
