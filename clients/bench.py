@@ -294,7 +294,8 @@ def report(requests: list[Request], elapsed: float, before: dict, after: dict, i
     steps = after["steps"] - before["steps"]
     idle_us, execute_us = after["idle_us"] - before["idle_us"], after["execute_us"] - before["execute_us"]
     launch_us = after["launch_us"] - before["launch_us"]
-    full = {name: after[f"full_decode_{name}"] - before[f"full_decode_{name}"] for name in ("steps", "idle_us", "execute_us")}
+    full = {name: after[f"full_decode_{name}"] - before[f"full_decode_{name}"]
+            for name in ("steps", "idle_us", "execute_us")}
     figures = {
         "output_tokens": output_tokens, "seconds": elapsed, "tokens_per_s": output_tokens / elapsed,
         "roofline_s": roofline, "roofline_fraction": roofline / elapsed, "steps": steps,

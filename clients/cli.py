@@ -42,7 +42,8 @@ def _add_dataplane_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=0,
                    help="a fixed number of KV blocks; 0 measures them (GPU) or uses --cpu-kv-cache-gib")
     g.add_argument("--cpu-kv-cache-gib", type=float, default=1.0, help="KV-cache size on CPU, in GiB")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs to shard the model over (with --device cpu: processes)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="GPUs to shard the model over (with --device cpu: processes)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "flash_attn_4", "flash_attn_2", "torch"],
                    help="auto: the first FlashAttention that imports on CUDA in 16 bits, else torch")

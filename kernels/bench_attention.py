@@ -74,7 +74,8 @@ def make_case(batch: int, context: int, heads: int, kv_heads: int, page: int, he
     k_cache = torch.randn(batch * max_blocks, page, kv_heads, head_dim, device=device, dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
     tables = torch.randperm(batch * max_blocks, device=device).view(batch, max_blocks).to(torch.int32)
-    lens = (torch.randint(100, 2048, (batch,)) if context == 0 else torch.full((batch,), context)).to(device, torch.int32)
+    lens = torch.randint(100, 2048, (batch,)) if context == 0 else torch.full((batch,), context)
+    lens = lens.to(device, torch.int32)
     q = torch.randn(batch, heads, head_dim, device=device, dtype=torch.bfloat16)
     return q, k_cache, v_cache, tables, lens
 

@@ -1,8 +1,9 @@
 """Fused elementwise kernels on CUDA through torch.compile, plain torch elsewhere.
 
 A decode step of a small model is launch-bound: a rotary embedding in torch ops is several
-tiny kernels per layer (the norms have a Triton kernel of their own, ``kernels/rms_norm.py``). Compiling these pure functions turns each into one Triton
-kernel, and the CUDA graphs replay those. On CPU the eager functions run as they are.
+tiny kernels per layer (the norms have a Triton kernel of their own, ``kernels/rms_norm.py``).
+Compiling these pure functions turns each into one Triton kernel, and the CUDA graphs replay
+those. On CPU the eager functions run as they are.
 
 Shapes follow torch.compile's default: the first call compiles for its exact shape, the
 first call with another token count recompiles with that dimension dynamic (and one token,
