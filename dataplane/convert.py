@@ -11,7 +11,12 @@ from twinplane.dataplane.plan import (PlanColumns, PromptLogprobsAsk, SamplingPa
 from twinplane.proto import dataplane_pb2 as dp
 
 
-def _ints(data: bytes, dtype: str = "<i4") -> np.ndarray:
+def _ints(data: bytes, dtype: str = "<i4", name: str = "") -> np.ndarray:
+    """A packed array (name: the field's, for the message that refuses a length no values fill)."""
+    size = np.dtype(dtype).itemsize
+    if len(data) % size:
+        raise ValueError(f"{name or 'a packed field'} holds {len(data)} bytes, not a whole number of {size}-byte "
+                         "values")
     return np.frombuffer(data, dtype=dtype)
 
 
@@ -27,24 +32,25 @@ def init_from_pb(init: dp.SequenceInit) -> SequenceInit:
         num_logprobs=s.num_logprobs, min_tokens=s.min_tokens, stop_token_ids=tuple(s.stop_token_ids),
         logit_bias=tuple(zip(s.logit_bias_ids, s.logit_bias_values)), masked=s.masked,
     )
-    prior = _ints(init.prior_token_ids) if init.prior_token_ids else None
+    prior = _ints(init.prior_token_ids, name=f"seq {init.seq_id}: prior_token_ids") if init.prior_token_ids else None
     return SequenceInit(sampling=sampling, num_prompt_tokens=init.num_prompt_tokens, prior_token_ids=prior)
 
 
 def plan_from_pb(msg: dp.StepPlan) -> StepPlan:
     columns = PlanColumns(
-        seq_ids=_ints(msg.seq_ids, "<i8"),
-        num_tokens=_ints(msg.num_tokens),
-        start_pos=_ints(msg.start_pos),
-        token_ids=_ints(msg.token_ids),
-        slot_mapping=_ints(msg.slot_mapping),
-        num_new_blocks=_ints(msg.num_new_blocks),
-        new_block_ids=_ints(msg.new_block_ids),
+        seq_ids=_ints(msg.seq_ids, "<i8", "seq_ids"),
+        num_tokens=_ints(msg.num_tokens, name="num_tokens"),
+        start_pos=_ints(msg.start_pos, name="start_pos"),
+        token_ids=_ints(msg.token_ids, name="token_ids"),
+        slot_mapping=_ints(msg.slot_mapping, name="slot_mapping"),
+        num_new_blocks=_ints(msg.num_new_blocks, name="num_new_blocks"),
+        new_block_ids=_ints(msg.new_block_ids, name="new_block_ids"),
         sample=_ints(msg.sample, np.uint8).astype(bool),
         inits={i.seq_id: init_from_pb(i) for i in msg.inits},
-        decode_budget=_ints(msg.decode_budget) if msg.decode_budget else None,
+        decode_budget=_ints(msg.decode_budget, name="decode_budget") if msg.decode_budget else None,
         token_masks=masks_from_pb(msg),
-        prompt_logprobs={a.index: PromptLogprobsAsk(_ints(a.next_token_ids), a.num_top) for a in msg.prompt_logprobs},
+        prompt_logprobs={a.index: PromptLogprobsAsk(_ints(a.next_token_ids, name="prompt_logprobs.next_token_ids"),
+                                                    a.num_top) for a in msg.prompt_logprobs},
     )
     n = len(columns.seq_ids)
     if not (len(columns.num_tokens) == len(columns.start_pos) == len(columns.num_new_blocks)
@@ -66,6 +72,8 @@ def masks_from_pb(msg: dp.StepPlan) -> dict[int, bytes]:
     same_as is the earlier one's bytes object itself."""
     masks: dict[int, bytes] = {}
     for m in msg.token_masks:
+        if m.index in masks:  # which of the two would hold is anyone's guess
+            raise ValueError(f"two token masks for plan index {m.index}")
         if not m.allowed and m.same_as not in masks:
             raise ValueError(f"the token mask of plan index {m.index} is empty and refers to index {m.same_as}, "
                              "which has no mask before it")

@@ -170,6 +170,8 @@ class InputBatch:
         self.plan_index = 0  # plans prepared so far
         self.wait_for_tokens = lambda: None  # brings the previous plan's tokens to the host
         self._allocate(max(limits.max_num_seqs, 8))
+        # how many entries of held rows' block tables name each KV block (see _check_writes_own_blocks)
+        self.block_holders = np.zeros(limits.num_kv_blocks, dtype=np.int32)
         t, s, k = limits.max_num_batched_tokens, limits.max_num_seqs, MAX_DECODE_STEPS
         staging = (3 * t  # token_ids, positions, slot_mapping
                    + (8 + self.max_blocks) * s + 2  # the other per-sequence arrays of STAGED_PARTS, block_tables
@@ -247,7 +249,15 @@ class InputBatch:
             if row is not None:
                 self._free(row)
 
-    def _free(self, row: int) -> None:
+    def _hold(self, row: int, sign: int) -> None:
+        """Counts (sign 1) or uncounts (-1) the blocks of the row's table in block_holders."""
+        np.add.at(self.block_holders, self.block_table[row, :self.num_blocks[row]], sign)
+
+    def _free(self, row: int, holds: bool = True) -> None:
+        """Frees the row (holds: its blocks still count in block_holders)."""
+        if holds:
+            self._hold(row, -1)
+        self.num_blocks[row] = 0
         self.params[row] = None
         self.owner[row] = self.sampled_at[row] = -1
         self.free_rows.append(row)
@@ -299,7 +309,7 @@ class InputBatch:
             self._undo(undo)
             raise
         for old_row in undo[1].values():  # rows of sequences that were sent again from scratch
-            self._free(old_row)
+            self._free(old_row, holds=False)
         context = cols.start_pos + cols.num_tokens
         if not unknown.all():  # the known tokens of rows that keep a history (none are plain)
             kept = ~(unknown | self.plain[token_rows])
@@ -415,6 +425,7 @@ class InputBatch:
             if init is not None:
                 if seq_id in self.row_of:  # sent again (e.g. after a preemption): start over
                     replaced[seq_id] = self.row_of.pop(seq_id)
+                    self._hold(replaced[seq_id], -1)  # its old table may hand its blocks to the new one
                 rows[i] = self._add(seq_id, init, int(cols.start_pos[i]))
                 added.append(seq_id)
             else:
@@ -430,6 +441,8 @@ class InputBatch:
         added, replaced = undo
         self.drop(added)
         self.row_of.update(replaced)
+        for row in replaced.values():
+            self._hold(row, 1)
 
     def _apply_blocks_and_check(self, cols: PlanColumns, rows: np.ndarray, budget: np.ndarray,
                                 decode: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -437,7 +450,7 @@ class InputBatch:
         budget: each sequence's decode steps in the plan; decode: one token a sequence."""
         bs, final = self.limits.block_size, cols.start_pos + cols.num_tokens + budget - 1
         growing = np.flatnonzero(cols.num_new_blocks)
-        saved = self.num_blocks[rows].copy() if len(growing) else None
+        saved = self.num_blocks[rows].copy()
         try:
             offsets = _cumsum0(cols.num_new_blocks) if len(growing) else None
             for i in growing.tolist():
@@ -458,16 +471,47 @@ class InputBatch:
             slots = cols.slot_mapping
             if not np.array_equal(slots, expected):  # -1 too: attention would read a position never stored
                 _fail("slot_mapping disagrees with the block table (slot = block_id * block_size + offset)")
-            if len(rows) > 1:
-                self._check_slots_distinct(slots if budget.max() == 1 else
-                                           self._decode_steps(rows, cols.start_pos, budget)[1])
+            if budget.max() == 1:  # each stored token's slot, position, row and its row's blocks before the plan
+                written, written_positions, writers = slots, positions, token_rows
+                held_before = saved if decode else np.repeat(saved, cols.num_tokens)
+            else:  # every step's tokens; a sequence whose budget is spent stores none (slot -1)
+                step_positions, step_slots = self._decode_steps(rows, cols.start_pos, budget)[:2]
+                stored = step_slots >= 0
+                written, written_positions = step_slots[stored], step_positions[stored]
+                writers = np.broadcast_to(rows, step_slots.shape)[stored]
+                held_before = np.broadcast_to(saved, step_slots.shape)[stored]
+            if len(rows) > 1 or len(growing):  # one sequence stores a slot twice only by a block new twice
+                self._check_slots_distinct(written)
+            self._check_writes_own_blocks(written // bs, written_positions // bs, held_before, writers)
             if np.any(cols.sample & (cols.start_pos + cols.num_tokens < self.num_prompt[rows])):
                 _fail("sample=True before the prompt is complete")
-            return positions, token_rows
         except ValueError:
-            if saved is not None:
-                self.num_blocks[rows] = saved
+            self.num_blocks[rows] = saved
             raise
+        np.add.at(self.block_holders, cols.new_block_ids, 1)
+        return positions, token_rows
+
+    def _check_writes_own_blocks(self, blocks: np.ndarray, columns: np.ndarray, held_before: np.ndarray,
+                                 writers: np.ndarray) -> None:
+        """No token of a plan is stored in a block that another sequence held before the plan, or that the
+        writing sequence's own table names twice, or that another sequence of the plan writes too. The prefix
+        cache shares only blocks whose tokens are all computed, which no sequence writes again: such a write
+        would overwrite keys and values another sequence reads. blocks, columns, writers: the block of each
+        token stored (over all the plan's steps), its column in the sequence's table and the sequence's row;
+        held_before: how many blocks that table had before this plan (block_holders does not count this
+        plan's new blocks yet, so a block held before counts its own)."""
+        held = columns < held_before
+        shared = self.block_holders[blocks] > held
+        if shared.any():
+            _fail(f"plan writes KV block {int(blocks[shared][0])}, which another held sequence's block table "
+                  "names too (or this one's twice): only a sequence's own blocks may be written")
+        if not held.all():  # blocks new in this plan: each written by one sequence
+            order = np.argsort(blocks[~held], kind="stable")
+            fresh, by = blocks[~held][order], writers[~held][order]
+            both = (fresh[1:] == fresh[:-1]) & (by[1:] != by[:-1])
+            if both.any():
+                _fail(f"plan writes KV block {int(fresh[1:][both][0])} from two sequences: only a sequence's own "
+                      "blocks may be written")
 
     @staticmethod
     def _check_slots_distinct(slots: np.ndarray) -> None:

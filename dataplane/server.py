@@ -30,6 +30,7 @@ from collections import deque
 from concurrent import futures
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from twinplane.controlplane.tls import add_port  # grpc only: the address checks both planes share
@@ -54,6 +55,7 @@ MAX_CONCURRENT_CALLS = 16  # one thread each; more get RESOURCE_EXHAUSTED
 EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
 OPEN_METHODS = ("/grpc.health.v1.Health/Check",)  # probes need no token
 SUPERSEDED = "a newer Step stream took over this data plane"
+UNREADABLE = "message {} of the Step stream is no StepPlan ({}); the stream ends"
 TAKEOVER_POLL_S = 0.05
 
 
@@ -146,6 +148,9 @@ class DataPlaneServicer(dp_grpc.DataPlaneServicer):
         if pipeline.superseded:
             log.warning("a newer Step stream took over; the older one ends with ABORTED")
             context.abort(grpc.StatusCode.ABORTED, SUPERSEDED)
+        if pipeline.unreadable is not None:
+            log.error("%s", pipeline.unreadable)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, pipeline.unreadable)
 
     def _launch(self, msg: dp.StepPlan):
         """Queues a plan on the device (a masks_only message: the sampling of the plan that waits for
@@ -166,6 +171,20 @@ def _failed(step_id: int, exc: Exception) -> dp.StepResult:
     return dp.StepResult(step_id=step_id, error=f"{type(exc).__name__}: {exc}")
 
 
+class _Unreadable:
+    """In place of a Step message that does not parse as a StepPlan (see _add_servicer): what is wrong."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _plan_or_unreadable(data: bytes) -> dp.StepPlan | _Unreadable:
+    try:
+        return dp.StepPlan.FromString(data)
+    except DecodeError as exc:
+        return _Unreadable(str(exc))
+
+
 _FINISHED = object()  # the watcher saw the oldest launched step finish
 _SUPERSEDED = object()  # a newer stream wants the device: stop taking plans
 
@@ -183,6 +202,7 @@ class _StepPipeline:
         self.events: queue.SimpleQueue = queue.SimpleQueue()  # plans, _FINISHED, _SUPERSEDED, or None (ended)
         self.to_watch: queue.SimpleQueue = queue.SimpleQueue()
         self.superseded = False
+        self.unreadable: str | None = None  # why the stream ends: a message that was no StepPlan
 
     def supersede(self) -> None:
         """Ends run() once the steps already launched are done (called from another thread)."""
@@ -200,6 +220,9 @@ class _StepPipeline:
                 if what is _SUPERSEDED:
                     self.superseded = True
                     return
+                if isinstance(what, _Unreadable):  # take no more plans; the results due still go out
+                    self.unreadable = what.reason
+                    break
                 if what is _FINISHED:
                     step, times = launched.popleft()
                     if debug:
@@ -249,7 +272,10 @@ class _StepPipeline:
 
     def _read(self, requests) -> None:
         try:
-            for msg in requests:
+            for count, msg in enumerate(requests, start=1):
+                if isinstance(msg, _Unreadable):
+                    self.events.put((_Unreadable(UNREADABLE.format(count, msg.reason)), time.perf_counter()))
+                    return
                 self.events.put((msg, time.perf_counter()))
         except Exception:  # the stream was cancelled or broke: end it
             pass
@@ -278,6 +304,26 @@ def _log_timeline(step, times: tuple[float, float, float], previous_finished: fl
                    (finished - max(previous_finished, launched)) * 1e6)
 
 
+def _add_servicer(servicer: DataPlaneServicer, server: grpc.Server) -> None:
+    """dp_grpc.add_DataPlaneServicer_to_server, but Step's messages are parsed by a function that cannot fail:
+    one that is no StepPlan reaches the stream as an _Unreadable. grpc's own parse failure of a message of a
+    streaming request leaves that call unfinished inside the server (grpcio 1.85), so server.stop() would never
+    return and the data plane would never exit on SIGTERM."""
+    def unary(method, request, response):
+        return grpc.unary_unary_rpc_method_handler(method, request_deserializer=request.FromString,
+                                                   response_serializer=response.SerializeToString)
+
+    handlers = {
+        "Describe": unary(servicer.Describe, dp.DescribeRequest, dp.DescribeResponse),
+        "Step": grpc.stream_stream_rpc_method_handler(servicer.Step, request_deserializer=_plan_or_unreadable,
+                                                      response_serializer=dp.StepResult.SerializeToString),
+        "Reset": unary(servicer.Reset, dp.ResetRequest, dp.ResetResponse),
+    }
+    service = dp.DESCRIPTOR.services_by_name["DataPlane"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)
+
+
 def _add_health(server: grpc.Server) -> None:
     """grpc.health.v1, SERVING from the start: a data plane serves only once its model is loaded."""
     health_servicer = health.HealthServicer()
@@ -296,7 +342,7 @@ def create_server(runner, listen: str, token: str | None = None, workers=None,
                          interceptors=[TokenInterceptor(token)] if token else [],
                          maximum_concurrent_rpcs=MAX_CONCURRENT_CALLS)
     servicer = DataPlaneServicer(runner, workers)
-    dp_grpc.add_DataPlaneServicer_to_server(servicer, server)
+    _add_servicer(servicer, server)
     _add_health(server)
     return server, add_port(server, listen, credentials), servicer
 

@@ -297,6 +297,126 @@ def test_a_plan_of_several_steps_whose_later_steps_write_one_kv_slot_is_refused(
         runner.step(StepPlan(2, [first, second], num_steps=3))
 
 
+def _held_logits(runner: ModelRunner, disturb=lambda builder, seq: None) -> list[torch.Tensor]:
+    """Sequence 1's logits over its prefill and 3 decodes, with ``disturb`` called before each decode."""
+    runner.reset()
+    builder = PlanBuilder(BLOCK)
+    held = builder.new_seq(1, [3, 4, 5, 6, 7, 8])  # blocks 0 and 1, block 1 half written
+    logits = []
+    for step in range(4):
+        if step:
+            disturb(builder, held)
+        out, step_logits = runner.step_with_logits(StepPlan(10 * step, [builder.schedule(held)]))
+        held.tokens.append(int(out.sampled_token_ids[0]))
+        logits.append(step_logits)
+    return logits
+
+
+def test_a_plan_that_writes_a_block_another_sequence_holds_is_refused(runner: ModelRunner) -> None:
+    """A block in another held sequence's table is not the writer's: a plan that stores a token there (a
+    partly written block, a full prefix block it shares, in a later step of several, or a block its own table
+    names twice) is refused, and the holder's logits stay those of an undisturbed run. Sharing a full block
+    without writing it is allowed, and a dropped holder's blocks may be written again."""
+    unbroken = _held_logits(runner)
+    refusals = []
+
+    def disturb(builder: PlanBuilder, held) -> None:
+        def refused(plan: StepPlan, message: str = "plan writes KV block [01], which another held sequence") -> None:
+            with pytest.raises(ValueError, match=message):
+                runner.step(plan)
+            refusals.append(plan.step_id)
+
+        k = len(refusals) // 4  # blocks 10k + 10 .. 10k + 13 are this call's own
+        builder.next_block = 1  # held's half-written block
+        refused(StepPlan(100 * k + 1, [builder.schedule(builder.new_seq(100 + k, [1, 2]))]))
+        inside = builder.new_seq(200 + k, [3, 4, 5, 6], shared_blocks=[0])
+        inside.num_computed = 3  # stores position 3, in the shared block
+        refused(StepPlan(100 * k + 2, [builder.schedule(inside)]))
+        builder.next_block = 10 * k + 10
+        own = builder.new_seq(300 + k, [9] * (BLOCK - 1))
+        own.tokens.append(int(runner.step(StepPlan(100 * k + 3, [builder.schedule(own)])).sampled_token_ids[0]))
+        builder.next_block = 1  # its next block is held's: the plan's second step stores a token there
+        refused(StepPlan(100 * k + 4, [builder.schedule(own, decode_budget=2)], num_steps=2))
+        twice = builder.new_seq(400 + k, [5] * 2 * BLOCK)
+        twice.blocks = [10 * k + 11] * 2
+        refused(StepPlan(100 * k + 5, [builder.schedule(twice)]), "two tokens in one KV slot")
+        builder.next_block = 10 * k + 12
+        sharing = builder.new_seq(500 + k, [3, 4, 5, 6, 9], shared_blocks=[0])
+        assert runner.step(StepPlan(100 * k + 6, [builder.schedule(sharing)])).sampled_token_ids.shape == (1,)
+
+    disturbed = _held_logits(runner, disturb)
+    assert len(refusals) == 12
+    for want, got in zip(unbroken, disturbed):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    builder = PlanBuilder(BLOCK, first_block=1)
+    runner.step(StepPlan(100, [], dropped_seq_ids=[1]))
+    assert runner.step(StepPlan(101, [builder.schedule(builder.new_seq(9, [1, 2]))])).sampled_token_ids.shape == (1,)
+    runner.reset()
+
+
+def test_a_block_new_in_a_plan_is_written_by_one_sequence_only(runner: ModelRunner) -> None:
+    """Two sequences of one plan handed the same new block may not both write it (each at slots of its own):
+    one's keys and values would sit among the other's. One of them may hold it unwritten (a prefix block the
+    plan computes for the other), and the refused plan leaves the block free for the next."""
+    runner.reset()
+    builder = PlanBuilder(BLOCK, first_block=5)
+    first = builder.new_seq(1, [3, 4])  # positions 0-1 of block 5
+    second = builder.new_seq(2, [3, 4, 7, 8])
+    second.blocks, second.num_computed = [5], 2  # positions 2-3 of block 5 too
+    with pytest.raises(ValueError, match="plan writes KV block 5 from two sequences"):
+        runner.step(StepPlan(1, [builder.schedule(first), builder.schedule(second)]))
+    assert not runner.sequences.mirrors and not runner.sequences.block_holders.any()
+    builder.next_block = 5
+    assert runner.step(StepPlan(2, [builder.schedule(builder.new_seq(1, [3, 4]))])).sampled_token_ids.shape == (1,)
+    runner.reset()
+
+
+def test_a_held_sequence_sent_again_from_scratch_may_write_its_own_blocks_again(runner: ModelRunner) -> None:
+    """A SequenceInit for a held sequence (as after a preemption) that names its own blocks again computes into
+    them: the old row's table no longer counts. In a refused plan the old row keeps them, and they stay its
+    own: no other sequence may write them."""
+    runner.reset()
+    builder = PlanBuilder(BLOCK)
+    seq = builder.new_seq(1, PROMPT)
+    _decode(runner, builder, seq, 2)
+
+    def again():
+        scratch = builder.new_seq(1, PROMPT)
+        scratch.blocks = list(seq.blocks)
+        return builder.schedule(scratch)
+
+    other = builder.schedule(builder.new_seq(2, [3, 4]))
+    with pytest.raises(ValueError, match="slot_mapping disagrees"):
+        runner.step(StepPlan(10, [again(), dataclasses.replace(other, slot_mapping=other.slot_mapping + 1)]))
+    stranger = builder.new_seq(3, [7, 8])
+    stranger.blocks = [seq.blocks[0]]
+    with pytest.raises(ValueError, match=f"plan writes KV block {seq.blocks[0]}, which another held sequence"):
+        runner.step(StepPlan(11, [builder.schedule(stranger)]))
+    assert runner.step(StepPlan(12, [again()])).sampled_token_ids.tolist() == [seq.tokens[len(PROMPT)]]
+    runner.reset()
+
+
+@pytest.mark.parametrize("field", ["seq_ids", "num_tokens", "start_pos", "token_ids", "slot_mapping", "num_new_blocks",
+                                   "new_block_ids", "decode_budget"])
+def test_packed_fields_no_whole_number_of_values_fill_are_refused_by_name(field: str) -> None:
+    from twinplane.dataplane.convert import plan_from_pb
+    from twinplane.proto import dataplane_pb2 as dp
+
+    width = 8 if field == "seq_ids" else 4
+    with pytest.raises(ValueError, match=f"^{field} holds {width + 1} bytes, not a whole number of {width}-byte"):
+        plan_from_pb(dp.StepPlan(step_id=1, **{field: bytes(width + 1)}))
+
+
+def test_two_token_masks_for_one_sequence_are_refused() -> None:
+    from twinplane.dataplane.convert import masks_from_pb
+    from twinplane.proto import dataplane_pb2 as dp
+
+    plan = dp.StepPlan(step_id=1, token_masks=[dp.TokenMask(index=0, allowed=_only(5)),
+                                               dp.TokenMask(index=0, allowed=_only(6))])
+    with pytest.raises(ValueError, match="two token masks for plan index 0"):
+        masks_from_pb(plan)
+
+
 def test_step_arrays_start_16_byte_aligned_whatever_the_token_count(runner: ModelRunner) -> None:
     """Triton specializes kernels on pointer alignment: an odd token count must not shift the
     arrays after the tokens off 16 bytes (that compiled new kernel variants mid-serving)."""
@@ -758,3 +878,43 @@ def test_a_step_stream_that_ends_while_its_plan_waits_for_masks_leaves_the_next_
     assert not result.error and len(result.sampled_token_ids) == 4
     assert not runner.awaits_masks and set(runner.sequences.mirrors) == {3}
     second.close()
+
+
+def test_a_step_message_that_is_no_plan_ends_its_stream_and_the_server_still_stops(runner: ModelRunner,
+                                                                                   tmp_path) -> None:
+    """Bytes on a Step stream that do not parse as a StepPlan end that stream with INVALID_ARGUMENT saying
+    which message, after the results due; the next stream is served, and the server still stops (left to
+    grpc, the parse failure of a streaming call's message kept the server from stopping: the data plane never
+    exited on SIGTERM)."""
+    import grpc
+    from twinplane.dataplane.server import create_server
+    from twinplane.proto import dataplane_pb2 as dp
+    from twinplane.proto import dataplane_pb2_grpc as dp_grpc
+
+    runner.reset()
+    address = f"unix://{tmp_path}/dp.sock"
+    server, _, _ = create_server(runner, address)
+    server.start()
+    try:
+        with grpc.insecure_channel(address) as channel:
+            raw = channel.stream_stream("/twinplane.dataplane.v1.DataPlane/Step", request_serializer=bytes,
+                                        response_deserializer=dp.StepResult.FromString)
+            builder = PlanBuilder(BLOCK)
+            for attempt in range(10):  # the odd ones after a plan, whose result comes first
+                results = []
+                plans = [_plan_pb(StepPlan(attempt, [builder.schedule(builder.new_seq(attempt, [3, 4, 5]))]))
+                         .SerializeToString()] if attempt % 2 else []
+                with pytest.raises(grpc.RpcError) as ended:
+                    for result in raw(iter([*plans, b"\xff" * 40]), timeout=30):
+                        results.append(result)
+                assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert ended.value.details().startswith(f"message {len(plans) + 1} of the Step stream is no StepPlan")
+                assert [(r.step_id, r.error, len(r.sampled_token_ids)) for r in results] == \
+                    [(attempt, "", 4)] * len(plans)
+            stream = _StepStream(dp_grpc.DataPlaneStub(channel))
+            assert not stream.step(StepPlan(20, [builder.schedule(builder.new_seq(20, [1, 2]))])).error
+            stream.close()
+    finally:
+        assert server.stop(0.5).wait(15), "the server did not stop"
+        runner.reset()
+
