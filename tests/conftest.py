@@ -145,11 +145,12 @@ def planes_factory(tmp_path_factory):
     """Starts Planes on demand; stops them all after the test."""
     started: list[Planes] = []
 
-    def make(model, *dataplane_args: str, **config) -> Planes:
-        """config: ControlPlaneConfig fields, plus Planes' security and dp_program."""
+    def make(model, *dataplane_args: str, start_timeout: float = 120.0, **config) -> Planes:
+        """config: ControlPlaneConfig fields, plus Planes' security and dp_program; start_timeout: seconds
+        both planes get to be ready."""
         planes = Planes(tmp_path_factory.mktemp("planes"), model, tuple(dataplane_args), **config)
         started.append(planes)
-        return planes.start()
+        return planes.start(start_timeout)
 
     yield make
     for planes in started:

@@ -730,8 +730,8 @@ def test_dataplane_refuses_bad_addresses_and_sizes_in_one_line(taken_port, tmp_p
     for argv, message in cases:  # EX_CONFIG: serve does not restart a data plane that refused its flags
         result = _refused(*argv, timeout=120)
         assert message in result.stderr and result.returncode == 78, (argv, result.returncode, result.stderr)
-    # a port that is taken may come free: serve restarts that one
-    result = _refused(*dataplane, "--listen", f"127.0.0.1:{taken_port}", "--insecure")
+    # a port that is taken may come free: serve restarts that one (the model loads before it listens: 120 s, as above)
+    result = _refused(*dataplane, "--listen", f"127.0.0.1:{taken_port}", "--insecure", timeout=120)
     assert f"--listen 127.0.0.1:{taken_port}: cannot listen there" in result.stderr and result.returncode == 1
     # a KV cache larger than the host's memory is refused once the model is loaded, not allocated
     for flags, asked in ((["--num-kv-blocks", str(10**13)], f"num_kv_blocks={10**13}"),

@@ -523,7 +523,9 @@ def test_a_data_plane_with_another_block_size_is_not_taken(tiny_qwen3_dir, tmp_p
         planes.wait_ready()
         planes.dp_command[planes.dp_command.index("--block-size") + 1] = "32"
         planes.start_dataplane(1)
-        log.wait_for("is not taken", timeout=60)
+        # bounds a data plane's start-up (torch's imports, the model's load): 15 s here with the CPU busy, so the
+        # 120 s that Planes.start allows it
+        log.wait_for("is not taken", timeout=120)
         assert "block_size 32 (the others: 16)" in log
         asyncio.run(greedy_references(planes.address, random_prompts(4, seed=507, low=10, high=30), 4))
         stats = _stats(planes)

@@ -130,7 +130,9 @@ def test_transformers_answers_a_chat_prompt(model_dir: Path) -> None:
 @needs_wheel
 def test_second_call_reuses_the_folder(model_dir: Path) -> None:
     before = {p.name: p.stat().st_mtime_ns for p in model_dir.iterdir()}
-    start = time.perf_counter()
+    # this thread's CPU time, not the wall clock: a busy machine may keep the call waiting for a core, but
+    # converting again (or reading the weights) would take far more than a second of work
+    start = time.thread_time()
     assert resolve_model(DEFAULT_MODEL) == str(model_dir)
-    assert time.perf_counter() - start < 1.0
+    assert time.thread_time() - start < 1.0
     assert {p.name: p.stat().st_mtime_ns for p in model_dir.iterdir()} == before

@@ -382,6 +382,14 @@ def test_a_replayed_request_reports_the_cache_hit_of_its_first_admission():
     assert asyncio.run(run()) == {2: 8, 3: 4}
 
 
+async def _core_heard(plane, timeout: float = 60.0) -> None:
+    """Waits for the engine core's first message (a heartbeat): the core is up, past its imports."""
+    deadline = time.monotonic() + timeout
+    while (channel := plane.engine.supervisor.channel) is None or channel.num_received == 0:
+        assert time.monotonic() < deadline, f"the engine core said nothing in {timeout:.0f} s"
+        await asyncio.sleep(0.05)
+
+
 def test_a_core_still_waiting_for_its_data_plane_stops_at_once(tmp_path):
     import time
 
@@ -392,6 +400,7 @@ def test_a_core_still_waiting_for_its_data_plane_stops_at_once(tmp_path):
         plane = ControlPlane(ControlPlaneConfig(dataplane=f"unix://{tmp_path}/nobody.sock",
                                                 listen=f"unix://{tmp_path}/cp.sock"))
         await plane.start()
+        await _core_heard(plane)  # its start-up (seconds on a loaded machine) is not what is timed here
         await asyncio.sleep(1.5)  # the core is retrying the data plane
         started = time.monotonic()
         await plane.shutdown(grace=0)
@@ -442,6 +451,10 @@ print("script ran", flush=True)
 async def run():
     plane = ControlPlane(ControlPlaneConfig(dataplane="unix://{tmp_path}/nobody.sock", listen="unix://{tmp_path}/cp.sock"))
     await plane.start()
+    # once the core is up (its first message): one still importing on a loaded machine could be killed for
+    # taking past the stop timeout
+    while plane.engine.supervisor.channel is None or not plane.engine.supervisor.channel.num_received:
+        await asyncio.sleep(0.05)
     await asyncio.sleep(1.0)
     await plane.shutdown(grace=0)
     print("core exit code", plane.engine.supervisor.process.returncode, flush=True)

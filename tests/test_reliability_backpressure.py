@@ -78,15 +78,37 @@ def test_requests_being_parsed_count_against_the_queue(small_queue, monkeypatch)
 
     from twinplane.controlplane import server
 
-    parsing, parse = [], server.generate_call_from_pb
+    parsing, parse, release = [], server.generate_call_from_pb, threading.Event()
 
-    def slow(*args):  # long enough for the whole burst to arrive meanwhile, on a loaded machine too
+    def slow(*args):  # held until the whole burst has come, however long that takes on a loaded machine
         parsing.append(threading.get_ident())
-        time.sleep(2.0)
+        release.wait(60)
         return parse(*args)
 
+    admitted, wait_ready = [], small_queue.engine.wait_ready
+
+    async def counted(*args, **kwargs):  # each call's admission: its parse starts (or it is refused) right after
+        try:
+            return await wait_ready(*args, **kwargs)
+        finally:
+            admitted.append(None)
+
+    async def burst() -> list[tuple[str, float, object]]:
+        async with AsyncClient(small_queue.address) as client:
+            calls = [asyncio.ensure_future(_one(client, i)) for i in range(MAX_WAITING + 6)]
+            deadline = time.monotonic() + 60
+            while len(admitted) < len(calls):  # every call has come and was let in to parse or refused
+                assert time.monotonic() < deadline, f"{len(admitted)} of the burst's {len(calls)} calls came"
+                await asyncio.sleep(0.02)
+            release.set()
+            return list(await asyncio.gather(*calls))
+
     monkeypatch.setattr(server, "generate_call_from_pb", slow)
-    results = asyncio.run(_burst(small_queue.address, MAX_WAITING + 6))
+    monkeypatch.setattr(small_queue.engine, "wait_ready", counted)
+    try:
+        results = asyncio.run(burst())
+    finally:
+        release.set()
     refused = [r for r in results if r[0] == "error"]
     assert len(parsing) == MAX_WAITING and len(refused) == 6, (len(parsing), [r[2] for r in refused])
     assert all(r[2].code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused)

@@ -18,11 +18,17 @@ import numpy as np
 import pytest
 
 
+# A data plane of N ranks starts N processes, each importing torch and loading its shard: on 2 busy cores a
+# start of 4 ranks took 43 s, close to the 120 s one process gets; these starts get more.
+START_TIMEOUT = 300.0
+
+
 def _prompts(count: int) -> list[list[int]]:
     rng = np.random.default_rng(11)
     return [rng.integers(3, 49_000, size=int(rng.integers(5, 60))).tolist() for _ in range(count)]
 
 
+@pytest.mark.timeout(900)  # three starts (1, 2 and 4 ranks), each within its START_TIMEOUT
 def test_ranks_on_cpu_give_the_tokens_of_one(planes_factory, tiny_qwen3_dir, capfd):
     prompts = _prompts(3)
     requests = [dict(token_ids=p, max_tokens=24, temperature=0, ignore_eos=True) for p in prompts]
@@ -41,7 +47,7 @@ def test_ranks_on_cpu_give_the_tokens_of_one(planes_factory, tiny_qwen3_dir, cap
 
     def run(tp: int) -> tuple[list[list[int]], list]:
         planes = planes_factory(tiny_qwen3_dir, "--tensor-parallel-size", str(tp), "--block-size", "16",
-                                "--max-model-len", "256")
+                                "--max-model-len", "256", start_timeout=START_TIMEOUT)
         with planes.client() as client, ThreadPoolExecutor(len(requests)) as pool:  # batched together
             tokens, scored = zip(*pool.map(lambda r: generate(client, r), requests))
         planes.stop()
@@ -67,7 +73,7 @@ def test_the_data_plane_exits_when_a_worker_dies(planes_factory, tiny_qwen3_dir)
     health still SERVING: rank 0 exits instead, for whoever started it to start it again."""
     psutil = pytest.importorskip("psutil")
     planes = planes_factory(tiny_qwen3_dir, "--tensor-parallel-size", "2", "--block-size", "16",
-                            "--max-model-len", "256")
+                            "--max-model-len", "256", start_timeout=START_TIMEOUT)
     [worker] = [p for p in psutil.Process(planes.dataplane.pid).children()
                 if any("spawn_main" in part for part in p.cmdline())]
     worker.kill()
