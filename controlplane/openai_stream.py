@@ -60,8 +60,7 @@ class Choices:
         it refuses). The room for every choice is checked here: the others, added once the first has cached
         the prompt, are not refused part way."""
         self.engine.check_room(len(self.calls))
-        if self.echo is not None and self.engine.tokenizer is None and any(
-                call.prompt.text is None or call.truncate_prompt_tokens for call in self.calls):
+        if self.echo is not None and self.engine.tokenizer is None and any(map(_echoes_tokens, self.calls)):
             raise InvalidRequest("echo needs the model's tokenizer to show a prompt of token ids; this server has none")
         firsts = range(0, len(self.calls), self.n)
         states = await self.engine.add_all([self.calls[index] for index in firsts], room_checked=True)
@@ -94,7 +93,7 @@ class Choices:
     async def _prompt_text(self, call: GenerateCall, token_ids: list[int]) -> str:
         """The prompt as echoed: a text prompt as sent, else (token ids, or a truncated text) the
         text of the tokens the model was given (``open`` has checked there is a tokenizer for it)."""
-        if call.prompt.text is not None and not call.truncate_prompt_tokens:
+        if not _echoes_tokens(call):
             return call.prompt.text
         return await self.engine.in_tokenizer_pool(self.engine.tokenizer.decode, token_ids, False)
 
@@ -157,6 +156,12 @@ class Choices:
     def usage(self) -> dict:
         """Once every choice has finished."""
         return usage_json(self.finals, self.n)
+
+
+def _echoes_tokens(call: GenerateCall) -> bool:
+    """Whether echo shows the call's prompt as the text of its tokens (token ids, or a truncated text), which
+    needs the tokenizer, rather than as the text sent."""
+    return call.prompt.text is None or bool(call.truncate_prompt_tokens)
 
 
 def _top(entries: list[TokenLogprobs], k: int) -> list[TokenLogprobs]:
