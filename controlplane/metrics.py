@@ -318,6 +318,7 @@ def require_api_key(app, api_key: str):
 
 MAX_SCRAPES = 8  # connections served at once; the next wait for one of them to end
 SCRAPE_TIMEOUT = 10.0  # seconds a connection has to send its whole request (and one waits for a turn)
+LISTEN_BACKLOG = 128  # connections the kernel queues for the server to accept
 MAX_REQUEST_HEAD = 16 << 10  # bytes of a request's line and headers
 
 
@@ -348,8 +349,11 @@ class _QuietHandler(WSGIRequestHandler):
 
 class _MetricsServer(ThreadingMixIn, WSGIServer):
     """A thread a connection, at most MAX_SCRAPES of them: a flood of connections costs no more
-    threads than that, and a scrape waits its turn behind them (each ends within SCRAPE_TIMEOUT)."""
+    threads than that, and a scrape waits its turn behind them (each ends within SCRAPE_TIMEOUT).
+    Connections that come while every slot is taken wait in the listen queue, which holds
+    LISTEN_BACKLOG of them (socketserver's 5 would drop the SYNs past it: a one-second retry each)."""
     daemon_threads = True
+    request_queue_size = LISTEN_BACKLOG
 
     def __init__(self, *args, **kwargs) -> None:
         self.slots = threading.BoundedSemaphore(MAX_SCRAPES)
