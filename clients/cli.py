@@ -297,7 +297,7 @@ def _dataplane_credentials(args: argparse.Namespace):
         check_listen(args.listen)
         if args.health_listen is not None:
             check_listen(args.health_listen, "--health-listen")
-            if args.health_listen == args.listen:
+            if args.health_listen == args.listen and not args.listen.endswith(":0"):  # two port 0s: two ports
                 raise ValueError(f"--health-listen {args.health_listen} is --listen too: give it an address of its own")
         credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
     except ValueError as exc:

@@ -18,7 +18,7 @@ from twinplane.controlplane.ipc import GROUP_SIGNALS, ConfigExit
 from twinplane.controlplane.metrics import registry_for, serve_metrics
 from twinplane.controlplane.server import create_server
 from twinplane.controlplane.supervisor import CoreSupervisor
-from twinplane.controlplane.tls import is_unix, server_credentials
+from twinplane.controlplane.tls import bound_address, server_credentials
 
 log = logging.getLogger("twinplane.controlplane")
 
@@ -88,8 +88,7 @@ class ControlPlane:
     @property
     def address(self) -> str:
         """Where the gRPC API listens: --listen, with the port the OS chose for port 0."""
-        listen = self.config.listen
-        return listen if is_unix(listen) else f"{listen.rpartition(':')[0]}:{self.port}"
+        return bound_address(self.config.listen, self.port)
 
     @property
     def http_port(self) -> int | None:

@@ -192,6 +192,12 @@ def add_port(server, listen: str, credentials: grpc.ServerCredentials | None = N
                       "folder is not this host's)") from None
 
 
+def bound_address(listen: str, port: int) -> str:
+    """listen as a server bound it (port: what add_port returned): a TCP address with the port the OS
+    chose where it asked for any free one (port 0); a unix socket as it is."""
+    return listen if is_unix(listen) else f"{listen.rpartition(':')[0]}:{port}"
+
+
 # The control plane's flags for each field of DataPlaneTls, as its errors name them.
 DATAPLANE_TLS_FLAGS = {"ca": "--dataplane-tls-ca", "server_name": "--dataplane-tls-server-name",
                        "cert": "--dataplane-tls-cert", "key": "--dataplane-tls-key"}

@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from twinplane.controlplane.event_loop import freeze_heap
-from twinplane.controlplane.tls import is_unix
+from twinplane.controlplane.tls import bound_address
 from twinplane.dataplane.config import DataPlaneConfig
 from twinplane.dataplane.embedded import model_name, resolve_model
 from twinplane.dataplane.server import create_health_server, create_server
@@ -57,9 +57,12 @@ def serve(config: DataPlaneConfig, listen: str, token: str | None = None, creden
     try:
         runner = ModelRunner(config)
         server, port, servicer = create_server(runner, listen, token, workers, credentials)
-        if not is_unix(listen) and listen.rpartition(":")[2] == "0":  # any free port: say which one it got
-            listen = f"{listen.rpartition(':')[0]}:{port}"
-        servers = [server] + ([create_health_server(health_listen)[0]] if health_listen else [])
+        listen = bound_address(listen, port)
+        servers = [server]
+        if health_listen:
+            health, health_port = create_health_server(health_listen)
+            servers.append(health)
+            health_listen = bound_address(health_listen, health_port)
         freeze_heap("data plane")
         for each in servers:
             each.start()
@@ -68,8 +71,9 @@ def serve(config: DataPlaneConfig, listen: str, token: str | None = None, creden
             workers.kill()  # they ignore signals; nothing else would end them
         raise
     desc = runner.describe()
-    log.info("data plane ready on %s%s: %s, %s, %d KV blocks of %d tokens, attention %s%s",
-             listen, " (TLS)" if credentials is not None else "", desc.model, desc.dtype, desc.num_kv_blocks,
+    log.info("data plane ready on %s%s%s: %s, %s, %d KV blocks of %d tokens, attention %s%s",
+             listen, " (TLS)" if credentials is not None else "",
+             f", health on {health_listen}" if health_listen else "", desc.model, desc.dtype, desc.num_kv_blocks,
              desc.block_size, desc.attention_backend, _projections(runner))
     stop.wait()
     for each in servers:

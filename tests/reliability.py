@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import select
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 
@@ -37,6 +39,36 @@ def stop_process(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout: 
         process.kill()
         process.wait()
         raise
+
+
+class ProcessLog:
+    """A child's stderr (opened as text), read on a thread of its own as the child writes it."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.process, self.lines = process, []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(process.stderr), daemon=True)
+        self.reader.start()
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        """The first match of pattern, once the child has written it; AssertionError if it exits first."""
+        wait_until(lambda: re.search(pattern, self.text) or self.process.poll() is not None, timeout,
+                   f"stderr to match {pattern!r}", poll=0.1)
+        match = re.search(pattern, self.text)
+        assert match, f"the process exited ({self.process.poll()}) without {pattern!r}: {self.text[-2000:]}"
+        return match
+
+    def listening_address(self, timeout: float = 120) -> str:
+        """Where a control plane started with --listen HOST:0 listens, from its start-up line."""
+        return self.wait_for(r"control plane listening on (\S+?),", timeout).group(1)
+
+    def rest(self, timeout: float = 30) -> str:
+        """All of it, once the child has closed its stderr (exited)."""
+        self.reader.join(timeout)
+        return self.text
 
 
 class StderrLog:

@@ -5,6 +5,7 @@ wrong name), which say why in their log, keep retrying and stay up. The token is
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import subprocess
 import sys
@@ -29,12 +30,6 @@ SMALL = ("--block-size", "16", "--max-model-len", "512")  # as shared_planes, th
 PROMPTS = ([5, 6, 7], [100, 200, 300, 400, 500])
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _health(address: str, credentials: grpc.ChannelCredentials | None = None, options=()) -> str:
     channel = (grpc.secure_channel(address, credentials, options=list(options)) if credentials
                else grpc.insecure_channel(address))
@@ -54,17 +49,19 @@ def tls_dataplane(tiny_qwen3_dir, tmp_path_factory):
     (folder / "other").mkdir()
     cert, key = self_signed_cert(folder, dns_names=(SERVICE_NAME,), ip_addresses=())
     other_ca, _ = self_signed_cert(folder / "other")
-    address, health_address = f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"
     log = folder / "dataplane.log"
-    with open(log, "wb") as stderr:
+    with open(log, "wb") as stderr:  # any free ports, as its ready line names them
         process = subprocess.Popen([sys.executable, "-m", "twinplane.clients.cli", "dataplane", "--model",
-                                    str(tiny_qwen3_dir), "--device", "cpu", *SMALL, "--listen", address,
+                                    str(tiny_qwen3_dir), "--device", "cpu", *SMALL, "--listen", "127.0.0.1:0",
                                     "--token", TOKEN, "--tls-cert", str(cert), "--tls-key", str(key),
-                                    "--health-listen", health_address], stdin=subprocess.DEVNULL, stderr=stderr)
+                                    "--health-listen", "127.0.0.1:0"], stdin=subprocess.DEVNULL, stderr=stderr)
     try:
-        wait_until(lambda: _health(health_address) == "SERVING" or process.poll() is not None, 120,
-                   "the data plane's plaintext health", poll=0.2)
+        wait_until(lambda: "data plane ready on" in log.read_text() or process.poll() is not None, 120,
+                   "the data plane's ready line", poll=0.2)
         assert process.poll() is None, "the data plane exited"
+        address, health_address = re.search(r"ready on (127\.0\.0\.1:\d+) \(TLS\), health on (127\.0\.0\.1:\d+):",
+                                            log.read_text()).groups()
+        assert _health(health_address) == "SERVING"
         yield dict(address=address, health_address=health_address, ca=str(cert), other_ca=str(other_ca),
                    folder=folder, log=log)
     finally:
@@ -102,7 +99,8 @@ def test_a_control_plane_that_cannot_verify_the_data_plane_says_why_and_keeps_tr
         "wrong CA": (DataPlaneTls(ca=tls_dataplane["other_ca"], server_name=SERVICE_NAME),
                      "CERTIFICATE_VERIFY_FAILED"),
         # the certificate names SERVICE_NAME, not 127.0.0.1
-        "wrong name": (DataPlaneTls(ca=tls_dataplane["ca"]), "give the name it carries with --dataplane-tls-server-name"),
+        "wrong name": (DataPlaneTls(ca=tls_dataplane["ca"]),
+                       "give the name it carries with --dataplane-tls-server-name"),
     }[case]
     planes = _control_plane(tmp_path, tiny_qwen3_dir, tls_dataplane, tls)
     try:

@@ -11,7 +11,6 @@ import asyncio
 import itertools
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,8 +19,8 @@ import grpc
 import psutil
 import pytest
 
-from tests.reliability import (GREEDY, all_blocks_free, greedy_references, running_streams, tokens_async,
-                               wait_until)
+from tests.reliability import (GREEDY, ProcessLog, all_blocks_free, greedy_references, running_streams,
+                               tokens_async, wait_until)
 from tests.test_e2e_reference import random_prompts
 from twinplane.clients.client import AsyncClient, Client
 from twinplane.controlplane.config import ControlPlaneConfig
@@ -168,12 +167,6 @@ def test_two_frontends_stream_what_one_does_and_carry_on_past_a_killed_core(tiny
     wait_until(lambda: all_blocks_free(two), 10, "every KV block to be free")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 async def _sigterm_on_two_frontends(address: str, control: subprocess.Popen) -> dict:
     report = {}
     found = await _clients_by_frontend(address, 2, per_frontend=1)
@@ -216,18 +209,21 @@ def test_sigterm_drains_every_frontend_and_a_dead_frontend_stops_the_control_pla
     dataplane = subprocess.Popen([*CLI, "dataplane", "--model", "dummy:tiny-qwen3", "--device", "cpu",
                                   "--block-size", "16", "--listen", dp_address], stdin=subprocess.DEVNULL)
 
-    def control_plane() -> tuple[subprocess.Popen, str, list[psutil.Process]]:
-        address = f"127.0.0.1:{_free_port()}"
-        control = subprocess.Popen([*CLI, "controlplane", "--dataplane", dp_address, "--listen", address,
-                                    "--shutdown-grace", str(grace), "--api-server-count", "2"],
-                                   stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    def control_plane() -> tuple[subprocess.Popen, ProcessLog, str, list[psutil.Process]]:
+        # on any free port, which its start-up line (INFO) names
+        control = subprocess.Popen([*CLI, "controlplane", "--log-level", "INFO", "--dataplane", dp_address,
+                                    "--listen", "127.0.0.1:0", "--shutdown-grace", str(grace),
+                                    "--api-server-count", "2"], stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                   text=True)
+        log = ProcessLog(control)
+        address = log.listening_address()
         with Client(address) as client:
             client.wait_ready(timeout=120)
-        return control, address, psutil.Process(control.pid).children()
+        return control, log, address, psutil.Process(control.pid).children()
 
     started: list[subprocess.Popen] = []
     try:
-        control, address, children = control_plane()
+        control, log, address, children = control_plane()
         started.append(control)
         assert len(children) == 2  # the other frontend and the engine core
         report = asyncio.run(_sigterm_on_two_frontends(address, control))
@@ -236,16 +232,16 @@ def test_sigterm_drains_every_frontend_and_a_dead_frontend_stops_the_control_pla
         assert [code for code, _ in report["longs"]] == [grpc.StatusCode.UNAVAILABLE] * 2
         assert grace - 1.0 < report["longs"][0][1] < grace + 5  # ended when the grace period ran out
         assert control.wait(grace + 20) == 0
-        assert "Traceback" not in control.stderr.read()
+        assert "Traceback" not in log.rest()
         psutil.wait_procs(children, timeout=10)
         assert not any(child.is_running() for child in children)
 
-        control, address, children = control_plane()  # a frontend that dies stops the whole control plane
+        control, log, address, children = control_plane()  # a frontend that dies stops the whole control plane
         started.append(control)
         secondary = next(c for c in children if b"frontends" in " ".join(c.cmdline()).encode())
         secondary.kill()
         assert control.wait(grace + 20) == 1
-        stderr = control.stderr.read()
+        stderr = log.rest()
         assert f"frontend 1 (pid {secondary.pid}) exited" in stderr.splitlines()[-1], stderr[-2000:]
         psutil.wait_procs(children, timeout=10)
         assert not any(child.is_running() for child in children)

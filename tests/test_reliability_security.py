@@ -144,10 +144,6 @@ def test_data_plane_refuses_a_missing_or_wrong_token(secure):
 def test_a_data_plane_not_up_yet_is_told_apart_from_one_that_fails(tmp_path):
     """Nothing listening at the address (a data plane still loading its model) is what the control
     plane expects at start-up: it says so at INFO, not as a warning."""
-    with socket.socket() as sock:  # a loopback port nothing listens on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-
     async def connect(target: str) -> None:
         client = DataPlaneClient(target)
         try:
@@ -155,10 +151,12 @@ def test_a_data_plane_not_up_yet_is_told_apart_from_one_that_fails(tmp_path):
         finally:
             await client.close()
 
-    for target in (f"unix://{tmp_path}/nobody.sock", f"127.0.0.1:{port}"):
-        with pytest.raises(DataPlaneLost) as info:
-            asyncio.run(connect(target))
-        assert info.value.not_up and not info.value.fatal, str(info.value)
+    with socket.socket() as sock:  # a loopback port that nothing listens on, held so that nothing else takes it
+        sock.bind(("127.0.0.1", 0))
+        for target in (f"unix://{tmp_path}/nobody.sock", f"127.0.0.1:{sock.getsockname()[1]}"):
+            with pytest.raises(DataPlaneLost) as info:
+                asyncio.run(connect(target))
+            assert info.value.not_up and not info.value.fatal, str(info.value)
 
 
 def test_reflection_lists_the_public_api(shared_planes):
@@ -210,7 +208,8 @@ def test_the_pickled_channels_are_private_socketpairs():
     frontend) over its own control socketpair, as a passed file descriptor."""
     ipc = (REPO / PRIVATE_IPC).read_text()
     assert not re.search(r"\.(bind|listen|connect|accept)\(|start_server|open_unix_connection", ipc)
-    sources = [p for folder in ("controlplane", "dataplane", "clients", "kernels") for p in (REPO / folder).rglob("*.py")]
+    sources = [p for folder in ("controlplane", "dataplane", "clients", "kernels")
+               for p in (REPO / folder).rglob("*.py")]
     users = {p.name: p.read_text() for p in sources if re.search(r"\b(Channel|Control)\(", p.read_text())
              and p.name != "ipc.py"}
     assert sorted(users) == ["engine_core.py", "frontends.py", "supervisor.py"]

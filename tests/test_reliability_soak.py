@@ -13,7 +13,6 @@ import asyncio
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,18 +21,12 @@ from collections import Counter
 import grpc
 import pytest
 
-from tests.reliability import rss_bytes, stop_process
+from tests.reliability import ProcessLog, rss_bytes, stop_process
 from twinplane.clients.client import AsyncClient, Client
 
 CLIENTS, WARMUP_S = 100, 20.0
 CLI = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", "WARNING"]
 PROBE = dict(token_ids=[101, 202, 303, 404, 505] * 4, max_tokens=32, temperature=0, ignore_eos=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def random_request(rng: random.Random) -> dict:
@@ -100,11 +93,14 @@ def probe(address: str) -> list[int]:
 @pytest.mark.slow
 def test_soak_100_clients(tiny_qwen3_dir, tmp_path):
     seconds = float(os.environ.get("TWINPLANE_SOAK_SECONDS", "180"))
-    dp_address, address = f"unix://{tmp_path}/dp.sock", f"127.0.0.1:{free_port()}"
+    dp_address = f"unix://{tmp_path}/dp.sock"
     dataplane = subprocess.Popen([*CLI, "dataplane", "--model", str(tiny_qwen3_dir), "--device", "cpu",
                                   "--block-size", "16", "--max-model-len", "1024", "--listen", dp_address])
-    control = subprocess.Popen([*CLI, "controlplane", "--dataplane", dp_address, "--listen", address])
+    # on any free port, which its start-up line (INFO) names
+    control = subprocess.Popen([*CLI, "controlplane", "--log-level", "INFO", "--dataplane", dp_address,
+                                "--listen", "127.0.0.1:0"], stderr=subprocess.PIPE, text=True)
     try:
+        address = ProcessLog(control).listening_address()
         with Client(address) as client:
             client.wait_ready(timeout=120)
         rss_start = rss_bytes(control.pid)
