@@ -16,7 +16,6 @@ import contextlib
 import enum
 import logging
 import os
-import socket
 import struct
 import threading
 import time
@@ -48,20 +47,19 @@ def uses_gpus(config: DataPlaneConfig) -> bool:
     return device_kind(config.device) == "cuda"
 
 
-def init_process_group(config: DataPlaneConfig, rank: int, port: int) -> None:
-    init, world = f"tcp://127.0.0.1:{port}", config.tensor_parallel_size
+def rendezvous(world: int, port: int = 0) -> dist.TCPStore:
+    """Where the ranks meet: rank 0's store on a loopback port the OS chooses (port 0; its ``port``
+    says which), or a worker's connection to it."""
+    return dist.TCPStore("127.0.0.1", port, world, is_master=port == 0, wait_for_workers=False)
+
+
+def init_process_group(config: DataPlaneConfig, rank: int, store: dist.TCPStore) -> None:
+    world = config.tensor_parallel_size
     if uses_gpus(config):
         torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
-                                device_id=torch.device("cuda", rank))
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     else:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
 
 
 def worker_main(config: DataPlaneConfig, rank: int, port: int, shm_name: str, wake, ack) -> None:
@@ -73,7 +71,7 @@ def worker_main(config: DataPlaneConfig, rank: int, port: int, shm_name: str, wa
 
     ignore_group_signals()  # rank 0 stops the workers (EXIT), after a signal to the process group too
     parent = os.getppid()
-    init_process_group(config, rank, port)
+    init_process_group(config, rank, rendezvous(config.tensor_parallel_size, port))
     runner = ModelRunner(config)
     freeze_heap(f"data plane rank {rank}")
     # rank 0 owns the block and unlinks it; a spawned worker shares rank 0's resource tracker, which
@@ -116,7 +114,8 @@ class TensorParallelWorkers:
         if uses_gpus(config) and torch.cuda.device_count() < world:
             raise ValueError(f"tensor_parallel_size={world} needs {world} GPUs, found {torch.cuda.device_count()}")
         ctx = get_context("spawn")
-        port = _free_port()
+        self.store = rendezvous(world)
+        port = self.store.port
         self.shm = SharedMemory(create=True, size=BUFFER_BYTES)
         self.wakes = [ctx.Event() for _ in range(world - 1)]
         self.acks = [ctx.Event() for _ in range(world - 1)]
@@ -130,7 +129,7 @@ class TensorParallelWorkers:
             p.start()
         self._stopping = False
         threading.Thread(target=self._watch, daemon=True, name="twinplane-tp-watch").start()
-        init_process_group(config, 0, port)  # this process is rank 0
+        init_process_group(config, 0, self.store)  # this process is rank 0
 
     def _watch(self) -> None:
         """Ends this process when a worker dies (killed, out of memory, a device error): every step
