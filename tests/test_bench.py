@@ -34,7 +34,8 @@ def test_default_workload_is_nanovllms_draw_for_draw():
     assert [r.prompt for r in requests] == prompts
     assert [r.max_tokens for r in requests] == max_tokens
     # pinned, so that a change to the draws shows even if the restatement changed with it
-    assert (len(requests[0].prompt), requests[0].prompt[:3], max_tokens[:3]) == (964, [6311, 6890, 663], [845, 312, 607])
+    assert (len(requests[0].prompt), requests[0].prompt[:3], max_tokens[:3]) == \
+        (964, [6311, 6890, 663], [845, 312, 607])
     assert sum(max_tokens) == 133_966  # the output tokens of nano-vLLM's own run (BENCHMARKS.md)
 
 

@@ -27,7 +27,8 @@ def test_dummy_weights_are_deterministic_per_seed() -> None:
     other = _state(load_model("dummy:tiny-qwen3", torch.float32, CPU, seed=1).model)
     assert first.keys() == again.keys()
     assert all(torch.equal(first[k], again[k]) for k in first)
-    assert not torch.equal(first["model.layers.0.self_attn.qkv_proj.weight"], other["model.layers.0.self_attn.qkv_proj.weight"])
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    assert not torch.equal(first[qkv], other[qkv])
     std = first["model.layers.0.mlp.gate_up_proj.weight"].std().item()
     assert 0.015 < std < 0.025
     assert torch.equal(first["model.layers.1.input_layernorm.weight"], torch.ones(64))

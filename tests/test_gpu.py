@@ -103,7 +103,8 @@ def test_triton_decode_attention_matches_torch(heads, kv_heads, head_dim, block_
     assert (out[0].float() - expected[0]).abs().max().item() <= 4 * bf16_error + 1e-3
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,with_norm", [(16, 8, 128, True), (32, 8, 128, False), (14, 2, 64, True)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,with_norm",
+                         [(16, 8, 128, True), (32, 8, 128, False), (14, 2, 64, True)])
 def test_fused_norm_rope_store_matches_the_unfused_layers(heads, kv_heads, head_dim, with_norm):
     """bf16: no further from the float32 reference than the unfused (compiled) layers, plus rounding."""
     from twinplane.dataplane.attention_backends.torch_backend import write_kv_by_slot
@@ -123,18 +124,21 @@ def test_fused_norm_rope_store_matches_the_unfused_layers(heads, kv_heads, head_
 
     def unfused(x: torch.Tensor, w: tuple):
         q, k, v = x.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-        q, k, v = q.reshape(tokens, heads, head_dim), k.reshape(tokens, kv_heads, head_dim), v.reshape(tokens, kv_heads, head_dim)
+        q, k, v = (q.reshape(tokens, heads, head_dim), k.reshape(tokens, kv_heads, head_dim),
+                   v.reshape(tokens, kv_heads, head_dim))
         if with_norm:
             q, k = rms_norm(q, w[0], 1e-6), rms_norm(k, w[1], 1e-6)
         q, k = apply_rotary(q, k, rope.cos_sin_cache, positions)
-        caches = [torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=x.dtype, device="cuda") for _ in range(2)]
+        caches = [torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=x.dtype, device="cuda")
+                  for _ in range(2)]
         write_kv_by_slot(k, v, caches[0], caches[1], slots)
         return q, caches[0], caches[1]
 
     bf16 = lambda w: tuple(t.to(torch.bfloat16) if t is not None else None for t in w)  # noqa: E731
     reference = unfused(qkv, weights)
     layers = unfused(qkv.to(torch.bfloat16), bf16(weights))
-    caches = [torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    caches = [torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+              for _ in range(2)]
     q = norm_rope_store(qkv.to(torch.bfloat16), QKVRope(heads, kv_heads, positions, rope.cos_sin_cache,
                                                          *bf16(weights), 1e-6), caches[0], caches[1], slots)
     for name, ours, theirs, ref in zip(("q", "k cache", "v cache"), (q, *caches), layers, reference):

@@ -353,7 +353,8 @@ for dtype in (torch.float32, torch.bfloat16):
         expected, expected_sum = add_rms_norm(x, residual, weight, 1e-6)
         # The interpreter's float32 -> bfloat16 casts need not round as the GPU's do: exact in float32 only.
         assert torch.allclose(summed.float(), expected_sum.float(), atol=2e-2, rtol=1e-2), (dtype, tokens, d)
-        assert y.dtype == dtype and torch.allclose(y.float(), expected.float(), atol=2e-2, rtol=1e-2), (dtype, tokens, d)
+        assert y.dtype == dtype
+        assert torch.allclose(y.float(), expected.float(), atol=2e-2, rtol=1e-2), (dtype, tokens, d)
         if dtype == torch.float32:
             assert torch.equal(summed, expected_sum)
             torch.testing.assert_close(y, expected)

@@ -46,7 +46,8 @@ class ReflectionClient:
                     response_deserializer=response_class.FromString)
 
     def call(self, name: str, body: dict, timeout: float = 60) -> list[dict]:
-        """Calls a method with a request parsed from body; returns every reply as a dict (field names as in the proto)."""
+        """Calls a method with a request parsed from body; returns every reply as a dict (field names as in
+        the proto)."""
         method = self.method(name)
         request = json_format.ParseDict(body, message_factory.GetMessageClass(method.input_type)())
         replies = self.rpc(method)(request, timeout=timeout)

@@ -2,8 +2,9 @@
 
 A prompt of several MB is tokenized off the event loop, so health and other streams carry on
 meanwhile; a stream whose client never reads (gRPC, or an HTTP event stream) is aborted once its
-unsent output passes the bound, its KV blocks freed, while a reading client gets its whole output; chat content cannot forge the
-template's special tokens, and a template that refuses or fails gives a clean status.
+unsent output passes the bound, its KV blocks freed, while a reading client gets its whole output;
+chat content cannot forge the template's special tokens, and a template that refuses or fails gives a
+clean status.
 """
 
 from __future__ import annotations

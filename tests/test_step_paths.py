@@ -17,7 +17,8 @@ import pytest
 from tests.reliability import stop_process
 from twinplane.clients.bench import Request, _paths, report
 from twinplane.clients.client import Client
-from twinplane.controlplane.bench_stream import QWEN3_0_6B, EmulatedDataPlane, EmulatedDevice, NullDataPlane, serve_stand_in
+from twinplane.controlplane.bench_stream import (QWEN3_0_6B, EmulatedDataPlane, EmulatedDevice, NullDataPlane,
+                                                 serve_stand_in)
 from twinplane.controlplane.plan_codec import decode_result
 from twinplane.dataplane.convert import output_to_pb
 from twinplane.dataplane.plan import ScheduledSeq, StepOutput, StepPath, StepPlan
@@ -50,7 +51,8 @@ class GraphedNullDataPlane(NullDataPlane):
         for plan in request_iterator:
             decode = bool(np.all(np.frombuffer(plan.num_tokens, dtype="<i4") == 1))
             sampled = int(np.frombuffer(plan.sample, dtype=np.uint8).sum())
-            path, execute_us = (dp.STEP_PATH_DECODE_GRAPH, DECODE_US) if decode else (dp.STEP_PATH_MIXED_GRAPH, MIXED_US)
+            path, execute_us = ((dp.STEP_PATH_DECODE_GRAPH, DECODE_US) if decode
+                                else (dp.STEP_PATH_MIXED_GRAPH, MIXED_US))
             yield dp.StepResult(step_id=plan.step_id, sampled_token_ids=np.ones(sampled, dtype="<i4").tobytes(),
                                 timings=dp.StepTimings(execute_us=execute_us, idle_us=IDLE_US, path=path))
 
