@@ -58,7 +58,7 @@ _ANNOTATIONS = {"title", "description", "examples", "default", "$schema", "$id",
                 "readOnly", "writeOnly", "$defs", "definitions", "discriminator"}
 _TYPE_KEYWORDS = {
     "object": ("properties", "required", "additionalProperties"),
-    "array": ("items", "minItems", "maxItems"),
+    "array": ("items", "prefixItems", "additionalItems", "minItems", "maxItems"),
     "string": ("minLength", "maxLength", "pattern", "format"),
     "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"),
     "integer": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"),
@@ -587,19 +587,64 @@ class _Builder:
         return r"\{" + _members(members) + r"\}"
 
     def _array(self, schema: dict, path: str, depth: int) -> str:
+        """An array: the tuple's items (``prefixItems``, or ``items`` as a list with ``additionalItems`` beside it,
+        drafts 4-7) in order, then items of the rest (``items``, or ``additionalItems``; ``false``: none), as many
+        as minItems and maxItems allow. ``additionalItems`` without a list ``items`` is ignored, as the spec says.
+        A tuple's item no value matches (``false``, a recursion cut) ends the array before it."""
         low, high = _count(schema, "minItems", path, 0), _count(schema, "maxItems", path, None)
         if high is not None and low > high:
             raise SchemaError(f"{path}.maxItems: {high} is below minItems {low}")
         items = schema.get("items", True)
+        if isinstance(items, list) and "prefixItems" in schema:
+            raise SchemaError(f"{path}.items: a list of schemas (the drafts 4-7 form of prefixItems) cannot be "
+                              "combined with prefixItems; use one of them")
         if isinstance(items, list):
-            raise SchemaError(f"{path}.items: a list of schemas (tuple validation) is not supported")
+            tuple_key, prefix, rest_key = "items", items, "additionalItems"
+        else:
+            tuple_key, prefix, rest_key = "prefixItems", schema.get("prefixItems", []), "items"
+        if not isinstance(prefix, list):
+            raise SchemaError(f"{path}.{tuple_key}: must be a list of schemas, got {prefix!r}")
+        rest = schema.get(rest_key, True)
+        regexes = []  # those of the tuple's items the array may reach
+        for i, subschema in enumerate(prefix):
+            where = f"{path}.{tuple_key}[{i}]"
+            if i < low:  # required: its errors, a cut too, are the array's
+                regexes.append(self.regex(subschema, where, depth + 1))
+                continue
+            if subschema is False:
+                break
+            try:
+                regexes.append(self.regex(subschema, where, depth + 1))
+            except _Cut:
+                break
         try:
-            item = self.regex(items, f"{path}.items", depth + 1)
+            item = None if rest is False else self.regex(rest, f"{path}.{rest_key}", depth + 1)
         except _Cut:
-            if low:
+            if low > len(prefix):
                 raise
-            return r"\[\]"
-        return r"\[" + _list_of(item, low, high) + r"\]"
+            item = None
+        if item is None and low > len(prefix):
+            past = f" past the {len(prefix)} of {tuple_key}" if prefix else ""
+            raise SchemaError(f"{path}.{rest_key}: false allows no items{past}, fewer than minItems {low}")
+        if len(regexes) < len(prefix) or item is None:  # the array ends at the tuple's end, or before
+            high = len(regexes) if high is None else min(high, len(regexes))
+        reached = regexes[:high]
+        optional = len(reached) - min(low, len(reached))
+        if optional > MAX_OPTIONAL:
+            raise SchemaError(f"{path}.{tuple_key}: {optional} items that may be left out (past minItems); at most "
+                              f"{MAX_OPTIONAL} are supported (the regex nests a group for each): raise minItems or "
+                              "lower maxItems")
+        if not reached:
+            return r"\[" + ("" if item is None else _list_of(item, low, high)) + r"\]"
+        # the rest's items, each after a comma; then the tuple's, from the last back, each with what follows it
+        # (optional past minItems), so that the regex stays linear in the items
+        after = "" if item is None else _repeat(f"(?:{_SEP}{item})", max(low - len(reached), 0),
+                                               None if high is None else high - len(reached))
+        for i in range(len(reached) - 1, 0, -1):
+            run = reached[i] + after
+            after = _SEP + run if i < low else f"(?:{_SEP}{run})?"
+        run = reached[0] + after
+        return r"\[" + (run if low else f"(?:{run})?") + r"\]"
 
 
 # --- a string's pattern, as the regex of the JSON text of its matches --------------------------------

@@ -1,17 +1,19 @@
 """JSON Schema as a regex (structured outputs): for a table of schemas covering each supported keyword,
 valid instances match and invalid ones do not, written compactly and with a space after ':' and ','
 (with Python's re, and with the token-mask compiler, grammar.py); optional properties and their commas,
-exhaustively; random JSON values against any_json_regex, and random schemas with instances and
-mutations of them; and the schemas refused, each with its path in the message."""
+exhaustively; tuples' lengths and commas, against jsonschema; random JSON values against any_json_regex, and
+random schemas with instances and mutations of them; and the schemas refused, each with its path in the message."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
 import re
 from fractions import Fraction
 
+import jsonschema
 import pytest
 
 from twinplane.controlplane.grammar import Grammar
@@ -165,6 +167,52 @@ CASES = [  # (name, schema, valid instances, invalid instances)
                      "$comment": "c", "$schema": "https://json-schema.org/draft/2020-12/schema"}, [1], ["1"]),
 ]
 
+DRAFT_7 = "http://json-schema.org/draft-07/schema#"
+INT, STR, BOOL = {"type": "integer"}, {"type": "string"}, {"type": "boolean"}
+PAIR = {"type": "array", "prefixItems": [INT, STR], "minItems": 2, "maxItems": 2}  # tuple[int, str] in Pydantic
+NESTED_TUPLE = {"$defs": {"t": {"type": "array", "prefixItems": [INT, {"$ref": "#/$defs/t"}]}}, "$ref": "#/$defs/t"}
+TUPLE_CASES = [  # (name, schema, valid instances, invalid instances): as jsonschema has them, but deeper than max_depth
+    ("tuple of one", {"type": "array", "prefixItems": [INT], "minItems": 1, "maxItems": 1}, [[1], [-5]],
+     [[], [1, 2], ["1"], [True], [1.5]]),
+    ("tuple of two", PAIR, [[1, "a"], [0, ""]], [[1], ["a", 1], [1, "a", 2], [], [1, 2], {"0": 1, "1": "a"}]),
+    ("tuple of three with a rest", {"type": "array", "prefixItems": [INT, STR, BOOL], "items": {"type": "null"}},
+     [[], [1], [1, "a"], [1, "a", True], [1, "a", False, None, None]],
+     [["a"], [1, 2], [1, "a", True, 1], [1, "a", None], [1, "a", True, None, 0]]),
+    ("tuple, any items after", {"type": "array", "prefixItems": [STR, INT]},
+     [[], ["a"], ["a", 1], ["a", 1, {"k": [None]}, "x", [2]]], [[1], ["a", "b"], ["a", 1.5, 2]]),
+    ("tuple, items false", {"type": "array", "prefixItems": [INT, STR], "items": False},
+     [[], [1], [1, "a"]], [[1, "a", None], [1, "a", "b"], ["a"], [1, 1]]),
+    ("tuple, minItems shorter than it", {"type": "array", "prefixItems": [INT, STR, BOOL], "items": False,
+                                         "minItems": 2}, [[1, "a"], [1, "a", True]], [[], [1], [1, "a", True, None]]),
+    ("tuple, maxItems shorter than it", {"type": "array", "prefixItems": [INT, STR, BOOL], "maxItems": 2},
+     [[], [1], [1, "a"]], [[1, "a", True], ["a"], [1, True]]),
+    ("tuple, minItems past it", {"type": "array", "prefixItems": [INT], "items": STR, "minItems": 2, "maxItems": 3},
+     [[1, "a"], [1, "a", "b"]], [[1], [1, "a", "b", "c"], [1, 2], ["a", "b"]]),
+    ("tuple in a tuple", {"type": "array", "prefixItems": [STR, {"type": "array", "prefixItems": [
+        {"type": "number"}, {"type": "number"}], "minItems": 2, "maxItems": 2}], "minItems": 2, "maxItems": 2},
+     [["a", [1, 2.5]], ["", [-1e5, 0]]], [["a", [1]], ["a", [1, 2, 3]], ["a", ["1", 2]], [["a"], [1, 2]], ["a"]]),
+    ("tuple in an object", {"type": "object", "properties": {"pair": PAIR, "n": INT}, "required": ["pair"]},
+     [{"pair": [1, "a"]}, {"pair": [2, "b"], "n": 3}], [{"pair": [1]}, {"pair": ["a", 1]}, {"n": 3}]),
+    ("tuple, an item false", {"type": "array", "prefixItems": [INT, False, STR]}, [[], [1]],
+     [[1, 2], [1, None], [1, "a"], [1, 2, "a"]]),
+    ("recursive tuple", NESTED_TUPLE, [[], [1], [1, []], [1, [2, [3]]], [1, [2, [3, [4]]]], [1, [2], None]],
+     [[1, [2, [3, [4, []]]]], ["a"], [1, 2]]),  # the 5th array deep: past max_depth
+    ("draft 7 items list, additionalItems false", {"$schema": DRAFT_7, "type": "array", "items": [INT, STR],
+                                                   "additionalItems": False},
+     [[], [1], [1, "a"]], [[1, "a", 2], [1, "a", "b"], ["a"]]),
+    ("draft 7 items list, additionalItems schema", {"$schema": DRAFT_7, "type": "array", "items": [INT],
+                                                    "additionalItems": BOOL, "minItems": 1},
+     [[1], [1, True, False]], [[], [1, 1], [True], [1, None]]),
+    ("draft 7 items list, any items after", {"$schema": DRAFT_7, "type": "array", "items": [INT]},
+     [[], [1], [1, "x", None]], [["x"], [None, 1]]),
+    ("draft 7 additionalItems beside an items schema", {"$schema": DRAFT_7, "type": "array", "items": INT,
+                                                        "additionalItems": False},
+     [[], [1, 2, 3]], [["a"], [1, "a"]]),  # ignored, as the spec says
+    ("items false", {"type": "array", "items": False}, [[]], [[1], [None], [[]]]),
+    ("items false, maxItems 0", {"type": "array", "items": False, "maxItems": 0, "minItems": 0}, [[]], [[1]]),
+]
+CASES += TUPLE_CASES
+
 
 @pytest.mark.parametrize("schema, valid, invalid", [case[1:] for case in CASES], ids=[case[0] for case in CASES])
 def test_schema_table(schema, valid, invalid):
@@ -184,6 +232,61 @@ def test_schema_table_through_token_grammar(schema, valid, invalid):
     for value, expected in [(v, True) for v in valid] + [(v, False) for v in invalid]:
         for text in texts(value):
             assert grammar.is_accepting(grammar.advance(grammar.initial_state, text.encode())) == expected, text
+
+
+@pytest.mark.parametrize("schema, valid, invalid", [case[1:] for case in TUPLE_CASES],
+                         ids=[case[0] for case in TUPLE_CASES])
+def test_tuple_cases_agree_with_jsonschema(schema, valid, invalid):
+    """The tuple cases' verdicts are the spec's (jsonschema's), but for values nested deeper than max_depth."""
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)(schema)
+    for value in valid:
+        assert validator.is_valid(value) and nesting(value) <= 4, value
+    for value in invalid:
+        assert not validator.is_valid(value) or nesting(value) > 4, value
+
+
+@pytest.mark.parametrize("low, high, rest", [(low, high, rest) for low in (0, 1, 3, 4) for high in (None, 2, 3, 5)
+                                              for rest in ("any", "null", False) if high is None or low <= high])
+def test_tuple_lengths_and_commas(low, high, rest):
+    """Against jsonschema, for a tuple of three beside minItems, maxItems and a rest: arrays of each length, of
+    the right items and with one wrong, match iff valid; stray, doubled and missing commas never match."""
+    schema = {"type": "array", "prefixItems": [INT, STR, BOOL], "minItems": low}
+    schema.update({} if high is None else {"maxItems": high}, **{} if rest == "any" else {"items": rest and {
+        "type": "null"}})
+    if rest is False and low > 3:
+        with pytest.raises(SchemaError, match="^schema.items: false allows no items past the 3 of prefixItems"):
+            schema_regex(schema)
+        return
+    regex = re.compile(schema_regex(schema))
+    grammar = Grammar.from_regex(regex.pattern)
+    validator = jsonschema.Draft202012Validator(schema)
+    right = [7, "s", True, None, None, None]
+    for length in range(7):
+        values = [right[:length]] + [right[:i] + [{"x": 1}] + right[i + 1:length] for i in range(length)]
+        for value in values:
+            for text in texts(value):
+                assert bool(regex.fullmatch(text)) == validator.is_valid(value), (schema, text)
+                assert through_grammar(grammar, text) == validator.is_valid(value), (schema, text)
+        items = [json.dumps(v) for v in right[:length]]
+        malformed = ["[," + ",".join(items) + "]", "[" + ",".join(items) + ",]"]
+        malformed += ["[" + "".join(items) + "]"] * (length > 1)
+        malformed += ["[" + ",".join(items[:k]) + ",," + ",".join(items[k:]) + "]" for k in range(1, length)]
+        for text in malformed:
+            assert not regex.fullmatch(text), (schema, text)
+
+
+def test_tuple_regex_grows_linearly():
+    """Each item of a tuple past minItems nests one optional group: the size grows with the items, linearly,
+    up to MAX_OPTIONAL of them; the token-mask compiler takes the deepest."""
+    sizes = [len(schema_regex({"type": "array", "prefixItems": [INT] * n, "items": False})) for n in (16, 32, 64)]
+    assert sizes[2] - sizes[1] == 2 * (sizes[1] - sizes[0]), sizes
+    regex = schema_regex({"type": "array", "prefixItems": [INT] * 64, "items": False})
+    grammar = Grammar.from_regex(regex)
+    for n in (0, 1, 63, 64, 65):
+        text = json.dumps(list(range(n)))
+        assert bool(re.fullmatch(regex, text)) == through_grammar(grammar, text) == (n <= 64), n
+    regex = schema_regex({"type": "array", "prefixItems": [INT] * 100, "minItems": 36, "maxItems": 100})
+    assert re.fullmatch(regex, json.dumps(list(range(36)))) and not re.fullmatch(regex, json.dumps(list(range(35))))
 
 
 def test_string_and_number_syntax():
@@ -344,6 +447,13 @@ def random_schema(rng: random.Random, depth: int, kind: str | None = None) -> di
     elif kind in ("integer", "number"):
         schema.update(rng.choice([{}, {"minimum": 0}, {"minimum": 1}, {"minimum": -5, "maximum": 20}, {"maximum": 3},
                                   {"exclusiveMinimum": 1, "exclusiveMaximum": 7}]))
+    elif kind == "array" and rng.random() < 0.4:  # a tuple, with a rest or none
+        prefix = [random_schema(rng, depth - 1) for _ in range(rng.randint(1, 3))]
+        low = rng.randint(0, len(prefix) + 1)
+        schema.update(prefixItems=prefix, items=rng.choice([False, random_schema(rng, depth - 1)]), minItems=low,
+                      **rng.choice([{}, {"maxItems": low + 1}]))
+        if schema["items"] is False and low > len(prefix):
+            schema["items"] = random_schema(rng, depth - 1)
     elif kind == "array":
         low = rng.randint(0, 2)
         schema.update(items=random_schema(rng, depth - 1), minItems=low, **rng.choice([{}, {"maxItems": low + 2}]))
@@ -372,8 +482,10 @@ def random_instance(rng: random.Random, schema: dict):
             return round(rng.uniform(low, high), 3) + 0.0  # + 0.0: never -0.0
         return rng.randint(low, high)
     if kind == "array":
-        count = rng.randint(schema["minItems"], schema.get("maxItems", schema["minItems"] + 3))
-        return [random_instance(rng, schema["items"]) for _ in range(count)]
+        prefix = schema.get("prefixItems", [])
+        most = schema.get("maxItems", schema["minItems"] + 3)
+        count = rng.randint(schema["minItems"], most if schema["items"] is not False else min(most, len(prefix)))
+        return [random_instance(rng, prefix[i] if i < len(prefix) else schema["items"]) for i in range(count)]
     if kind == "object":
         return {name: random_instance(rng, sub) for name, sub in schema["properties"].items()
                 if name in schema["required"] or rng.random() < 0.5}
@@ -388,23 +500,45 @@ def mutations(rng: random.Random, schema: dict, value: dict) -> list[dict]:
         out.append({k: v for k, v in value.items() if k != gone})
     for name in value:
         sub = schema["properties"][name]
-        out.append({**value, name: WRONG[sub["type"]] if "type" in sub else "not in the enum"})
+        out.append({**value, name: wrong(sub)})
+        if "prefixItems" not in sub:
+            continue
+        items = value[name]
+        if items:  # a tuple's first item of the wrong type
+            out.append({**value, name: [wrong(sub["prefixItems"][0])] + items[1:]})
+        most = min(sub.get("maxItems", math.inf), len(sub["prefixItems"]) if sub["items"] is False else math.inf)
+        if len(items) == most:  # one item too many
+            out.append({**value, name: items + [None]})
+        if items and len(items) == sub["minItems"]:  # one too few
+            out.append({**value, name: items[:-1]})
     return out
 
 
+def wrong(schema: dict):
+    """A value invalid under a schema of random_schema's."""
+    return WRONG[schema["type"]] if "type" in schema else "not in the enum"
+
+
 def test_random_schemas():
-    """Random instances of random schemas match their regex; mutated instances do not."""
+    """Random instances of random schemas (jsonschema's verdict: valid) match their regex; mutated instances
+    (invalid) do not."""
     rng = random.Random(7)
-    for _ in range(60):
+    tuples = 0
+    for _ in range(120):
         schema = random_schema(rng, 3, "object")
         regex = re.compile(schema_regex(schema))
+        validator = jsonschema.Draft202012Validator(schema)
+        tuples += '"prefixItems"' in json.dumps(schema)
         for _ in range(8):
             value = random_instance(rng, schema)
+            assert validator.is_valid(value), (schema, value)
             for text in texts(value):
                 assert regex.fullmatch(text), (schema, text)
             for bad in mutations(rng, schema, value):
+                assert not validator.is_valid(bad), (schema, bad)
                 for text in texts(bad):
                     assert not regex.fullmatch(text), (schema, text)
+    assert tuples >= 10, tuples
 
 
 def through_grammar(grammar: Grammar, text: str) -> bool:
@@ -642,8 +776,17 @@ REFUSED = [  # (schema, the path the message starts with)
     ({"type": "number", "maximum": 0.5}, "schema.maximum"),
     ({"type": "number", "minimum": 0, "exclusiveMaximum": 2.5}, "schema.exclusiveMaximum"),
     ({"type": "object", "properties": {"p": {"type": "number", "minimum": -0.1}}}, "schema.properties.p.minimum"),
-    ({"type": "array", "prefixItems": [{}]}, "schema.prefixItems"),
-    ({"type": "array", "items": [{}]}, "schema.items"),
+    ({"type": "array", "prefixItems": [{}], "items": [{}]}, "schema.items"),
+    ({"type": "array", "prefixItems": {"type": "integer"}}, "schema.prefixItems"),
+    ({"type": "array", "items": False, "minItems": 1}, "schema.items"),
+    ({"type": "array", "prefixItems": [{}, {}], "items": False, "minItems": 3}, "schema.items"),
+    ({"type": "array", "items": [{}], "additionalItems": False, "minItems": 2}, "schema.additionalItems"),
+    ({"type": "array", "prefixItems": [{}, False], "minItems": 2}, "schema.prefixItems[1]"),
+    ({"type": "array", "prefixItems": [{"not": {}}]}, "schema.prefixItems[0].not"),
+    ({"type": "array", "items": [{}], "additionalItems": {"uniqueItems": True}}, "schema.additionalItems.uniqueItems"),
+    ({"type": "array", "prefixItems": [{}] * 65}, "schema.prefixItems"),
+    ({"$defs": {"t": {"type": "array", "prefixItems": [{"$ref": "#/$defs/t"}], "minItems": 1}}, "$ref": "#/$defs/t"},
+     "schema.$defs.t.prefixItems[0].$ref"),
     ({"type": "array", "uniqueItems": True}, "schema.uniqueItems"),
     ({"type": "array", "contains": {}}, "schema.contains"),
     ({"type": "array", "maxItems": 1001}, "schema.maxItems"),
@@ -689,9 +832,9 @@ def test_refused(schema, path):
     assert str(raised.value).startswith(path + ":"), str(raised.value)
 
 
-KEYWORDS = ["type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "minLength",
-            "maxLength", "pattern", "format", "minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum", "enum",
-            "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "title"]
+KEYWORDS = ["type", "properties", "required", "additionalProperties", "items", "prefixItems", "additionalItems",
+            "minItems", "maxItems", "minLength", "maxLength", "pattern", "format", "minimum", "exclusiveMinimum",
+            "maximum", "exclusiveMaximum", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "title"]
 ODD_VALUES = [None, True, False, 0, -1, 1.5, 2000, "", "string", "#", "#/$defs/a", "date", "(", "[a-z]+", [], ["a"],
               [{}], [1, "x"], {}, {"a": {}}, {"type": "string"}, [["x"]], [{"type": "integer"}, True]]
 
@@ -728,5 +871,8 @@ def test_refusals_say_what_is_supported():
         schema_regex({"type": "string", "format": "ipv4"})
     with pytest.raises(SchemaError, match="at most 64"):
         schema_regex(optional_properties(65))
+    with pytest.raises(SchemaError, match="supported: .*additionalItems, .*prefixItems, ") as raised:
+        schema_regex({"type": "array", "uniqueItems": True})
+    assert "'uniqueItems' is not supported" in str(raised.value)
     assert re.fullmatch(schema_regex(optional_properties(64)), '{"p3":1,"p63":2}')
     assert issubclass(SchemaError, ValueError)
