@@ -61,7 +61,7 @@ def tls_dataplane(tiny_qwen3_dir, tmp_path_factory):
         assert process.poll() is None, "the data plane exited"
         address, health_address = re.search(r"ready on (127\.0\.0\.1:\d+) \(TLS\), health on (127\.0\.0\.1:\d+):",
                                             log.read_text()).groups()
-        assert _health(health_address) == "SERVING"
+        wait_until(lambda: _health(health_address) == "SERVING", 30, "the data plane's plaintext health", poll=0.2)
         yield dict(address=address, health_address=health_address, ca=str(cert), other_ca=str(other_ca),
                    folder=folder, log=log)
     finally:
