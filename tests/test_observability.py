@@ -545,7 +545,7 @@ def test_slow_connections_cannot_keep_a_scrape_out(metrics_server, monkeypatch):
     assert len(closed_after) == metrics.MAX_SCRAPES and max(closed_after) < 5, closed_after
 
 
-def test_connections_past_the_cap_queue_rather_than_lose_their_syn(metrics_server):
+def test_connections_past_the_cap_queue_rather_than_lose_their_syn(metrics_server, monkeypatch):
     """While every slot is taken, the kernel queues the connections that come (up to LISTEN_BACKLOG)
     instead of dropping their SYNs, each of which would cost its client a one-second retry."""
     import socket
@@ -554,6 +554,7 @@ def test_connections_past_the_cap_queue_rather_than_lose_their_syn(metrics_serve
     from tests.reliability import wait_until
     from twinplane.controlplane import metrics
 
+    monkeypatch.setattr(metrics, "SCRAPE_TIMEOUT", 60.0)  # no slot or wait ends while the test counts the queue
     def accept_queue() -> tuple[int, int]:  # a listening socket's TCP_INFO: unacked = queued, sacked = the cap
         info = metrics_server.socket.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
         fields = struct.unpack_from("8B6I", info)
