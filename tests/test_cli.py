@@ -805,22 +805,17 @@ def test_chat_template_takes_a_file_or_the_template_and_must_compile(tmp_path):
 
 
 def test_a_data_plane_on_port_0_says_the_ports_it_got():
-    import threading
-
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from tests.reliability import wait_until
+    from tests.reliability import ProcessLog
 
     process = subprocess.Popen([*CLI, "dataplane", "--model", "dummy:tiny-qwen3", "--device", "cpu", "--listen",
                                 "127.0.0.1:0", "--insecure", "--health-listen", "127.0.0.1:0"],
                                stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(process.stderr), daemon=True).start()  # reads it to the end
+    log = ProcessLog(process)
     try:
-        wait_until(lambda: any("data plane ready on" in line for line in lines) or process.poll() is not None, 120,
-                   "the data plane's ready line")
-        ready = re.search(r"ready on 127\.0\.0\.1:(\d+), health on 127\.0\.0\.1:(\d+):", "".join(lines))
+        ready = log.wait_for(r"ready on 127\.0\.0\.1:(\d+), health on 127\.0\.0\.1:(\d+):", 120)
         port, health_port = int(ready.group(1)), int(ready.group(2))
         assert 0 < port != health_port > 0
         with socket.create_connection(("127.0.0.1", port), timeout=10):
