@@ -50,14 +50,14 @@ _TOKEN_ID = re.compile(r"-?[0-9]{1,20}")  # a logit_bias key
 _INTS = ("top_k", "seed", "n", "max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens",
          "top_logprobs", "truncate_prompt_tokens", "priority", "prompt_logprobs")
 # request fields an error message may start with: an error's "param"
-PARAMS = frozenset((*SAMPLING_FIELDS, *_INTS, "messages", "prompt", "stop", "stop_token_ids", "allowed_token_ids",
-                    "bad_words", "logprobs", "logit_bias",
+PARAMS = frozenset((*SAMPLING_FIELDS, *_INTS, "model", "messages", "prompt", "stop", "stop_token_ids",
+                    "allowed_token_ids", "bad_words", "logprobs", "logit_bias",
                     "skip_special_tokens", "stream_options", "response_format", "echo", "include_stop_str_in_output",
                     "return_tokens_as_token_ids", "ignore_eos", "stream", "best_of",
                     "tokens", "modalities", *CHAT_OPTIONS, *TOOL_FIELDS, *UNSUPPORTED,
                     "input", "instructions", "text", "previous_response_id", "conversation", "background", "include",
                     "structured_outputs", *GUIDED, "include_reasoning", "reasoning_effort", "add_special_tokens",
-                    "spaces_between_special_tokens", "reasoning", "truncation", "max_tool_calls"))
+                    "spaces_between_special_tokens", "reasoning", "truncation", "max_tool_calls", "metadata"))
 FINISH_REASONS = {FinishReason.STOP_TOKEN: "stop", FinishReason.STOP_STRING: "stop",
                   FinishReason.LENGTH: "length", FinishReason.ABORTED: "abort"}
 

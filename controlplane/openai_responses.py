@@ -41,6 +41,9 @@ ROLES = ("user", "assistant", "system", "developer")
 TRUNCATIONS = ("auto", "disabled")
 MAX_TOP_LOGPROBS = 20  # the API's bound on top_logprobs
 TEXT_PARTS = ("input_text", "output_text", "text")
+SUMMARIES = ("auto", "concise", "detailed")  # reasoning.summary's values
+# the API's bounds on metadata: its pairs, and the characters of a key and of a value
+MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
 def _fail(message: str) -> None:
@@ -152,6 +155,7 @@ def chat_body(body: dict) -> dict:
         _fail("instructions must be a string")
     if body.get("truncation") not in (None, *TRUNCATIONS):
         _fail(f"truncation must be auto or disabled, got {json.dumps(body['truncation'])[:40]}")
+    _check_metadata(body.get("metadata"))
     limit = body.get("max_tool_calls")  # of built-in tools, which this server runs none of: nothing to limit
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
         _fail(f"max_tool_calls must be an integer >= 0, got {json.dumps(limit)[:40]}")
@@ -179,14 +183,30 @@ def chat_body(body: dict) -> dict:
     return chat
 
 
+def _check_metadata(metadata) -> None:
+    """metadata, which the response repeats as sent: string values under string keys, within the API's bounds
+    (anything else would come back in a response that the API's own types refuse)."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA or not all(
+            isinstance(v, str) and len(k) <= MAX_METADATA_KEY and len(v) <= MAX_METADATA_VALUE
+            for k, v in metadata.items()):
+        _fail(f"metadata must be an object of at most {MAX_METADATA} string values, each under a key of at most "
+              f"{MAX_METADATA_KEY} characters and of at most {MAX_METADATA_VALUE} characters, got "
+              f"{json.dumps(metadata)[:80]}")
+
+
 def _reasoning_effort(reasoning) -> str | None:
-    """reasoning.effort (its summary is taken and unused: no model here writes a summary of its reasoning)."""
+    """reasoning.effort (its summary is checked, since the response repeats it, and unused: no model here writes
+    a summary of its reasoning)."""
     if reasoning is None:
         return None
     effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
     if not isinstance(reasoning, dict) or effort not in (None, *REASONING_EFFORTS):
         _fail(f"reasoning must be an object whose effort is one of {', '.join(REASONING_EFFORTS)}, got "
               f"{json.dumps(reasoning)[:80]}")
+    if reasoning.get("summary") not in (None, *SUMMARIES):
+        _fail(f"reasoning.summary must be one of {', '.join(SUMMARIES)}, got {json.dumps(reasoning['summary'])[:80]}")
     return effort
 
 

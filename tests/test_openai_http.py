@@ -604,14 +604,16 @@ def test_version_answers_without_a_key(base_url):
 
 def test_bodies_json_cannot_hold_get_400(base_url):
     with httpx.Client(timeout=30, headers={"authorization": f"Bearer {KEY}"}) as http:
-        for body, words in (("[" * 100_000, "nests"), ('{"prompt": "hi", "max_tokens": ' + "9" * 5000 + "}", "number"),
-                            ('{"prompt": "hi \\ud800"}', "prompt is not valid Unicode"),
-                            ('{"prompt": "hi", "model": [' + ",".join(["[]"] * 1000) + "]}", "model must be a string")):
+        for body, words, param in (
+                ("[" * 100_000, "nests", None), ('{"prompt": "hi", "max_tokens": ' + "9" * 5000 + "}", "number", None),
+                ('{"prompt": "hi \\ud800"}', "prompt is not valid Unicode", "prompt"),
+                ('{"prompt": "hi", "model": [' + ",".join(["[]"] * 1000) + "]}", "model must be a string", "model")):
             response = http.post(base_url + "/v1/completions", content=body,
                                  headers={"content-type": "application/json"})
             assert response.status_code == 400, response.text
             error = response.json()["error"]
             assert error["type"] == "invalid_request_error" and words in error["message"]
+            assert error["param"] == param
 
 
 def test_a_large_body_is_parsed_off_the_event_loop(base_url, model, monkeypatch):

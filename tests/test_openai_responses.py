@@ -171,10 +171,19 @@ def test_a_function_call_cut_by_max_output_tokens_is_incomplete(client):
     ({"input": "hi", "max_tool_calls": -1}, "max_tool_calls", "max_tool_calls must be an integer >= 0, got -1"),
     ({"input": "hi", "reasoning": {"effort": "extreme"}}, "reasoning",
      'reasoning must be an object whose effort is one of none, minimal, low, medium, high, xhigh, max, got {"effort"'),
+    # the response repeats these as sent: what the API's types refuse would come back in it
+    ({"input": "hi", "reasoning": {"summary": "long"}}, "reasoning",
+     'reasoning.summary must be one of auto, concise, detailed, got "long"'),
+    ({"input": "hi", "metadata": "run 7"}, "metadata", 'metadata must be an object of at most 16 string values'),
+    ({"input": "hi", "metadata": {"run": 7}}, "metadata", 'got {"run": 7}'),
+    ({"input": "hi", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16 string values"),
+    ({"input": "hi", "metadata": {"k" * 65: "v"}}, "metadata", "a key of at most 64 characters"),
+    ({"input": "hi", "metadata": {"k": "v" * 513}}, "metadata", "of at most 512 characters"),
 ], ids=["previous-response", "built-in-tool", "image-item", "image-part", "no-input", "max-output-tokens",
         "unknown-format", "unknown-function", "instructions-number", "call-arguments", "no-call-id",
         "output-logprobs", "reasoning-text", "include-not-a-list", "top-logprobs-string", "top-logprobs-negative",
-        "truncation", "max-tool-calls", "reasoning-effort"])
+        "truncation", "max-tool-calls", "reasoning-effort", "reasoning-summary", "metadata-string",
+        "metadata-number", "metadata-17-pairs", "metadata-long-key", "metadata-long-value"])
 def test_what_the_server_cannot_do_gets_400(client, request_fields, param, words):
     reply = httpx.post(f"{client.base_url}responses", json={"model": "scripted", **request_fields}, timeout=30)
     assert reply.status_code == 400, reply.text
@@ -193,9 +202,10 @@ def test_reasoning_effort_reaches_the_template_and_the_settings_come_back(client
                             Limits(4096, 4096), "r", chat=True).calls
     assert call.prompt.chat_options.template_kwargs == {"enable_thinking": True, "reasoning_effort": "high"}
     assert "reasoning_effort" not in chat_body({"input": "hi", "reasoning": {"summary": "auto"}})
-    request = dict(model="scripted", input="Hello!", reasoning={"effort": "low", "summary": "auto"}, max_tool_calls=2)
+    request = dict(model="scripted", input="Hello!", reasoning={"effort": "low", "summary": "auto"}, max_tool_calls=2,
+                   metadata={"run": "7"})
     whole = client.responses.create(**request)
-    assert whole.output_text == ANSWER
+    assert whole.output_text == ANSWER and whole.metadata == {"run": "7"}
     assert (whole.reasoning.effort, whole.reasoning.summary, whole.max_tool_calls, whole.truncation) == (
         "low", "auto", 2, "disabled")
     _, last = _streamed(client, **request, truncation="auto")
