@@ -16,6 +16,13 @@ import grpc
 from twinplane.clients.client import AsyncClient
 
 GREEDY = dict(temperature=0, ignore_eos=True)
+# Graceful-shutdown tests stream a short request that must end within the grace period and a long one that must
+# not. The model is large enough that the long one cannot end in time on any machine: its 8,000 tokens read the
+# weights (270 MB or more) 8,000 times, 20 s at 100 GB/s. A token takes ~45 ms on an idle 2-core machine and up
+# to ~10 times that beside other work, so 8 tokens leave room. (With a tiny model, 4,000 tokens took 5-6 s on
+# the 2-core machine: some outlasted 6 s of grace, some did not.)
+DRAIN_MODEL = ["--model", "dummy:smollm2-135m", "--device", "cpu", "--block-size", "16", "--max-model-len", "8192"]
+DRAIN_SHORT, DRAIN_LONG = 8, 8000
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str, poll: float = 0.02) -> None:

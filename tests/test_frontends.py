@@ -19,8 +19,8 @@ import grpc
 import psutil
 import pytest
 
-from tests.reliability import (GREEDY, ProcessLog, all_blocks_free, greedy_references, running_streams,
-                               tokens_async, wait_until)
+from tests.reliability import (DRAIN_LONG, DRAIN_MODEL, DRAIN_SHORT, GREEDY, ProcessLog, all_blocks_free,
+                               greedy_references, running_streams, tokens_async, wait_until)
 from tests.test_e2e_reference import random_prompts
 from twinplane.clients.client import AsyncClient, Client
 from twinplane.controlplane.config import ControlPlaneConfig
@@ -172,9 +172,9 @@ async def _sigterm_on_two_frontends(address: str, control: subprocess.Popen) -> 
     found = await _clients_by_frontend(address, 2, per_frontend=1)
     try:
         clients = [found[0][0], found[1][0]]
-        shorts = [c.generate(token_ids=[11 + i] * 20, max_tokens=100, **GREEDY).__aiter__()
+        shorts = [c.generate(token_ids=[11 + i] * 20, max_tokens=DRAIN_SHORT, **GREEDY).__aiter__()
                   for i, c in enumerate(clients)]
-        longs = [c.generate(token_ids=[21 + i] * 20, max_tokens=4000, **GREEDY).__aiter__()
+        longs = [c.generate(token_ids=[21 + i] * 20, max_tokens=DRAIN_LONG, **GREEDY).__aiter__()
                  for i, c in enumerate(clients)]
         firsts = [await stream.__anext__() for stream in shorts + longs]
         control.send_signal(signal.SIGTERM)
@@ -202,12 +202,9 @@ async def _sigterm_on_two_frontends(address: str, control: subprocess.Popen) -> 
 
 
 def test_sigterm_drains_every_frontend_and_a_dead_frontend_stops_the_control_plane(tmp_path):
-    # With 150-token short streams and 3 s of grace this failed now and then after other test
-    # files: those streams needed 1.6-1.8 s after SIGTERM even on an idle 2-core machine.
     grace = 6.0
     dp_address = f"unix://{tmp_path}/dp.sock"
-    dataplane = subprocess.Popen([*CLI, "dataplane", "--model", "dummy:tiny-qwen3", "--device", "cpu",
-                                  "--block-size", "16", "--listen", dp_address], stdin=subprocess.DEVNULL)
+    dataplane = subprocess.Popen([*CLI, "dataplane", *DRAIN_MODEL, "--listen", dp_address], stdin=subprocess.DEVNULL)
 
     def control_plane() -> tuple[subprocess.Popen, ProcessLog, str, list[psutil.Process]]:
         # on any free port, which its start-up line (INFO) names
@@ -228,7 +225,7 @@ def test_sigterm_drains_every_frontend_and_a_dead_frontend_stops_the_control_pla
         assert len(children) == 2  # the other frontend and the engine core
         report = asyncio.run(_sigterm_on_two_frontends(address, control))
         assert report["new_requests"] == [grpc.StatusCode.UNAVAILABLE] * 2  # both stop accepting at once
-        assert report["shorts"] == [100, 100]  # in-flight streams finish within the grace period
+        assert report["shorts"] == [DRAIN_SHORT, DRAIN_SHORT]  # in-flight streams finish within the grace period
         assert [code for code, _ in report["longs"]] == [grpc.StatusCode.UNAVAILABLE] * 2
         assert grace - 1.0 < report["longs"][0][1] < grace + 5  # ended when the grace period ran out
         assert control.wait(grace + 20) == 0

@@ -13,12 +13,10 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from tests.reliability import GREEDY, all_blocks_free, tokens_async, wait_until
+from tests.reliability import DRAIN_LONG, DRAIN_MODEL, DRAIN_SHORT, GREEDY, all_blocks_free, tokens_async, wait_until
 from twinplane.clients.client import AsyncClient, Client
 
 CLI = [sys.executable, "-m", "twinplane.clients.cli", "--log-level", "WARNING"]
-# A 150-token short stream needed 1.3-1.4 s after SIGTERM on an idle 2-core machine; 100
-# tokens and 6 s leave room for a busy one.
 GRACE = 6.0
 
 
@@ -46,8 +44,8 @@ async def _read_until_it_ends(stream) -> tuple:
 async def _sigterm_with_streams_in_flight(address: str, sigterm: Callable[[], None]) -> dict:
     report = {}
     async with AsyncClient(address) as client:
-        short = client.generate(token_ids=[11] * 20, max_tokens=100, **GREEDY).__aiter__()
-        long = client.generate(token_ids=[12] * 20, max_tokens=4000, **GREEDY).__aiter__()
+        short = client.generate(token_ids=[11] * 20, max_tokens=DRAIN_SHORT, **GREEDY).__aiter__()
+        long = client.generate(token_ids=[12] * 20, max_tokens=DRAIN_LONG, **GREEDY).__aiter__()
         firsts = [await short.__anext__(), await long.__anext__()]
         long_ends = asyncio.create_task(_read_until_it_ends(long))
         sigterm()
@@ -65,7 +63,7 @@ async def _sigterm_with_streams_in_flight(address: str, sigterm: Callable[[], No
 
 def _assert_drained(report: dict) -> None:
     assert report["new_request"] == grpc.StatusCode.UNAVAILABLE  # stops accepting at once
-    assert len(report["short"]) == 100  # in-flight streams may finish within the grace period
+    assert len(report["short"]) == DRAIN_SHORT  # in-flight streams may finish within the grace period
     code, details, waited = report["long"]
     assert code == grpc.StatusCode.UNAVAILABLE and "shut down" in details
     assert GRACE - 0.5 < waited < GRACE + 5  # ended when the grace period ran out, not at once
@@ -73,8 +71,7 @@ def _assert_drained(report: dict) -> None:
 
 def test_sigterm_on_the_control_plane_drains_then_ends_the_rest(tmp_path):
     dp_address, cp_address = f"unix://{tmp_path}/dp.sock", f"unix://{tmp_path}/cp.sock"
-    dataplane = _start("dataplane", "--model", "dummy:tiny-qwen3", "--device", "cpu", "--block-size", "16",
-                       "--listen", dp_address)
+    dataplane = _start("dataplane", *DRAIN_MODEL, "--listen", dp_address)
     control = _start("controlplane", "--dataplane", dp_address, "--listen", cp_address,
                      "--shutdown-grace", str(GRACE))
     try:
@@ -120,8 +117,7 @@ def test_sigterm_to_the_process_group_of_serve_drains_as_sigterm_to_serve_alone(
     closes): serve's engine core and data plane ignore the signal, serve drains its streams with them,
     then stops them."""
     address = f"unix://{tmp_path}/cp.sock"
-    serve = subprocess.Popen([*CLI, "serve", "--model", "dummy:tiny-qwen3", "--device", "cpu", "--block-size", "16",
-                              "--listen", address, "--shutdown-grace", str(GRACE)],
+    serve = subprocess.Popen([*CLI, "serve", *DRAIN_MODEL, "--listen", address, "--shutdown-grace", str(GRACE)],
                              stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         with Client(address) as client:
