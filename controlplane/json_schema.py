@@ -10,12 +10,18 @@ The JSON is compact, with one optional space after each ``:`` and ``,`` (``{"a":
 and ``{"a":1,"b":[1,2]}`` both match). Every match is valid, but where a schema allows more than a
 regex offers at a sane size, the regex offers a part of it (see ``schema_regex``). What it cannot
 express it refuses with a ``SchemaError`` naming the schema path.
+
+Strings of a ``pattern`` or a ``format`` (both parsed into a tree of the value's characters) may have
+``minLength`` and ``maxLength`` too: the tree is fitted into the length range (``_Fit``), and refused only
+where no match of it has a length in range.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
+import itertools
 import json
 import math
 import re
@@ -25,6 +31,10 @@ from twinplane.controlplane.grammar import regex_literal
 MAX_REGEX = 200_000  # characters; a schema needing a larger regex is refused
 MAX_COUNT = 1000  # the largest count of a {n,m} quantifier
 MAX_OPTIONAL = 64  # optional properties per object
+MAX_LENGTH_SEARCH = 4096  # how far past its least length in range a pattern fitted into one may go
+# the work one pattern's fit may take: runs of lengths shifted (~0.1 s; a URI's fit takes ~3,000, a crafted
+# pattern of many repetitions with lengths in steps millions, seconds of a tokenizer thread)
+MAX_FIT_RUNS = 200_000
 MAX_SCHEMAS = 50_000  # subschemas a schema's regex may visit ($refs expanded again and again count each time)
 
 _SEP, _COLON = ",[ ]?", ":[ ]?"
@@ -43,16 +53,63 @@ _BOUNDS_SUPPORTED = ("supported: for integers any minimum, maximum, exclusiveMin
                      "exclusive bounds as numbers or, next to minimum and maximum, as true (draft 4); magnitudes "
                      f"below 1e{MAX_COUNT}")
 
+# The formats, as patterns of the string's value (their characters need no JSON escapes); each is offered
+# whole, or fitted into minLength and maxLength as a pattern is.
 _DATE = ("(?:[0-9]{4}-(?:(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])|(?:0[13-9]|1[0-2])-(?:29|30)|(?:0[13578]|1[02])-31)"
          "|(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:[02468][048]|[13579][26])00)-02-29)")  # leap days too
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+\-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_IPV4 = r"(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])(?:\.(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])){3}"
+_H16 = "[0-9A-Fa-f]{1,4}"
+_LS32 = f"(?:{_H16}:{_H16}|{_IPV4})"
+# RFC 4291's text forms as RFC 3986 writes them: eight groups, or "::" standing for one or more zero groups
+# with i groups at most before it and the rest after it (the last two groups maybe an IPv4 address)
+_IPV6 = "(?:" + "|".join([f"(?:{_H16}:){{6}}{_LS32}"] + [
+    ("" if i == 0 else f"(?:{_H16})?" if i == 1 else f"(?:(?:{_H16}:){{0,{i - 1}}}{_H16})?") + "::" +
+    (f"(?:{_H16}:){{{5 - i}}}{_LS32}" if i <= 5 else _H16 if i == 6 else "") for i in range(8)]) + ")"
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9\-]{0,61}[A-Za-z0-9])?"
+# RFC 1123 labels, the last one starting with a letter (so that no hostname reads as an IPv4 address)
+_HOSTNAME = rf"(?:{_LABEL}\.)*[A-Za-z](?:[A-Za-z0-9\-]{{0,61}}[A-Za-z0-9])?"
+# URIs (RFC 3986) with an authority, as URL parsers (WHATWG's, Python's) also take them: a registered name's
+# labels hold no "--" (no "xn--" label, which IDNA would have to decode) and its last starts with a letter (no
+# IPv4 address to read, as "a.1" would be); ports up to 65535; a file URI has no user or port. The parts that
+# are short in practice are bounded (a scheme of at most 32 characters, a user of 64, a host of 9 labels), so
+# that under maxLength the room goes to the path, the query and the fragment.
+_PCT = "%[0-9A-Fa-f]{2}"
+_PCHAR = rf"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@]|{_PCT})"
+_QUERY = rf"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/?]|{_PCT})*"  # a query's characters, and a fragment's
+_SCHEME_CHAR = r"[A-Za-z0-9+.\-]"
+# any scheme but file (which WHATWG parsers take with a host only): one not starting with f, or f and then not "ile"
+_NOT_FILE = (rf"(?:[A-EG-Za-eg-z]{_SCHEME_CHAR}{{0,31}}|[Ff](?:[A-HJ-Za-hj-z0-9+.\-]{_SCHEME_CHAR}{{0,30}}|[Ii](?:"
+             rf"[A-KM-Za-km-z0-9+.\-]{_SCHEME_CHAR}{{0,29}}|[Ll](?:[A-DF-Za-df-z0-9+.\-]{_SCHEME_CHAR}{{0,28}}|[Ee]"
+             rf"{_SCHEME_CHAR}{{1,28}})?)?)?)")
+_HOST = rf"(?:\[{_IPV6}\]|{_IPV4}|(?:[A-Za-z0-9](?:-?[A-Za-z0-9]){{0,62}}\.){{0,8}}[A-Za-z](?:-?[A-Za-z0-9]){{0,62}})"
+_PORT = "(?:[0-9]|[1-9][0-9]{1,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
+_AUTHORITY = rf"(?:(?:[A-Za-z0-9\-._~!$&'()*+,;=:]|{_PCT}){{0,64}}@)?{_HOST}(?::{_PORT})?"  # a user maybe, a host
+_PATH = rf"(?:/{_PCHAR}*)*"
+_AFTER_PATH = rf"(?:\?{_QUERY})?(?:#{_QUERY})?"
+_URI = rf"(?:{_NOT_FILE}://{_AUTHORITY}|[Ff][Ii][Ll][Ee]://{_HOST}){_PATH}{_AFTER_PATH}"
+# a network path, an absolute path, a relative one (no ":" before its first "/") or none, then a query, a fragment
+_RELATIVE_REF = (rf"(?://{_AUTHORITY}{_PATH}|/(?:{_PCHAR}+{_PATH})?|(?:[A-Za-z0-9\-._~!$&'()*+,;=@]|{_PCT})+"
+                 rf"{_PATH})?{_AFTER_PATH}")
+_NUMERAL = "[0-9]+"
+_DURATION_TIME = f"T(?:{_NUMERAL}H(?:{_NUMERAL}M(?:{_NUMERAL}S)?)?|{_NUMERAL}M(?:{_NUMERAL}S)?|{_NUMERAL}S)"
 _FORMATS = {
     "date": _DATE,
     "time": _TIME,
     "date-time": f"{_DATE}T{_TIME}",
     "uuid": "[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}",
     "email": r"[A-Za-z0-9_%+\-]+(?:\.[A-Za-z0-9_%+\-]+)*@[A-Za-z0-9\-]+(?:\.[A-Za-z0-9\-]+)*\.[A-Za-z]{2,}",
+    "uri": _URI,
+    "uri-reference": f"(?:{_URI}|{_RELATIVE_REF})",
+    "ipv4": _IPV4,
+    "ipv6": _IPV6,
+    "hostname": _HOSTNAME,
+    # JSON Schema's (draft 2019-09, appendix A): "P", then a date part (days; months, maybe days; years, maybe
+    # months and days) maybe followed by a time part, or only a time part, or weeks
+    "duration": (f"P(?:(?:{_NUMERAL}D|{_NUMERAL}M(?:{_NUMERAL}D)?|{_NUMERAL}Y(?:{_NUMERAL}M"
+                 f"(?:{_NUMERAL}D)?)?)(?:{_DURATION_TIME})?|{_DURATION_TIME}|{_NUMERAL}W)"),
 }
+_FORMAT_LENGTHS = {"hostname": (1, 253)}  # the lengths a format allows of itself (RFC 1123: 253 characters)
 
 _ANNOTATIONS = {"title", "description", "examples", "default", "$schema", "$id", "$comment", "deprecated",
                 "readOnly", "writeOnly", "$defs", "definitions", "discriminator"}
@@ -83,6 +140,10 @@ class SchemaError(ValueError):
     """A schema this module cannot express as a regex; the message names the schema path."""
 
 
+class _TooVaried(Exception):
+    """A pattern whose fit into minLength and maxLength would take more than MAX_FIT_RUNS."""
+
+
 class _Cut(SchemaError):
     """A recursive $ref past max_depth: the branch holding it is left out wherever the schema has another."""
 
@@ -102,6 +163,18 @@ def schema_regex(schema: dict, max_depth: int = 4) -> str:
     - a ``pattern`` is matched whole (as if anchored); it describes the string's value, so the
       characters JSON escapes (quote, backslash, control characters) come escaped in the text; of ``\\d \\w
       \\s`` the ASCII characters, and ``\\D \\W \\S`` and classes negating them only ASCII ones;
+    - a ``pattern`` or a ``format`` beside ``minLength`` or ``maxLength`` is fitted into the range: its
+      repetitions' counts narrowed (``[a-z]+`` with maxLength 20: ``[a-z]{1,20}``) and its alternatives that
+      cannot fit left out, so that every match has a length in range; the room for length is shared among the
+      parts that can grow (an email's domain grows as its name does), each part then offering its share of it
+      (see ``_Fit``); lengths past minLength (or the pattern's least) + MAX_LENGTH_SEARCH are not offered;
+    - formats (``date, time, date-time, uuid, email, uri, uri-reference, ipv4, ipv6, hostname, duration``)
+      as these parts of them: emails of ASCII letters, digits and ``_%+-``, a domain ending in letters; URIs
+      with an authority (``scheme://host``), no IPvFuture, and of the hosts, registered names of labels
+      without ``--`` (``xn--``) whose last one starts with a letter, as URL parsers take them (the WHATWG URL
+      standard reads ``http://a.1`` as an invalid IPv4 address), and no user or port in a ``file:`` URI;
+      hostnames (at most 253 characters) whose last label starts with a letter; IPv4 addresses without leading
+      zeros;
     - enum values and integers as written (``1``, not ``1.0``); with bounds, numbers without an exponent
       (``0.001``, not ``1e-3``) and no ``-0`` (nor ``-0.0``); with ``minLength`` or ``maxLength``, no
       surrogate escapes (``\\ud83d\\ude00``): a character past U+FFFF comes as itself, one as ``len`` counts;
@@ -198,12 +271,15 @@ def _members(members: list[tuple[str, bool]]) -> str:
     return first if needed else f"(?:{first})?"
 
 
-def _count(schema: dict, key: str, path: str, default: int | None) -> int | None:
+def _count(schema: dict, key: str, path: str, default: int | None, most: int | None = MAX_COUNT) -> int | None:
+    """The count schema[key], a whole number from 0 to most (None: any), or default where it has none."""
     if key not in schema:
         return default
     value = schema[key]
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNT:
-        raise SchemaError(f"{path}.{key}: must be a whole number from 0 to {MAX_COUNT} (larger counts are not "
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= (value if most is None else most):
+        if most is None:
+            raise SchemaError(f"{path}.{key}: must be a whole number, 0 or more, got {value!r}")
+        raise SchemaError(f"{path}.{key}: must be a whole number from 0 to {most} (larger counts are not "
                           f"supported), got {value!r}")
     return value
 
@@ -381,24 +457,52 @@ def _digit_range(first: int, last: int) -> str:
 
 
 def _string(schema: dict, path: str) -> str:
-    kinds = [key for key in ("pattern", "format", "minLength", "maxLength") if key in schema]
-    if len(kinds) > 1 and kinds[:2] != ["minLength", "maxLength"]:
-        raise SchemaError(f"{path}.{kinds[1]}: cannot be combined with {kinds[0]} (a regex cannot intersect them)")
+    """A string: of the pattern or the format, fitted into minLength and maxLength where the schema has them;
+    or of any characters, as many as they allow."""
+    if "pattern" in schema and "format" in schema:
+        raise SchemaError(f"{path}.format: cannot be combined with pattern (a regex cannot intersect them)")
+    if "pattern" not in schema and "format" not in schema:
+        low, high = _count(schema, "minLength", path, 0), _count(schema, "maxLength", path, None)
+        if high is not None and low > high:
+            raise SchemaError(f"{path}.maxLength: {high} is below minLength {low}")
+        return f'"{_repeat(_CODE_POINT, low, high)}"' if "minLength" in schema or "maxLength" in schema else _STRING
+    # maxLength only narrows the pattern's counts, so it may be past MAX_COUNT (2083: Pydantic's HttpUrl)
+    low, high = _count(schema, "minLength", path, 0), _count(schema, "maxLength", path, None, None)
+    if high is not None and low > high:
+        raise SchemaError(f"{path}.maxLength: {high} is below minLength {low}")
     if "pattern" in schema:
         pattern = schema["pattern"]
         if not isinstance(pattern, str):
             raise SchemaError(f"{path}.pattern: must be a string, got {pattern!r}")
-        return f'"(?:{_pattern_regex(pattern, path + ".pattern")})"'
-    if "format" in schema:
-        regex = _FORMATS.get(schema["format"]) if isinstance(schema["format"], str) else None
+        tree = _pattern_tree(pattern, path + ".pattern")
+        try:
+            regex = _fitted(tree, low, high) if "minLength" in schema or "maxLength" in schema else _tree_regex(tree)
+        except _TooVaried:
+            raise SchemaError(f"{path}.pattern: fitting it into minLength and maxLength takes too long (the lengths "
+                              "of its repetitions are too varied); simplify the pattern or drop the lengths") from None
         if regex is None:
-            raise SchemaError(f"{path}.format: format {schema['format']!r} is not supported; supported: "
-                              f"{', '.join(_FORMATS)}")
+            raise SchemaError(f"{path}.pattern: no match of {pattern!r} has a length {_length_range(low, high)} "
+                              "(minLength to maxLength)")
         return f'"{regex}"'
-    low, high = _count(schema, "minLength", path, 0), _count(schema, "maxLength", path, None)
-    if high is not None and low > high:
-        raise SchemaError(f"{path}.maxLength: {high} is below minLength {low}")
-    return f'"{_repeat(_CODE_POINT, low, high)}"' if "minLength" in schema or "maxLength" in schema else _STRING
+    name = schema["format"]
+    if not isinstance(name, str) or name not in _FORMATS:
+        raise SchemaError(f"{path}.format: format {name!r} is not supported; supported: {', '.join(_FORMATS)}")
+    regex = _format_regex(name, low, high)
+    if regex is None:
+        floor, ceiling = _FORMAT_LENGTHS.get(name, (0, None))
+        own = f" (its own length is {_length_range(floor, ceiling)})" if name in _FORMAT_LENGTHS else ""
+        raise SchemaError(f"{path}.format: no {name!r} string{own} has a length {_length_range(low, high)} "
+                          "(minLength to maxLength)")
+    return f'"{regex}"'
+
+
+@functools.lru_cache(maxsize=256)
+def _format_regex(name: str, low: int, high: int | None) -> str | None:
+    """The regex of the JSON texts of the format's strings with a length from low to high (None where none)."""
+    tree = _pattern_tree(_FORMATS[name], f"format {name}")
+    floor, ceiling = _FORMAT_LENGTHS.get(name, (0, None))
+    low, high = max(low, floor), ceiling if high is None else high if ceiling is None else min(high, ceiling)
+    return _tree_regex(tree) if (low, high) == (0, None) else _fitted(tree, low, high)
 
 
 def _holds_ref(schema) -> bool:
@@ -647,10 +751,48 @@ class _Builder:
         return r"\[" + (run if low else f"(?:{run})?") + r"\]"
 
 
-# --- a string's pattern, as the regex of the JSON text of its matches --------------------------------
+# --- a string's pattern, as a tree of the characters of its matches ------------------------------------
+#
+# A pattern (or a format) parses into a tree whose leaves are single characters of the string's value, each
+# held as the regex of its JSON text (escaped or not): sequences, alternations and repetitions over them.
+# The tree gives the regex of the JSON text of the pattern's matches; with minLength or maxLength, it is first
+# fitted into the length range: the counts of its repetitions narrowed, the alternatives that cannot fit left
+# out, so that every match of the result has a length in range (and matches the pattern).
 
-def _pattern_regex(pattern: str, path: str) -> str:
-    """The regex of the JSON text (between the quotes) of the strings that match pattern whole.
+@dataclasses.dataclass(frozen=True, eq=False)  # eq=False: hashed by identity, so cheap to keep facts about
+class _Char:
+    """One character of the value; regex: a single atom matching its JSON text."""
+    regex: str
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Seq:
+    items: tuple
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Alt:
+    branches: tuple
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Rep:
+    child: object
+    low: int
+    high: int | None  # None: unbounded
+
+
+def _seq(items) -> object:
+    items = tuple(items)
+    return items[0] if len(items) == 1 else _Seq(items)
+
+
+def _alt(branches) -> object:
+    return branches[0] if len(branches) == 1 else _Alt(tuple(branches))
+
+
+def _pattern_tree(pattern: str, path: str):
+    """The tree of the strings that match pattern whole.
 
     The pattern describes the string's value: the characters it allows that JSON escapes come in
     their escaped form, so that ``.*`` or ``[^@]+`` never lets a bare quote end the string early.
@@ -663,45 +805,322 @@ def _pattern_regex(pattern: str, path: str) -> str:
     text = pattern[1:] if pattern.startswith("^") else pattern
     if text.endswith("$") and (len(text) - 1 - len(text[:-1].rstrip("\\"))) % 2 == 0:
         text = text[:-1]
-    out, i, depth, last = [], 0, 0, None  # last: what came before, "atom", "quantifier", "lazy" or None
+    groups = [([], [])]  # per open group: its alternatives read, and the items of the one being read
+    i, last = 0, None  # last: what came before, "atom", "quantifier", "lazy" or None
     while i < len(text):
         quantifier, group = _QUANTIFIER.match(text, i), _GROUP.match(text, i)
+        branches, items = groups[-1]
         if quantifier and quantifier[0] == "?" and last == "quantifier":  # lazy: the same strings
             i, last = i + 1, "lazy"
         elif quantifier:
             if last != "atom":
                 fail(f"a quantifier with nothing to repeat at {i}")
             if quantifier[0] in "*+?":
-                out.append(quantifier[0])
+                low, high = {"*": (0, None), "+": (1, None), "?": (0, 1)}[quantifier[0]]
             else:
                 low = int(quantifier[1] or 0)
                 high = (int(quantifier[3]) if quantifier[3] else None) if quantifier[2] else low
                 if max(low, high or 0) > MAX_COUNT or (high is not None and high < low):
                     fail(f"the quantifier {quantifier[0]} (counts from 0 to {MAX_COUNT}, in order)")
-                out.append(_counts(low, high))
+            items[-1] = _Rep(items[-1], low, high)
             i, last = quantifier.end(), "quantifier"
         elif text[i] == "(":
             if text.startswith("(?", i) and not group[0].startswith("(?"):
                 fail(f"the group {text[i:i + 4]!r}... (lookarounds, flags)")
-            out.append("(?:")
-            i, depth, last = group.end(), depth + 1, None
+            groups.append(([], []))
+            i, last = group.end(), None
         elif text[i] == ")":
-            if not depth:
+            if len(groups) == 1:
                 fail(f"an unbalanced ) at {i}")
-            out.append(")")
-            i, depth, last = i + 1, depth - 1, "atom"
+            groups.pop()
+            groups[-1][1].append(_alt(branches + [_seq(items)]))
+            i, last = i + 1, "atom"
         elif text[i] == "|":
-            out.append("|")
+            branches.append(_seq(items))
+            groups[-1] = (branches, [])
             i, last = i + 1, None
         elif text[i] in "^$":
             fail(f"the anchor {text[i]} at {i}")
         else:
             atom, i = _pattern_atom(text, i, fail)
-            out.append(atom)
+            items.append(_Char(atom))
             last = "atom"
-    if depth:
+    if len(groups) > 1:
         fail("an unclosed (")
-    return "".join(out)
+    branches, items = groups[0]
+    return _alt(branches + [_seq(items)])
+
+
+def _tree_regex(node) -> str:
+    """The regex of the JSON texts (between the quotes) of the strings node matches."""
+    if isinstance(node, _Char):
+        return node.regex
+    if isinstance(node, _Seq):
+        return "".join(map(_tree_regex, node.items))
+    if isinstance(node, _Alt):
+        return f"(?:{'|'.join(map(_tree_regex, node.branches))})"
+    if node.high == 0:
+        return ""
+    inner = _tree_regex(node.child)
+    if node.low == node.high == 1:
+        return inner
+    atom = inner if isinstance(node.child, (_Char, _Alt)) else f"(?:{inner})"
+    if node.low == node.high and node.low > MAX_COUNT:  # a count past what a quantifier holds, in two
+        thousands, rest = divmod(node.low, MAX_COUNT)
+        return f"(?:{atom}{{{MAX_COUNT}}}){_counts(thousands, thousands)}" + _repeat(atom, rest, rest)
+    return atom + _counts(node.low, node.high)
+
+
+def _length_range(low: int, high: int | None) -> str:
+    return f"from {low} to {high}" if high is not None else f"of {low} or more"
+
+
+def _fitted(tree, low: int, high: int | None) -> str | None:
+    """The regex of the JSON texts of tree's matches with a length from low to high (None: unbounded), or
+    None where it has none; every match of it has a length in range, but it may leave some out (see _Fit), those
+    more than MAX_LENGTH_SEARCH past the least length in range among them."""
+    fit = _Fit(tree, low, high)
+    if not fit.some(tree, low, fit.high):
+        return None
+    return _tree_regex(fit.fit(tree, low, fit.high))
+
+
+def _spread(budget, room: list, weights: list) -> list:
+    """budget (maybe math.inf) shared out in proportion to weights, as far as room (each part's most, maybe
+    math.inf) allows; what a part has no room for goes to the others."""
+    if budget == math.inf:
+        return list(room)
+    out, open_ = [0] * len(room), [i for i, r in enumerate(room) if r > 0]
+    while budget > 0 and open_:
+        total = sum(weights[i] for i in open_)
+        shares = [budget * weights[i] // total for i in open_]
+        if not any(shares):  # less than one each: one each to the first ones
+            for i in open_[:budget]:
+                out[i] += 1
+            break
+        for i, share in zip(open_, shares):
+            given = min(share, room[i] - out[i])
+            out[i], budget = out[i] + given, budget - given
+        open_ = [i for i in open_ if out[i] < room[i]]
+    return out
+
+
+def _bit_runs(bits: int):
+    """The runs of consecutive set bits of bits, as (first, last) positions, lowest first."""
+    while bits:
+        first = (bits & -bits).bit_length() - 1
+        ones = bits >> first
+        length = (~ones & (ones + 1)).bit_length() - 1
+        yield first, first + length - 1
+        bits = ones >> length << (first + length)
+
+
+class _Fit:
+    """Fits a tree into a length range [low, high]. ``lengths`` is the set of the lengths of a node's matches,
+    as a bit set (bit n set: some match has n characters), kept up to ``top`` (MAX_LENGTH_SEARCH past the least
+    length in range the tree may have, or high): the lengths a fit needs are found there.
+
+    ``fit(node, low, high)`` (a node with a match of a length in range) is a node whose every match is one of
+    node's, with a length in range. A sequence finds lengths of its items that add up to the least length in
+    range, each item's share of it in proportion to its ``weight`` (the items that have a match anyway first),
+    widens each item's range around its share by the room left below and above, shared out by weight alike,
+    fits each item into its range, and gives what an item could not use (its lengths come in steps) to the
+    first that can. An alternation keeps the alternatives with a match in range, fitted. A repetition takes
+    the count n nearest to a balance of copies and their length (about half the square root of what the range
+    allows: fewer, longer copies) for which copies of one length from low/n to high/n exist, fits its child
+    into that and narrows the counts to what then stays in range; where no count does, it takes copies of
+    different lengths, in runs of equal ones (``(?:a|bcd){2}`` of length 4: ``a`` then ``bcd``).
+    """
+
+    def __init__(self, tree, low: int, high: int | None):
+        self.sets, self.spans, self.weights, self.runs = {}, {}, {}, 0
+        # lengths are looked through from the least in range on; a maxLength far past it is taken as that plus
+        # MAX_LENGTH_SEARCH: the counts under it multiply into the size of the token grammar's automaton
+        start = max(low, self.span(tree)[0])
+        self.high = math.inf if high is None else min(high, start + MAX_LENGTH_SEARCH)
+        self.top = start + MAX_LENGTH_SEARCH if high is None else self.high
+        self.mask = (1 << self.top + 1) - 1
+
+    def span(self, node) -> tuple:
+        """The least and the greatest length of node's matches (math.inf: unbounded)."""
+        if node not in self.spans:
+            if isinstance(node, _Char):
+                span = (1, 1)
+            elif isinstance(node, _Seq):
+                spans = [self.span(item) for item in node.items]
+                span = (sum(s[0] for s in spans), sum(s[1] for s in spans))
+            elif isinstance(node, _Alt):
+                spans = [self.span(branch) for branch in node.branches]
+                span = (min(s[0] for s in spans), max(s[1] for s in spans))
+            else:
+                low, high = self.span(node.child)
+                if node.high == 0 or high == 0:
+                    span = (0, 0)
+                else:
+                    span = (node.low * low, math.inf if node.high is None else node.high * high)
+            self.spans[node] = span
+        return self.spans[node]
+
+    def weight(self, node) -> int:
+        """How many unbounded repetitions node holds (an alternation: its alternative holding most), at least 1:
+        the parts of a sequence share the room for length in proportion to it, so that a part made of parts
+        that each grow (an email's domain; a URI's path) gets more than one that grows only in one place."""
+        return max(self._unbounded(node), 1)
+
+    def _unbounded(self, node) -> int:
+        if node not in self.weights:
+            if isinstance(node, _Char):
+                count = 0
+            elif isinstance(node, _Seq):
+                count = sum(map(self._unbounded, node.items))
+            elif isinstance(node, _Alt):
+                count = max(map(self._unbounded, node.branches))
+            else:
+                count = (node.high is None) + self._unbounded(node.child)
+            self.weights[node] = count
+        return self.weights[node]
+
+    def lengths(self, node) -> int:
+        if node not in self.sets:
+            if isinstance(node, _Char):
+                bits = 2 & self.mask
+            elif isinstance(node, _Seq):
+                bits = 1
+                for item in node.items:
+                    bits = self._sum(bits, self.lengths(item))
+            elif isinstance(node, _Alt):
+                bits = 0
+                for branch in node.branches:
+                    bits |= self.lengths(branch)
+            else:  # the lengths of low copies, then of up to high - low more (each maybe none: length 0)
+                child = self.lengths(node.child)
+                more = self.top if node.high is None else min(node.high - node.low, self.top)
+                bits = self._sum(self._power(child, node.low), self._power(child | 1, more))
+            self.sets[node] = bits
+        return self.sets[node]
+
+    def some(self, node, low: int, high) -> bool:
+        """Whether node has a match of a length from low to high (up to top)."""
+        high = min(high, self.top)
+        return low <= high and bool(self.lengths(node) >> low & (1 << high - low + 1) - 1)
+
+    def _least(self, bits: int, low: int) -> int:
+        """The least length in bits from low on (there is one)."""
+        above = bits >> low
+        return low + (above & -above).bit_length() - 1
+
+    def _sum(self, a: int, b: int) -> int:
+        """The lengths a + b, for a in a and b in b: a shifted over each run of b (the one with fewer runs)."""
+        if not a or not b:
+            return 0
+        runs_a, runs_b = ((x & ~(x << 1)).bit_count() for x in (a, b))
+        if runs_a < runs_b:
+            a, b, runs_b = b, a, runs_a
+        self.runs += runs_b
+        if self.runs > MAX_FIT_RUNS:
+            raise _TooVaried
+        out = 0
+        for first, last in _bit_runs(b):
+            bits, done = (a << first) & self.mask, 0  # bits holds a shifted by first to first + done
+            while done < last - first:
+                step = min(done + 1, last - first - done)
+                bits, done = (bits | bits << step) & self.mask, done + step
+            out |= bits
+        return out
+
+    def _power(self, bits: int, count: int) -> int:
+        """The lengths of count copies (by squaring)."""
+        out = 1
+        while count:
+            if count & 1:
+                out = self._sum(out, bits)
+            count >>= 1
+            if count:
+                bits = self._sum(bits, bits)
+        return out
+
+    def fit(self, node, low: int, high):
+        least, most = self.span(node)
+        if low <= least and most <= high:
+            return node
+        if isinstance(node, _Alt):
+            return _alt([self.fit(b, low, high) for b in node.branches if self.some(b, low, high)])
+        if isinstance(node, _Seq):
+            return self._fit_seq(node.items, low, high)
+        return self._fit_rep(node, low, high)
+
+    def _fit_seq(self, items: tuple, low: int, high):
+        sets, after = [self.lengths(item) for item in items], [1]  # after[i]: the lengths of items[i:]
+        for bits in reversed(sets):
+            after.append(self._sum(bits, after[-1]))
+        after.reverse()
+        total = self._least(after[0], low)
+        spans, weights = [self.span(item) for item in items], [self.weight(item) for item in items]
+        # the length past the items' least: to the items that have a match anyway first (an optional part stays
+        # optional where it can), then to the rest
+        room = [most - least for least, most in spans]
+        extra = _spread(total - sum(s[0] for s in spans), [r if s[0] else 0 for r, s in zip(room, spans)], weights)
+        more = _spread(total - sum(s[0] for s in spans) - sum(extra), [r - e for r, e in zip(room, extra)], weights)
+        extra = [e + m for e, m in zip(extra, more)]
+        shares, rest = [], total
+        for i, bits in enumerate(sets):  # each item's share: a length of it nearest its part of the extra
+            target = spans[i][0] + extra[i]  # length that leaves a length the items after it make up
+            share = next(n for d in range(rest + target + 1) for n in (target - d, target + d)
+                         if 0 <= n <= rest and bits >> n & 1 and after[i + 1] >> rest - n & 1)
+            shares.append(share)
+            rest -= share
+        ups = _spread(high - total, [most - share for (_, most), share in zip(spans, shares)], weights)
+        downs = _spread(total - low, [share - least for (least, _), share in zip(spans, shares)], weights)
+        lows = [share - down for share, down in zip(shares, downs)]
+        fitted = [self.fit(item, least, share + up) for item, least, share, up in zip(items, lows, shares, ups)]
+        if high < math.inf:  # what an item left of its room (its lengths come in steps) goes to the first that
+            for i, item in enumerate(items):  # can take it
+                spare = high - sum(self.span(node)[1] for node in fitted)
+                longest = self.span(fitted[i])[1]
+                if spare <= 0:
+                    break
+                if longest < min(shares[i] + ups[i], spans[i][1]):
+                    fitted[i] = self.fit(item, lows[i], longest + spare)
+        return _Seq(tuple(fitted))
+
+    def _fit_rep(self, node: _Rep, low: int, high):
+        child, least = node.child, max(self.span(node.child)[0], 1)
+        most = min(MAX_COUNT if node.high is None else node.high, high // least)
+        # enough copies that their least length need not rise (where it can), and under maxLength a balance of
+        # copies and their length: about half the square root of what the range allows (fewer, longer copies)
+        target = -(-low // least)
+        if high < math.inf:
+            target = max(target, math.isqrt(high // least) // 2)
+        counts = [n for n in range(max(node.low, 1), most + 1)
+                  if self.some(child, -(-low // n), high // n if high < math.inf else high)]
+        if not counts:
+            if low == node.low == 0:  # no copy at all
+                return _Seq(())
+            return self._fit_copies_apart(node, low, high)
+        count = min(counts, key=lambda n: (abs(n - target), -n))
+        fitted = self.fit(child, -(-low // count), high // count if high < math.inf else high)
+        shortest, longest = self.span(fitted)
+        fewest = max(node.low, -(-low // shortest)) if low else node.low
+        most = node.high if node.high is not None else math.inf
+        if high < math.inf and longest:
+            most = min(most, high // longest, MAX_COUNT)
+        return _Rep(fitted, fewest, None if most == math.inf else most)
+
+    def _fit_copies_apart(self, node: _Rep, low: int, high):
+        """node, a repetition, fitted to one length in range, made of copies of different lengths."""
+        bits = self.lengths(node.child)
+        total = self._least(self.lengths(node), low)
+        powers = [1]  # powers[n]: the lengths of n copies
+        while len(powers) <= node.low or not powers[-1] >> total & 1:
+            powers.append(self._sum(powers[-1], bits))
+        shares, rest = [], total
+        for left in range(len(powers) - 1, 0, -1):  # the longest copy first, so that equal lengths run together
+            share = next(n for n in range(min(rest, shares[-1] if shares else rest), -1, -1)
+                         if bits >> n & 1 and powers[left - 1] >> rest - n & 1)
+            shares.append(share)
+            rest -= share
+        return _seq([_Rep(self.fit(node.child, share, share), len(run), len(run))
+                     for share, run in ((s, list(r)) for s, r in itertools.groupby(shares))])
 
 
 def _pattern_atom(text: str, i: int, fail) -> tuple[str, int]:

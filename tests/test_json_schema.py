@@ -6,14 +6,23 @@ random schemas with instances and mutations of them; and the schemas refused, ea
 
 from __future__ import annotations
 
+import collections
+import datetime
+import ipaddress
 import itertools
 import json
 import math
 import random
 import re
+import time
+import string
+import urllib.parse
+import uuid
 from fractions import Fraction
+from typing import Annotated
 
 import jsonschema
+import pydantic
 import pytest
 
 from twinplane.controlplane.grammar import Grammar
@@ -120,6 +129,48 @@ CASES = [  # (name, schema, valid instances, invalid instances)
      ["123e4567e89b12d3a456426614174000", "123e4567-e89b-12d3-a456-42661417400g"]),
     ("email", {"type": "string", "format": "email"}, ["a.b+c@example.com", "x@mail.example.org"],
      ["not an email", "a@b", "@example.com", "a b@example.com"]),
+    ("uri", {"type": "string", "format": "uri"},
+     ["http://example.com/a?b=c#d", "https://user:pw@example.com:8080/p/q.html?x=1&y=2#top", "ftp://[::1]/",
+      "git+ssh://host.example/repo", "file://host/p", "http://192.168.0.1:80/", "HTTP://EXAMPLE.COM", "f://a",
+      "files://u@h:1", "http://a/%7Euser/?q=a%20b"],
+     ["//example.com", "/a/b", "example.com", "", "http://a.1", "http://1.2.3.4.5", "file://u@h/", "FILE://h:1",
+      "http://a:65536/", "http://xn--abc.com", "http://a--b.com", "http:// a", "http://a/%zz", "1http://a",
+      "http://a:08", "http://a/\\b", "http://a/b c"]),  # a.1: an IPv4 address to WHATWG; xn--: one for IDNA
+    ("uri-reference", {"type": "string", "format": "uri-reference"},
+     ["", "/a/b?c#d", "a/b:c", "//host/p", "?q", "#f", "http://example.com", ".", "../x"],
+     ["a b", "%zz", "[x]", "#a#b", "http://exa mple.com", "//a b", "a:b/c:"]),
+    ("ipv4", {"type": "string", "format": "ipv4"}, ["192.168.0.1", "0.0.0.0", "255.255.255.255", "10.0.20.9"],
+     ["256.1.1.1", "01.2.3.4", "1.2.3", "1.2.3.4.5", "1.2.3.4 ", "1.2.3.-4"]),
+    ("ipv6", {"type": "string", "format": "ipv6"},
+     ["::", "::1", "1:2:3:4:5:6:7:8", "fe80::1:2", "::ffff:192.0.2.1", "1:2:3:4:5:6:7::", "::2:3:4:5:6:7:8", "1::8",
+      "ABCD:ef01::", "1:2:3:4:5:6:1.2.3.4", "0000:0000::0001"],
+     ["1:2:3:4:5:6:7:8:9", "1::2::3", ":1:2", "12345::", "1.2.3.4", "::ffff:256.1.1.1", "1:2:3:4:5:6:7",
+      "1:2:3:4:5:6:7:1.2.3.4", "g::", "::1%eth0"]),
+    ("hostname", {"type": "string", "format": "hostname"},
+     ["example.com", "a", "xn--bcher-kva.example", "a-b.c0", "A" * 46 + ".b", "a.b.c.d.e"],
+     ["-a.com", "a-.com", "a..b", "", "a" * 64 + ".com", "1.2.3.4", "a_b.com", "example.com.", "a." * 127 + "a"]),
+    ("duration", {"type": "string", "format": "duration"},
+     ["P3Y6M4DT12H30M5S", "PT0S", "P1W", "P1D", "P1M", "PT36H", "P0D", "P2M1D", "PT1M1S", "P1YT1S"],
+     ["P", "PT", "P1H", "P1Y1D", "1D", "P1.5D", "P1W1D", "PT1D", "P1DT", "p1d"]),
+    ("pattern with maxLength", {"type": "string", "pattern": "^[a-z]+$", "maxLength": 5}, ["a", "abcde"],
+     ["", "abcdef", "ABC"]),
+    ("pattern with lengths", {"type": "string", "pattern": "[a-z]+@[a-z]+", "minLength": 5, "maxLength": 9},
+     ["ab@cd", "abcd@efgh", "abc@de"], ["a@b", "abcde@fghij", "abcd@e", "ab@c"]),
+    ("pattern with minLength", {"type": "string", "pattern": "(?:ab)+c?", "minLength": 5}, ["ababc", "abababc"],
+     ["abab", "abc", "ababa"]),
+    ("pattern with escapes and lengths", {"type": "string", "pattern": '["\\n]+x', "minLength": 3, "maxLength": 3},
+     ['"\nx', '""x', "\n\nx"], ['"x', '"""x', "x"]),  # an escaped character counts as one
+    ("pattern alternatives left out", {"type": "string", "pattern": "cat|horse|ox", "maxLength": 3}, ["cat", "ox"],
+     ["horse"]),
+    ("uri with Pydantic's HttpUrl lengths", {"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083},
+     ["http://example.com/a?b=c#d", "https://user:pw@example.com:8080/p/q.html?x=1&y=2#top",
+      "https://www.my-site.example.org/path/to/page.html?query=search+term&page=2#section-3",
+      "https://api.example.com/v2/users/12345/orders/latest", "http://a.b/" + "x" * 18],
+     ["http://example.com/" + "x" * 2100]),
+    ("date-time with maxLength", {"type": "string", "format": "date-time", "maxLength": 22},
+     ["2024-01-31T12:00:00Z", "2024-01-31T12:00:00.5Z"], ["2024-01-31T12:00:00.12Z", "2024-01-31T12:00:00+01:00"]),
+    ("uuid with its length", {"type": "string", "format": "uuid", "minLength": 36, "maxLength": 36},
+     ["123e4567-e89b-12d3-a456-426614174000"], ["123e4567e89b12d3a456426614174000"]),
     ("integer minimum 0", {"type": "integer", "minimum": 0}, [0, 7, 100], [-1, 1.5, "1"]),
     ("integer minimum 1", {"type": "integer", "minimum": 1}, [1, 10], [0, -1]),
     ("integer exclusiveMinimum 0", {"type": "integer", "exclusiveMinimum": 0}, [1, 20], [0, -3]),
@@ -793,9 +844,20 @@ REFUSED = [  # (schema, the path the message starts with)
     ({"type": "array", "minItems": 3, "maxItems": 2}, "schema.maxItems"),
     ({"type": "array", "minItems": -1}, "schema.minItems"),
     ({"type": "string", "maxLength": 5000}, "schema.maxLength"),
-    ({"type": "string", "pattern": "[a-z]+", "maxLength": 3}, "schema.maxLength"),
+    ({"type": "string", "pattern": "[a-z]{5}", "maxLength": 3}, "schema.pattern"),  # a fixed length past the range
+    ({"type": "string", "pattern": "a{1,3}|bc", "minLength": 4}, "schema.pattern"),  # a bounded one below it
+    ({"type": "string", "pattern": "(?:ab)+", "minLength": 3, "maxLength": 3}, "schema.pattern"),  # none between
+    ({"type": "string", "pattern": "a+", "minLength": 1001}, "schema.minLength"),
+    ({"type": "string", "pattern": "a+", "maxLength": -1}, "schema.maxLength"),
+    ({"type": "string", "pattern": "a+", "maxLength": True}, "schema.maxLength"),
+    ({"type": "string", "pattern": "a+", "minLength": 3, "maxLength": 2}, "schema.maxLength"),
+    ({"type": "string", "format": "uuid", "maxLength": 35}, "schema.format"),
+    ({"type": "string", "format": "ipv4", "minLength": 16}, "schema.format"),
+    ({"type": "string", "format": "hostname", "minLength": 254}, "schema.format"),  # at most 253 characters
+    ({"type": "string", "format": "email", "maxLength": 5}, "schema.format"),
+    ({"type": "string", "format": "uri", "pattern": "x"}, "schema.format"),
     ({"type": "string", "format": "date", "pattern": "x"}, "schema.format"),
-    ({"type": "array", "items": {"type": "string", "format": "hostname"}}, "schema.items.format"),
+    ({"type": "array", "items": {"type": "string", "format": "idn-hostname"}}, "schema.items.format"),
     ({"type": "string", "contentEncoding": "base64"}, "schema.contentEncoding"),
     ({"enum": []}, "schema.enum"),
     ({"const": float("nan")}, "schema.const"),  # no JSON text writes NaN or an infinity (1e400 reads as one)
@@ -867,8 +929,16 @@ def test_malformed_schemas_raise_schema_error():
 def test_refusals_say_what_is_supported():
     with pytest.raises(SchemaError, match="for numbers bounds that are whole numbers"):
         schema_regex({"type": "number", "minimum": 0, "maximum": 0.5})
-    with pytest.raises(SchemaError, match="supported: date, time, date-time, uuid, email"):
-        schema_regex({"type": "string", "format": "ipv4"})
+    with pytest.raises(SchemaError, match="supported: date, time, date-time, uuid, email, uri, uri-reference, ipv4, "
+                                          "ipv6, hostname, duration$"):
+        schema_regex({"type": "string", "format": "idn-email"})
+    with pytest.raises(SchemaError, match=r"^schema.pattern: no match of '\[a-z\]\{5\}' has a length from 0 to 3 "):
+        schema_regex({"type": "string", "pattern": "[a-z]{5}", "maxLength": 3})
+    with pytest.raises(SchemaError, match="^schema.format: no 'uuid' string has a length of 37 or more "):
+        schema_regex({"type": "string", "format": "uuid", "minLength": 37})
+    with pytest.raises(SchemaError, match="^schema.format: no 'hostname' string .its own length is from 1 to 253. "
+                                          "has a length from 254 to 300 "):
+        schema_regex({"type": "string", "format": "hostname", "minLength": 254, "maxLength": 300})
     with pytest.raises(SchemaError, match="at most 64"):
         schema_regex(optional_properties(65))
     with pytest.raises(SchemaError, match="supported: .*additionalItems, .*prefixItems, ") as raised:
@@ -876,3 +946,466 @@ def test_refusals_say_what_is_supported():
     assert "'uniqueItems' is not supported" in str(raised.value)
     assert re.fullmatch(schema_regex(optional_properties(64)), '{"p3":1,"p63":2}')
     assert issubclass(SchemaError, ValueError)
+
+
+# --- strings of a pattern or a format, fitted into minLength and maxLength ---------------------------------
+
+SAMPLE_POOL = [chr(c) for c in range(0x80)] + list("éß日本😀\u2028\u3000\x85\ud7ff\ue000\U0010ffff\u0663")
+SAMPLE_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v"}
+SAMPLE_QUANTIFIER = re.compile(r"[*+?]|\{(\d*)(,?)(\d*)\}")
+
+
+class RegexSampler:
+    """Random full matches of a regex of the subset schema_regex writes (characters, escapes, classes, groups,
+    | and quantifiers): a class's characters come from SAMPLE_POOL; a count is often the least or the most."""
+
+    def __init__(self, regex: str):
+        self.text, self.i, self.members = regex, 0, {}
+        self.tree = self._alternation()
+        assert self.i == len(regex), (regex, self.i)
+
+    def _alternation(self):
+        branches = [self._sequence()]
+        while self.text.startswith("|", self.i):
+            self.i += 1
+            branches.append(self._sequence())
+        return "alt", branches
+
+    def _sequence(self):
+        items = []
+        while self.i < len(self.text) and self.text[self.i] not in "|)":
+            atom = self._atom()
+            while (found := SAMPLE_QUANTIFIER.match(self.text, self.i)) and (found[1] or found[3] or found[0] in "*+?"):
+                self.i = found.end()
+                if found[0] in "*+?":
+                    low, high = {"*": (0, None), "+": (1, None), "?": (0, 1)}[found[0]]
+                else:
+                    low = int(found[1] or 0)
+                    high = (int(found[3]) if found[3] else None) if found[2] else low
+                atom = ("rep", atom, low, high)
+            items.append(atom)
+        return "seq", items
+
+    def _atom(self):
+        text, i = self.text, self.i
+        if text[i] == "(":
+            self.i = i + (3 if text.startswith("(?:", i) else 1)
+            inner = self._alternation()
+            assert text[self.i] == ")", (text, self.i)
+            self.i += 1
+            return inner
+        if text[i] == "[":
+            end = i + 1 + text.startswith("^", i + 1)
+            end += text.startswith("]", end)
+            while text[end] != "]":
+                end += 2 if text[end] == "\\" else 1
+            self.i = end + 1
+            return "class", text[i:end + 1]
+        if text[i] == "\\":
+            escaped = text[i + 1]
+            if escaped in "xu":
+                width = 2 if escaped == "x" else 4
+                self.i = i + 2 + width
+                return "char", chr(int(text[i + 2:i + 2 + width], 16))
+            self.i = i + 2
+            return ("class", text[i:i + 2]) if escaped in "dwsDWS" else ("char", SAMPLE_ESCAPES.get(escaped, escaped))
+        self.i = i + 1
+        return ("class", ".") if text[i] == "." else ("char", text[i])
+
+    def sample(self, rng: random.Random) -> str:
+        out = []
+        self._walk(self.tree, rng, out)
+        return "".join(out)
+
+    def _walk(self, node, rng: random.Random, out: list):
+        if node[0] == "char":
+            out.append(node[1])
+        elif node[0] == "class":
+            if node[1] not in self.members:
+                self.members[node[1]] = [c for c in SAMPLE_POOL if re.fullmatch(node[1], c)]
+            out.append(rng.choice(self.members[node[1]]))
+        elif node[0] == "seq":
+            for item in node[1]:
+                self._walk(item, rng, out)
+        elif node[0] == "alt":
+            self._walk(rng.choice(node[1]), rng, out)
+        else:
+            _, child, low, high = node
+            high = low + rng.choice([0, 1, 2, 4]) if high is None else high
+            for _ in range(rng.choice([low, high, rng.randint(low, high), rng.randint(low, min(high, low + 3))])):
+                self._walk(child, rng, out)
+
+
+def sampled_values(regex: str, rng: random.Random, count: int) -> list:
+    """count random strings the regex (of a JSON string) matches, read back from their JSON."""
+    sampler, compiled = RegexSampler(regex), re.compile(regex)
+    out = []
+    for _ in range(count):
+        text = sampler.sample(rng)
+        assert compiled.fullmatch(text), (regex, text)
+        out.append(json.loads(text))
+    return out
+
+
+def random_pattern(rng: random.Random, depth: int, top: bool = True) -> str:
+    """A pattern over a and b: characters, [ab], ., groups of alternatives nesting depth deep, quantifiers. Inside a
+    group only quantifiers that keep an item from matching empty, and on a group only bounded ones (Python's re
+    backtracks for ever on some (...)+)."""
+    items = []
+    for _ in range(rng.randint(1, 3 if top else 2)):
+        if depth and rng.random() < 0.35:
+            branches = [random_pattern(rng, depth - 1, False) for _ in range(rng.randint(1, 3))]
+            atom = rng.choice(["(", "(?:"]) + "|".join(branches) + ")"
+        else:
+            atom = rng.choice(["a", "b", "a", "b", "[ab]", "."])
+        unbounded = ["*", "+", "{2,}"] if atom[0] != "(" else []
+        items.append(atom + rng.choice(["", "", "{2}", "{1,3}"] + (["?", "{0,2}", "{3}"] + unbounded) * top))
+    return "".join(items)
+
+
+BRUTE_FORCE_LENGTH = 9  # the longest string over a, b tried for a match in range
+
+
+@pytest.mark.timeout(120)
+def test_pattern_lengths_random():
+    """For random patterns and random length ranges: every sampled match of the fitted regex matches the pattern
+    (Python's re), has a length in range and is valid to jsonschema; a fit is found whenever a string over a, b of
+    a length in range matches, and refused (naming the pattern and the range) only where none does, which is
+    checked for every length where the range ends at BRUTE_FORCE_LENGTH or below."""
+    rng = random.Random(2083)
+    counts = collections.Counter()
+    for case in range(600):
+        pattern = random_pattern(rng, 2)
+        low = rng.randint(0, 8)
+        high = rng.choice([None, low + rng.randint(0, 6)])
+        schema = {"type": "string", "pattern": pattern, "minLength": low}
+        schema.update({} if high is None else {"maxLength": high})
+        compiled = re.compile(pattern)
+        longest = BRUTE_FORCE_LENGTH if high is None else min(high, BRUTE_FORCE_LENGTH)
+        found = any(compiled.fullmatch("".join(s)) for n in range(low, longest + 1)
+                    for s in itertools.product("ab", repeat=n))
+        try:
+            regex = schema_regex(schema)
+        except SchemaError as exc:
+            assert not found, (schema, str(exc))
+            assert str(exc).startswith(f"schema.pattern: no match of {pattern!r} has a length "), str(exc)
+            counts["refused, checked" if high is not None and high <= BRUTE_FORCE_LENGTH else "refused"] += 1
+            continue
+        counts["fitted" if found else "fitted, no match over a, b found"] += 1
+        validator = jsonschema.Draft202012Validator(schema)
+        values = sampled_values(regex, rng, 30)
+        for value in values:
+            assert compiled.fullmatch(value), (schema, regex, value)
+            assert low <= len(value) and (high is None or len(value) <= high), (schema, regex, value)
+            assert validator.is_valid(value), (schema, regex, value)
+        if case % 10 == 0:
+            grammar = Grammar.from_regex(regex)
+            for value in values[:5]:
+                assert through_grammar(grammar, json.dumps(value, ensure_ascii=False)), (schema, regex, value)
+    assert counts["fitted"] > 350 and counts["refused, checked"] > 50, counts
+
+
+def test_pattern_lengths_fit_every_match():
+    """Repetitions narrowed (``+`` capped, lower counts raised), alternatives that cannot fit left out, copies of
+    different lengths where one length does not fit; every match in range, exhaustively for short ones."""
+    cases = [  # (pattern, minLength, maxLength, some of the values expected)
+        ("[a-z]+", 0, 3, ["a", "abc"]),
+        ("^[a-z]+$", 0, 20, ["a" * 20]),
+        ("(?:ab)+", 5, 7, ["ababab"]),
+        ("cat|horse|ox", 3, 4, ["cat"]),
+        ("(?:a|bc){2}", 3, 3, ["abc", "bca"]),  # one of them at least
+        ("(?:a|bcd){2}", 4, 4, ["abcd", "bcda"]),
+        ("(a?){3}", 1, 1, ["a"]),
+        ("(?:xy|z)*w", 4, 6, ["xyxyw", "zzzw"]),
+        ("[ab]{0,1000}", 990, 995, ["a" * 990]),
+        ("(?:a{1000}){5,}", 1, 7000, ["a" * 5000, "a" * 7000]),  # lengths far past minLength
+    ]
+    for pattern, low, high, some in cases:
+        regex = re.compile(schema_regex({"type": "string", "pattern": pattern, "minLength": low, "maxLength": high}))
+        offered = [v for v in some if regex.fullmatch(json.dumps(v))]
+        assert offered, (pattern, regex.pattern)
+        if high > 10:
+            continue
+        for n in range(high + 2):  # strings of the pattern's letters and one other
+            for chars in itertools.product(set(re.findall("[a-z]", pattern)) | {"q"}, repeat=n):
+                value = "".join(chars)
+                if regex.fullmatch(json.dumps(value)):
+                    assert re.fullmatch(pattern, value) and low <= len(value) <= high, (pattern, regex.pattern, value)
+
+
+def test_pattern_and_format_lengths_keep_regexes_small_and_counts_bounded():
+    """maxLength past MAX_COUNT (Pydantic's HttpUrl: 2083) is taken beside a pattern or a format, and the counts of
+    the regex stay within 1000; a plain string's maxLength is still bounded by it."""
+    for schema in [{"type": "string", "pattern": "[a-z]+", "maxLength": 5000},
+                   {"type": "string", "pattern": "(?:[a-z]+,)*[a-z]+", "minLength": 900, "maxLength": 10 ** 9},
+                   {"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083},
+                   {"type": "string", "format": "email", "maxLength": 320}]:
+        regex = schema_regex(schema)
+        assert len(regex) < 10_000, (schema, len(regex))
+        counts = [int(n) for n in re.findall(r"\{(\d+)(?:,(\d*))?\}", regex) for n in n if n]
+        assert max(counts) <= 1000, (schema, max(counts))
+        Grammar.from_regex(regex)
+    regex = schema_regex({"type": "string", "pattern": "[a-z]+", "maxLength": 5000})
+    assert re.fullmatch(regex, '"' + "a" * 1000 + '"') and not re.fullmatch(regex, '"' + "a" * 1001 + '"')
+    with pytest.raises(SchemaError, match="^schema.maxLength: must be a whole number from 0 to 1000"):
+        schema_regex({"type": "string", "maxLength": 1001})
+
+
+def test_a_pattern_too_costly_to_fit_is_refused_at_once():
+    """A crafted pattern (many repetitions whose lengths come in steps) would take seconds to fit into a length
+    range (~12 s for 2,000 of them); its fit stops at MAX_FIT_RUNS, where the same pattern without lengths and a
+    fit of a few of them still work."""
+    started = time.monotonic()
+    with pytest.raises(SchemaError, match=r"^schema.pattern: fitting it into minLength and maxLength takes too long"):
+        schema_regex({"type": "string", "pattern": "(?:aa)*" * 2000, "maxLength": 4000})
+    assert time.monotonic() - started < 10  # the cap, not the whole fit (which takes ~100 times the cap's work)
+    schema_regex({"type": "string", "pattern": "(?:aa)*" * 2000})
+    regex = schema_regex({"type": "string", "pattern": "(?:aa)*" * 5, "maxLength": 11})
+    assert re.fullmatch(regex, '"' + "a" * 10 + '"') and not re.fullmatch(regex, '"' + "a" * 12 + '"')
+
+
+def test_spare_length_spread_over_the_parts():
+    """The room below maxLength goes to every part that can grow, not to the first: an email's name and its
+    domain both grow; where a part's lengths come in steps, what it could not use goes to another part."""
+    regex = schema_regex({"type": "string", "format": "email", "maxLength": 40})
+    values = sampled_values(regex, random.Random(5), 400)
+    names, domains = zip(*(value.split("@") for value in values))
+    assert max(map(len, names)) >= 12 and max(map(len, domains)) >= 16, (regex, max(map(len, names)))
+    assert max(map(len, values)) <= 40
+    regex = re.compile(schema_regex({"type": "string", "format": "date-time", "maxLength": 22}))
+    assert regex.fullmatch('"2024-01-31T12:00:00.5Z"')  # the offset's room, too small for +01:00, to the fraction
+    regex = re.compile(schema_regex({"type": "string", "pattern": "[a-z]+@[a-z]+\\.[a-z]+", "maxLength": 30}))
+    for value in ["a" * 8 + "@b.c", "a@" + "b" * 8 + ".c", "a@b." + "c" * 8]:
+        assert regex.fullmatch(json.dumps(value)), (regex.pattern, value)
+
+
+def rfc3986(value: str, absolute: bool) -> bool:
+    """Whether value is a URI (absolute) or a URI reference by RFC 3986's grammar: split as its appendix B
+    does, each part checked for its characters, an IP literal with ipaddress."""
+    parts = re.fullmatch(r"(?:([^:/?#]+):)?(?://([^/?#]*))?([^?#]*)(?:\?([^#]*))?(?:#(.*))?", value)
+    scheme, authority, path, query, fragment = parts.groups()
+
+    def made_of(text, more: str) -> bool:
+        return text is None or bool(re.fullmatch(rf"(?:[A-Za-z0-9\-._~!$&'()*+,;={more}]|%[0-9A-Fa-f]{{2}})*", text))
+
+    if scheme is None and absolute or scheme is not None and not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.\-]*", scheme):
+        return False
+    if authority is not None:
+        user, at, host = authority.rpartition("@")
+        if at and not made_of(user, ":"):
+            return False
+        if host.startswith("["):
+            literal, _, port = host[1:].partition("]")
+            try:
+                ipaddress.IPv6Address(literal)
+            except ValueError:
+                return False
+            if port and not re.fullmatch(r":[0-9]*", port):
+                return False
+        else:
+            name, _, port = host.partition(":")
+            if not made_of(name, "") or not re.fullmatch(r"[0-9]*", port):
+                return False
+        if path and not path.startswith("/"):
+            return False
+    elif scheme is None and ":" in path.split("/")[0]:  # a relative path's first segment holds no ":"
+        return False
+    return made_of(path, ":@/") and made_of(query, ":@/?") and made_of(fragment, ":@/?")
+
+
+@pytest.mark.timeout(60)
+def test_format_uri_samples_parse():
+    """Every sampled uri is an RFC 3986 URI, has a scheme to urlsplit and validates as Pydantic's AnyUrl (the
+    WHATWG parser); every uri-reference is an RFC 3986 reference. HttpUrl's schema (uri, lengths 1 to 2083)
+    compiles, its samples are AnyUrls of at most 2083 characters, and HttpUrls where the scheme is http(s)."""
+    any_url, http_url = pydantic.TypeAdapter(pydantic.AnyUrl), pydantic.TypeAdapter(pydantic.HttpUrl)
+    http_schema = http_url.json_schema()
+    assert http_schema == {"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083}, http_schema
+    rng = random.Random(3986)
+    for schema in [{"type": "string", "format": "uri"}, http_schema,
+                   {"type": "string", "format": "uri", "minLength": 30, "maxLength": 60}]:
+        regex = schema_regex(schema)
+        grammar = Grammar.from_regex(regex)
+        for i, value in enumerate(sampled_values(regex, rng, 500)):
+            assert schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", math.inf), value
+            assert rfc3986(value, absolute=True), value
+            assert urllib.parse.urlsplit(value).scheme, value
+            any_url.validate_python(value)
+            if value.lower().startswith(("http://", "https://")):
+                http_url.validate_python(value)
+            if i < 20:
+                assert through_grammar(grammar, json.dumps(value)), value
+    for value in ["http://example.com/a?b=c#d", "https://www.example.org:8443/a/b.html?q=1#top"]:
+        assert re.fullmatch(schema_regex(http_schema), json.dumps(value))
+        http_url.validate_python(value)
+    regex = schema_regex({"type": "string", "format": "uri-reference"})
+    kinds = collections.Counter()
+    for value in sampled_values(regex, rng, 1500):
+        assert rfc3986(value, absolute=False), value
+        parts = urllib.parse.urlsplit(value)
+        kinds["absolute" if parts.scheme else "network" if parts.netloc else "path" if parts.path else "none"] += 1
+        if parts.scheme:
+            any_url.validate_python(value)
+    assert min(kinds.values()) >= 50, kinds
+    for value in ["http://exa mple.com", "a:b:c", "//a b", "%zz"]:
+        assert not rfc3986(value, absolute=False) or ":" in value, value  # the reference check refuses what it should
+
+
+def test_format_ip_addresses():
+    """Sampled ipv4 and ipv6 addresses parse with ipaddress; every text form of RFC 4291 is offered: Python's
+    compressed and exploded forms of random addresses, and IPv4-suffixed ones, all match."""
+    rng = random.Random(4291)
+    ipv4, ipv6 = schema_regex({"type": "string", "format": "ipv4"}), schema_regex({"type": "string", "format": "ipv6"})
+    for value in sampled_values(ipv4, rng, 500):
+        assert str(ipaddress.IPv4Address(value)) == value
+    forms = collections.Counter()
+    for value in sampled_values(ipv6, rng, 3000):
+        ipaddress.IPv6Address(value)
+        forms["::" if "::" in value else "eight groups"] += 1
+        forms["IPv4 suffix"] += "." in value
+    assert min(forms.values()) > 100, forms
+    compiled = re.compile(ipv6)
+    for _ in range(500):
+        address = ipaddress.IPv6Address(rng.choice([rng.getrandbits(128), rng.getrandbits(16) << rng.randrange(113),
+                                                    0xFFFF << 32 | rng.getrandbits(32), rng.getrandbits(64)]))
+        v4 = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+        groups = address.exploded.split(":")
+        for text in [str(address), address.exploded, address.compressed.upper(), ":".join(groups[:6]) + f":{v4}"]:
+            assert compiled.fullmatch(json.dumps(text)), text
+
+
+def rfc1123(name: str) -> bool:
+    """A host name by RFC 1123: at most 253 characters, labels of 1 to 63 letters, digits and hyphens, neither
+    starting nor ending with a hyphen."""
+    allowed = set(string.ascii_letters + string.digits + "-")
+    return len(name) <= 253 and all(0 < len(label) <= 63 and set(label) <= allowed and label[0] != "-" != label[-1]
+                                    for label in name.split("."))
+
+
+def test_format_hostname():
+    rng = random.Random(1123)
+    for schema in [{"type": "string", "format": "hostname"}, {"type": "string", "format": "hostname", "maxLength": 40},
+                   {"type": "string", "format": "hostname", "minLength": 100}]:
+        values = sampled_values(schema_regex(schema), rng, 500)
+        for value in values:
+            assert rfc1123(value) and schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", 253), value
+        if "maxLength" not in schema:
+            assert max(len(value.split(".")) for value in values) >= 4
+    assert rfc1123("a-b.c") and not rfc1123("a-.c") and not rfc1123("a" * 64) and not rfc1123("a." * 127 + "a")
+
+
+# the ISO 8601 duration of JSON Schema (draft 2019-09, appendix A), rule by rule
+DUR_SECOND = "[0-9]+S"
+DUR_MINUTE = f"[0-9]+M(?:{DUR_SECOND})?"
+DUR_HOUR = f"[0-9]+H(?:{DUR_MINUTE})?"
+DUR_TIME = f"T(?:{DUR_HOUR}|{DUR_MINUTE}|{DUR_SECOND})"
+DUR_DAY, DUR_WEEK = "[0-9]+D", "[0-9]+W"
+DUR_MONTH = f"[0-9]+M(?:{DUR_DAY})?"
+DUR_YEAR = f"[0-9]+Y(?:{DUR_MONTH})?"
+DUR_DATE = f"(?:{DUR_DAY}|{DUR_MONTH}|{DUR_YEAR})(?:{DUR_TIME})?"
+DURATION = re.compile(f"P(?:{DUR_DATE}|{DUR_TIME}|{DUR_WEEK})")
+
+
+def test_format_duration():
+    """The regex and the ABNF agree on every string of up to five parts (each a 1 and a designator, or T) after P,
+    on hand examples, and on samples."""
+    regex = re.compile(schema_regex({"type": "string", "format": "duration"}))
+    for good in ["P3Y6M4DT12H30M5S", "PT0S", "P1W"]:
+        assert DURATION.fullmatch(good) and regex.fullmatch(json.dumps(good)), good
+    for bad in ["P", "PT", "P1H"]:
+        assert not DURATION.fullmatch(bad) and not regex.fullmatch(json.dumps(bad)), bad
+    tokens, counts = ["1Y", "1M", "1W", "1D", "T", "1H", "1S", "12"], collections.Counter()
+    for n in range(6):
+        for parts in itertools.product(tokens, repeat=n):
+            value = "P" + "".join(parts)
+            expected = bool(DURATION.fullmatch(value))
+            assert bool(regex.fullmatch(json.dumps(value))) == expected, value
+            counts[expected] += 1
+    assert counts[True] > 50, counts
+    for value in sampled_values(regex.pattern, random.Random(8601), 500):
+        assert DURATION.fullmatch(value), value
+
+
+FORMAT_CHECKS = {  # a check of each format's values, independent of the regexes
+    "date": datetime.date.fromisoformat, "time": lambda v: datetime.time.fromisoformat(v.replace("Z", "+00:00")),
+    "date-time": lambda v: datetime.datetime.fromisoformat(v.replace("Z", "+00:00")), "uuid": uuid.UUID,
+    "email": lambda v: re.fullmatch(r"[^@\s]+@[^@\s]+\.[A-Za-z]{2,}", v) or 1 / 0,
+    "uri": lambda v: rfc3986(v, True) and pydantic.TypeAdapter(pydantic.AnyUrl).validate_python(v) or 1 / 0,
+    "uri-reference": lambda v: rfc3986(v, False) or 1 / 0, "ipv4": ipaddress.IPv4Address,
+    "ipv6": ipaddress.IPv6Address, "hostname": lambda v: rfc1123(v) or 1 / 0, "duration": DURATION.fullmatch,
+}
+
+
+@pytest.mark.timeout(120)
+def test_formats_fitted_into_random_lengths():
+    """Each format with random length ranges: samples are in range, match the format's regex unfitted and pass the
+    format's check; a range is refused only where no sample of the unfitted format has a length in it."""
+    rng = random.Random(2019)
+    counts = collections.Counter()
+    for name, check in FORMAT_CHECKS.items():
+        whole = schema_regex({"type": "string", "format": name})
+        lengths = sorted(len(v) for v in sampled_values(whole, rng, 300))
+        for _ in range(12):
+            low = rng.choice([0, rng.randint(0, 40), rng.choice(lengths)])
+            high = rng.choice([None, low + rng.randint(0, 30), rng.choice(lengths)])
+            if high is not None and high < low:
+                low, high = high, low
+            schema = {"type": "string", "format": name, "minLength": low}
+            schema.update({} if high is None else {"maxLength": high})
+            try:
+                regex = schema_regex(schema)
+            except SchemaError as exc:
+                assert str(exc).startswith(f"schema.format: no {name!r} string"), str(exc)
+                assert not any(low <= n <= (high if high is not None else n) for n in lengths), (schema, lengths)
+                counts["refused"] += 1
+                continue
+            counts["fitted"] += 1
+            for value in sampled_values(regex, rng, 40):
+                assert low <= len(value) and (high is None or len(value) <= high), (schema, value)
+                if name != "hostname":  # its regex is fitted too, into its own 253 characters
+                    assert re.fullmatch(whole, json.dumps(value)), (schema, value)
+                if name not in ("date", "date-time") or not value.startswith("0000"):  # Python's years start at 1
+                    assert check(value), (schema, value)
+    assert counts["fitted"] > 100 and counts["refused"] > 5, counts
+
+
+class Site(pydantic.BaseModel):
+    """A Pydantic model of the kinds of string fields its users write."""
+    url: pydantic.HttpUrl
+    contact: Annotated[str, pydantic.Field(json_schema_extra={"format": "email"})]
+    slug: str = pydantic.Field(pattern=r"^[a-z][a-z0-9-]*$", min_length=3, max_length=20)
+    code: Annotated[str, pydantic.StringConstraints(pattern=r"^[A-Z]{2}-\d+$", max_length=8)]
+    updated: datetime.datetime
+    id: uuid.UUID
+    address: ipaddress.IPv4Address
+    v6: ipaddress.IPv6Address | None = None
+    ttl: datetime.timedelta
+    mirror: pydantic.AnyUrl | None = None
+
+
+class SiteOfAnyUrl(Site):
+    url: pydantic.AnyUrl  # uri's meaning: any scheme (HttpUrl's schema says no more)
+
+
+@pytest.mark.timeout(60)
+def test_pydantic_models():
+    """Pydantic models' schemas (HttpUrl with its lengths, pattern with lengths, date-time, uuid, ipv4, ipv6,
+    duration) compile, through the token grammar too; samples are valid to jsonschema and to Pydantic."""
+    schema = Site.model_json_schema()
+    regex = schema_regex(schema)
+    grammar = Grammar.from_regex(regex)
+    validator = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())
+    sampler, rng = RegexSampler(regex), random.Random(2)
+    for i in range(300):
+        text = sampler.sample(rng)
+        value = json.loads(text)
+        assert validator.is_valid(value), (text, [e.message for e in validator.iter_errors(value)])
+        if not value["updated"].startswith("0000"):  # Python's years start at 1
+            SiteOfAnyUrl.model_validate_json(text)
+        if i < 10:
+            assert through_grammar(grammar, text), text
+    example = Site(url="https://example.com/a?b=c#d", contact="a@b.co", slug="my-site", code="AB-12",
+                   updated=datetime.datetime(2024, 1, 31, 12, tzinfo=datetime.timezone.utc), id=uuid.uuid4(),
+                   address="10.0.0.1", v6="::1", ttl=datetime.timedelta(days=1, hours=2), mirror="ftp://mirror.org/x")
+    text = example.model_dump_json()
+    assert re.fullmatch(regex, text) and through_grammar(grammar, text), text
