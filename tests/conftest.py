@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability import stop_process
+from tests.reliability import DRAIN_ARGS, DRAIN_SHAPE, stop_process
 from twinplane.clients.client import Client
 from twinplane.controlplane.config import ControlPlaneConfig
 from twinplane.controlplane.main import ControlPlane, Security
@@ -173,6 +173,17 @@ def loopback_planes(tiny_qwen3_dir, tmp_path_factory):
     reach the server as any gRPC client would (other languages, reflection)."""
     planes = Planes(tmp_path_factory.mktemp("loopback"), tiny_qwen3_dir, ("--block-size", "16"),
                     listen="127.0.0.1:0").start()
+    yield planes
+    planes.stop()
+
+
+@pytest.fixture(scope="session")
+def drain_planes(smollm2_dir, tmp_path_factory):
+    """The drain tests' model (tests/reliability.py) through both planes, the public API on 127.0.0.1, the
+    embedded model's tokenizer. Each token reads all of its weights, so a stream of thousands of tokens outlasts
+    a timeout of a few seconds on any machine (a tiny model's take a few seconds here, less on a faster one)."""
+    planes = Planes(tmp_path_factory.mktemp("drain"), DRAIN_SHAPE, DRAIN_ARGS, listen="127.0.0.1:0",
+                    tokenizer=str(smollm2_dir)).start()
     yield planes
     planes.stop()
 

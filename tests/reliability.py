@@ -21,7 +21,8 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 # weights (270 MB or more) 8,000 times, 20 s at 100 GB/s. A token takes ~45 ms on an idle 2-core machine and up
 # to ~10 times that beside other work, so 8 tokens leave room. (With a tiny model, 4,000 tokens took 5-6 s on
 # the 2-core machine: some outlasted 6 s of grace, some did not.)
-DRAIN_MODEL = ["--model", "dummy:smollm2-135m", "--device", "cpu", "--block-size", "16", "--max-model-len", "8192"]
+DRAIN_SHAPE, DRAIN_ARGS = "dummy:smollm2-135m", ("--block-size", "16", "--max-model-len", "8192")
+DRAIN_MODEL = ["--model", DRAIN_SHAPE, "--device", "cpu", *DRAIN_ARGS]
 DRAIN_SHORT, DRAIN_LONG = 8, 8000
 
 

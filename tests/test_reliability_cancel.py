@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from tests.reliability import GREEDY, all_blocks_free, greedy_references, wait_until
+from tests.reliability import DRAIN_LONG, GREEDY, all_blocks_free, greedy_references, wait_until
 from tests.test_e2e_reference import random_prompts
 from twinplane.clients.client import AsyncClient
 
@@ -78,13 +78,15 @@ async def _state_of(engine, request_id: str):
     return state
 
 
-def test_deadline_exceeded_frees_blocks(shared_planes):
-    with shared_planes.client() as client:
+def test_deadline_exceeded_frees_blocks(drain_planes):
+    """The request cannot end before its deadline on any machine (drain_planes: each token reads all the weights);
+    the tiny model's 480 tokens took 0.7 s on an idle 2-core machine, under 0.3 s on one a few times as fast."""
+    with drain_planes.client() as client:
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as info:
-            list(client.generate(token_ids=[7] * 30, max_tokens=480, timeout=0.3, **GREEDY))
+            list(client.generate(token_ids=[7] * 30, max_tokens=DRAIN_LONG, timeout=1.0, **GREEDY))
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert time.monotonic() - started < 5
-        wait_until(lambda: all_blocks_free(shared_planes), 5, "the expired request's blocks to be freed")
+        wait_until(lambda: all_blocks_free(drain_planes), 5, "the expired request's blocks to be freed")
         # and the server goes on serving
         assert len([t for c in client.generate(token_ids=[7] * 30, max_tokens=4, **GREEDY) for t in c.token_ids]) == 4
