@@ -276,7 +276,7 @@ def _count(schema: dict, key: str, path: str, default: int | None, most: int | N
     if key not in schema:
         return default
     value = schema[key]
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= (value if most is None else most):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (most is not None and value > most):
         if most is None:
             raise SchemaError(f"{path}.{key}: must be a whole number, 0 or more, got {value!r}")
         raise SchemaError(f"{path}.{key}: must be a whole number from 0 to {most} (larger counts are not "
@@ -461,15 +461,14 @@ def _string(schema: dict, path: str) -> str:
     or of any characters, as many as they allow."""
     if "pattern" in schema and "format" in schema:
         raise SchemaError(f"{path}.format: cannot be combined with pattern (a regex cannot intersect them)")
-    if "pattern" not in schema and "format" not in schema:
-        low, high = _count(schema, "minLength", path, 0), _count(schema, "maxLength", path, None)
-        if high is not None and low > high:
-            raise SchemaError(f"{path}.maxLength: {high} is below minLength {low}")
-        return f'"{_repeat(_CODE_POINT, low, high)}"' if "minLength" in schema or "maxLength" in schema else _STRING
-    # maxLength only narrows the pattern's counts, so it may be past MAX_COUNT (2083: Pydantic's HttpUrl)
-    low, high = _count(schema, "minLength", path, 0), _count(schema, "maxLength", path, None, None)
+    plain = "pattern" not in schema and "format" not in schema
+    # beside a pattern or a format, maxLength only narrows its counts, so it may be past MAX_COUNT (2083: HttpUrl)
+    low = _count(schema, "minLength", path, 0)
+    high = _count(schema, "maxLength", path, None, MAX_COUNT if plain else None)
     if high is not None and low > high:
         raise SchemaError(f"{path}.maxLength: {high} is below minLength {low}")
+    if plain:
+        return f'"{_repeat(_CODE_POINT, low, high)}"' if "minLength" in schema or "maxLength" in schema else _STRING
     if "pattern" in schema:
         pattern = schema["pattern"]
         if not isinstance(pattern, str):
