@@ -116,6 +116,7 @@ class ModelInfo:
     layer_params: int = 0  # decoder-layer matrix weights, all ranks together (0: not reported)
     reasoning_parser: str = ""  # the server's --reasoning-parser ("" when off)
     tool_call_parser: str = ""  # the server's --tool-call-parser ("" when off)
+    kv_cache_dtype: str = ""  # the data plane's KV cache: dtype, or "float8_e4m3fn" ("" from an older server)
 
 
 # ---- protobuf edge: requests --------------------------------------------------------------

@@ -69,10 +69,10 @@ def never_fits(seq: Sequence, desc: dp.DescribeResponse) -> str | None:
 
 
 # What every data plane of one control plane must have alike: the model (by its shapes, as its name or
-# path may differ between hosts) and dtype, so that a sequence recomputed on another one goes on as it
-# would have; its end-of-sequence tokens; and the block size that prefix routes hash by.
+# path may differ between hosts), dtype and KV-cache dtype, so that a sequence recomputed on another one
+# goes on as it would have; its end-of-sequence tokens; and the block size that prefix routes hash by.
 SAME_MODEL = ("architecture", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-              "dtype", "eos_token_ids", "block_size")
+              "dtype", "eos_token_ids", "block_size", "kv_cache_dtype")
 
 
 def model_differences(desc: dp.DescribeResponse, reference: dp.DescribeResponse) -> list[str]:
@@ -286,7 +286,8 @@ class EngineCore:
                         "(this one is left alone)")
         if others and (differences := model_differences(desc, others[0].claimed)):
             return (f"it serves another model than the other data planes: {'; '.join(differences)}. Every data "
-                    "plane of one control plane must serve the same model in the same dtype with the same block size")
+                    "plane of one control plane must serve the same model in the same dtype and KV-cache dtype with "
+                    "the same block size")
         return None
 
     def _route(self, seq: Sequence) -> None:

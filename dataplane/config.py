@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-ATTENTION_BACKENDS = ("auto", "flash_attn_4", "flash_attn_2", "torch")
+ATTENTION_BACKENDS = ("auto", "flash_attn_4", "triton", "flash_attn_2", "torch")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+KV_CACHE_DTYPES = ("auto", "fp8")  # fp8: float8_e4m3fn, values stored unscaled (clamped to +-448)
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class DataPlaneConfig:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False  # no CUDA graphs
     attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; "fp8": one byte a value, twice the blocks
     seed: int = 0  # seeds random weights of dummy models and unseeded sampling
     model_name: str = ""  # what Describe calls the model; default: model as given (embedded.model_name)
 
@@ -42,6 +44,8 @@ class DataPlaneConfig:
             (0 <= self.seed < 2**63, f"seed (--weights-seed) must be in [0, 2**63), got {self.seed}"),
             (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}"),
             (self.dtype in DTYPES, f"dtype must be one of {DTYPES}"),
+            (self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"),
             (self.device in ("auto", "cuda", "cpu"), "device must be auto, cuda or cpu"),
         ]
         for ok, message in checks:

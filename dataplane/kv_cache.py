@@ -1,8 +1,9 @@
 """Sizing and allocating the paged KV cache.
 
 One tensor [2, num_layers, num_blocks, block_size, kv_heads, head_dim] holds every layer's
-K and V; each attention module gets views ``kv[0, i]`` and ``kv[1, i]``. On CPU the number
-of blocks follows ``cpu_kv_cache_gib``; on CUDA it is measured: a warm-up forward of
+K and V, in the model's dtype or in float8_e4m3fn (``--kv-cache-dtype fp8``: half the bytes of
+16 bits, so twice the blocks); each attention module gets views ``kv[0, i]`` and ``kv[1, i]``.
+On CPU the number of blocks follows ``cpu_kv_cache_gib``; on CUDA it is measured: a warm-up forward of
 ``max_num_batched_tokens`` tokens (against a one-block scratch cache, slots -1) gives the
 activation peak, and what is left of ``gpu_memory_utilization`` becomes KV blocks.
 """
@@ -82,11 +83,11 @@ def _profile_metadata(num_tokens: int, max_seq_len: int, block_size: int, device
 
 
 @torch.inference_mode()
-def cuda_num_blocks(model: DecoderForCausalLM, block_size: int, dtype: torch.dtype, device: torch.device,
+def cuda_num_blocks(model: DecoderForCausalLM, block_size: int, kv_dtype: torch.dtype, device: torch.device,
                     num_tokens: int, max_seq_len: int, num_logit_rows: int, utilization: float) -> int:
-    """KV blocks that fit in ``utilization`` of the GPU after weights and a peak-sized warm-up."""
+    """KV blocks of ``kv_dtype`` that fit in ``utilization`` of the GPU after weights and a peak-sized warm-up."""
     layers = model.attention_layers()
-    allocate_kv_cache(layers, 1, block_size, dtype, device)  # scratch: slots are -1, block 0 is read only
+    allocate_kv_cache(layers, 1, block_size, kv_dtype, device)  # scratch: slots are -1, block 0 is read only
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     metadata = _profile_metadata(num_tokens, max_seq_len, block_size, device)
@@ -100,7 +101,7 @@ def cuda_num_blocks(model: DecoderForCausalLM, block_size: int, dtype: torch.dty
     free, total = torch.cuda.mem_get_info(device)
     used_outside_torch = total - free - torch.cuda.memory_reserved(device)
     budget = int(total * utilization) - peak - used_outside_torch
-    num_blocks = budget // bytes_per_block(layers, block_size, dtype)
+    num_blocks = budget // bytes_per_block(layers, block_size, kv_dtype)
     if num_blocks < 1:
         raise ValueError(f"no room for KV blocks: peak {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB; "
                          "raise gpu_memory_utilization or lower max_num_batched_tokens")

@@ -71,10 +71,10 @@ def serve(config: DataPlaneConfig, listen: str, token: str | None = None, creden
             workers.kill()  # they ignore signals; nothing else would end them
         raise
     desc = runner.describe()
-    log.info("data plane ready on %s%s%s: %s, %s, %d KV blocks of %d tokens, attention %s%s",
+    log.info("data plane ready on %s%s%s: %s, %s, %d KV blocks of %d tokens in %s, attention %s%s",
              listen, " (TLS)" if credentials is not None else "",
              f", health on {health_listen}" if health_listen else "", desc.model, desc.dtype, desc.num_kv_blocks,
-             desc.block_size, desc.attention_backend, _projections(runner))
+             desc.block_size, desc.kv_cache_dtype, desc.attention_backend, _projections(runner))
     stop.wait()
     for each in servers:
         each.stop(grace=2.0).wait()

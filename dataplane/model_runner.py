@@ -1,7 +1,7 @@
 """ModelRunner: the data plane's model, KV cache, sequence mirrors and sampler behind ``step``.
 
-Start-up (``__init__``) runs small ``init_*`` steps: pick device and dtype, load the model
-with its attention backend, size and allocate the KV cache, set up the sampler. ``step``
+Start-up (``__init__``) runs small ``init_*`` steps: pick device, dtype and KV-cache dtype, load
+the model with its attention backend, size and allocate the KV cache, set up the sampler. ``step``
 checks a StepPlan, applies its drops and mirror updates, builds the input tensors, runs
 one forward pass, computes logits only for the rows that sample, samples, and returns the
 StepOutput in plan order. A bad plan raises ValueError before any state changes.
@@ -71,6 +71,7 @@ class DataPlaneDescription:
     device: str
     weight_bytes: int
     kv_bytes_per_token: int
+    kv_cache_dtype: str
     max_decode_steps: int
     hidden_size: int
     num_hidden_layers: int
@@ -99,6 +100,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
+
+
+def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype for a --kv-cache-dtype value: "fp8" is float8_e4m3fn, "auto" the model's dtype."""
+    return torch.float8_e4m3fn if name == "fp8" else dtype
 
 
 @dataclass
@@ -212,6 +218,7 @@ class ModelRunner:
                              f"that size (found {tp_world_size()}); the caller starts the ranks")
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         self.init_model()
         self.init_kv_cache()
         self.init_cuda_graphs()
@@ -230,7 +237,8 @@ class ModelRunner:
 
     def init_model(self) -> None:
         half = self.dtype in (torch.bfloat16, torch.float16)
-        self.backend = get_attention_backend(self.config.attention_backend, self.device.type, half)
+        self.backend = get_attention_backend(self.config.attention_backend, self.device.type, half,
+                                             self.config.kv_cache_dtype)
         self.loaded = load_model(self.config.model, self.dtype, self.device, self.config.seed, self.backend)
         self.model = self.loaded.model
         hf_config = self.loaded.hf_config
@@ -247,13 +255,13 @@ class ModelRunner:
 
     def init_kv_cache(self) -> None:
         layers, block_size = self.model.attention_layers(), self.config.block_size
-        block_bytes = bytes_per_block(layers, block_size, self.dtype)
+        block_bytes = bytes_per_block(layers, block_size, self.kv_dtype)
         if self.config.num_kv_blocks > 0:
             self.num_kv_blocks = self.config.num_kv_blocks
             check_num_blocks(self.num_kv_blocks, block_bytes, self.device, f"num_kv_blocks={self.num_kv_blocks}")
         elif self.device.type == "cuda":
             self.num_kv_blocks = cuda_num_blocks(
-                self.model, block_size, self.dtype, self.device, self.config.max_num_batched_tokens,
+                self.model, block_size, self.kv_dtype, self.device, self.config.max_num_batched_tokens,
                 self.max_model_len, self.config.max_num_seqs, self.config.gpu_memory_utilization)
         else:
             self.num_kv_blocks = cpu_num_blocks(self.config.cpu_kv_cache_gib, block_bytes)
@@ -263,7 +271,7 @@ class ModelRunner:
             count = torch.tensor([self.num_kv_blocks], device=self.device)
             torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN)
             self.num_kv_blocks = int(count.item())
-        self.kv_cache = allocate_kv_cache(layers, self.num_kv_blocks, block_size, self.dtype, self.device)
+        self.kv_cache = allocate_kv_cache(layers, self.num_kv_blocks, block_size, self.kv_dtype, self.device)
 
     def init_cuda_graphs(self) -> None:
         self.graphs = None
@@ -336,7 +344,9 @@ class ModelRunner:
             attention_backend=self.backend.name, vocab_size=self.vocab_size,
             eos_token_ids=list(self.loaded.eos_token_ids), max_logprobs=MAX_LOGPROBS, device=device,
             weight_bytes=self._weight_bytes() * c.tensor_parallel_size,
-            kv_bytes_per_token=bytes_per_block(self.model.attention_layers(), 1, self.dtype) * c.tensor_parallel_size,
+            kv_bytes_per_token=bytes_per_block(self.model.attention_layers(), 1, self.kv_dtype)
+            * c.tensor_parallel_size,
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             max_decode_steps=MAX_DECODE_STEPS,
             **self._shape(), layer_params=self.model.layer_params() * c.tensor_parallel_size)
 

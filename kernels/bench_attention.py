@@ -1,7 +1,7 @@
 """Decode attention alone: our Triton split-KV kernel against FlashAttention-4, same paged cache.
 
     python -m twinplane.kernels.bench_attention [--block-size 256]
-    python -m twinplane.kernels.bench_attention --splits
+    python -m twinplane.kernels.bench_attention --splits [--kv-cache-dtype fp8]
     python -m twinplane.kernels.bench_attention --read-peak
 
 For each (batch, context, q heads, kv heads) case it prints the time per call
@@ -80,15 +80,16 @@ def make_case(batch: int, context: int, heads: int, kv_heads: int, page: int, he
     return q, k_cache, v_cache, tables, lens
 
 
-def sweep_splits(page: int, heads: int = 16, kv_heads: int = 8, head_dim: int = 128) -> None:
+def sweep_splits(page: int, heads: int = 16, kv_heads: int = 8, head_dim: int = 128,
+                 cache_dtype: torch.dtype = torch.bfloat16) -> None:
     """Time per call of decode attention from the q/k/v projection, for each split count and
     tile, on the decode steps of the default benchmark: 256 prompts of U[100, 1024] tokens and
     outputs of U[100, 1024], so at step t the batch is the sequences whose output is longer
     than t, at contexts U[100, 1024] + t; then a few small batches at long contexts."""
     device = torch.device("cuda")
     max_blocks = -(-2304 // page)
-    k_cache = torch.randn(256 * max_blocks, page, kv_heads, head_dim, device=device, dtype=torch.bfloat16)
-    v_cache = torch.randn_like(k_cache)
+    k_cache = torch.randn(256 * max_blocks, page, kv_heads, head_dim, device=device).to(cache_dtype)
+    v_cache = torch.randn(k_cache.shape, device=device).to(cache_dtype)
     ones = torch.ones(head_dim, device=device, dtype=torch.bfloat16)
     cos_sin = torch.randn(4096, head_dim, device=device, dtype=torch.bfloat16)
     configs = [(n, tile) for n in (1, 2, 4, 8) for tile in ((64, False), (128, False))] + [(16, (64, True))]
@@ -128,13 +129,16 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--splits", action="store_true", help="time each split count of the decode steps' kernel")
     p.add_argument("--read-peak", action="store_true", help="only the GPU's streaming read bandwidth")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="with --splits: the cache in bf16 (auto) or float8")
     args = p.parse_args()
     torch.manual_seed(0)
     print(f"streaming read peak: {read_peak():.2f} TB/s", flush=True)
     if args.read_peak:
         return
     if args.splits:
-        sweep_splits(args.block_size)
+        fp8 = args.kv_cache_dtype == "fp8"
+        sweep_splits(args.block_size, cache_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
         return
     from flash_attn.cute import flash_attn_varlen_func
 

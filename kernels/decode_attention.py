@@ -28,8 +28,9 @@ with it, so it is bound by memory bandwidth. The kernel is shaped for that:
   program loads its first tile of keys and values before it waits: those keys were stored
   by earlier steps (all but the new token's, which it reads after).
 
-The cache of one layer is [num_blocks, block_size, kv_heads, head_dim]; ``BLOCK_N`` divides
-``block_size``, so each tile of keys lies in one page. Sequences with context 0 (the
+The cache of one layer is [num_blocks, block_size, kv_heads, head_dim], in the model dtype or in
+float8 (e4m3, no scale: ``kernels/kv_writer.py``), which is half the bytes to read; ``BLOCK_N``
+divides ``block_size``, so each tile of keys lies in one page. Sequences with context 0 (the
 padding rows of a CUDA graph) produce zeros.
 """
 
@@ -49,10 +50,14 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_tile(q, k, v, token_ok, m, l, acc, scale_log2):
-    """Online softmax over one tile of keys: the running max m, sum l and output acc of each query."""
+def _attend_tile(q, k, v, seen, m, l, acc, scale_log2):
+    """Online softmax over one tile of keys: the running max m, sum l and output acc of each query;
+    ``seen`` (broadcast to [queries, keys]) says which keys each query attends to. Keys and values
+    from a float8 cache are converted to the queries' dtype here."""
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k)) * scale_log2
-    s = tl.where(token_ok[None, :], s, float("-inf"))
+    s = tl.where(seen, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m - m_new)
@@ -119,7 +124,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, block_table_ptr, context_lens_ptr, order
         k_first = tl.where(new, tl.load(k_ptr + first, mask=new, other=0.0), k_first)
         v_first = tl.where(new, tl.load(v_ptr + first, mask=new, other=0.0), v_first)
         if start < end:  # an empty split keeps l = 0 (a tile of no keys would divide -inf by -inf)
-            m, l, acc = _attend_tile(q, k_first, v_first, first_ok, m, l, acc, scale_log2)
+            m, l, acc = _attend_tile(q, k_first, v_first, first_ok[None, :], m, l, acc, scale_log2)
         rest += BLOCK_N
     for n in range(rest, end, BLOCK_N):
         page = tl.load(table + n // PAGE).to(tl.int64)
@@ -127,7 +132,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, block_table_ptr, context_lens_ptr, order
         offsets = page * stride_kb + (n % PAGE + cols)[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
         k = tl.load(k_ptr + offsets, mask=token_ok[:, None], other=0.0)
         v = tl.load(v_ptr + offsets, mask=token_ok[:, None], other=0.0)
-        m, l, acc = _attend_tile(q, k, v, token_ok, m, l, acc, scale_log2)
+        m, l, acc = _attend_tile(q, k, v, token_ok[None, :], m, l, acc, scale_log2)
 
     has_keys = l > 0
     out = acc / tl.where(has_keys, l, 1.0)[:, None]

@@ -5,6 +5,10 @@ and copies its K and V rows (kv_heads * head_dim values each) into the cache,
 skipping slot -1 (tokens whose K/V must not be stored). The cache of one layer
 is [num_blocks, block_size, kv_heads, head_dim], contiguous, so a slot is a row
 of kv_heads * head_dim values.
+
+A cache in float8 (e4m3, ``--kv-cache-dtype fp8``) holds each value as it is, without a
+scale, clamped to the format's finite range (``cache_value``, shared by every kernel that
+stores K/V); readers convert back to the compute dtype.
 """
 
 from __future__ import annotations
@@ -12,6 +16,19 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+FP8_MAX = tl.constexpr(448.0)  # the largest finite float8 e4m3 value (torch.finfo(torch.float8_e4m3fn).max)
+
+
+@triton.jit
+def cache_value(x, dtype: tl.constexpr):
+    """x converted for a KV cache of ``dtype``: clamped to float8's finite range first, where the
+    cache is float8 (a value past it would not round to the largest finite one everywhere)."""
+    if dtype.is_fp8():
+        return tl.clamp(x.to(tl.float32), -FP8_MAX, FP8_MAX).to(dtype)
+    else:
+        return x.to(dtype)
 
 
 @triton.jit
@@ -25,8 +42,8 @@ def _store_kv_kernel(k_ptr, v_ptr, k_stride, v_stride, k_cache_ptr, v_cache_ptr,
     mask = cols < ROW
     k = tl.load(k_ptr + token * k_stride + cols, mask=mask)
     v = tl.load(v_ptr + token * v_stride + cols, mask=mask)
-    tl.store(k_cache_ptr + slot * ROW + cols, k, mask=mask)
-    tl.store(v_cache_ptr + slot * ROW + cols, v, mask=mask)
+    tl.store(k_cache_ptr + slot * ROW + cols, cache_value(k, k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + slot * ROW + cols, cache_value(v, v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -38,7 +55,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     assert k.stride(-1) == 1 and k.stride(-2) == k.shape[2] and v.stride(-1) == 1 and v.stride(-2) == v.shape[2], \
         "each token's K/V must be one contiguous row"
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "the KV cache must be contiguous"
-    assert k_cache.shape[2] * k_cache.shape[3] == row and k_cache.dtype == k.dtype, "cache does not fit k"
+    assert k_cache.shape[2] * k_cache.shape[3] == row, "cache does not fit k"
+    assert k_cache.dtype in (k.dtype, torch.float8_e4m3fn) and v_cache.dtype == k_cache.dtype, "cache dtype"
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](k, v, k.stride(0), v.stride(0), k_cache, v_cache, slot_mapping,

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from twinplane.kernels.kv_writer import cache_value
 
 class QKVRope(NamedTuple):
     """What turns a row of the fused q/k/v projection into attention's q and the cached K/V."""
@@ -61,11 +62,12 @@ def _store_kv(k_row, at, v_offset, cos, sin, k_norm_ptr, d, eps, k_cache_ptr, v_
                         tl.load(k_row + at + HALF, mask=mask).to(tl.float32),
                         k_norm_ptr, d, cos, sin, eps, HALF, HAS_NORM)
     dtype = k_cache_ptr.dtype.element_ty
-    tl.store(k_cache_ptr + cache_at, k1.to(dtype), mask=mask)
-    tl.store(k_cache_ptr + cache_at + HALF, k2.to(dtype), mask=mask)
+    k_row_dtype = k_row.dtype.element_ty  # rounded to the model dtype first, as the unfused layers do
+    tl.store(k_cache_ptr + cache_at, cache_value(k1.to(k_row_dtype), dtype), mask=mask)
+    tl.store(k_cache_ptr + cache_at + HALF, cache_value(k2.to(k_row_dtype), dtype), mask=mask)
     v_row = k_row + v_offset
-    tl.store(v_cache_ptr + cache_at, tl.load(v_row + at, mask=mask), mask=mask)
-    tl.store(v_cache_ptr + cache_at + HALF, tl.load(v_row + at + HALF, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + cache_at, cache_value(tl.load(v_row + at, mask=mask), dtype), mask=mask)
+    tl.store(v_cache_ptr + cache_at + HALF, cache_value(tl.load(v_row + at + HALF, mask=mask), dtype), mask=mask)
 
 
 @triton.jit

@@ -317,7 +317,7 @@ def _desc(**fields):
 
     model = dict(architecture="Qwen3ForCausalLM", vocab_size=64, hidden_size=32, num_hidden_layers=2,
                  num_attention_heads=4, head_dim=8, dtype="bfloat16", layer_params=1000, eos_token_ids=[2],
-                 block_size=4, max_model_len=64, num_kv_blocks=16)
+                 block_size=4, max_model_len=64, num_kv_blocks=16, kv_cache_dtype="bfloat16")
     return dp.DescribeResponse(**{**model, **fields})
 
 
@@ -335,6 +335,7 @@ def test_a_data_plane_of_another_model_or_one_driven_already_is_not_taken():
             ("not told", _desc()), ("the same one", _desc(instance_id="a")),
             ("other shapes", _desc(instance_id="b", hidden_size=64, eos_token_ids=[2, 3])),
             ("other dtype", _desc(instance_id="b", dtype="float16")),
+            ("other KV dtype", _desc(instance_id="b", kv_cache_dtype="float8_e4m3fn", kv_bytes_per_token=64)),
             ("other blocks", _desc(instance_id="b", block_size=16))]}, core.refusal(first, _desc(hidden_size=64))
 
     why, alone = asyncio.run(run())
@@ -342,6 +343,7 @@ def test_a_data_plane_of_another_model_or_one_driven_already_is_not_taken():
     assert "data plane 0 (unix:///a) drives already" in why["the same one"]
     assert "hidden_size 64 (the others: 32); eos_token_ids [2, 3] (the others: [2])" in why["other shapes"]
     assert "dtype 'float16' (the others: 'bfloat16')" in why["other dtype"]
+    assert "kv_cache_dtype 'float8_e4m3fn' (the others: 'bfloat16')" in why["other KV dtype"]
     assert "block_size 16 (the others: 4)" in why["other blocks"]
 
 

@@ -497,8 +497,10 @@ def _runner(folder, **overrides):
     from twinplane.dataplane.model_runner import ModelRunner
 
     config = dict(model=str(folder), device="cuda", block_size=16, num_kv_blocks=512, max_model_len=2048,
-                  max_num_seqs=16, attention_backend=_flash_backend())
+                  max_num_seqs=16)
     config.update(overrides)
+    if "attention_backend" not in config:
+        config["attention_backend"] = _flash_backend()
     return ModelRunner(DataPlaneConfig(**config))
 
 
@@ -528,12 +530,14 @@ def test_a_kv_cache_larger_than_the_gpu_is_refused_before_it_is_allocated(qwen3_
     torch.cuda.empty_cache()
 
 
-def test_bf16_logits_match_transformers_prefill_and_decode(qwen3_folder):
+def assert_logits_match_transformers(folder: Path, **overrides) -> str:
+    """Three prompts' prefill and four decode steps: our logits no further from transformers' float32
+    than twice its own bf16 error (plus 0.02). Returns the attention backend that ran."""
     prompts = _prompts(3, seed=1)
-    runner = _runner(qwen3_folder)
+    runner = _runner(folder, **overrides)
     tokens, ours = _drive(runner, prompts, num_decode=4)
     runner.close()
-    ref32, ref16 = _reference(qwen3_folder, torch.float32), _reference(qwen3_folder, torch.bfloat16)
+    ref32, ref16 = _reference(folder, torch.float32), _reference(folder, torch.bfloat16)
     for i, prompt in enumerate(prompts):
         full = torch.tensor([prompt + tokens[i][:-1]], device="cuda")
         with torch.no_grad():
@@ -544,6 +548,11 @@ def test_bf16_logits_match_transformers_prefill_and_decode(qwen3_folder):
         err_hf = (l16 - l32).abs().max().item()
         print(f"seq {i}: max |ours - fp32| = {err_ours:.4f}, max |hf bf16 - fp32| = {err_hf:.4f}")
         assert err_ours <= 2 * err_hf + 0.02
+    return runner.backend.name
+
+
+def test_bf16_logits_match_transformers_prefill_and_decode(qwen3_folder):
+    assert_logits_match_transformers(qwen3_folder)
 
 
 def test_prompt_logprobs_match_transformers_on_the_gpu(qwen3_folder):

@@ -3,7 +3,9 @@ without a GPU: the split-KV decode attention against the torch backend (float32;
 splits, where 16 loads its first tile before the wait; grouped and plain heads; rows of context
 0; a given start order), the KV writer against index_copy, the
 fused q/k norm + RoPE + K/V store against the unfused layers (with and without the norm), and
-the temperature sampler (greedy = torch.argmax with ties, draws follow softmax(logits / T),
+the paged prefill attention against the torch backend (prompts, prefix chunks, decode rows,
+padding sequences; float32 and float8 caches), decode attention and the KV writer over a float8
+cache, the temperature sampler (greedy = torch.argmax with ties, draws follow softmax(logits / T),
 a row's draw depends on its seed only; token masks: the best allowed token, draws among the allowed
 ones) alone and inside the Sampler, the skinny projections
 (plain, and with the norm, residual add and SiLU-and-mul they fold in), the gated MLP's
@@ -150,6 +152,75 @@ for with_norm in (True, False):
     assert out[1:].abs().max().item() == 0, "rows of context 0 must be zeros"
     assert torch.equal(caches[0].flatten(0, 1)[slots[1:].long()], history.flatten(0, 1)[slots[1:].long()])
 print("kernels ok")
+'''
+
+
+PREFILL_CHECKS = r'''
+import torch
+from twinplane.dataplane.attention_backends.base import AttentionMetadata
+from twinplane.dataplane.attention_backends.torch_backend import TorchAttentionBackend
+from twinplane.kernels.decode_attention import paged_decode_attention
+from twinplane.kernels.kv_writer import store_kv
+from twinplane.kernels.prefill_attention import paged_prefill_attention
+
+FP8 = torch.float8_e4m3fn
+torch.manual_seed(0)
+# Prompts, chunks after a cached prefix, decode rows beside them, over a float32 and a float8 cache;
+# grouped and plain heads, a group of 16 (one query token a tile).
+q_lens, lens = [1, 5, 40, 17, 1, 64, 3], [30, 5, 60, 50, 1, 64, 64]
+n = len(q_lens)
+for heads, kv_heads, head_dim, block_size in [(4, 2, 16, 16), (6, 2, 32, 32), (3, 3, 16, 16), (16, 1, 16, 16)]:
+    max_blocks = -(-64 // block_size)
+    k_cache = torch.randn(n * max_blocks, block_size, kv_heads, head_dim)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(n * max_blocks).view(n, max_blocks).to(torch.int32)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    tokens, context = int(cu[-1]), torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(tokens + 7, heads, head_dim)  # 7 padding rows
+    metadata = AttentionMetadata(cu_seqlens_q=cu, cu_seqlens_k=None, context_lens=context, max_seqlen_q=64,
+                                 max_seqlen_k=64, slot_mapping=None, block_tables=tables, query_lens_host=q_lens,
+                                 context_lens_host=lens)
+    for cache_dtype in (torch.float32, FP8):
+        k, v = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+        expected = TorchAttentionBackend().forward(q[:tokens], k, v, metadata, head_dim ** -0.5)
+        out = paged_prefill_attention(q, k, v, cu, context, tables, head_dim ** -0.5)
+        error = (out[:tokens] - expected).abs().max().item()
+        assert error < 1e-4, f"prefill, heads {heads}/{kv_heads}, {cache_dtype}: max error {error}"
+        # padding sequences (no query tokens, context 0), as a CUDA graph pads a step
+        padded = paged_prefill_attention(q, k, v, torch.cat([cu, torch.full((2,), tokens, dtype=torch.int32)]),
+                                         torch.cat([context, torch.zeros(2, dtype=torch.int32)]),
+                                         torch.cat([tables, torch.zeros(2, max_blocks, dtype=torch.int32)]),
+                                         head_dim ** -0.5)
+        assert torch.equal(padded[:tokens], out[:tokens])
+    # decode rows alone, through the decode kernel over the float8 cache
+    ones = torch.arange(n + 1, dtype=torch.int32)
+    decode = AttentionMetadata(cu_seqlens_q=ones, cu_seqlens_k=None, context_lens=context, max_seqlen_q=1,
+                               max_seqlen_k=64, slot_mapping=None, block_tables=tables, query_lens_host=[1] * n,
+                               context_lens_host=lens)
+    k, v = k_cache.to(FP8), v_cache.to(FP8)
+    expected = TorchAttentionBackend().forward(q[:n], k, v, decode, head_dim ** -0.5)
+    for splits in (1, 4):
+        out = paged_decode_attention(q[:n], k, v, tables, context, head_dim ** -0.5, num_splits=splits)
+        assert (out - expected).abs().max().item() < 1e-4, f"decode over float8, {splits} splits"
+    far = (expected - TorchAttentionBackend().forward(q[:n], k_cache, v_cache, decode, head_dim ** -0.5)).abs()
+    assert far.max().item() > 1e-3  # float8 really rounds: the check above is not the float32 cache's
+
+# The KV writer into a float8 cache: float8 values stored as they are, those past its range clamped.
+# (Values that round are checked on the GPU: the interpreter's float32 -> float8 rounding is wrong where
+# it carries into the next power of two, 124.8 -> 64.)
+k = (torch.randn(40, 2, 16) * 100).to(FP8).float()
+v = (torch.randn(40, 2, 16) * 100).to(FP8).float()
+k[::3, 0, :4] = torch.tensor([1000.0, -1000.0, 449.0, -3e38])
+slots = torch.randperm(8 * 16)[:40].to(torch.int32)
+slots[1::5] = -1
+caches = [torch.zeros(8, 16, 2, 16, dtype=FP8) for _ in range(2)]
+store_kv(k, v, caches[0], caches[1], slots)
+kept = slots >= 0
+for cache, x in zip(caches, (k, v)):
+    stored = cache.view(-1, 2, 16)[slots[kept].long()].float()
+    assert torch.equal(stored, x[kept].clamp(-448, 448)), "float8 store"
+assert caches[0].float().abs().max().item() == 448 and not caches[0].float().isnan().any()
+print("prefill ok")
 '''
 
 
@@ -370,6 +441,10 @@ def _run_interpreted(checks: str, marker: str) -> None:
 
 def test_triton_kernels_match_torch_in_the_interpreter():
     _run_interpreted(CHECKS, "kernels ok")
+
+
+def test_prefill_attention_and_float8_cache_in_the_interpreter():
+    _run_interpreted(PREFILL_CHECKS, "prefill ok")
 
 
 def test_triton_sampler_in_the_interpreter():

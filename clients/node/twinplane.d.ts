@@ -199,6 +199,7 @@ export interface ModelInfo {
   layerParams: number;
   reasoningParser: string;
   toolCallParser: string;
+  kvCacheDtype: string;
 }
 
 /** A running Generate call: iterate it once; `final` is the last chunk once the stream has ended. */

@@ -19,24 +19,13 @@ must hold finite values: the model runner allocates the cache zeroed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from twinplane.dataplane.attention_backends.base import AttentionBackend, AttentionMetadata
-
-if TYPE_CHECKING:
-    from twinplane.kernels.rope_store import QKVRope
+from twinplane.dataplane.attention_backends.triton_backend import TritonDecode, TritonKVWriter
 
 
-class _TritonKVWriter:
-    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        from twinplane.kernels.kv_writer import store_kv
-
-        store_kv(k, v, k_cache, v_cache, slot_mapping)
-
-
-class FlashAttention4Backend(_TritonKVWriter, AttentionBackend):
+class FlashAttention4Backend(TritonDecode, TritonKVWriter, AttentionBackend):
     name = "flash_attn_4"
     graphs_mixed_steps = True  # its varlen grid follows the token and sequence counts only
 
@@ -52,28 +41,11 @@ class FlashAttention4Backend(_TritonKVWriter, AttentionBackend):
         self._decode = decode_attention if hopper else None
         self.num_splits = num_splits  # split-KV is not supported on SM 9.0 (Hopper)
 
-    def _decode_kernels(self, metadata: AttentionMetadata, k_cache: torch.Tensor):
-        """The Triton decode module if this step is decode-only and its shape is supported, else None."""
-        decode = self._decode
-        if decode is not None and metadata.max_seqlen_q == 1 and decode.supports(k_cache.shape[-1], k_cache.shape[1]):
-            return decode
-        return None
-
-    def decode_from_qkv(self, qkv: torch.Tensor, rope: QKVRope, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        metadata: AttentionMetadata, scale: float) -> torch.Tensor | None:
-        decode = self._decode_kernels(metadata, k_cache)
-        if decode is None:
-            return None
-        return decode.decode_attention_from_qkv(qkv, rope, k_cache, v_cache, metadata.slot_mapping,
-                                                metadata.block_tables, metadata.context_lens, scale,
-                                                order=metadata.decode_order)
-
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        decode = self._decode_kernels(metadata, k_cache)
-        if decode is not None:
-            return decode.paged_decode_attention(q, k_cache, v_cache, metadata.block_tables,
-                                                 metadata.context_lens, scale, order=metadata.decode_order)
+        out = self.decode(q, k_cache, v_cache, metadata, scale)
+        if out is not None:
+            return out
         out = self._varlen(q, k_cache, v_cache, cu_seqlens_q=metadata.cu_seqlens_q,
                            seqused_k=metadata.context_lens, max_seqlen_q=metadata.max_seqlen_q,
                            max_seqlen_k=metadata.max_seqlen_k, page_table=metadata.block_tables,
@@ -81,7 +53,7 @@ class FlashAttention4Backend(_TritonKVWriter, AttentionBackend):
         return out[0] if isinstance(out, tuple) else out
 
 
-class FlashAttention2Backend(_TritonKVWriter, AttentionBackend):
+class FlashAttention2Backend(TritonKVWriter, AttentionBackend):
     name = "flash_attn_2"
 
     def __init__(self) -> None:

@@ -4,6 +4,7 @@ Each sequence gathers its context K/V through its block table and runs one
 ``scaled_dot_product_attention`` call with a causal mask shifted by
 ``context_len - q_len``, so prefill, prefix-cached prefill, chunked prefill and decode
 rows mix freely in one batch. Grouped-query attention is handled by SDPA's ``enable_gqa``.
+An fp8 cache stores K/V clamped to the format's finite range and is read back in q's dtype.
 """
 
 from __future__ import annotations
@@ -12,6 +13,18 @@ import torch
 import torch.nn.functional as F
 
 from twinplane.dataplane.attention_backends.base import AttentionBackend, AttentionMetadata
+
+
+def _store(flat_cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """flat_cache[slots] = values, in the cache's dtype. Into a float8 cache, values are clamped to its
+    finite range first (a cast past it gives NaN in some torch versions, and in kernels: e4m3fn has no
+    infinity) and copied through uint8 views (index_copy_ has no float8 kernel on CPU)."""
+    if flat_cache.dtype.is_floating_point and flat_cache.dtype.itemsize == 1:
+        limit = torch.finfo(flat_cache.dtype).max
+        stored = values.clamp(-limit, limit).to(flat_cache.dtype)
+        flat_cache.view(torch.uint8).index_copy_(0, slots, stored.view(torch.uint8))
+    else:
+        flat_cache.index_copy_(0, slots, values.to(flat_cache.dtype))
 
 
 def write_kv_by_slot(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -23,8 +36,8 @@ def write_kv_by_slot(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    flat_k.index_copy_(0, slots, k[keep].to(flat_k.dtype))
-    flat_v.index_copy_(0, slots, v[keep].to(flat_v.dtype))
+    _store(flat_k, slots, k[keep])
+    _store(flat_v, slots, v[keep])
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
@@ -62,6 +75,7 @@ class TorchAttentionBackend(AttentionBackend):
             values = _gather_context(v_cache, block_table, context_len).transpose(0, 1)
             queries = q[start:start + q_len].transpose(0, 1)  # [heads, q_len, d]
             mask = None if q_len == 1 else _causal_mask(q_len, context_len, q.device)
+            # K/V in q's dtype: an fp8 cache is read back as the compute dtype (SDPA takes no float8)
             attended = F.scaled_dot_product_attention(
                 queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True)
             out[start:start + q_len] = attended.transpose(0, 1)
