@@ -3,6 +3,7 @@
     python -m twinplane.dataplane.bench_decode --model dummy:qwen3-0.6b --batch-sizes 1 64 256
     python -m twinplane.dataplane.bench_decode --profile --batch-sizes 128 256 --context 1024
     python -m twinplane.dataplane.bench_decode --plan-steps 8 --batch-sizes 1 2 4
+    python -m twinplane.dataplane.bench_decode --kv-cache-dtype fp8 --batch-sizes 64 256
 
 For each batch size, that many sequences are prefilled to --context tokens, then
 --steps greedy decode steps are timed one by one (wall clock of ModelRunner.step,
@@ -31,7 +32,7 @@ import time
 
 import numpy as np
 
-from twinplane.dataplane.config import DataPlaneConfig
+from twinplane.dataplane.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, DataPlaneConfig
 from twinplane.dataplane.plan import SamplingParams, ScheduledSeq, SequenceInit, StepPlan
 
 GREEDY = SequenceInit(SamplingParams(temperature=0.0), num_prompt_tokens=0)
@@ -207,6 +208,8 @@ def main() -> None:
                    help="time plans of K decode steps instead (device, host launch and wall time per token)")
     p.add_argument("--plans", type=int, default=20, help="plans to time with --plan-steps")
     p.add_argument("--device", default="auto")
+    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     args = p.parse_args()
 
     prompt_tokens = max(8192, max(args.batch_sizes) * args.context) if args.prompts else 8192
@@ -214,6 +217,8 @@ def main() -> None:
     def runner_for(enforce_eager: bool = False) -> ModelRunner:
         return ModelRunner(DataPlaneConfig(model=args.model, block_size=args.block_size, enforce_eager=enforce_eager,
                                            device=args.device, max_num_seqs=max(args.batch_sizes),
+                                           attention_backend=args.attention_backend,
+                                           kv_cache_dtype=args.kv_cache_dtype,
                                            max_num_batched_tokens=prompt_tokens,
                                            gpu_memory_utilization=0.85))
 
