@@ -28,6 +28,7 @@ import triton.language as tl
 
 from twinplane.kernels.kv_writer import cache_value
 
+
 class QKVRope(NamedTuple):
     """What turns a row of the fused q/k/v projection into attention's q and the cached K/V."""
 
