@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 
 class ServiceError(Exception):
     """Base class: an error with a message meant for the client."""
@@ -44,3 +46,16 @@ class TemplateBroken(ServiceError):
 
 class StreamNotRead(Overloaded):
     """The client left too much of its stream unread."""
+
+
+def json_excerpt(value, limit: int) -> str:
+    """The first ``limit`` characters of ``value`` as JSON (as ``json.dumps`` writes it), for a message
+    that names what a request sent: encoded piece by piece and stopped once that many are out, so a
+    huge value costs about ``limit`` characters of work, not a dump of all of it."""
+    pieces, size = [], 0
+    for piece in json.JSONEncoder().iterencode(value):
+        pieces.append(piece)
+        size += len(piece)
+        if size >= limit:
+            break
+    return "".join(pieces)[:limit]

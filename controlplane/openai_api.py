@@ -7,7 +7,6 @@ and messages are those of the gRPC API (fields named as OpenAI names them).
 from __future__ import annotations
 
 import codecs
-import json
 import math
 import re
 from dataclasses import dataclass, replace
@@ -17,7 +16,7 @@ import xxhash
 from twinplane.controlplane.api import (SAMPLING_FIELDS, GenerateCall, Limits, Prompt, RequestOutput, TokenLogprobs,
                                         chat_options, chat_prompt, check_chat_count, check_truncation, request_params,
                                         sampling_options, text_prompt, token_prompt)
-from twinplane.controlplane.errors import InvalidRequest
+from twinplane.controlplane.errors import InvalidRequest, json_excerpt
 from twinplane.controlplane.json_schema import any_json_regex
 from twinplane.controlplane.sequence import FinishReason
 from twinplane.controlplane.structured import (after_reasoning, checked_regex, choice_regex, client_regex,
@@ -151,7 +150,7 @@ def _logit_bias(body: dict) -> dict[int, float]:
         if not isinstance(key, str) or not _TOKEN_ID.fullmatch(key):  # ASCII digits: int() takes others too
             _fail(f"logit_bias keys must be token ids (integers), got {key[:40]!r}")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            _fail(f"logit_bias[{key}] must be a number, got {value!r}")
+            _fail(f"logit_bias[{key}] must be a number, got {json_excerpt(value, 40)}")
         token_id = int(key)
         if token_id in keys:  # "7" and "07": one token, two biases
             _fail(f"logit_bias names token id {token_id} twice, as {keys[token_id]!r} and {key!r}")
@@ -210,7 +209,7 @@ def _message(m, where: str) -> dict:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         _fail(f"{where} must be an object with a string role")
     if m["role"] not in (*CHAT_ROLES, "developer"):
-        _fail(f"{where}.role must be one of {', '.join(CHAT_ROLES)} or developer (as system), got {m['role']!r}")
+        _fail(f"{where}.role must be one of {', '.join(CHAT_ROLES)} or developer (as system), got {m['role'][:40]!r}")
     role = "system" if m["role"] == "developer" else m["role"]
     message = {"role": role, "content": _content(m.get("content"), where)}
     for name in MESSAGE_FIELDS:
@@ -280,7 +279,7 @@ def _check_supported(body: dict) -> None:
             _fail(f"{name} is not supported by this server")
     modalities = body.get("modalities")
     if modalities is not None and (not isinstance(modalities, list) or set(modalities) - {"text"}):
-        _fail(f'modalities must be ["text"] (this server writes text alone), got {json.dumps(modalities)[:80]}')
+        _fail(f'modalities must be ["text"] (this server writes text alone), got {json_excerpt(modalities, 80)}')
     best_of, n = _int(body, "best_of"), _int(body, "n")  # n's own checks come after
     if best_of is not None and best_of != (1 if n is None else n):
         _fail("best_of is not supported by this server (leave it unset or equal to n)")

@@ -17,14 +17,13 @@ items again (the output items of a response are valid input items).
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from dataclasses import replace
 
 from twinplane.controlplane.api import SAMPLING_FIELDS, RequestOutput
 from twinplane.controlplane.chat_text import CallDelta, ChatText
-from twinplane.controlplane.errors import InvalidRequest
+from twinplane.controlplane.errors import InvalidRequest, json_excerpt
 from twinplane.controlplane.openai_api import REASONING_EFFORTS, OpenAIRequest
 from twinplane.controlplane.sequence import FinishReason
 from twinplane.controlplane.tools import ToolCall, template_tool_call
@@ -154,11 +153,11 @@ def chat_body(body: dict) -> dict:
     if instructions is not None and not isinstance(instructions, str):
         _fail("instructions must be a string")
     if body.get("truncation") not in (None, *TRUNCATIONS):
-        _fail(f"truncation must be auto or disabled, got {json.dumps(body['truncation'])[:40]}")
+        _fail(f"truncation must be auto or disabled, got {json_excerpt(body['truncation'], 40)}")
     _check_metadata(body.get("metadata"))
     limit = body.get("max_tool_calls")  # of built-in tools, which this server runs none of: nothing to limit
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
-        _fail(f"max_tool_calls must be an integer >= 0, got {json.dumps(limit)[:40]}")
+        _fail(f"max_tool_calls must be an integer >= 0, got {json_excerpt(limit, 40)}")
     chat = {name: body[name] for name in PASSED if name in body}
     effort = _reasoning_effort(body.get("reasoning"))
     if effort is not None:  # the chat template's reasoning_effort, as chat's
@@ -174,7 +173,7 @@ def chat_body(body: dict) -> dict:
     if isinstance(choice, dict):  # a named function: {"type": "function", "name": ...} in this API
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
             _fail('tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}, got '
-                  f"{json.dumps(choice)[:80]}")
+                  f"{json_excerpt(choice, 80)}")
         chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
     elif choice is not None and (choice != "auto" or tools):  # "auto" (the API's default) without tools: none
         chat["tool_choice"] = choice
@@ -193,7 +192,7 @@ def _check_metadata(metadata) -> None:
             for k, v in metadata.items()):
         _fail(f"metadata must be an object of at most {MAX_METADATA} string values, each under a key of at most "
               f"{MAX_METADATA_KEY} characters and of at most {MAX_METADATA_VALUE} characters, got "
-              f"{json.dumps(metadata)[:80]}")
+              f"{json_excerpt(metadata, 80)}")
 
 
 def _reasoning_effort(reasoning) -> str | None:
@@ -204,9 +203,9 @@ def _reasoning_effort(reasoning) -> str | None:
     effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
     if not isinstance(reasoning, dict) or effort not in (None, *REASONING_EFFORTS):
         _fail(f"reasoning must be an object whose effort is one of {', '.join(REASONING_EFFORTS)}, got "
-              f"{json.dumps(reasoning)[:80]}")
+              f"{json_excerpt(reasoning, 80)}")
     if reasoning.get("summary") not in (None, *SUMMARIES):
-        _fail(f"reasoning.summary must be one of {', '.join(SUMMARIES)}, got {json.dumps(reasoning['summary'])[:80]}")
+        _fail(f"reasoning.summary must be one of {', '.join(SUMMARIES)}, got {json_excerpt(reasoning['summary'], 80)}")
     return effort
 
 

@@ -43,7 +43,7 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from twinplane.controlplane.errors import InvalidRequest
+from twinplane.controlplane.errors import InvalidRequest, json_excerpt
 from twinplane.controlplane.finish import partial_tag
 from twinplane.controlplane.grammar import Grammar, regex_literal
 from twinplane.controlplane.structured import json_schema_regex
@@ -139,7 +139,7 @@ def tool_spec(body: dict, tools: list[dict] | None, parser: str | None) -> ToolS
     choice = body.get("tool_choice")
     if choice is None:
         choice = "auto" if tools else "none"
-    label = json.dumps(choice)[:200]  # as the messages below name it
+    label = json_excerpt(choice, 200)  # as the messages below name it
     names = [t["function"]["name"] for t in tools or ()]
     forced: tuple[str, ...] = ()
     if isinstance(choice, dict):

@@ -144,7 +144,7 @@ def test_prompt_forms():
     ({**CHAT, "logit_bias": [1, 2]}, True, "logit_bias must be an object from token ids to biases, got list"),
     ({**CHAT, "logit_bias": {"the": 5}}, True, "logit_bias keys must be token ids (integers), got 'the'"),
     ({**CHAT, "logit_bias": {"7" * 5000: 5}}, True, "logit_bias keys must be token ids (integers), got '7777"),
-    ({**CHAT, "logit_bias": {"7": "5"}}, True, "logit_bias[7] must be a number, got '5'"),
+    ({**CHAT, "logit_bias": {"7": "5"}}, True, "logit_bias[7] must be a number, got \"5\""),
     ({**CHAT, "logit_bias": {"7": 101}}, True, "logit_bias[7] must be in [-100.0, 100.0], got 101"),
     ({**CHAT, "logit_bias": {"1000": 1}}, True, "logit_bias token ids must be in [0, 1000); got [1000]"),
     ({**CHAT, "logit_bias": {"-3": 1}}, True, "logit_bias token ids must be in [0, 1000); got [-3]"),
@@ -167,7 +167,7 @@ def test_prompt_forms():
     ({**CHAT, "allowed_token_ids": [3, True]}, True, "allowed_token_ids must be a list of integers"),
     ({"prompt": [1, True]}, False, "prompt must be a string or a list of token ids (integers)"),
     ({"prompt": ["a", [1, True]]}, False, "prompt[1] must be a string or a list of token ids (integers)"),
-    ({**CHAT, "logit_bias": {"7": True}}, True, "logit_bias[7] must be a number, got True"),
+    ({**CHAT, "logit_bias": {"7": True}}, True, "logit_bias[7] must be a number, got true"),
     ({**CHAT, "logit_bias": {"7": 1, "07": -1}}, True, "logit_bias names token id 7 twice, as '7' and '07'"),
     ({"prompt": "x", "best_of": 2}, False, "best_of is not supported by this server (leave it unset or equal to n)"),
     ({"prompt": "x", "best_of": 3, "n": 2}, False, "best_of is not supported by this server"),
@@ -743,3 +743,15 @@ def test_spaces_between_special_tokens_false_is_refused_where_decoding_spaces_th
     answer = http.post("/v1/chat/completions", json=body)
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "spaces_between_special_tokens"
     engine._tokenizer_pool.shutdown()
+
+
+def test_a_value_named_in_a_message_is_encoded_only_as_far_as_the_message_shows_it():
+    """json_excerpt writes json.dumps's text, cut to the limit, and stops encoding there: an item past
+    the limit is never reached (here one that JSON cannot encode at all)."""
+    from twinplane.controlplane.errors import json_excerpt
+
+    for value in ({"a": [1, 2.5, None, True, "é\ud800"]}, "x" * 100, list(range(50)), 7, None, {}):
+        for limit in (1, 10, 40, 1000):
+            assert json_excerpt(value, limit) == json.dumps(value)[:limit]
+    assert json_excerpt(list(range(100)) + [object()], 40) == json.dumps(list(range(100)))[:40]
+    assert json_excerpt({"k": ["v"] * 10, "never": object()}, 20) == '{"k": ["v", "v", "v"'
