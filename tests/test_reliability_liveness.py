@@ -86,10 +86,13 @@ def test_a_hung_data_plane_is_noticed_and_its_streams_finish(tiny_qwen3_dir, pla
     planes = planes_factory(tiny_qwen3_dir, *DP_ARGS, stall_timeout=STALL, dataplane_timeout=dataplane_timeout)
     prompts = random_prompts(NUM_STREAMS, seed=501, low=10, high=60)
     expected = asyncio.run(greedy_references(planes.address, prompts, MAX_TOKENS))
+    lost = []
+    planes.call(_count_calls(planes.engine, "lost", lost))
     dp_pid = planes.dataplane.pid
     report = asyncio.run(_across_a_pause(planes, dp_pid, prompts, paused=6.0))
     assert report["to_not_serving"] < NOTICE_BOUND
     _check(report, expected, planes)
+    assert bool(lost) == (dataplane_timeout < 6.0), lost  # dropped and connected again only past the timeout
     assert planes.dataplane.pid == dp_pid and planes.dataplane.poll() is None
 
 
