@@ -50,15 +50,16 @@ def _fail(message: str) -> None:
 
 
 def _text(content, where: str) -> str:
-    """A message's content: a string, or text parts joined by newlines (as chat's)."""
+    """A message's content or a function's output (``where`` names which): a string, or text parts joined
+    by newlines (as chat's)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        _fail(f"{where}.content must be a string or a list of input_text parts")
+        _fail(f"{where} must be a string or a list of input_text parts")
     texts = []
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            _fail(f"{where}.content[{j}] must be a text part ({{\"type\": \"input_text\", \"text\": ...}}); "
+            _fail(f"{where}[{j}] must be a text part ({{\"type\": \"input_text\", \"text\": ...}}); "
                   "only text input is supported")
         texts.append(part["text"])
     return "\n".join(texts)
@@ -99,7 +100,7 @@ def _messages(value) -> list[dict]:
         if kind == "message":
             if item.get("role") not in ROLES:
                 _fail(f"{where}.role must be one of {', '.join(ROLES)}, got {str(item.get('role'))[:40]!r}")
-            messages.append({"role": item["role"], "content": _text(item.get("content"), where)})
+            messages.append({"role": item["role"], "content": _text(item.get("content"), f"{where}.content")})
         elif kind == "function_call":  # checked here, to be named as the client sent it
             template_tool_call(None, item.get("name"), item.get("arguments"), f"{where}.")
             call = {"id": _call_id(item, where), "type": "function",
@@ -109,9 +110,8 @@ def _messages(value) -> list[dict]:
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            if not isinstance(item.get("output"), str):
-                _fail(f"{where}.output must be a string: the function's result")
-            messages.append({"role": "tool", "tool_call_id": _call_id(item, where), "content": item["output"]})
+            output = _text(item.get("output"), f"{where}.output")  # the function's result
+            messages.append({"role": "tool", "tool_call_id": _call_id(item, where), "content": output})
         elif kind == "reasoning":
             thinking += _reasoning(item, where)
             continue

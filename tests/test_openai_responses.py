@@ -162,6 +162,11 @@ def test_a_function_call_cut_by_max_output_tokens_is_incomplete(client):
     ({"input": [{"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": "[1]"}]}, "input",
      "input[0].arguments must be the JSON text of an object"),
     ({"input": [{"type": "function_call_output", "output": "18 C"}]}, "input", "input[0].call_id is required"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 18}]}, "input",
+     "input[0].output must be a string or a list of input_text parts"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image"}]}]}, "input",
+     "input[0].output[0] must be a text part"),
+    ({"input": [{"role": "user", "content": 5}]}, "input", "input[0].content must be a string or a list"),
     ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include", "are not supported here"),
     ({"input": [{"type": "reasoning", "content": "thinking"}]}, "input", "list of reasoning_text parts"),
     ({"input": "hi", "include": 5}, "include", "include must be a list of strings"),
@@ -181,7 +186,7 @@ def test_a_function_call_cut_by_max_output_tokens_is_incomplete(client):
     ({"input": "hi", "metadata": {"k": "v" * 513}}, "metadata", "of at most 512 characters"),
 ], ids=["previous-response", "built-in-tool", "image-item", "image-part", "no-input", "max-output-tokens",
         "unknown-format", "unknown-function", "instructions-number", "call-arguments", "no-call-id",
-        "output-logprobs", "reasoning-text", "include-not-a-list", "top-logprobs-string", "top-logprobs-negative",
+        "output-number", "output-image-part", "content-number", "output-logprobs", "reasoning-text", "include-not-a-list", "top-logprobs-string", "top-logprobs-negative",
         "truncation", "max-tool-calls", "reasoning-effort", "reasoning-summary", "metadata-string",
         "metadata-number", "metadata-17-pairs", "metadata-long-key", "metadata-long-value"])
 def test_what_the_server_cannot_do_gets_400(client, request_fields, param, words):
@@ -263,6 +268,18 @@ def test_a_request_the_server_ends_fails_with_its_item_incomplete():
     assert last["type"] == "response.failed" and response["status"] == "failed"
     assert response["error"]["code"] == "server_error" and response["incomplete_details"] is None
     assert [(item["type"], item["status"]) for item in response["output"]] == [("reasoning", "incomplete")]
+
+
+def test_a_function_output_of_text_parts_is_their_text():
+    """As the API takes it: a function_call_output's output a string or a list of input_text parts."""
+    from twinplane.controlplane.openai_responses import chat_body
+
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    parts = [{"type": "input_text", "text": "18 C"}, {"type": "input_text", "text": "sunny"}]
+    for output, text in ((parts, "18 C\nsunny"), ("18 C", "18 C")):
+        messages = chat_body({"input": [{"role": "user", "content": "Weather?"}, call,
+                                        {"type": "function_call_output", "call_id": "c1", "output": output}]})
+        assert messages["messages"][2] == {"role": "tool", "tool_call_id": "c1", "content": text}
 
 
 def test_reasoning_items_become_the_thinking_of_the_assistant_message_after_them():
