@@ -186,7 +186,8 @@ def test_a_function_call_cut_by_max_output_tokens_is_incomplete(client):
     ({"input": "hi", "metadata": {"k": "v" * 513}}, "metadata", "of at most 512 characters"),
 ], ids=["previous-response", "built-in-tool", "image-item", "image-part", "no-input", "max-output-tokens",
         "unknown-format", "unknown-function", "instructions-number", "call-arguments", "no-call-id",
-        "output-number", "output-image-part", "content-number", "output-logprobs", "reasoning-text", "include-not-a-list", "top-logprobs-string", "top-logprobs-negative",
+        "output-number", "output-image-part", "content-number", "output-logprobs", "reasoning-text",
+        "include-not-a-list", "top-logprobs-string", "top-logprobs-negative",
         "truncation", "max-tool-calls", "reasoning-effort", "reasoning-summary", "metadata-string",
         "metadata-number", "metadata-17-pairs", "metadata-long-key", "metadata-long-value"])
 def test_what_the_server_cannot_do_gets_400(client, request_fields, param, words):
