@@ -67,6 +67,12 @@ class Request:
     regex: str | None = None  # structured output (--masked-share)
 
 
+def _kv_dtype(info) -> str:
+    """The bench line's note on the KV cache's dtype, where it is not the model's (``--kv-cache-dtype fp8``)."""
+    kv = getattr(info, "kv_cache_dtype", "")
+    return f" in {kv}" if kv and kv != info.dtype else ""
+
+
 def make_workload(args: argparse.Namespace) -> list[Request]:
     """The requests of --workload (see the module docstring); with --num-prefixes K, each prompt then
     starts with one of K shared prefixes, each prefix as often as the others, in random order."""
@@ -323,7 +329,8 @@ def report(requests: list[Request], elapsed: float, before: dict, after: dict, i
     figures["prefix_cache_hit_rate"] = (after["prefix_cache_hits"] - before["prefix_cache_hits"]) / max(queries, 1)
     figures["incomplete_requests"] = len(failed)
     print(f"model {info.model} ({info.dtype}, TP={info.tensor_parallel_size}, DP={dp}, {info.device}, "
-          f"attention {info.attention_backend}, {info.num_kv_blocks} KV blocks of {info.block_size})")
+          f"attention {info.attention_backend}, {info.num_kv_blocks} KV blocks of {info.block_size}"
+          f"{_kv_dtype(info)})")
     print(f"requests {len(requests)} ({len(failed)} incomplete), output tokens {output_tokens}, "
           f"time {elapsed:.2f} s, throughput {figures['tokens_per_s']:.0f} tok/s")
     for r in failed[:5]:

@@ -178,3 +178,11 @@ def test_the_report_gives_structured_and_other_requests_their_own_pace(capsys):
     assert figures["structured_tpot_p50_s"] == pytest.approx(0.15) and figures["free_tpot_p50_s"] == pytest.approx(0.05)
     assert "time per output token: 2 structured requests p50 150.0 ms" in capsys.readouterr().out
     assert "structured_tpot_p50_s" not in report(requests[2:], 1.0, stats, stats, info, bench_args())
+
+
+def test_the_model_line_names_a_kv_cache_dtype_other_than_the_models():
+    from twinplane.clients.bench import _kv_dtype
+
+    assert _kv_dtype(SimpleNamespace(dtype="bfloat16", kv_cache_dtype="float8_e4m3fn")) == " in float8_e4m3fn"
+    assert _kv_dtype(SimpleNamespace(dtype="bfloat16", kv_cache_dtype="bfloat16")) == ""
+    assert _kv_dtype(SimpleNamespace(dtype="bfloat16", kv_cache_dtype="")) == ""  # a server older than the field
