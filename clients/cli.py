@@ -14,6 +14,7 @@ from typing import NoReturn
 from twinplane.clients.launcher import TOKEN_ENV, DataPlaneProcess, gpu_groups, new_token
 from twinplane.controlplane.ipc import CONFIG_ERROR_EXIT, GROUP_SIGNALS, ConfigExit, child_exited
 from twinplane.controlplane.event_loop import run as run_event_loop
+from twinplane.dataplane.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
 
 log = logging.getLogger("twinplane")
 
@@ -28,7 +29,7 @@ def _add_dataplane_args(p: argparse.ArgumentParser) -> None:
                    help="Hugging Face folder, 'dummy:<shape>' (random weights), or 'default' (SmolLM2-135M-Instruct)")
     g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="auto: CUDA when torch sees a GPU, else CPU")
-    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+    g.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="weights, activations and KV cache (unless --kv-cache-dtype fp8); auto: bfloat16 on CUDA, "
                         "float32 on CPU")
     g.add_argument("--block-size", type=int, default=None,
@@ -46,11 +47,10 @@ def _add_dataplane_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="GPUs to shard the model over (with --device cpu: processes)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--attention-backend", default="auto",
-                   choices=["auto", "flash_attn_4", "triton", "flash_attn_2", "torch"],
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="auto: on CUDA in 16 bits the first that imports of flash_attn_4, triton (ours, no "
                         "FlashAttention; reads an fp8 cache) and flash_attn_2, else torch")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="KV-cache dtype; auto: the model's (--dtype). fp8 (float8_e4m3fn): half the KV bytes of 16 "
                         "bits, so twice the KV blocks and half the bytes decode attention reads, at the cost of "
                         "values rounded to 3 mantissa bits; needs the triton or torch attention backend")

@@ -20,6 +20,11 @@ from twinplane.dataplane.layers.attention import Attention
 from twinplane.dataplane.models.decoder import DecoderForCausalLM
 
 
+def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype for a --kv-cache-dtype value: "fp8" is float8_e4m3fn, "auto" the model's dtype."""
+    return torch.float8_e4m3fn if name == "fp8" else dtype
+
+
 def bytes_per_block(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
     """Bytes of K and V for one block across all layers (this rank's heads)."""
     per_token = sum(2 * a.num_kv_heads * a.head_dim for a in layers)

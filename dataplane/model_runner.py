@@ -34,7 +34,7 @@ from twinplane.dataplane.cuda_graphs import StepGraphs, bucket, graph_batch_size
 from twinplane.dataplane.decode_graphs import SampledDecodeGraphs
 from twinplane.dataplane.distributed import tp_rank, tp_world_size
 from twinplane.dataplane.kv_cache import (
-    allocate_kv_cache, bytes_per_block, check_num_blocks, cpu_num_blocks, cuda_num_blocks,
+    allocate_kv_cache, bytes_per_block, check_num_blocks, cpu_num_blocks, cuda_num_blocks, resolve_kv_dtype,
 )
 from twinplane.dataplane.loader import load_model
 from twinplane.dataplane.models.decoder import head_dim_of
@@ -100,11 +100,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
-
-
-def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's dtype for a --kv-cache-dtype value: "fp8" is float8_e4m3fn, "auto" the model's dtype."""
-    return torch.float8_e4m3fn if name == "fp8" else dtype
 
 
 @dataclass

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from twinplane.dataplane.config import KV_CACHE_DTYPES
+from twinplane.dataplane.kv_cache import resolve_kv_dtype
 from twinplane.kernels.decode_attention import (decode_attention_from_qkv, decode_splits, paged_decode_attention,
                                                 tile_keys)
 from twinplane.kernels.device import sm_count
@@ -129,7 +131,7 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--splits", action="store_true", help="time each split count of the decode steps' kernel")
     p.add_argument("--read-peak", action="store_true", help="only the GPU's streaming read bandwidth")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="with --splits: the cache in bf16 (auto) or float8")
     args = p.parse_args()
     torch.manual_seed(0)
@@ -137,8 +139,7 @@ def main() -> None:
     if args.read_peak:
         return
     if args.splits:
-        fp8 = args.kv_cache_dtype == "fp8"
-        sweep_splits(args.block_size, cache_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+        sweep_splits(args.block_size, cache_dtype=resolve_kv_dtype(args.kv_cache_dtype, torch.bfloat16))
         return
     from flash_attn.cute import flash_attn_varlen_func
 

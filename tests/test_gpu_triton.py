@@ -59,12 +59,10 @@ def test_prefill_attention_matches_torch(heads, kv_heads, head_dim, block_size, 
         q = torch.randn(tokens + 24, heads, head_dim, dtype=torch.bfloat16)  # 24 padding rows
     scale = head_dim ** -0.5
     expected = _torch_attention(q[:tokens], k_cache, v_cache, cu, context, tables, scale)
-    as_bf16 = _torch_attention(q[:tokens].float().to(torch.bfloat16), k_cache, v_cache, cu, context, tables, scale)
     out = paged_prefill_attention(q, k_cache, v_cache, cu, context, tables, scale)
     largest = expected.abs().max().item()
     error = (out[:tokens].float() - expected).abs().max().item()
     assert error <= 2 ** -6 * largest, f"max error {error} (largest output {largest})"
-    assert torch.equal(as_bf16, expected)  # the reference saw the same bf16 queries
     # Padding as a CUDA graph pads a step: sequences with no query tokens and context 0.
     padded_cu = torch.cat([cu, torch.full((3,), tokens, dtype=torch.int32, device="cuda")])
     padded_lens = torch.cat([context, torch.zeros(3, dtype=torch.int32, device="cuda")])

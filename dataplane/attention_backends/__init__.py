@@ -62,9 +62,7 @@ def get_attention_backend(name: str, device_type: str, half_precision: bool = Tr
         raise ValueError(f"attention backend {name!r} reads a 16-bit KV cache only; --kv-cache-dtype fp8 runs on "
                          "the triton or torch backend (--attention-backend auto picks one)")
     if name == "auto":
-        if device_type != "cuda":
-            order = ("torch",)
-        elif not half_precision:
+        if device_type != "cuda" or not half_precision:
             order = ("torch",)
         else:
             order = _READS_FP8_KV if fp8 else _AUTO_ORDER_CUDA
