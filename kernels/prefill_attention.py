@@ -15,8 +15,9 @@ chunks after a cached prefix, and decode rows beside them in one launch.
   the programs past a sequence's tiles, and those of padding sequences (no query tokens), end
   at once.
 - The cache of one layer is [num_blocks, block_size, kv_heads, head_dim], in the model dtype or
-  in float8 (read and converted to the queries' dtype tile by tile), the pages of a sequence in
-  ``block_tables``; ``BLOCK_N`` divides ``block_size``, so a tile of keys lies in one page.
+  in float8 (read and converted tile by tile, to float16 for bfloat16 queries: ``dot_queries``),
+  the pages of a sequence in ``block_tables``; ``BLOCK_N`` divides ``block_size``, so a tile of
+  keys lies in one page.
 
 A step's attention is a small part of a prompt step's time (its projections are the rest), so
 the kernel is plain: a causal mask on every tile, no split of the keys.
@@ -28,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from twinplane.kernels.decode_attention import LOG2E, _attend_tile, supports
+from twinplane.kernels.decode_attention import LOG2E, _attend_tile, dot_queries, supports
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -60,6 +61,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, context_lens_ptr, bl
         heads = kv_head * GROUP + group
         q = tl.load(q_ptr + (q_begin + token).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh
                     + dims[None, :], mask=row_ok[:, None], other=0.0)
+        q = dot_queries(q, k_ptr)
         position = context - q_len + token  # of each row's query; it sees the keys at or before it
         keys_end = tl.minimum(context, context - q_len + first + BLOCK_Q)
 

@@ -204,6 +204,14 @@ for heads, kv_heads, head_dim, block_size in [(4, 2, 16, 16), (6, 2, 32, 32), (3
         assert (out - expected).abs().max().item() < 1e-4, f"decode over float8, {splits} splits"
     far = (expected - TorchAttentionBackend().forward(q[:n], k_cache, v_cache, decode, head_dim ** -0.5)).abs()
     assert far.max().item() > 1e-3  # float8 really rounds: the check above is not the float32 cache's
+    # bfloat16 queries over the float8 cache, whose tiles are multiplied in float16 (dot_queries)
+    q16 = q.bfloat16()
+    expected = TorchAttentionBackend().forward(q16[:tokens].float(), k, v, metadata, head_dim ** -0.5)
+    out = paged_prefill_attention(q16, k, v, cu, context, tables, head_dim ** -0.5)
+    assert out.dtype == torch.bfloat16 and (out[:tokens].float() - expected).abs().max().item() < 2e-2
+    expected = TorchAttentionBackend().forward(q16[:n].float(), k, v, decode, head_dim ** -0.5)
+    out = paged_decode_attention(q16[:n], k, v, tables, context, head_dim ** -0.5)
+    assert out.dtype == torch.bfloat16 and (out.float() - expected).abs().max().item() < 2e-2
 
 # The KV writer into a float8 cache: float8 values stored as they are, those past its range clamped.
 # (Values that round are checked on the GPU: the interpreter's float32 -> float8 rounding is wrong where
