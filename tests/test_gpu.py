@@ -810,8 +810,11 @@ def test_graph_buffers_hold_a_full_length_sequence(qwen3_folder):
     runner.close()
 
 
-def test_prefix_cache_hit_gives_the_same_tokens_as_a_miss(qwen3_folder):
-    runner = _runner(qwen3_folder)
+@pytest.mark.parametrize("backend, kv_cache_dtype", [(None, "auto"), ("triton", "fp8")])
+def test_prefix_cache_hit_gives_the_same_tokens_as_a_miss(qwen3_folder, backend, kv_cache_dtype):
+    """A prompt whose first 96 tokens are cached samples what it does computed whole, over the
+    16-bit cache with FlashAttention and over a float8 cache with the triton backend."""
+    runner = _runner(qwen3_folder, attention_backend=backend or _flash_backend(), kv_cache_dtype=kv_cache_dtype)
     prompt = _prompts(1, seed=4, low=100, high=101)[0]
     builder = PlanBuilder(16)
     first = builder.new_seq(1, prompt)
