@@ -212,6 +212,8 @@ for heads, kv_heads, head_dim, block_size in [(4, 2, 16, 16), (6, 2, 32, 32), (3
     expected = TorchAttentionBackend().forward(q16[:n].float(), k, v, decode, head_dim ** -0.5)
     out = paged_decode_attention(q16[:n], k, v, tables, context, head_dim ** -0.5)
     assert out.dtype == torch.bfloat16 and (out.float() - expected).abs().max().item() < 2e-2
+    q16[0, 0, 0] = 1e6  # past float16's range: clamped to it, not turned into inf (and NaN after)
+    assert paged_decode_attention(q16[:n], k, v, tables, context, head_dim ** -0.5).isfinite().all()
 
 # The KV writer into a float8 cache: float8 values stored as they are, those past its range clamped.
 # (Values that round are checked on the GPU: the interpreter's float32 -> float8 rounding is wrong where
