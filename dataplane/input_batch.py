@@ -209,6 +209,7 @@ class InputBatch:
         self.block_table = np.zeros((rows, self.max_blocks), dtype=np.int32)
         self.num_blocks = np.zeros(rows, dtype=np.int32)
         self.num_prompt = np.zeros(rows, dtype=np.int32)
+        self.num_sent = np.zeros(rows, dtype=np.int32)  # positions plans have stored (or had cached) so far
         self.tokens = np.full((rows, self.limits.max_model_len), -1, dtype=np.int32)
         self.params: list[SamplingParams | None] = [None] * rows
         self.plain = np.zeros(rows, dtype=bool)
@@ -220,8 +221,8 @@ class InputBatch:
 
     def _grow(self) -> None:
         old = len(self.params)
-        arrays = ("block_table", "num_blocks", "num_prompt", "tokens", "plain", "masked_plain", "sampling_values",
-                  "owner", "sampled_at", "last_token")
+        arrays = ("block_table", "num_blocks", "num_prompt", "num_sent", "tokens", "plain", "masked_plain",
+                  "sampling_values", "owner", "sampled_at", "last_token")
         saved = [getattr(self, name) for name in arrays]
         params = self.params
         self._allocate(2 * old)
@@ -275,6 +276,7 @@ class InputBatch:
         self.sampling_values[row] = (p.temperature, p.top_p, p.top_k, p.min_p)
         self.num_blocks[row] = 0
         self.num_prompt[row] = init.num_prompt_tokens
+        self.num_sent[row] = start_pos  # a prefix-cache hit: its tokens are in blocks other sequences computed
         self.tokens[row].fill(-1)
         if init.prior_token_ids is not None:
             prior = init.prior_token_ids[:start_pos]
@@ -299,6 +301,7 @@ class InputBatch:
             if plan.num_steps > 1 and not self.plain[rows].all():
                 _fail("a plan of several decode steps takes only sequences sampled with temperature, top-k, "
                       "top-p and min-p (no penalties, seed, log-probabilities, min_tokens or logit bias)")
+            self._check_no_gap(cols, rows)
             pending = self._check_pending(cols, rows, unknown, decode)
             if plan.masks_follow and (plan.num_steps > 1 or cols.token_masks):
                 _fail("a plan whose token masks follow is one step and carries no masks itself")
@@ -311,6 +314,7 @@ class InputBatch:
         for old_row in undo[1].values():  # rows of sequences that were sent again from scratch
             self._free(old_row, holds=False)
         context = cols.start_pos + cols.num_tokens
+        self.num_sent[rows] = context + budget - 1
         if not unknown.all():  # the known tokens of rows that keep a history (none are plain)
             kept = ~(unknown | self.plain[token_rows])
             self.tokens[token_rows[kept], positions[kept]] = cols.token_ids[kept]
@@ -326,6 +330,17 @@ class InputBatch:
         if plan.masks_follow:  # sampled once the masks come
             inputs.with_masks = functools.partial(self._sampling_with_masks, cols, rows, context)
         return inputs
+
+    def _check_no_gap(self, cols: PlanColumns, rows: np.ndarray) -> None:
+        """A sequence seen before goes on at most where its earlier plans ended (again from an earlier
+        position is allowed: it stores those keys anew). Past it, attention would read positions no plan
+        stored, keys and values another sequence may have left in the block."""
+        gap = cols.start_pos > self.num_sent[rows]  # a sequence new in this plan starts where it says
+        if gap.any():
+            i = int(np.flatnonzero(gap)[0])
+            _fail(f"seq {int(cols.seq_ids[i])}: plan starts at position {int(cols.start_pos[i])}, past the "
+                  f"{int(self.num_sent[rows[i]])} positions its plans so far stored or found cached; each plan "
+                  "goes on where the one before ended, or earlier")
 
     def _check_pending(self, cols: PlanColumns, rows: np.ndarray, unknown: np.ndarray, decode: bool) -> np.ndarray:
         """Which sequences decode a PENDING token (unknown: per token, whether it is PENDING);

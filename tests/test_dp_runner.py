@@ -167,6 +167,28 @@ def test_a_refused_decode_plan_leaves_the_block_tables_as_they_were(runner: Mode
     assert tables() == {1: before[1] + grow.new_block_ids.tolist(), 2: before[2]}
 
 
+def test_a_plan_that_skips_positions_of_a_known_sequence_is_refused(runner: ModelRunner) -> None:
+    """A sequence's plan goes on where its plans so far ended, or earlier: past it, attention would read
+    keys and values that no plan stored (what another sequence left in the block). Refused whole; a
+    prefix-cache hit starts a new sequence past position 0, and a plan may also store positions again."""
+    runner.reset()
+    builder = PlanBuilder(BLOCK)
+    seq = builder.new_seq(1, list(range(3, 13)))  # 10 prompt tokens
+    runner.step(StepPlan(1, [builder.schedule(seq, num_tokens=2, sample=False)]))
+    seq.num_computed = 4  # positions 2 and 3 never sent
+    gapped = builder.schedule(seq, num_tokens=4, sample=False)
+    with pytest.raises(ValueError, match="seq 1: plan starts at position 4, past the 2 positions its plans"):
+        runner.step(StepPlan(2, [gapped]))
+    row = runner.sequences.row_of[1]
+    assert runner.sequences.num_sent[row] == 2  # as before the refused plan
+    seq.num_computed, seq.sent_blocks = 1, 1  # from an earlier position (stores position 1 again); block 1 anew
+    runner.step(StepPlan(3, [builder.schedule(seq, num_tokens=5, sample=False)]))
+    assert runner.sequences.num_sent[row] == 6
+    hit = builder.new_seq(2, list(range(3, 13)), shared_blocks=seq.blocks[:1])  # starts at position 4
+    out = runner.step(StepPlan(4, [builder.schedule(seq), builder.schedule(hit)]))
+    assert out.sampled_token_ids.shape == (2,)
+
+
 def test_drop_and_reset_forget_sequences(runner: ModelRunner) -> None:
     runner.reset()
     builder = PlanBuilder(BLOCK)
