@@ -259,7 +259,7 @@ class OpenAIService:
                 raise NotReady(self.engine.why_not_serving())
             model = self._check_model(body)
             self.engine.check_room()  # refused at once when too many wait
-            request_id = checked_request_id("", request.headers.get(REQUEST_ID_HEADER))
+            request_id = checked_request_id("", _header_text(request.headers.get(REQUEST_ID_HEADER)))
             config = self.engine.config
             fields = chat_body(body) if kind == "response" else body
             if kind == "response" and body.get("truncation") == "auto":
@@ -290,6 +290,18 @@ class OpenAIService:
                                      headers={**headers, "cache-control": "no-cache"},
                                      background=BackgroundTask(choices.aclose))
         return await _whole(request, choices, builder, headers)
+
+
+def _header_text(value: str | None) -> str | None:
+    """A header's value as the client wrote it. HTTP carries bytes, which Starlette reads as latin-1;
+    non-ASCII ones that are UTF-8 (what clients send) are read as UTF-8 instead, so an id comes back
+    percent-encoded once, as a gRPC request_id does, not as the UTF-8 of its latin-1 reading."""
+    if value is None or value.isascii():
+        return value
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        return value
 
 
 def _event(data: dict | str) -> bytes:

@@ -736,6 +736,12 @@ def test_request_ids_need_not_be_unique(base_url, model, http_planes):
                               json={"model": model, "prompt": "Once upon a time", "max_tokens": 4, "n": 2})
             assert both.status_code == 200 and len(both.json()["choices"]) == 2, both.text
             assert both.headers["x-request-id"] == header
+        # a non-ASCII id in UTF-8: the response's id holds its text, the header its UTF-8 percent-encoded once
+        headers = {"authorization": f"Bearer {KEY}", "x-request-id": "réq-1".encode()}
+        named = httpx.post(base_url + "/v1/completions", headers=headers, timeout=60,
+                           json={"model": model, "prompt": "Once upon a time", "max_tokens": 2})
+        assert named.status_code == 200 and named.json()["id"] == "cmpl-réq-1", named.text
+        assert named.headers["x-request-id"] == "r%C3%A9q-1"
         assert len(next(iter(running)).token_ids) > 0  # the first one still streams
         running.cancel()
     wait_until(lambda: all_blocks_free(http_planes), 20, "every KV block free")
