@@ -28,3 +28,9 @@ def launch_pdl(device: torch.device) -> bool:
     """Whether kernels on ``device`` are launched with programmatic dependent launch: NVIDIA GPUs
     of sm_90 and newer (not ROCm, and never Triton's interpreter, whose tensors are on the CPU)."""
     return device.type == "cuda" and torch.version.hip is None and capability(device.index or 0)[0] >= 9
+
+
+def e4m3_in_ptx(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may convert float8 e4m3 with PTX's ``cvt.rn.f16x2.e4m3x2``: NVIDIA
+    GPUs of sm_89 and newer (not ROCm, and never Triton's interpreter, which runs no PTX)."""
+    return device.type == "cuda" and torch.version.hip is None and capability(device.index or 0) >= (8, 9)

@@ -3,6 +3,7 @@
 - The paged prefill kernel against the torch backend (prompts, prompt chunks after a cached
   prefix, decode rows beside them, padding sequences as a CUDA graph pads them), over a bf16
   and a float8 cache.
+- The decode kernel's float8 conversion against torch's, for every float8 value.
 - The K/V stores into a float8 cache (the KV writer, the fused norm/RoPE/store and the decode
   kernel from the q/k/v projection) against torch's conversion of the same 16-bit values, values
   past float8's range clamped; decode attention over a float8 cache against the torch backend.
@@ -15,11 +16,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from tests import test_gpu
 from tests.test_gpu import _drive, _drive_with_arrival, _prompts, _reference, _runner, assert_logits_match_transformers
 from twinplane.dataplane.attention_backends.base import AttentionMetadata
 from twinplane.dataplane.plan import StepPath
+from twinplane.kernels.decode_attention import e4m3_to_f16
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -112,6 +116,24 @@ def test_stores_into_a_float8_cache_convert_as_torch_does(kv_heads, head_dim):
     for c16, c8 in zip(caches16, caches8):
         assert (c16.float().abs() > 448).any()
         assert torch.equal(c8.view(torch.uint8), as_torch_converts(c16).view(torch.uint8))
+
+
+@triton.jit
+def _to_f16(x_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, e4m3_to_f16(tl.load(x_ptr + i)))
+
+
+def test_the_decode_kernels_float8_conversion_gives_torchs_for_every_value():
+    """e4m3_to_f16 (PTX, four bytes a register) over all 256 bit patterns, laid out twice so each
+    pattern sits at every byte of a register: torch's float16 of each, NaN where torch gives NaN."""
+    x = torch.arange(256, dtype=torch.uint8, device="cuda").view(FP8)
+    x = torch.cat([x, x.roll(1), x.roll(2), x.roll(3)])
+    out = torch.empty(x.shape, dtype=torch.float16, device="cuda")
+    _to_f16[(1,)](x, out, N=x.numel())
+    expected = x.to(torch.float16)
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert torch.equal(out.nan_to_num(), expected.nan_to_num())
 
 
 @pytest.mark.parametrize("num_seqs", [1, 12, 160])

@@ -1,5 +1,5 @@
-"""Our Triton kernels compiled for sm_90 (an H100 / H200) without a GPU: decode attention and its
-merge, the skinny projections, RoPE/K/V store, the KV writer, SiLU-and-mul, RMSNorm and the sampler (with
+"""Our Triton kernels compiled for sm_90 (an H100 / H200) without a GPU: decode attention (over a
+bf16 and a float8 cache) and its merge, the skinny projections, RoPE/K/V store, the KV writer, SiLU-and-mul, RMSNorm and the sampler (with
 and without token masks), in the variants their launch wrappers pick.
 
 Triton's interpreter (test_kernels_interpreted.py) runs the kernels as Python, so it checks
@@ -40,21 +40,27 @@ def _compile(kernel, constexprs: dict, pointers: dict[str, str], floats: tuple[s
     return triton.compile(source, target=HOPPER).asm["ptx"]
 
 
+@pytest.mark.parametrize("cache", ["bf16", "fp8e4nv"])
 @pytest.mark.parametrize("num_splits,from_qkv,has_norm,group,prefetch",
                          [(1, False, False, 2, False), (2, True, True, 2, False), (4, True, False, 4, True),
                           (16, True, True, 2, True), (8, False, False, 7, True), (1, True, True, 2, True)])
-def test_decode_attention_compiles(num_splits, from_qkv, has_norm, group, prefetch):
+def test_decode_attention_compiles(cache, num_splits, from_qkv, has_norm, group, prefetch):
+    """Over a float8 cache with one split, as ``_launch`` picks it on sm_90, the tiles convert through
+    ``e4m3_to_f16``'s PTX (its text is in the kernel's); otherwise through Triton's conversion."""
     from twinplane.kernels.decode_attention import _decode_kernel, _merge_kernel
 
     ints = {name: "i32" for name in ("block_table_ptr", "context_lens_ptr", "order_ptr", "positions_ptr", "slot_ptr")}
     floats32 = {name: "fp32" for name in ("lse_ptr", "cos_sin_ptr", "q_norm_ptr", "k_norm_ptr")}
     out = "fp32" if num_splits > 1 else "bf16"
+    e4m3_ptx = cache == "fp8e4nv" and num_splits == 1
     ptx = _compile(_decode_kernel, dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=128,
                                         BLOCK_N=64, PAGE=256, NUM_SPLITS=num_splits, ORDERED=True, FROM_QKV=from_qkv,
-                                        HEADS=8 * group, KV_HEADS=8, HAS_NORM=has_norm, PREFETCH=prefetch, PDL=True),
-                   {**ints, **floats32, "out_ptr": out, "q_norm_ptr": "bf16", "k_norm_ptr": "bf16"},
-                   floats=("eps", "scale_log2"))
+                                        HEADS=8 * group, KV_HEADS=8, HAS_NORM=has_norm, PREFETCH=prefetch, PDL=True,
+                                        E4M3_PTX=e4m3_ptx),
+                   {**ints, **floats32, "out_ptr": out, "q_norm_ptr": "bf16", "k_norm_ptr": "bf16", "k_ptr": cache,
+                    "v_ptr": cache}, floats=("eps", "scale_log2"))
     assert "griddepcontrol.wait" in ptx
+    assert ("mov.b32 {lo, hi}" in ptx) == e4m3_ptx
     if num_splits > 1:
         ptx = _compile(_merge_kernel, dict(HEAD_DIM=128, NUM_SPLITS=num_splits, PDL=True),
                        {"part_ptr": "fp32", "lse_ptr": "fp32"})
