@@ -380,13 +380,26 @@ def _paths(before: dict, after: dict) -> str:
                      for name, (n, us) in paths.items())
 
 
-def _start_server(args) -> tuple[subprocess.Popen, str]:
+def _reserve_port() -> socket.socket:
+    """A loopback TCP port for the server's frontends, held until the server is gone: bound with
+    SO_REUSEPORT and never listening, so the frontends (which bind it with SO_REUSEPORT too) can share
+    it and no other program can take it while the server starts. It takes no connections: the
+    kernel spreads them over listening sockets only."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+def _start_server(args) -> tuple[subprocess.Popen, str, socket.socket | None]:
+    """The server bench runs against, its address, and the socket that holds its TCP port (several
+    frontends) or None (a unix socket): close it after the server is gone."""
     from twinplane.clients.cli import _dataplane_argv
 
+    reserved = None
     if args.api_server_count > 1:  # frontends share a TCP port (the kernel spreads connections over them)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            address = f"127.0.0.1:{s.getsockname()[1]}"
+        reserved = _reserve_port()
+        address = f"127.0.0.1:{reserved.getsockname()[1]}"
     else:
         address = f"unix://{tempfile.mkdtemp(prefix='twinplane-bench-')}/api.sock"
     log_level = getattr(args, "log_level", None) or "WARNING"  # the service logs at the benchmark's level
@@ -401,7 +414,7 @@ def _start_server(args) -> tuple[subprocess.Popen, str]:
                 "--decode-steps", str(args.decode_steps), "--decode-steps-max-seqs", str(args.decode_steps_max_seqs),
                 "--data-parallel-size", str(args.data_parallel_size), "--routing", args.routing,
                 "--api-server-count", str(args.api_server_count)]
-    return subprocess.Popen(command, stdin=subprocess.DEVNULL), address
+    return subprocess.Popen(command, stdin=subprocess.DEVNULL), address, reserved
 
 
 async def _kill_a_dataplane(server: subprocess.Popen, after: float) -> None:
@@ -458,7 +471,7 @@ def run_bench(args: argparse.Namespace) -> int:
         _check_server("bench", args.server)
     _check_workload(args)
     requests = make_workload(args)
-    server, target = (None, args.server) if args.server else _start_server(args)
+    server, target, reserved = (None, args.server, None) if args.server else _start_server(args)
     chaos = None
     if args.kill_dataplane_after is not None and server is not None:
         chaos = lambda: _kill_a_dataplane(server, args.kill_dataplane_after)  # noqa: E731
@@ -468,7 +481,10 @@ def run_bench(args: argparse.Namespace) -> int:
         if server is not None:
             server.terminate()
             server.wait(60)
-            shutil.rmtree(os.path.dirname(target.removeprefix("unix://")), ignore_errors=True)
+            if reserved is None:
+                shutil.rmtree(os.path.dirname(target.removeprefix("unix://")), ignore_errors=True)
+            else:
+                reserved.close()
     figures = report(requests, elapsed, before, after, info, args, cpu)
     if args.save_result:
         save_result(args.save_result, requests, figures, args)

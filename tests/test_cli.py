@@ -429,16 +429,43 @@ def test_bench_passes_its_server_flags_on(monkeypatch):
     started = []
     monkeypatch.setattr(bench.subprocess, "Popen", lambda command, **_: started.append(command))
     args = build_parser().parse_args(["bench", "--stream-interval", "2", "--max-steps-in-flight", "3"])
-    _, address = bench._start_server(args)
+    _, address, _ = bench._start_server(args)
     command = started[0]
     assert command[command.index("--stream-interval") + 1] == "2"
     assert command[command.index("--max-steps-in-flight") + 1] == "3"
     assert command[command.index("--max-waiting-requests") + 1] == str(args.num_requests + 16)
     assert command[command.index("--api-server-count") + 1] == "1" and "unix://" in address
-    _, address = bench._start_server(build_parser().parse_args(["bench", "--api-server-count", "2"]))
+    _, address, reserved = bench._start_server(build_parser().parse_args(["bench", "--api-server-count", "2"]))
+    reserved.close()
     command = started[1]  # several frontends share a loopback TCP port, which a unix socket cannot be
     assert command[command.index("--api-server-count") + 1] == "2"
     assert command[command.index("--listen") + 1] == address and address.startswith("127.0.0.1:")
+
+
+def test_bench_holds_its_frontends_port_while_its_server_runs(monkeypatch):
+    """With several frontends bench picks a loopback TCP port and keeps it bound until its server is
+    gone: no other program can bind it meanwhile, the frontends can (SO_REUSEPORT, as they bind it)
+    and a client's connection reaches them, not the socket that holds the port."""
+    import socket
+
+    from twinplane.clients import bench
+    from twinplane.clients.cli import build_parser
+
+    monkeypatch.setattr(bench.subprocess, "Popen", lambda command, **_: None)
+    _, address, reserved = bench._start_server(build_parser().parse_args(["bench", "--api-server-count", "2"]))
+    port = int(address.rsplit(":", 1)[1])
+    with reserved:
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))
+        with socket.socket() as frontend:
+            frontend.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            frontend.bind(("127.0.0.1", port))
+            frontend.listen()
+            frontend.settimeout(5)
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
+                connection, peer = frontend.accept()
+                connection.close()
+                assert peer == client.getsockname()
 
 
 def test_serve_refuses_a_data_parallel_size_its_addresses_or_gpus_cannot_serve(monkeypatch):

@@ -214,7 +214,7 @@ def test_the_flag_reaches_a_child_data_plane_and_its_config(monkeypatch) -> None
         assert passed.command == "dataplane" and _dataplane_config(passed).kv_cache_dtype == expected, argv
     started = []
     monkeypatch.setattr(bench.subprocess, "Popen", lambda command, **_: started.append(command))
-    bench._start_server(parser.parse_args(["bench", "--kv-cache-dtype", "fp8", "--api-server-count", "2"]))
+    bench._start_server(parser.parse_args(["bench", "--kv-cache-dtype", "fp8", "--api-server-count", "2"]))[2].close()
     served = parser.parse_args(started[0][started[0].index("--log-level"):])
     assert served.command == "serve" and _dataplane_config(served).kv_cache_dtype == "fp8"
     with pytest.raises(SystemExit):  # argparse refuses other values
