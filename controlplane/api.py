@@ -159,8 +159,9 @@ def sampling_options(values: dict, prefix: str = "sampling.") -> SamplingOptions
     _check(-1 <= top_k <= MAX_TOP_K, f"{prefix}top_k must be in [-1, {MAX_TOP_K}] (0 or -1 for no limit), got {top_k}")
     min_p = values.get("min_p", 0.0)
     _range(f"{prefix}min_p", min_p, 0.0, 1.0)
-    repetition = values.get("repetition_penalty", 1.0)
-    _range(f"{prefix}repetition_penalty", repetition, 0.0, 2.0, low_open=True)
+    repetition = values.get("repetition_penalty", 1.0)  # any positive value, as vLLM and TGI take
+    _check(math.isfinite(_float32(repetition)) and _float32(repetition) > 0,
+           f"{prefix}repetition_penalty must be a finite number > 0 (as a 32-bit float; 1 = off), got {repetition:g}")
     presence = values.get("presence_penalty", 0.0)
     _range(f"{prefix}presence_penalty", presence, -2.0, 2.0)
     frequency = values.get("frequency_penalty", 0.0)

@@ -64,13 +64,18 @@ def test_repetition_penalty_matches_transformers(tiny_qwen3_dir, shared_planes):
             # second time): the tokens it would pick next are prompt tokens
             prompt = start + hf_greedy(tiny_qwen3_dir, start, 16, ignore_eos=True) + tail
             expected = hf_greedy(tiny_qwen3_dir, prompt, 16, ignore_eos=True, repetition_penalty=1.6)
-            changed += expected != hf_greedy(tiny_qwen3_dir, prompt, 16, ignore_eos=True)
+            free = hf_greedy(tiny_qwen3_dir, prompt, 16, ignore_eos=True)
+            changed += expected != free
             for attempt in ("computed", "cached"):
                 chunks = list(client.generate(token_ids=prompt, max_tokens=16, temperature=0, ignore_eos=True,
                                               repetition_penalty=1.6))
                 assert [t for c in chunks for t in c.token_ids] == expected, (i, attempt)
             assert chunks[-1].usage.cached_prompt_tokens == 32, "the second time, two blocks came from the cache"
-    assert changed >= 1, "the penalty changed no reference output: the test would not notice it ignored"
+            strong = hf_greedy(tiny_qwen3_dir, prompt, 16, ignore_eos=True, repetition_penalty=8.0)  # past 2: vLLM's range
+            changed += strong != free
+            assert [t for c in client.generate(token_ids=prompt, max_tokens=16, temperature=0, ignore_eos=True,
+                                               repetition_penalty=8.0) for t in c.token_ids] == strong, i
+    assert changed >= 2, "the penalties changed too few reference outputs: the test would not notice them ignored"
 
 
 def test_logit_bias_matches_transformers(tiny_qwen3_dir, shared_planes):

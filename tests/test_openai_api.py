@@ -127,7 +127,7 @@ def test_prompt_forms():
     ({"prompt": "x", "echo": "yes"}, False, "echo must be true or false"),
     ({**CHAT, "top_k": 2**31}, True, "top_k must be in [-1, 2147483647]"),  # an int32 on the data plane
     ({**CHAT, "top_p": 1e-300}, True, "0 as the 32-bit float"),  # 0 on the data plane
-    ({**CHAT, "repetition_penalty": 1e-300}, True, "repetition_penalty must be in (0.0, 2.0]"),
+    ({**CHAT, "repetition_penalty": 1e-300}, True, "repetition_penalty must be a finite number > 0"),  # 0 as sent
     ({**CHAT, "temperature": 1e300}, True, "temperature must be a finite number"),  # inf on the data plane
     ({"prompt": "a\ud800"}, False, "prompt is not valid Unicode"),  # a lone surrogate: valid JSON, no text
     ({"messages": [{"role": "user", "content": "ok"}, {"role": "user", "content": "\udc00"}]}, True,
