@@ -71,7 +71,7 @@ def test_repetition_penalty_matches_transformers(tiny_qwen3_dir, shared_planes):
                                               repetition_penalty=1.6))
                 assert [t for c in chunks for t in c.token_ids] == expected, (i, attempt)
             assert chunks[-1].usage.cached_prompt_tokens == 32, "the second time, two blocks came from the cache"
-            strong = hf_greedy(tiny_qwen3_dir, prompt, 16, ignore_eos=True, repetition_penalty=8.0)  # past 2: vLLM's range
+            strong = hf_greedy(tiny_qwen3_dir, prompt, 16, ignore_eos=True, repetition_penalty=8.0)  # past 2, as vLLM
             changed += strong != free
             assert [t for c in client.generate(token_ids=prompt, max_tokens=16, temperature=0, ignore_eos=True,
                                                repetition_penalty=8.0) for t in c.token_ids] == strong, i
