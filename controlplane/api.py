@@ -391,10 +391,11 @@ def checked_logit_bias(bias: dict, limits: Limits) -> tuple[tuple[int, float], .
     return tuple((int(i), float(_float32(v))) for i, v in pairs)
 
 
-def check_truncation(truncate_prompt_tokens: int, limits: Limits) -> None:
+def check_truncation(truncate_prompt_tokens: int, limits: Limits, longest: bool = False) -> None:
+    """longest: the caller takes -1 as the most (the OpenAI API's), as the message says; the gRPC field is unsigned."""
     _check(0 <= truncate_prompt_tokens < limits.max_model_len,
-           f"truncate_prompt_tokens must be in [0, {limits.max_model_len - 1}] (below max_model_len), 0 for no "
-           f"truncation; got {truncate_prompt_tokens}")
+           f"truncate_prompt_tokens must be {'-1 (the longest that fits) or ' if longest else ''}in [0, "
+           f"{limits.max_model_len - 1}] (below max_model_len), 0 for no truncation; got {truncate_prompt_tokens}")
 
 
 def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, header_request_id: str | None = None,

@@ -56,7 +56,8 @@ PARAMS = frozenset((*SAMPLING_FIELDS, *_INTS, "model", "messages", "prompt", "st
                     "tokens", "modalities", *CHAT_OPTIONS, *TOOL_FIELDS, *UNSUPPORTED,
                     "input", "instructions", "text", "previous_response_id", "conversation", "background", "include",
                     "structured_outputs", *GUIDED, "include_reasoning", "reasoning_effort", "add_special_tokens",
-                    "spaces_between_special_tokens", "reasoning", "truncation", "max_tool_calls", "metadata"))
+                    "spaces_between_special_tokens", "reasoning", "truncation", "max_tool_calls", "metadata",
+                    "request_id"))
 FINISH_REASONS = {FinishReason.STOP_TOKEN: "stop", FinishReason.STOP_STRING: "stop",
                   FinishReason.LENGTH: "length", FinishReason.ABORTED: "abort"}
 
@@ -420,10 +421,12 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool,
               "puts a space between special tokens (leave it true, or leave the special tokens out with "
               "skip_special_tokens)")
     truncate = _int(body, "truncate_prompt_tokens") or 0
-    check_truncation(truncate, limits)
+    if truncate == -1:  # vLLM's: the longest that fits, as if that were sent
+        truncate = limits.max_model_len - 1
+    check_truncation(truncate, limits, longest=True)
     options = _typed(body, "stream_options", (dict,), "an object")
     stream = _bool(body, "stream")
-    if options is not None and not stream:
+    if options and not stream:  # an empty one asks for nothing, as vLLM reads it
         _fail("stream_options is only allowed with stream: true")
     usage = {}  # include_usage: a last chunk with the usage; continuous_usage_stats: every chunk with the counts
     for name in ("include_usage", "continuous_usage_stats"):  # (apart from each other: each asks for its own)

@@ -259,7 +259,8 @@ class OpenAIService:
                 raise NotReady(self.engine.why_not_serving())
             model = self._check_model(body)
             self.engine.check_room()  # refused at once when too many wait
-            request_id = checked_request_id("", _header_text(request.headers.get(REQUEST_ID_HEADER)))
+            # a chat or completion body's request_id (vLLM's); a Responses body's is not read
+            request_id = _request_id({} if kind == "response" else body, request.headers.get(REQUEST_ID_HEADER))
             config = self.engine.config
             fields = chat_body(body) if kind == "response" else body
             if kind == "response" and body.get("truncation") == "auto":
@@ -290,6 +291,16 @@ class OpenAIService:
                                      headers={**headers, "cache-control": "no-cache"},
                                      background=BackgroundTask(choices.aclose))
         return await _whole(request, choices, builder, headers)
+
+
+def _request_id(body: dict, header: str | None) -> str:
+    """The x-request-id header, else the body's request_id (vLLM's), else a new id; both checked as gRPC's are."""
+    given = body.get("request_id")
+    if given is not None and not isinstance(given, str):
+        raise InvalidRequest(f"request_id must be a string, got {type(given).__name__}")
+    header = _header_text(header)
+    checked = checked_request_id(given or "", header)  # both within bounds
+    return header or checked
 
 
 def _header_text(value: str | None) -> str | None:

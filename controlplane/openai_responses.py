@@ -168,7 +168,8 @@ def chat_body(body: dict) -> dict:
     if tools is not None:
         if not isinstance(tools, list):
             _fail("tools must be a list of function tools")
-        chat["tools"] = [_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
+        if tools:  # [] (the API's default) defines none, where chat refuses an empty list
+            chat["tools"] = [_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
     choice = body.get("tool_choice")
     if isinstance(choice, dict):  # a named function: {"type": "function", "name": ...} in this API
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):

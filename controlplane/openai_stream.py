@@ -176,6 +176,16 @@ def tool_finish_reason(out: RequestOutput, text: ChatText, named: bool) -> str |
     return "tool_calls" if reason == "stop" and text.calls and not named else reason
 
 
+def stop_reason(out: RequestOutput, stop_token_ids: tuple[int, ...]) -> str | int | None:
+    """vLLM's stop_reason of a choice's last output: the stop string that ended it, or the token of
+    stop_token_ids that did; None for the model's end of sequence, the length, or a choice not ended."""
+    if out.finish_reason is FinishReason.STOP_STRING:
+        return out.matched_stop
+    if out.finish_reason is FinishReason.STOP_TOKEN and out.token_ids and out.token_ids[-1] in stop_token_ids:
+        return out.token_ids[-1]
+    return None
+
+
 def _call_delta(delta: CallDelta) -> dict:
     """A stream chunk's entry for what a piece adds to a tool call: the call's id and name with its first."""
     if delta.begins:
@@ -223,8 +233,9 @@ class ResponseBuilder:
 
     def chunks(self, index: int, out: RequestOutput) -> list[dict]:
         """The stream chunks of one output of choice index: in chat, a choice's first output comes after a
-        chunk of its role alone (as OpenAI's and vLLM's streams begin each choice). An output that was reasoning
-        alone, with include_reasoning false, has no chunk (unless it ends the choice or carries logprobs)."""
+        chunk of its role alone (as OpenAI's and vLLM's streams begin each choice). A chat output with nothing
+        to show (text a reasoning or tool-call parser holds back, reasoning with include_reasoning false) has
+        no chunk unless it ends the choice or carries logprobs, as in vLLM's streams."""
         first = []
         if self.request.chat and not self.started[index]:
             first = [self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -251,9 +262,9 @@ class ResponseBuilder:
             deltas = [d for d in self.parts[index].deltas(calls) if d.adds]
             reason = tool_finish_reason(out, self.parts[index], self.request.tools.named)
             if not self.request.include_reasoning:
-                if reasoning and not (content or deltas or reason or choice["logprobs"]):
-                    return None
                 reasoning = ""
+            if not (reasoning or content or deltas or reason or (self.request.logprobs and out.logprobs)):
+                return None  # nothing to show yet: text a parser holds back, or reasoning not shown
             delta = {}
             if reasoning:
                 delta["reasoning_content"] = reasoning
@@ -264,6 +275,8 @@ class ResponseBuilder:
             choice["delta"], choice["finish_reason"] = delta, reason
         else:
             choice["text"], choice["finish_reason"] = out.text, finish_reason(out)
+        if choice["finish_reason"] is not None:  # the choice's last chunk (vLLM's leave it out before)
+            choice["stop_reason"] = stop_reason(out, self.request.calls[index].params.stop_token_ids)
         return choice
 
     def usage_chunk(self, usage: dict) -> dict:
@@ -310,6 +323,7 @@ class ResponseBuilder:
                 choice["text"], choice["finish_reason"] = text, finish_reason(self.finals[i])
                 if self.request.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_json(self.prompt_logprobs[i], self.tokenizer)
+            choice["stop_reason"] = stop_reason(self.finals[i], self.request.calls[i].params.stop_token_ids)
             choices.append(choice)
         response = {**self._object(False), "choices": choices, "usage": self._usage(usage)}
         if self.request.chat and self.request.prompt_logprobs is not None:  # one prompt: beside the choices

@@ -124,8 +124,10 @@ def template_tools(body: dict) -> list[dict] | None:
         return None
     if not isinstance(tools, list):
         _fail("tools must be a list of {\"type\": \"function\", \"function\": {...}} objects")
+    if not tools:  # refused as vLLM and OpenAI refuse it
+        _fail("tools must not be an empty array; leave it out (or null) for no tools")
     check_tool_count(len(tools), "tools")
-    return [_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)] or None
+    return [_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
 
 
 def check_tool_count(count: int, where: str) -> None:

@@ -1,6 +1,7 @@
 """Our Triton kernels compiled for sm_90 (an H100 / H200) without a GPU: decode attention (over a
-bf16 and a float8 cache) and its merge, the skinny projections, RoPE/K/V store, the KV writer, SiLU-and-mul, RMSNorm and the sampler (with
-and without token masks), in the variants their launch wrappers pick.
+bf16 and a float8 cache) and its merge, the skinny projections, RoPE/K/V store, the KV writer,
+SiLU-and-mul, RMSNorm and the sampler (with and without token masks), in the variants their launch
+wrappers pick.
 
 Triton's interpreter (test_kernels_interpreted.py) runs the kernels as Python, so it checks
 what they compute but not that they compile: Triton's compiler rejects, for example, a value

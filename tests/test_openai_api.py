@@ -108,6 +108,7 @@ def test_prompt_forms():
     ({**CHAT, "top_logprobs": 2}, True, "top_logprobs needs logprobs"),
     ({**CHAT, "logprobs": True, "top_logprobs": 50}, True, "top_logprobs must be in [0, 20]"),
     ({**CHAT, "tools": [{"type": "function"}]}, True, "tools[0] must be {\"type\": \"function\""),
+    ({**CHAT, "tools": []}, True, "tools must not be an empty array"),
     ({**CHAT, "functions": [{"name": "f"}]}, True, "functions is not supported"),
     ({**CHAT, "stop": ["a", 3]}, True, "stop must be a string or a list of strings"),
     ({**CHAT, "seed": -2**63 - 1}, True, "seed must be a 64-bit integer, in [-2**63, 2**64)"),
@@ -136,8 +137,11 @@ def test_prompt_forms():
     ({**CHAT, "max_completion_tokens": 600}, True, "max_completion_tokens must be in [1, 512]"),
     ({"prompt": [1, 2.5]}, False, "prompt must be a string or a list of token ids"),
     ({"prompt": [None]}, False, "prompt must be a string or a list of token ids"),
-    ({"prompt": "x", "truncate_prompt_tokens": 512}, False, "truncate_prompt_tokens must be in [0, 511]"),
-    ({"prompt": "x", "truncate_prompt_tokens": -1}, False, "truncate_prompt_tokens must be in [0, 511]"),
+    ({"prompt": "x", "truncate_prompt_tokens": 512}, False,
+     "truncate_prompt_tokens must be -1 (the longest that fits) or in [0, 511]"),
+    ({**CHAT, "truncate_prompt_tokens": -2}, True,
+     "truncate_prompt_tokens must be -1 (the longest that fits) or in [0, 511] (below max_model_len), 0 for no "
+     "truncation; got -2"),
     ({**CHAT, "stream_options": {"include_usage": True}}, True, "stream_options is only allowed with stream: true"),
     ({**CHAT, "stream": True, "stream_options": True}, True, "stream_options must be an object"),
     ({**CHAT, "skip_special_tokens": "false"}, True, "skip_special_tokens must be true or false, got str"),
@@ -253,6 +257,24 @@ def test_each_bound_takes_its_limit(body, chat, taken):
 ])
 def test_unsupported_fields_are_taken_where_they_ask_nothing(body, chat):
     assert len(parse(body, chat).calls) == body.get("n", 1)
+
+
+def test_truncate_prompt_tokens_minus_1_is_the_longest_that_fits():
+    """As vLLM's: -1 truncates to what max_model_len holds, here the most that is taken (as if it were sent)."""
+    for body, chat in (({"prompt": [1, 2, 3]}, False), (CHAT, True)):
+        (call,) = parse({**body, "truncate_prompt_tokens": -1}, chat).calls
+        assert call.truncate_prompt_tokens == 511 == parse({**body, "truncate_prompt_tokens": 511}, chat).calls[
+            0].truncate_prompt_tokens
+
+
+def test_an_empty_stream_options_is_taken_without_stream():
+    """As vLLM's: stream_options without stream is refused only when it asks for something."""
+    for body in ({**CHAT, "stream_options": {}}, {**CHAT, "stream": False, "stream_options": {}},
+                 {"prompt": "x", "stream": False, "stream_options": {}}):
+        req = parse(body, "messages" in body)
+        assert not (req.stream or req.include_usage or req.continuous_usage)
+    with pytest.raises(InvalidRequest, match="stream_options is only allowed with stream: true"):
+        parse({**CHAT, "stream": False, "stream_options": {"include_usage": False}})
 
 
 def test_echo_with_max_tokens_0_gives_the_prompt_alone():
@@ -667,6 +689,42 @@ def test_a_generation_is_refused_for_the_queue_before_it_is_parsed():
     engine.parse = parse
     answer = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert answer.status_code == 429 and "too many waiting requests (1" in answer.json()["error"]["message"]
+    engine._tokenizer_pool.shutdown()
+
+
+def test_a_request_id_in_the_body_names_the_request_unless_the_header_does():
+    """As vLLM's: a chat or completion body's request_id is the request's id (the response's, the header sent
+    back, the engine request's) when no x-request-id header is sent; the header's wins. Either is checked."""
+    engine, http = _service_over_an_engine()
+    engine._connected = True
+    engine._update_ready()
+    added = []
+
+    async def add_all(calls, room_checked=False, arrival_time=None):
+        added.extend(call.request_id for call in calls)
+        return [SimpleNamespace(prompt=[1], arrival_time=0.0) for _ in calls]
+
+    async def outputs(state):
+        yield RequestOutput("r", [5], "x", finish_reason=FinishReason.LENGTH, prompt_tokens=1, completion_tokens=1)
+
+    engine.add_all, engine.outputs, engine.abort = add_all, outputs, lambda state: None
+    for path, prefix, body in (("/v1/chat/completions", "chatcmpl-", CHAT),
+                               ("/v1/completions", "cmpl-", {"prompt": "hi"})):
+        for headers, rid in (({}, "body-id"), ({"x-request-id": "header-id"}, "header-id")):
+            answer = http.post(path, json={**body, "max_tokens": 1, "request_id": "body-id"}, headers=headers)
+            assert answer.status_code == 200, answer.text
+            assert (answer.json()["id"], answer.headers["x-request-id"]) == (prefix + rid, rid)
+    assert added == ["body-id", "header-id"] * 2
+    for request_id, words in ((7, "request_id must be a string, got int"),
+                              ("x" * 257, "request_id must be at most 256 characters, got 257")):
+        answer = http.post("/v1/completions", json={"prompt": "hi", "request_id": request_id},
+                           headers={"x-request-id": "header-id"})
+        error = answer.json()["error"]
+        assert answer.status_code == 400 and words in error["message"] and error["param"] == "request_id", error
+    answer = http.post("/v1/chat/completions", json={**CHAT, "tools": []})  # the usual error body
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "tools"
+    assert "tools must not be an empty array" in answer.json()["error"]["message"]
+    assert added == ["body-id", "header-id"] * 2
     engine._tokenizer_pool.shutdown()
 
 

@@ -432,13 +432,29 @@ def test_logprobs(client, model):
 
 
 def test_stop_string(client, model):
-    free = client.completions.create(model=model, prompt="Once upon a time", max_tokens=16, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
+    """A stop string ends the text before it; vLLM's stop_reason names it (null for the length), in the
+    response and in a stream's last chunk, chat's too."""
+    whole = client.completions.create(model=model, prompt="Once upon a time", max_tokens=16, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0]
+    free = whole.text
+    assert whole.finish_reason == "length" and whole.model_extra["stop_reason"] is None
     stop = free[len(free) // 2:len(free) // 2 + 3]
     assert stop.strip(), free
     cut = client.completions.create(model=model, prompt="Once upon a time", max_tokens=16, temperature=0,
                                     stop=[stop], extra_body={"ignore_eos": True}).choices[0]
     assert cut.finish_reason == "stop" and cut.text == free[:free.index(stop)]
+    assert cut.model_extra["stop_reason"] == stop
+    streamed = [c.choices[0] for c in client.completions.create(
+        model=model, prompt="Once upon a time", max_tokens=16, temperature=0, stop=[stop], stream=True,
+        extra_body={"ignore_eos": True})]
+    assert streamed[-1].model_extra["stop_reason"] == stop and "stop_reason" not in streamed[0].model_extra
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=16,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    said = chat.choices[0].message.content
+    ended = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=16,
+                                           temperature=0, stop=[said[4:7]], extra_body={"ignore_eos": True})
+    assert ended.choices[0].model_extra["stop_reason"] == said[4:7], said
+    assert chat.choices[0].model_extra["stop_reason"] is None
     kept = client.completions.create(model=model, prompt="Once upon a time", max_tokens=16, temperature=0, stop=[stop],
                                      extra_body={"ignore_eos": True, "include_stop_str_in_output": True}).choices[0]
     assert kept.finish_reason == "stop" and kept.text == free[:free.index(stop) + len(stop)]
@@ -456,6 +472,7 @@ def test_include_stop_str_in_output_keeps_a_stop_tokens_text_too(client, model):
         choice = client.completions.create(**kwargs, extra_body={"ignore_eos": True, "stop_token_ids": [ids[k]],
                                                                  "include_stop_str_in_output": keep}).choices[0]
         assert choice.finish_reason == "stop" and choice.text == "".join(texts[:k + keep]), (keep, texts, k)
+        assert choice.model_extra["stop_reason"] == ids[k]  # vLLM's: the stop token's id
 
 
 def test_logit_bias_forces_bans_and_leaves_logprobs_alone(client, model, http_planes):
@@ -701,7 +718,7 @@ def test_fields_clients_send_at_their_defaults_are_taken(base_url, model):
                   "disable_additional_properties": False, "whitespace_pattern": None, "_backend": None,
                   "_backend_was_auto": False}
     neutral = {"store": False, "service_tier": "auto", "metadata": {}, "user": "u", "stop": None, "n": 1,
-               "response_format": {"type": "text"}, "prediction": None, "tools": [], "modalities": ["text"]}
+               "response_format": {"type": "text"}, "prediction": None, "modalities": ["text"]}
     requests = [("chat/completions", {**chat, "max_tokens": 3}),
                 ("chat/completions", {**chat, "max_tokens": 32, "structured_outputs": structured}),
                 ("chat/completions", {"messages": QUESTION, "max_completion_tokens": 3, **neutral}),

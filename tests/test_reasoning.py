@@ -107,9 +107,10 @@ def test_chat_chunks_and_message_carry_reasoning_content_apart():
     request = parse_request({"messages": [{"role": "user", "content": "hi"}]}, Limits(100, 64), "r", chat=True)
     pieces = ["<think>", "hmm</th", "ink>\n\nPar", "is."]
     builder = ResponseBuilder(request, "chatcmpl-r", "m", None, reasoning_parser="qwen3")
-    deltas = [builder.chunks(0, out)[-1]["choices"][0]["delta"] for out in _outputs(pieces)]
-    assert deltas == [{"content": ""}, {"reasoning_content": "hmm"},
-                      {"content": "\n\nPar"}, {"content": "is."}]
+    chunks = [builder.chunks(0, out) for out in _outputs(pieces)]
+    assert [[c["choices"][0]["delta"] for c in outs] for outs in chunks] == [
+        [{"role": "assistant", "content": ""}], [{"reasoning_content": "hmm"}],  # "<think>" alone: held back, no chunk
+        [{"content": "\n\nPar"}], [{"content": "is."}]]
     whole = ResponseBuilder(request, "chatcmpl-r", "m", None, reasoning_parser="qwen3")  # not streamed
     for out in _outputs(pieces):
         whole.add(0, out)
@@ -132,7 +133,7 @@ def test_without_include_reasoning_a_piece_of_reasoning_alone_has_no_chunk():
     builder = ResponseBuilder(request, "chatcmpl-r", "m", None, reasoning_parser="qwen3")
     chunks = [builder.chunks(0, out) for out in _outputs(pieces)]
     assert [[c["choices"][0]["delta"] for c in pair] for pair in chunks] == [
-        [{"role": "assistant", "content": ""}, {"content": ""}], [], [{"content": "\n\nPar"}], [{"content": "is."}]]
+        [{"role": "assistant", "content": ""}], [], [{"content": "\n\nPar"}], [{"content": "is."}]]
     whole = ResponseBuilder(request, "chatcmpl-r", "m", None, reasoning_parser="qwen3")
     for out in _outputs(pieces):
         whole.add(0, out)

@@ -343,7 +343,9 @@ def test_completions_take_no_tools_and_tools_count_toward_the_prompt_bytes():
     with pytest.raises(InvalidRequest, match="tools is only for /v1/chat/completions"):
         parse_request({"prompt": "hi", "tools": TOOLS}, LIMITS, "r", chat=False)
     small = Limits(vocab_size=100, max_model_len=64, max_prompt_bytes=200)
-    parse_request(chat(tools=TOOLS[:0]), small, "r", chat=True)
+    parse_request(chat(), small, "r", chat=True)  # the message alone fits
+    with pytest.raises(InvalidRequest, match="tools must not be an empty array"):
+        parse_request(chat(tools=[]), small, "r", chat=True)
     with pytest.raises(InvalidRequest, match="messages content and tools, all together, is 2[0-9]{2} bytes; "
                                              "at most 200"):
         parse_request(chat(tools=TOOLS, tool_choice="none"), small, "r", chat=True)
@@ -468,13 +470,21 @@ def _outputs(pieces: list[str], reason=FinishReason.STOP_TOKEN) -> list[RequestO
     return outs
 
 
+def _choice(builder: ResponseBuilder, out: RequestOutput) -> dict | None:
+    """The choice in out's own stream chunk, past the role chunk a choice begins with (None: out has no chunk)."""
+    own = [c["choices"][0] for c in builder.chunks(0, out) if "role" not in c["choices"][0]["delta"]]
+    return own[-1] if own else None
+
+
 def test_a_chunk_that_only_adds_to_tool_calls_carries_no_content():
-    """A chunk with tool call deltas and no text leaves content out (an empty content is for a chunk with nothing)."""
+    """A chunk with tool call deltas and no text leaves content out; a piece the parser holds back has no
+    chunk, and the last one, which ends the choice, an empty content."""
     request = parse_request(chat(tools=TOOLS), LIMITS, "r", chat=True, tool_call_parser="hermes")
     builder = ResponseBuilder(request, "chatcmpl-r", "m", None, tool_call_parser="hermes")
-    deltas = [builder.chunks(0, out)[-1]["choices"][0]["delta"] for out in _outputs([CALL[:20], CALL[20:], ""])]
-    assert [sorted(delta) for delta in deltas] == [["content"], ["tool_calls"], ["content"]]
-    assert deltas[0]["content"] == deltas[2]["content"] == ""
+    choices = [_choice(builder, out) for out in _outputs([CALL[:20], CALL[20:], ""])]
+    assert choices[0] is None
+    assert sorted(choices[1]["delta"]) == ["tool_calls"]
+    assert choices[2]["delta"] == {"content": ""} and choices[2]["finish_reason"] == "tool_calls"
 
 
 def test_chunks_and_message_carry_tool_calls():
@@ -482,15 +492,15 @@ def test_chunks_and_message_carry_tool_calls():
     lyon = CALL.replace("Paris", "Lyon")
     pieces = ["I will look.\n<tool_", CALL.removeprefix("<tool_")[:-len("_call>")], "_call>\n" + lyon[:30], lyon[30:]]
     builder = ResponseBuilder(request, "chatcmpl-r", "m", None, tool_call_parser="hermes")
-    chunks = [builder.chunks(0, out)[-1]["choices"][0] for out in _outputs(pieces)]
+    chunks = [_choice(builder, out) for out in _outputs(pieces)]
     assert chunks[0]["delta"] == {"content": "I will look.\n"}
-    # the call goes out once its block starts as one, before the block closes; its end adds nothing
+    # the call goes out once its block starts as one, before the block closes; its end adds nothing: no chunk
     [first], [second] = chunks[1]["delta"]["tool_calls"], chunks[3]["delta"]["tool_calls"]
-    assert chunks[2]["delta"] == {"content": ""}
+    assert chunks[2] is None
     assert first["index"] == 0 and first["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert second["index"] == 1 and second["function"]["arguments"] == '{"city": "Lyon"}'
     assert first["type"] == "function" and first["id"] != second["id"]
-    assert [c["finish_reason"] for c in chunks] == [None, None, None, "tool_calls"]
+    assert [c and c["finish_reason"] for c in chunks] == [None, None, None, "tool_calls"]
     whole = ResponseBuilder(request, "chatcmpl-r", "m", None, tool_call_parser="hermes")  # not streamed
     for out in _outputs(pieces):
         whole.add(0, out)
@@ -517,7 +527,7 @@ def test_chunks_and_message_carry_tool_calls():
     for out in _outputs([CALL]):
         plain.add(0, out)
     assert plain.response({})["choices"][0] == {"index": 0, "logprobs": None, "finish_reason": "stop",
-                                                "message": {"role": "assistant", "content": CALL}}
+                                                "message": {"role": "assistant", "content": CALL}, "stop_reason": None}
 
 
 def _joined_calls(deltas: list[dict]) -> list[tuple[str, str, str]]:
@@ -545,7 +555,7 @@ def test_call_arguments_stream_as_the_model_writes_them(arguments):
     whole = ResponseBuilder(request, "chatcmpl-r", "m", None, tool_call_parser="hermes")
     chunks = []
     for out in _outputs(list(text)):
-        chunks.append(builder.chunks(0, out)[-1]["choices"][0])
+        chunks += filter(None, [_choice(builder, out)])
         whole.add(0, out)
     entries = [entry for c in chunks for entry in c["delta"].get("tool_calls", [])]
     joined = _joined_calls(entries)
@@ -558,16 +568,16 @@ def test_call_arguments_stream_as_the_model_writes_them(arguments):
         (name, args) for _, name, args in joined]
     single = ResponseBuilder(parse_request(chat(tools=TOOLS, parallel_tool_calls=False), LIMITS, "r", chat=True,
                                            tool_call_parser="hermes"), "c", "m", None, tool_call_parser="hermes")
-    only = [entry for out in _outputs(list(text))
-            for entry in single.chunks(0, out)[-1]["choices"][0]["delta"].get("tool_calls", [])]
+    only = [entry for out in _outputs(list(text)) for c in [_choice(single, out)] if c
+            for entry in c["delta"].get("tool_calls", [])]
     assert [(name, args) for _, name, args in _joined_calls(only)] == [("get_weather", arguments)]
 
 
 def test_llama3_json_calls_come_in_the_last_chunk():
     request = parse_request(chat(tools=TOOLS), LIMITS, "r", chat=True, tool_call_parser="llama3_json")
     builder = ResponseBuilder(request, "chatcmpl-r", "m", None, tool_call_parser="llama3_json")
-    chunks = [builder.chunks(0, out)[-1]["choices"][0] for out in _outputs([LLAMA[:25], LLAMA[25:]])]
-    assert chunks[0]["delta"] == {"content": ""} and chunks[0]["finish_reason"] is None
+    chunks = [_choice(builder, out) for out in _outputs([LLAMA[:25], LLAMA[25:]])]
+    assert chunks[0] is None  # the call, not yet whole, is held back: no chunk
     [call] = chunks[1]["delta"]["tool_calls"]
     assert (call["index"], call["function"]["arguments"], chunks[1]["finish_reason"]) == (
         0, '{"city": "Paris"}', "tool_calls")
@@ -686,6 +696,8 @@ def test_a_tool_call_comes_back_whole_and_streamed(client, scripted):
                                               stream=True)
     chunks = [chunk.choices[0] for chunk in streamed]
     assert "".join(c.delta.content or "" for c in chunks) == "Let me check.\n"
+    # no chunk of nothing for the tokens the parser holds back (vLLM sends none either)
+    assert all(c.delta.role or c.delta.content or c.delta.tool_calls or c.finish_reason for c in chunks), chunks
     [(_, name, arguments)] = _joined_calls([tc.model_dump(exclude_none=True) for c in chunks
                                             for tc in c.delta.tool_calls or []])
     assert (name, arguments) == ("get_weather", call.function.arguments)
