@@ -262,6 +262,8 @@ def _message_from_pb(m: pb.ChatMessage, where: str) -> dict:
     for name in MESSAGE_FIELDS:
         if getattr(m, name):
             message[name] = getattr(m, name)
+    if m.reasoning_content:  # under vLLM's name too, as the OpenAI API passes it
+        message["reasoning"] = m.reasoning_content
     if m.tool_calls:
         message["tool_calls"] = [template_tool_call(call.id or None, call.name, call.arguments or "{}",
                                                     f"{where}.tool_calls[{j}].") for j, call in enumerate(m.tool_calls)]

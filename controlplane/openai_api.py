@@ -219,6 +219,12 @@ def _message(m, where: str) -> dict:
             _fail(f"{where}.{name} must be a string, got {type(value).__name__}")
         if value is not None:
             message[name] = value
+    reasoning = m.get("reasoning")  # vLLM's name for reasoning_content: the template gets both, whichever came
+    if reasoning is not None and not isinstance(reasoning, str):
+        _fail(f"{where}.reasoning must be a string, got {type(reasoning).__name__}")
+    if reasoning is not None or "reasoning_content" in message:
+        message.setdefault("reasoning_content", reasoning)
+        message.setdefault("reasoning", message["reasoning_content"])
     if m.get("tool_calls"):
         message["tool_calls"] = template_tool_calls(m["tool_calls"], f"{where}.tool_calls")
     return message

@@ -199,7 +199,7 @@ class ResponseBuilder:
 
     def __init__(self, request: OpenAIRequest, response_id: str, model: str, tokenizer,
                  reasoning_parser: str | None = None, tool_call_parser: str | None = None):
-        """reasoning_parser: split chat text into reasoning_content and content (``reasoning.py``);
+        """reasoning_parser: split chat text into reasoning (and reasoning_content) and content (``reasoning.py``);
         tool_call_parser: find the tool calls in it when the request lets the model call tools (``tools.py``)."""
         self.request = request
         self.id, self.model, self.tokenizer = response_id, model, tokenizer
@@ -266,8 +266,8 @@ class ResponseBuilder:
             if not (reasoning or content or deltas or reason or (self.request.logprobs and out.logprobs)):
                 return None  # nothing to show yet: text a parser holds back, or reasoning not shown
             delta = {}
-            if reasoning:
-                delta["reasoning_content"] = reasoning
+            if reasoning:  # under vLLM's name and under the one DeepSeek's clients read
+                delta["reasoning"] = delta["reasoning_content"] = reasoning
             if content or not (reasoning or deltas):
                 delta["content"] = content
             if deltas:
@@ -314,7 +314,7 @@ class ResponseBuilder:
                 calls = self.calls[i]
                 message = {"role": "assistant", "content": text if text or not calls else None}
                 if self.reasoning_parser and self.request.include_reasoning:
-                    message["reasoning_content"] = self.reasonings[i] or None
+                    message["reasoning"] = message["reasoning_content"] = self.reasonings[i] or None
                 if calls:
                     message["tool_calls"] = [call.json() for call in calls]
                 choice["message"] = message

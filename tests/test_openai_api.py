@@ -66,6 +66,18 @@ def test_content_parts_and_developer_role():
                                             {"role": "user", "content": "a\nb"}]  # joined as vLLM joins them
 
 
+def test_an_assistants_reasoning_reaches_the_template_under_both_names():
+    """vLLM's reasoning and DeepSeek's reasoning_content name the same thing: a template may read either."""
+    for name in ("reasoning", "reasoning_content"):
+        req = parse({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", name: "r"},
+                                  {"role": "user", "content": "again"}]})
+        assert req.calls[0].prompt.messages[1] == {"role": "assistant", "content": "a", "reasoning_content": "r",
+                                                   "reasoning": "r"}, name
+    assert parse(CHAT).calls[0].prompt.messages == CHAT["messages"]  # none sent: none set
+    with pytest.raises(InvalidRequest, match=r"messages\[0\].reasoning must be a string"):
+        parse({"messages": [{"role": "assistant", "content": "a", "reasoning": 3}]})
+
+
 def test_a_signed_seed_is_taken_as_its_64_bits():
     """OpenAI's seed is an int64, the gRPC API's a uint64: a negative one is the same bits unsigned."""
     seeds = [parse({**CHAT, "seed": s}).calls[0].params.sampling.seed for s in (-1, 2**64 - 1, -2**63, 7)]

@@ -109,13 +109,14 @@ def test_chat_chunks_and_message_carry_reasoning_content_apart():
     builder = ResponseBuilder(request, "chatcmpl-r", "m", None, reasoning_parser="qwen3")
     chunks = [builder.chunks(0, out) for out in _outputs(pieces)]
     assert [[c["choices"][0]["delta"] for c in outs] for outs in chunks] == [
-        [{"role": "assistant", "content": ""}], [{"reasoning_content": "hmm"}],  # "<think>" alone: held back, no chunk
+        [{"role": "assistant", "content": ""}],  # "<think>" alone: held back, no chunk of its own
+        [{"reasoning": "hmm", "reasoning_content": "hmm"}],
         [{"content": "\n\nPar"}], [{"content": "is."}]]
     whole = ResponseBuilder(request, "chatcmpl-r", "m", None, reasoning_parser="qwen3")  # not streamed
     for out in _outputs(pieces):
         whole.add(0, out)
     message = whole.response({})["choices"][0]["message"]
-    assert message == {"role": "assistant", "content": "\n\nParis.", "reasoning_content": "hmm"}
+    assert message == {"role": "assistant", "content": "\n\nParis.", "reasoning": "hmm", "reasoning_content": "hmm"}
     plain = ResponseBuilder(request, "chatcmpl-r", "m", None)  # no parser: the text as it came
     assert plain.chunks(0, _outputs(["<think>a</think>b"])[0])[-1]["choices"][0]["delta"] == {
         "content": "<think>a</think>b"}
@@ -187,6 +188,7 @@ def test_the_http_api_returns_reasoning_content(tiny_qwen3_dir, planes_factory):
                                            extra_body={"ignore_eos": True})
     message = whole.choices[0].message
     assert (message.reasoning_content, message.content) == (expected, "")
+    assert message.model_extra["reasoning"] == expected  # vLLM's name for it, beside DeepSeek's
     assert whole.usage.completion_tokens_details.reasoning_tokens == 12  # every token was reasoning
     streamed = client.chat.completions.create(model=None, messages=question, max_tokens=12, temperature=0,
                                               stream=True, stream_options={"include_usage": True},
@@ -195,6 +197,7 @@ def test_the_http_api_returns_reasoning_content(tiny_qwen3_dir, planes_factory):
     assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 12
     deltas = [chunk.choices[0].delta for chunk in chunks[:-1]]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == expected
+    assert "".join(d.model_extra.get("reasoning") or "" for d in deltas) == expected
     assert "".join(d.content or "" for d in deltas) == ""
     reply = httpx.post(f"http://127.0.0.1:{planes.plane.http_port}/v1/completions", timeout=60,
                        json={"prompt": "Hi", "max_tokens": 2})
