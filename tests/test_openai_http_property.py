@@ -225,6 +225,7 @@ def merge_logprobs(chat: bool, parts: list[dict | None]) -> dict:
 def reassemble(chunks: list[dict], chat: bool, n: int, logprobs: bool) -> list[dict]:
     """The choices of a stream, shaped as a whole response's choices; checks each chunk's choice on the way."""
     texts, reasons, parts = [""] * n, [[] for _ in range(n)], [[] for _ in range(n)]
+    stops: list = [None] * n  # each choice's stop_reason, in its last chunk only (as vLLM's)
     begun = [False] * n
     for chunk in chunks:
         for choice in chunk["choices"]:
@@ -246,11 +247,14 @@ def reassemble(chunks: list[dict], chat: bool, n: int, logprobs: bool) -> list[d
             parts[i].append(choice["logprobs"])
             if choice["finish_reason"] is not None:
                 reasons[i].append(choice["finish_reason"])
+                stops[i] = choice["stop_reason"]
+            else:
+                assert "stop_reason" not in choice, f"stop_reason before the choice's last chunk: {chunk}"
     assert all(len(r) == 1 for r in reasons), f"finish_reasons per choice: {reasons}"
     choices = []
     for i in range(n):
         choice = {"index": i, "finish_reason": reasons[i][0],
-                  "logprobs": merge_logprobs(chat, parts[i]) if logprobs else None}
+                  "logprobs": merge_logprobs(chat, parts[i]) if logprobs else None, "stop_reason": stops[i]}
         choice.update({"message": {"role": "assistant", "content": texts[i]}} if chat else {"text": texts[i]})
         choices.append(choice)
     return choices
