@@ -8,7 +8,6 @@ on unknown tensors and on parameters the checkpoint leaves unset.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, PretrainedConfig
 
+from twinplane.controlplane.generation_config import FILE_NAME, read_file, written_defaults
 from twinplane.dataplane.attention_backends.base import AttentionBackend
 from twinplane.dataplane.dummy import checkpoint_shapes, dummy_hf_config, dummy_weights, is_dummy
 from twinplane.dataplane.models.decoder import DecoderForCausalLM
@@ -34,6 +34,8 @@ class LoadedModel:
     architecture: str
     eos_token_ids: list[int]
     tokenizer_path: str  # the model folder when it holds tokenizer files, else ""
+    # the sampling defaults its generation_config.json writes, by key (controlplane/generation_config.py)
+    generation_config: dict[str, float | int]
 
 
 def load_hf_config(model: str) -> PretrainedConfig:
@@ -81,14 +83,21 @@ def _as_id_list(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
+def _generation_config(model: str) -> dict:
+    """The model folder's generation_config.json as it is written ({} for a dummy model or without the file)."""
+    return {} if is_dummy(model) else read_file(model)
+
+
 def eos_token_ids_of(model: str, hf_config: PretrainedConfig) -> list[int]:
     """EOS ids from generation_config.json when it names any, else from config.json."""
-    generation_config = Path(model) / "generation_config.json"
-    if not is_dummy(model) and generation_config.is_file():
-        ids = _as_id_list(json.loads(generation_config.read_text()).get("eos_token_id"))
-        if ids:
-            return ids
-    return _as_id_list(getattr(hf_config, "eos_token_id", None))
+    return _as_id_list(_generation_config(model).get("eos_token_id")) or \
+        _as_id_list(getattr(hf_config, "eos_token_id", None))
+
+
+def generation_defaults_of(model: str) -> dict[str, float | int]:
+    """The sampling defaults (and max_new_tokens) that the model's generation_config.json writes; ValueError
+    for one that is not a number. The control plane checks their ranges, as it checks a request's."""
+    return written_defaults(_generation_config(model), str(Path(model) / FILE_NAME))
 
 
 @contextmanager
@@ -174,4 +183,5 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, seed: int =
         load_weights(net, safetensors_weights(model))
         has_tokenizer = any((Path(model) / f).is_file() for f in TOKENIZER_FILES)
         tokenizer_path = model if has_tokenizer else ""
-    return LoadedModel(net, hf_config, architecture, eos_token_ids_of(model, hf_config), tokenizer_path)
+    return LoadedModel(net, hf_config, architecture, eos_token_ids_of(model, hf_config), tokenizer_path,
+                       generation_defaults_of(model))

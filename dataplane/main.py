@@ -19,9 +19,10 @@ log = logging.getLogger("twinplane.dataplane")
 def check_config(config: DataPlaneConfig) -> DataPlaneConfig:
     """The config with its model resolved to a folder (or dummy name) and named as given, after
     checking that the model's config loads and describes a model that can be built, that a folder
-    holds weights, and that the model splits over the tensor-parallel ranks; ValueError says what is
-    wrong."""
-    from twinplane.dataplane.loader import check_shape, check_tensor_parallel, is_dummy, load_hf_config  # imports torch
+    holds weights, that its generation_config.json's sampling defaults are numbers, and that the model
+    splits over the tensor-parallel ranks; ValueError says what is wrong."""
+    from twinplane.dataplane.loader import (check_shape, check_tensor_parallel, generation_defaults_of,  # torch
+                                            is_dummy, load_hf_config)
 
     config = dataclasses.replace(config, model=resolve_model(config.model),
                                  model_name=config.model_name or model_name(config.model))
@@ -29,6 +30,7 @@ def check_config(config: DataPlaneConfig) -> DataPlaneConfig:
     if not is_dummy(config.model) and not any(Path(config.model).glob("*.safetensors")):
         raise ValueError(f"model {config.model!r} holds no *.safetensors files: its weights are needed")
     check_shape(hf_config, config.model)
+    generation_defaults_of(config.model)  # before the weights load, which may take minutes
     check_tensor_parallel(hf_config, config.tensor_parallel_size)
     return config
 

@@ -79,6 +79,7 @@ class DataPlaneDescription:
     head_dim: int
     layer_params: int
     masks_follow: bool = True  # it takes plans whose token masks follow them (StepPlan.masks_follow)
+    generation_config: dict = field(default_factory=dict)  # the GenerationConfig message's fields that are set
 
 
 def device_kind(name: str) -> str:
@@ -342,7 +343,7 @@ class ModelRunner:
             kv_bytes_per_token=bytes_per_block(self.model.attention_layers(), 1, self.kv_dtype)
             * c.tensor_parallel_size,
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
-            max_decode_steps=MAX_DECODE_STEPS,
+            max_decode_steps=MAX_DECODE_STEPS, generation_config=dict(self.loaded.generation_config),
             **self._shape(), layer_params=self.model.layer_params() * c.tensor_parallel_size)
 
     def _shape(self) -> dict[str, int]:

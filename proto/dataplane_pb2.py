@@ -24,41 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftwinplane/proto/dataplane.proto\x12\x16twinplane.dataplane.v1\"\x11\n\x0f\x44\x65scribeRequest\"\xe4\x04\n\x10\x44\x65scribeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_path\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\t \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x0b \x01(\t\x12\x12\n\nvocab_size\x18\x0c \x01(\r\x12\x15\n\reos_token_ids\x18\r \x03(\r\x12\x14\n\x0cmax_logprobs\x18\x0e \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0f \x01(\t\x12\x14\n\x0cweight_bytes\x18\x10 \x01(\x04\x12\x1a\n\x12kv_bytes_per_token\x18\x11 \x01(\x04\x12\x13\n\x0bhidden_size\x18\x12 \x01(\r\x12\x19\n\x11num_hidden_layers\x18\x13 \x01(\r\x12\x1b\n\x13num_attention_heads\x18\x14 \x01(\r\x12\x10\n\x08head_dim\x18\x15 \x01(\r\x12\x14\n\x0clayer_params\x18\x16 \x01(\x04\x12\x18\n\x10max_decode_steps\x18\x17 \x01(\r\x12\x14\n\x0cmasks_follow\x18\x18 \x01(\x08\x12\x13\n\x0binstance_id\x18\x19 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x1a \x01(\t\"\xc8\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x10\n\x08has_seed\x18\x08 \x01(\x08\x12\x0c\n\x04seed\x18\t \x01(\x04\x12\x14\n\x0cnum_logprobs\x18\n \x01(\x05\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x16\n\x0elogit_bias_ids\x18\r \x03(\r\x12\x19\n\x11logit_bias_values\x18\x0e \x03(\x02\x12\x0e\n\x06masked\x18\x0f \x01(\x08\"<\n\tTokenMask\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07\x61llowed\x18\x02 \x01(\x0c\x12\x0f\n\x07same_as\x18\x03 \x01(\r\"\x8c\x01\n\x0cSequenceInit\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x38\n\x08sampling\x18\x02 \x01(\x0b\x32&.twinplane.dataplane.v1.SamplingParams\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x17\n\x0fprior_token_ids\x18\x04 \x01(\x0c\"\xd9\x03\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x03 \x01(\x0c\x12\x11\n\tstart_pos\x18\x04 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x05 \x01(\x0c\x12\x14\n\x0cslot_mapping\x18\x06 \x01(\x0c\x12\x16\n\x0enum_new_blocks\x18\x07 \x01(\x0c\x12\x15\n\rnew_block_ids\x18\x08 \x01(\x0c\x12\x0e\n\x06sample\x18\t \x01(\x0c\x12\x33\n\x05inits\x18\n \x03(\x0b\x32$.twinplane.dataplane.v1.SequenceInit\x12\x17\n\x0f\x64ropped_seq_ids\x18\x0b \x03(\x04\x12\x11\n\tnum_steps\x18\x0c \x01(\r\x12\x15\n\rdecode_budget\x18\r \x01(\x0c\x12\x36\n\x0btoken_masks\x18\x0e \x03(\x0b\x32!.twinplane.dataplane.v1.TokenMask\x12\x14\n\x0cmasks_follow\x18\x0f \x01(\x08\x12\x12\n\nmasks_only\x18\x10 \x01(\x08\x12\x42\n\x0fprompt_logprobs\x18\x11 \x03(\x0b\x32).twinplane.dataplane.v1.PromptLogprobsAsk\"K\n\x11PromptLogprobsAsk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x16\n\x0enext_token_ids\x18\x02 \x01(\x0c\x12\x0f\n\x07num_top\x18\x03 \x01(\r\"m\n\x0ePromptLogprobs\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08logprobs\x18\x02 \x01(\x0c\x12\x15\n\rtop_token_ids\x18\x03 \x01(\x0c\x12\x14\n\x0ctop_logprobs\x18\x04 \x01(\x0c\x12\r\n\x05ranks\x18\x05 \x01(\x0c\"A\n\x0bTopLogprobs\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x01(\x0c\x12\x10\n\x08logprobs\x18\x03 \x01(\x0c\"\x89\x01\n\x0bStepTimings\x12\x12\n\nprepare_us\x18\x01 \x01(\r\x12\x12\n\nexecute_us\x18\x02 \x01(\r\x12\x0f\n\x07idle_us\x18\x03 \x01(\r\x12.\n\x04path\x18\x04 \x01(\x0e\x32 .twinplane.dataplane.v1.StepPath\x12\x11\n\tlaunch_us\x18\x05 \x01(\r\"\x93\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x19\n\x11sampled_token_ids\x18\x02 \x01(\x0c\x12\x18\n\x10sampled_logprobs\x18\x03 \x01(\x0c\x12\x39\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32#.twinplane.dataplane.v1.TopLogprobs\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x34\n\x07timings\x18\x06 \x01(\x0b\x32#.twinplane.dataplane.v1.StepTimings\x12?\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32&.twinplane.dataplane.v1.PromptLogprobs\"\x0e\n\x0cResetRequest\"\x0f\n\rResetResponse*r\n\x08StepPath\x12\x13\n\x0fSTEP_PATH_EAGER\x10\x00\x12\x1a\n\x16STEP_PATH_DECODE_GRAPH\x10\x01\x12\x19\n\x15STEP_PATH_MIXED_GRAPH\x10\x02\x12\x1a\n\x16STEP_PATH_MULTI_DECODE\x10\x03\x32\x92\x02\n\tDataPlane\x12]\n\x08\x44\x65scribe\x12\'.twinplane.dataplane.v1.DescribeRequest\x1a(.twinplane.dataplane.v1.DescribeResponse\x12P\n\x04Step\x12 .twinplane.dataplane.v1.StepPlan\x1a\".twinplane.dataplane.v1.StepResult(\x01\x30\x01\x12T\n\x05Reset\x12$.twinplane.dataplane.v1.ResetRequest\x1a%.twinplane.dataplane.v1.ResetResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftwinplane/proto/dataplane.proto\x12\x16twinplane.dataplane.v1\"\x11\n\x0f\x44\x65scribeRequest\"\xa9\x05\n\x10\x44\x65scribeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_path\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\t \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x0b \x01(\t\x12\x12\n\nvocab_size\x18\x0c \x01(\r\x12\x15\n\reos_token_ids\x18\r \x03(\r\x12\x14\n\x0cmax_logprobs\x18\x0e \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0f \x01(\t\x12\x14\n\x0cweight_bytes\x18\x10 \x01(\x04\x12\x1a\n\x12kv_bytes_per_token\x18\x11 \x01(\x04\x12\x13\n\x0bhidden_size\x18\x12 \x01(\r\x12\x19\n\x11num_hidden_layers\x18\x13 \x01(\r\x12\x1b\n\x13num_attention_heads\x18\x14 \x01(\r\x12\x10\n\x08head_dim\x18\x15 \x01(\r\x12\x14\n\x0clayer_params\x18\x16 \x01(\x04\x12\x18\n\x10max_decode_steps\x18\x17 \x01(\r\x12\x14\n\x0cmasks_follow\x18\x18 \x01(\x08\x12\x13\n\x0binstance_id\x18\x19 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x1a \x01(\t\x12\x43\n\x11generation_config\x18\x1b \x01(\x0b\x32(.twinplane.dataplane.v1.GenerationConfig\"\xfe\x01\n\x10GenerationConfig\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x06 \x01(\x03H\x05\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x11\n\x0f_max_new_tokens\"\xc8\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x10\n\x08has_seed\x18\x08 \x01(\x08\x12\x0c\n\x04seed\x18\t \x01(\x04\x12\x14\n\x0cnum_logprobs\x18\n \x01(\x05\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x16\n\x0elogit_bias_ids\x18\r \x03(\r\x12\x19\n\x11logit_bias_values\x18\x0e \x03(\x02\x12\x0e\n\x06masked\x18\x0f \x01(\x08\"<\n\tTokenMask\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07\x61llowed\x18\x02 \x01(\x0c\x12\x0f\n\x07same_as\x18\x03 \x01(\r\"\x8c\x01\n\x0cSequenceInit\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x38\n\x08sampling\x18\x02 \x01(\x0b\x32&.twinplane.dataplane.v1.SamplingParams\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x17\n\x0fprior_token_ids\x18\x04 \x01(\x0c\"\xd9\x03\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x03 \x01(\x0c\x12\x11\n\tstart_pos\x18\x04 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x05 \x01(\x0c\x12\x14\n\x0cslot_mapping\x18\x06 \x01(\x0c\x12\x16\n\x0enum_new_blocks\x18\x07 \x01(\x0c\x12\x15\n\rnew_block_ids\x18\x08 \x01(\x0c\x12\x0e\n\x06sample\x18\t \x01(\x0c\x12\x33\n\x05inits\x18\n \x03(\x0b\x32$.twinplane.dataplane.v1.SequenceInit\x12\x17\n\x0f\x64ropped_seq_ids\x18\x0b \x03(\x04\x12\x11\n\tnum_steps\x18\x0c \x01(\r\x12\x15\n\rdecode_budget\x18\r \x01(\x0c\x12\x36\n\x0btoken_masks\x18\x0e \x03(\x0b\x32!.twinplane.dataplane.v1.TokenMask\x12\x14\n\x0cmasks_follow\x18\x0f \x01(\x08\x12\x12\n\nmasks_only\x18\x10 \x01(\x08\x12\x42\n\x0fprompt_logprobs\x18\x11 \x03(\x0b\x32).twinplane.dataplane.v1.PromptLogprobsAsk\"K\n\x11PromptLogprobsAsk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x16\n\x0enext_token_ids\x18\x02 \x01(\x0c\x12\x0f\n\x07num_top\x18\x03 \x01(\r\"m\n\x0ePromptLogprobs\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08logprobs\x18\x02 \x01(\x0c\x12\x15\n\rtop_token_ids\x18\x03 \x01(\x0c\x12\x14\n\x0ctop_logprobs\x18\x04 \x01(\x0c\x12\r\n\x05ranks\x18\x05 \x01(\x0c\"A\n\x0bTopLogprobs\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x01(\x0c\x12\x10\n\x08logprobs\x18\x03 \x01(\x0c\"\x89\x01\n\x0bStepTimings\x12\x12\n\nprepare_us\x18\x01 \x01(\r\x12\x12\n\nexecute_us\x18\x02 \x01(\r\x12\x0f\n\x07idle_us\x18\x03 \x01(\r\x12.\n\x04path\x18\x04 \x01(\x0e\x32 .twinplane.dataplane.v1.StepPath\x12\x11\n\tlaunch_us\x18\x05 \x01(\r\"\x93\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x19\n\x11sampled_token_ids\x18\x02 \x01(\x0c\x12\x18\n\x10sampled_logprobs\x18\x03 \x01(\x0c\x12\x39\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32#.twinplane.dataplane.v1.TopLogprobs\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x34\n\x07timings\x18\x06 \x01(\x0b\x32#.twinplane.dataplane.v1.StepTimings\x12?\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32&.twinplane.dataplane.v1.PromptLogprobs\"\x0e\n\x0cResetRequest\"\x0f\n\rResetResponse*r\n\x08StepPath\x12\x13\n\x0fSTEP_PATH_EAGER\x10\x00\x12\x1a\n\x16STEP_PATH_DECODE_GRAPH\x10\x01\x12\x19\n\x15STEP_PATH_MIXED_GRAPH\x10\x02\x12\x1a\n\x16STEP_PATH_MULTI_DECODE\x10\x03\x32\x92\x02\n\tDataPlane\x12]\n\x08\x44\x65scribe\x12\'.twinplane.dataplane.v1.DescribeRequest\x1a(.twinplane.dataplane.v1.DescribeResponse\x12P\n\x04Step\x12 .twinplane.dataplane.v1.StepPlan\x1a\".twinplane.dataplane.v1.StepResult(\x01\x30\x01\x12T\n\x05Reset\x12$.twinplane.dataplane.v1.ResetRequest\x1a%.twinplane.dataplane.v1.ResetResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'twinplane.proto.dataplane_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STEPPATH']._serialized_start=2411
-  _globals['_STEPPATH']._serialized_end=2525
+  _globals['_STEPPATH']._serialized_start=2737
+  _globals['_STEPPATH']._serialized_end=2851
   _globals['_DESCRIBEREQUEST']._serialized_start=59
   _globals['_DESCRIBEREQUEST']._serialized_end=76
   _globals['_DESCRIBERESPONSE']._serialized_start=79
-  _globals['_DESCRIBERESPONSE']._serialized_end=691
-  _globals['_SAMPLINGPARAMS']._serialized_start=694
-  _globals['_SAMPLINGPARAMS']._serialized_end=1022
-  _globals['_TOKENMASK']._serialized_start=1024
-  _globals['_TOKENMASK']._serialized_end=1084
-  _globals['_SEQUENCEINIT']._serialized_start=1087
-  _globals['_SEQUENCEINIT']._serialized_end=1227
-  _globals['_STEPPLAN']._serialized_start=1230
-  _globals['_STEPPLAN']._serialized_end=1703
-  _globals['_PROMPTLOGPROBSASK']._serialized_start=1705
-  _globals['_PROMPTLOGPROBSASK']._serialized_end=1780
-  _globals['_PROMPTLOGPROBS']._serialized_start=1782
-  _globals['_PROMPTLOGPROBS']._serialized_end=1891
-  _globals['_TOPLOGPROBS']._serialized_start=1893
-  _globals['_TOPLOGPROBS']._serialized_end=1958
-  _globals['_STEPTIMINGS']._serialized_start=1961
-  _globals['_STEPTIMINGS']._serialized_end=2098
-  _globals['_STEPRESULT']._serialized_start=2101
-  _globals['_STEPRESULT']._serialized_end=2376
-  _globals['_RESETREQUEST']._serialized_start=2378
-  _globals['_RESETREQUEST']._serialized_end=2392
-  _globals['_RESETRESPONSE']._serialized_start=2394
-  _globals['_RESETRESPONSE']._serialized_end=2409
-  _globals['_DATAPLANE']._serialized_start=2528
-  _globals['_DATAPLANE']._serialized_end=2802
+  _globals['_DESCRIBERESPONSE']._serialized_end=760
+  _globals['_GENERATIONCONFIG']._serialized_start=763
+  _globals['_GENERATIONCONFIG']._serialized_end=1017
+  _globals['_SAMPLINGPARAMS']._serialized_start=1020
+  _globals['_SAMPLINGPARAMS']._serialized_end=1348
+  _globals['_TOKENMASK']._serialized_start=1350
+  _globals['_TOKENMASK']._serialized_end=1410
+  _globals['_SEQUENCEINIT']._serialized_start=1413
+  _globals['_SEQUENCEINIT']._serialized_end=1553
+  _globals['_STEPPLAN']._serialized_start=1556
+  _globals['_STEPPLAN']._serialized_end=2029
+  _globals['_PROMPTLOGPROBSASK']._serialized_start=2031
+  _globals['_PROMPTLOGPROBSASK']._serialized_end=2106
+  _globals['_PROMPTLOGPROBS']._serialized_start=2108
+  _globals['_PROMPTLOGPROBS']._serialized_end=2217
+  _globals['_TOPLOGPROBS']._serialized_start=2219
+  _globals['_TOPLOGPROBS']._serialized_end=2284
+  _globals['_STEPTIMINGS']._serialized_start=2287
+  _globals['_STEPTIMINGS']._serialized_end=2424
+  _globals['_STEPRESULT']._serialized_start=2427
+  _globals['_STEPRESULT']._serialized_end=2702
+  _globals['_RESETREQUEST']._serialized_start=2704
+  _globals['_RESETREQUEST']._serialized_end=2718
+  _globals['_RESETRESPONSE']._serialized_start=2720
+  _globals['_RESETRESPONSE']._serialized_end=2735
+  _globals['_DATAPLANE']._serialized_start=2854
+  _globals['_DATAPLANE']._serialized_end=3128
 # @@protoc_insertion_point(module_scope)

@@ -23,7 +23,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model", "tokenizer_path", "architecture", "dtype", "block_size", "num_kv_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "attention_backend", "vocab_size", "eos_token_ids", "max_logprobs", "device", "weight_bytes", "kv_bytes_per_token", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "layer_params", "max_decode_steps", "masks_follow", "instance_id", "kv_cache_dtype")
+    __slots__ = ("model", "tokenizer_path", "architecture", "dtype", "block_size", "num_kv_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "attention_backend", "vocab_size", "eos_token_ids", "max_logprobs", "device", "weight_bytes", "kv_bytes_per_token", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "layer_params", "max_decode_steps", "masks_follow", "instance_id", "kv_cache_dtype", "generation_config")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_PATH_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class DescribeResponse(_message.Message):
     MASKS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_CONFIG_FIELD_NUMBER: _ClassVar[int]
     model: str
     tokenizer_path: str
     architecture: str
@@ -76,7 +77,24 @@ class DescribeResponse(_message.Message):
     masks_follow: bool
     instance_id: str
     kv_cache_dtype: str
-    def __init__(self, model: _Optional[str] = ..., tokenizer_path: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_hidden_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layer_params: _Optional[int] = ..., max_decode_steps: _Optional[int] = ..., masks_follow: _Optional[bool] = ..., instance_id: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    generation_config: GenerationConfig
+    def __init__(self, model: _Optional[str] = ..., tokenizer_path: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_hidden_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layer_params: _Optional[int] = ..., max_decode_steps: _Optional[int] = ..., masks_follow: _Optional[bool] = ..., instance_id: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., generation_config: _Optional[_Union[GenerationConfig, _Mapping]] = ...) -> None: ...
+
+class GenerationConfig(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    max_new_tokens: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "has_seed", "seed", "num_logprobs", "min_tokens", "stop_token_ids", "logit_bias_ids", "logit_bias_values", "masked")

@@ -732,6 +732,9 @@ def test_dataplane_refuses_bad_addresses_and_sizes_in_one_line(taken_port, tmp_p
         shutil.copytree(tiny_qwen3_dir, reshaped[name])
         config = json.loads((reshaped[name] / "config.json").read_text())
         (reshaped[name] / "config.json").write_text(json.dumps({**config, **change}))
+    misread = tmp_path / "misread"  # a generation default that is no number: refused before the weights load
+    shutil.copytree(tiny_qwen3_dir, misread)
+    (misread / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "top_k": "20"}))
     cases = [
         ([*dataplane, "--listen", "127.0.0.1:99999", "--insecure"], "--listen must be host:port with a port in"),
         ([*dataplane, "--listen", socket_path, "--health-listen", "nowhere"], "--health-listen must be host:port"),
@@ -748,6 +751,8 @@ def test_dataplane_refuses_bad_addresses_and_sizes_in_one_line(taken_port, tmp_p
          "config.json's num_attention_heads (4) must be a positive multiple of its num_key_value_heads (3)"),
         (["dataplane", "--model", str(reshaped["wider"]), "--device", "cpu", "--listen", socket_path],
          "checkpoint tensor 'model.embed_tokens.weight' (49152, 64) does not fit the model config.json describes"),
+        (["dataplane", "--model", str(misread), "--device", "cpu", "--listen", socket_path],
+         f"{misread / 'generation_config.json'}: top_k must be a 64-bit integer, got '20'"),
         ([*dataplane, "--listen", socket_path, "--max-num-batched-tokens", str(10**14)],  # past any address space
          "the host has no memory for the data plane's limits (2 staging buffers of"),
         ([*dataplane, "--listen", "127.0.0.1:0"], "127.0.0.1:0 is a TCP address, which needs a token"),

@@ -11,7 +11,8 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from twinplane.dataplane.dummy import DUMMY_SHAPES, checkpoint_shapes, dummy_hf_config
-from twinplane.dataplane.loader import build_model, eos_token_ids_of, load_hf_config, load_model, load_weights
+from twinplane.dataplane.loader import (build_model, eos_token_ids_of, generation_defaults_of, load_hf_config,
+                                       load_model, load_weights)
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
@@ -91,6 +92,28 @@ def test_eos_ids_and_tokenizer_path_from_folder(tmp_path: Path) -> None:
     assert eos_token_ids_of(str(folder), loaded.hf_config) == [2]
     (folder / "tokenizer_config.json").write_text("{}")
     assert load_model(str(folder), torch.float32, CPU).tokenizer_path == str(folder)
+
+
+def test_generation_defaults_are_the_sampling_keys_the_file_writes(tmp_path: Path) -> None:
+    """As written in generation_config.json (not transformers' GenerationConfig, whose class defaults no file
+    wrote); a null is not written; a dummy model has no file."""
+    folder = _tiny_folder(tmp_path)
+    assert load_model(str(folder), torch.float32, CPU).generation_config == {}  # as transformers saved it
+    written = {"eos_token_id": [2], "do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0,
+               "repetition_penalty": None, "max_new_tokens": 512, "num_beams": 4}
+    (folder / "generation_config.json").write_text(json.dumps(written))
+    loaded = load_model(str(folder), torch.float32, CPU)
+    assert loaded.generation_config == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0,
+                                        "max_new_tokens": 512}
+    assert generation_defaults_of("dummy:tiny-llama") == {}
+    for key, value, kind in (("top_k", 20.5, "a 64-bit integer"), ("max_new_tokens", 2 ** 63, "a 64-bit integer"),
+                             ("temperature", "0.6", "a number"), ("top_p", True, "a number")):
+        (folder / "generation_config.json").write_text(json.dumps({key: value}))
+        with pytest.raises(ValueError, match=f"generation_config.json: {key} must be {kind}, got"):
+            generation_defaults_of(str(folder))
+    (folder / "generation_config.json").write_text("[1]")
+    with pytest.raises(ValueError, match="generation_config.json holds no JSON object"):
+        load_model(str(folder), torch.float32, CPU)
 
 
 def test_checkpoint_problems_raise(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ def test_describe_fills_the_proto(runner: ModelRunner) -> None:
     assert description.attention_backend == "torch" and description.eos_token_ids == [2]
     assert describe_to_pb(description).masks_follow  # it takes plans whose token masks follow them
     assert describe_to_pb(description).max_logprobs == 20
+    assert not describe_to_pb(description).generation_config.ListFields()  # a dummy model has no generation config
     shape = (description.hidden_size, description.num_hidden_layers, description.num_attention_heads,
              description.head_dim)
     assert shape == (64, 2, 4, 16)
