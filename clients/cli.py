@@ -175,6 +175,13 @@ def _add_controlplane_args(p: argparse.ArgumentParser, listen_default: str = DEF
     g.add_argument("--api-server-count", type=int, default=1,
                    help="frontend processes (gRPC and HTTP servers, tokenizing, streaming) sharing the --listen "
                         "port and one engine core; request limits are split between them")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="defaults of the sampling fields and max_tokens a request leaves unset, as vLLM's: auto, "
+                        "those the model's generation_config.json sets; vllm, the built-in ones; or a folder whose "
+                        "generation_config.json sets them")
+    g.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
+                   help="a JSON object over those defaults, e.g. '{\"temperature\": 0.5}' (null: the built-in "
+                        "default; default: none)")
 
 
 def _chat_template(value: str | None) -> str | None:
@@ -221,7 +228,8 @@ def _controlplane(args: argparse.Namespace, dataplane: str, token: str | None, d
             http_client_timeout=args.http_client_timeout,
             api_server_count=args.api_server_count, served_model_names=tuple(args.served_model_name or ()),
             reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-            scheduling_policy=args.scheduling_policy)
+            scheduling_policy=args.scheduling_policy, generation_config=args.generation_config,
+            override_generation_config=args.override_generation_config or {})
         if config.tokenizer is not None:  # read now: a broken one would surface only once a data plane connects
             from twinplane.controlplane.tokenizer import Tokenizer
 
@@ -716,8 +724,7 @@ def _json_object(text: str) -> dict:
     except json.JSONDecodeError:
         value = None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"a JSON object is needed, e.g. '{{\"enable_thinking\": false}}', "
-                                         f"got {text!r}")
+        raise argparse.ArgumentTypeError(f"a JSON object is needed ({{\"name\": value, ...}}), got {text!r}")
     return value
 
 

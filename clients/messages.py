@@ -117,6 +117,9 @@ class ModelInfo:
     reasoning_parser: str = ""  # the server's --reasoning-parser ("" when off)
     tool_call_parser: str = ""  # the server's --tool-call-parser ("" when off)
     kv_cache_dtype: str = ""  # the data plane's KV cache: dtype, or "float8_e4m3fn" ("" from an older server)
+    # what a request's unset sampling fields and max_tokens get, by field name, where the model's generation
+    # config sets it (empty: the built-in defaults)
+    generation_defaults: dict = field(default_factory=dict)
 
 
 # ---- protobuf edge: requests --------------------------------------------------------------
@@ -343,7 +346,8 @@ def _position_logprobs(position: pb.PositionLogprobs) -> PositionLogprobs:
 def model_info_from_pb(info: pb.ModelInfo) -> ModelInfo:
     """A ModelInfo message as a ModelInfo dataclass (fields of the same names)."""
     values = {f.name: getattr(info, f.name) for f in fields(ModelInfo)}
-    return ModelInfo(**{**values, "eos_token_ids": list(info.eos_token_ids)})
+    defaults = {f.name: value for f, value in info.generation_defaults.ListFields()}
+    return ModelInfo(**{**values, "eos_token_ids": list(info.eos_token_ids), "generation_defaults": defaults})
 
 
 def stats_from_pb(stats: pb.ServerStats) -> dict:

@@ -44,6 +44,9 @@ class Limits:
     max_chat_messages: int = 1024
     max_logit_bias: int = 1024  # entries of logit_bias
     by_priority: bool = False  # requests may set a priority (--scheduling-policy priority)
+    # what a request that leaves a sampling field or max_tokens unset gets, by field name, where the model's
+    # generation config sets it (generation_config.py); a field left out: the built-in default
+    defaults: dict[str, float | int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -144,9 +147,11 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
 MAX_TOP_K = (1 << 31) - 1  # top_k travels to the data plane as an int32
 
 
-def sampling_options(values: dict, prefix: str = "sampling.") -> SamplingOptions:
-    """Validated sampling options from plain values (SAMPLING_FIELDS; a missing one takes its default).
-    prefix goes before each field name in error messages."""
+def sampling_options(values: dict, prefix: str = "sampling.", defaults: dict | None = None) -> SamplingOptions:
+    """Validated sampling options from plain values (SAMPLING_FIELDS; a missing one takes defaults' value, else
+    the built-in default): the one place both APIs apply the server's defaults (Limits.defaults). prefix goes
+    before each field name in error messages."""
+    values = {**{name: value for name, value in (defaults or {}).items() if name in SAMPLING_FIELDS}, **values}
     options = SamplingOptions()
     temperature = values.get("temperature", options.temperature)
     _check(math.isfinite(_float32(temperature)) and temperature >= 0,
@@ -173,8 +178,9 @@ def sampling_options(values: dict, prefix: str = "sampling.") -> SamplingOptions
     )
 
 
-def sampling_from_pb(s: pb.SamplingParams) -> SamplingOptions:
-    return sampling_options({name: getattr(s, name) for name in SAMPLING_FIELDS if s.HasField(name)})
+def sampling_from_pb(s: pb.SamplingParams, defaults: dict | None = None) -> SamplingOptions:
+    return sampling_options({name: getattr(s, name) for name in SAMPLING_FIELDS if s.HasField(name)},
+                            defaults=defaults)
 
 
 def text_prompt(text: str, limits: Limits, name: str = "text") -> Prompt:
@@ -408,7 +414,7 @@ def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, header_reques
     prompt = prompt_from_pb(req, limits)
     check_truncation(req.truncate_prompt_tokens, limits)
     params = request_params(
-        limits, sampling_from_pb(req.sampling),
+        limits, sampling_from_pb(req.sampling, limits.defaults),
         max_tokens=req.max_tokens if req.HasField("max_tokens") else None,
         min_tokens=req.min_tokens,
         stop=tuple(req.stop),

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import jinja2
 
+from twinplane.controlplane.generation_config import check_flags
 from twinplane.controlplane.reasoning import REASONING_PARSERS
 from twinplane.controlplane.router import ROUTING_POLICIES
 from twinplane.controlplane.scheduler import check_step_limits
@@ -74,6 +75,11 @@ class ControlPlaneConfig:
     tool_call_parser: str | None = None
     # "fcfs": first come, first served; "priority": by each request's priority (lower first), then arrival.
     scheduling_policy: str = "fcfs"
+    # The defaults of what a request leaves unset (generation_config.py): "auto", those of the model's
+    # generation_config.json as the data plane read it; "vllm", none; else a folder whose generation_config.json
+    # is read here. Over them, override_generation_config's keys (a None: the built-in default).
+    generation_config: str = "auto"
+    override_generation_config: dict = field(default_factory=dict)
 
     @property
     def dataplanes(self) -> tuple[str, ...]:
@@ -141,6 +147,7 @@ class ControlPlaneConfig:
         if self.max_prompt_bytes is not None and self.max_prompt_bytes <= 0:
             raise ValueError(f"max_prompt_bytes must be > 0, got {self.max_prompt_bytes}")
         self._check_api_server_count()
+        check_flags(self.generation_config, self.override_generation_config)
         check_secret(self.dataplane_token, "the data-plane token (--dataplane-token or TWINPLANE_DATAPLANE_TOKEN)")
         names = self.served_model_names
         if any(not name.strip() for name in names) or len(set(names)) != len(names):

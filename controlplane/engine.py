@@ -27,6 +27,7 @@ from twinplane.controlplane.errors import (InvalidRequest, NoLongerFits, NotRead
                                           StepFailed, StreamNotRead)
 from twinplane.controlplane import fanout
 from twinplane.controlplane.finish import Limit, default_max_tokens, misfit, output_room
+from twinplane.controlplane.generation_config import GenerationConfigError, server_defaults
 from twinplane.controlplane import messages
 from twinplane.controlplane.messages import CoreSnapshot, DataPlaneSnapshot, TokenOutput
 from twinplane.controlplane.metrics import DATAPLANE_COUNTERS, EngineMetrics
@@ -116,6 +117,8 @@ class Engine:
         except Exception as exc:
             if isinstance(exc, TokenizerFilesError):  # a file to mend, not a fault of this code: no traceback
                 log.critical("the control plane's engine stopped: it cannot load the tokenizer: %s", exc)
+            elif isinstance(exc, GenerationConfigError):  # the same: a file or flag to mend
+                log.critical("the control plane's engine stopped: a generation default is out of range: %s", exc)
             else:
                 log.critical("the control plane's engine stopped on an unexpected error", exc_info=True)
             self.crashed.set()
@@ -196,6 +199,7 @@ class Engine:
         return self.describe.num_kv_blocks * self.describe.block_size
 
     def connected(self, desc: dp.DescribeResponse, snapshot: CoreSnapshot) -> None:
+        defaults = self._defaults(desc)  # first: one out of range stops the engine (GenerationConfigError)
         if self.describe is None:
             folder = self.config.tokenizer or desc.tokenizer_path
             self.tokenizer = Tokenizer(folder, self.config.chat_template) if folder else None
@@ -205,7 +209,8 @@ class Engine:
                              max_logprobs=min(c.max_logprobs, desc.max_logprobs),
                              max_stop_strings=c.max_stop_strings, max_stop_string_len=c.max_stop_string_len,
                              max_prompt_bytes=c.max_prompt_bytes or BYTES_PER_TOKEN * desc.max_model_len,
-                             max_chat_messages=c.max_chat_messages, by_priority=c.scheduling_policy == "priority")
+                             max_chat_messages=c.max_chat_messages, by_priority=c.scheduling_policy == "priority",
+                             defaults=defaults)
         self.snapshot(snapshot)
         if self._replay:
             self._replay = False
@@ -214,6 +219,17 @@ class Engine:
                 self._send_to_core(state)
         self._connected = True
         self._set_stalled("data plane", False)
+
+    def _defaults(self, desc: dp.DescribeResponse) -> dict[str, float | int]:
+        """The defaults of what requests leave unset (generation_config.py), logged by the first frontend when
+        they change (at the first connection: when there are any, as vLLM logs them)."""
+        c = self.config
+        described = {f.name: value for f, value in desc.generation_config.ListFields()}
+        defaults = server_defaults(c.generation_config, c.override_generation_config, described)
+        if self.index == 0 and defaults != (self.limits.defaults if self.limits else {}):
+            log.info("defaults of the fields requests leave unset: %s (--generation-config %s%s)", defaults,
+                     c.generation_config, " and --override-generation-config" if c.override_generation_config else "")
+        return defaults
 
     def lost(self) -> None:
         """The data plane is gone: NOT_SERVING until the core connects to a new one."""
@@ -506,15 +522,18 @@ class Engine:
         limit, kv_capacity = self.limits.max_model_len, self.kv_capacity
         room = output_room(num_prompt_tokens, limit)
         # unset: as many as fit in max_model_len and in the KV cache (one at least: a prompt that fills the
-        # cache alone is refused below for that)
-        max_tokens = params.max_tokens or max(default_max_tokens(num_prompt_tokens, limit, kv_capacity), 1)
+        # cache alone is refused below for that), at most the server's default
+        fits = max(default_max_tokens(num_prompt_tokens, limit, kv_capacity), 1)
+        default = min(fits, self.limits.defaults.get("max_tokens", fits))
+        max_tokens = params.max_tokens or default
         too_many = misfit(num_prompt_tokens, max_tokens, limit, kv_capacity)
         if too_many is not None and too_many.limit is Limit.MAX_MODEL_LEN:
             raise InvalidRequest(f"{name}: prompt ({num_prompt_tokens} tokens) + {name} ({max_tokens}) "
                                  f"exceeds max_model_len ({limit}); set {name} <= {room}")
         if params.min_tokens > max_tokens:
-            raise InvalidRequest(f"min_tokens ({params.min_tokens}) must not exceed {name} ({max_tokens}, "
-                                 f"what fits after the {num_prompt_tokens}-token prompt)")
+            what = f"what fits after the {num_prompt_tokens}-token prompt" if max_tokens == fits else \
+                "the server's default, from the model's generation config"
+            raise InvalidRequest(f"min_tokens ({params.min_tokens}) must not exceed {name} ({max_tokens}, {what})")
         if too_many is not None:
             raise InvalidRequest(f"{name}: prompt + {name} ({too_many.needed} tokens) can "
                                  f"never fit in the KV cache ({too_many.available} tokens); lower it")

@@ -70,15 +70,18 @@ def never_fits(seq: Sequence, desc: dp.DescribeResponse) -> str | None:
 
 # What every data plane of one control plane must have alike: the model (by its shapes, as its name or
 # path may differ between hosts), dtype and KV-cache dtype, so that a sequence recomputed on another one
-# goes on as it would have; its end-of-sequence tokens; and the block size that prefix routes hash by.
+# goes on as it would have; its end-of-sequence tokens and generation config (the frontends' defaults come
+# from one of them); and the block size that prefix routes hash by.
 SAME_MODEL = ("architecture", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-              "dtype", "eos_token_ids", "block_size", "kv_cache_dtype")
+              "dtype", "eos_token_ids", "generation_config", "block_size", "kv_cache_dtype")
 
 
 def model_differences(desc: dp.DescribeResponse, reference: dp.DescribeResponse) -> list[str]:
     """What desc has unlike reference, of SAME_MODEL (empty: the same model)."""
     def value(d, name):
         v = getattr(d, name)
+        if name == "generation_config":
+            return {f.name: each for f, each in v.ListFields()}
         return list(v) if name == "eos_token_ids" else v
     return [f"{name} {value(desc, name)!r} (the others: {value(reference, name)!r})" for name in SAME_MODEL
             if value(desc, name) != value(reference, name)]

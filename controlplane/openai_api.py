@@ -111,7 +111,7 @@ def _bool(body: dict, name: str) -> bool:
     return bool(_typed(body, name, (bool,), "true or false"))
 
 
-def _sampling(body: dict):
+def _sampling(body: dict, defaults: dict):
     values = {}
     for name in SAMPLING_FIELDS:
         value = _int(body, name) if name in _INTS else _number(body, name)
@@ -122,7 +122,7 @@ def _sampling(body: dict):
         if not -(1 << 63) <= seed < 1 << 64:
             _fail(f"seed must be a 64-bit integer, in [-2**63, 2**64), got {seed}")
         values["seed"] = seed % (1 << 64)
-    return sampling_options(values, prefix="")
+    return sampling_options(values, prefix="", defaults=defaults)
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -413,7 +413,7 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool,
         _fail(f"min_tokens ({min_tokens}) must not exceed {max_tokens_name} (0), which with echo gives the prompt "
               "alone")
     params = request_params(
-        limits, _sampling(body), max_tokens=1 if prompt_only else max_tokens, min_tokens=min_tokens,
+        limits, _sampling(body, limits.defaults), max_tokens=1 if prompt_only else max_tokens, min_tokens=min_tokens,
         stop=_stop(body), stop_token_ids=_int_list(body, "stop_token_ids"), ignore_eos=_bool(body, "ignore_eos"),
         logprobs=top, skip_special_tokens=_typed(body, "skip_special_tokens", (bool,), "true or false") is not False
         and not (tools.parse and special_tool_tags),

@@ -198,7 +198,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             max_num_batched_tokens=d.max_num_batched_tokens, hidden_size=d.hidden_size,
             num_hidden_layers=d.num_hidden_layers, num_attention_heads=d.num_attention_heads, head_dim=d.head_dim,
             layer_params=d.layer_params, reasoning_parser=self.engine.config.reasoning_parser or "",
-            tool_call_parser=self.engine.config.tool_call_parser or "", kv_cache_dtype=d.kv_cache_dtype)
+            tool_call_parser=self.engine.config.tool_call_parser or "", kv_cache_dtype=d.kv_cache_dtype,
+            generation_defaults=limits.defaults)
 
 
     @unary_errors

@@ -181,7 +181,9 @@ def test_model_info_conversion() -> None:
         model="default", architecture="LlamaForCausalLM", vocab_size=49152, max_model_len=8192,
         dtype="bfloat16", block_size=256, num_kv_blocks=100, tensor_parallel_size=1,
         attention_backend="torch", eos_token_ids=[2, 0], max_logprobs=20, has_chat_template=True,
+        generation_defaults=pb.GenerationDefaults(temperature=0.0, top_k=20),
     ))
     assert info.eos_token_ids == [2, 0] and isinstance(info.eos_token_ids, list)
+    assert info.generation_defaults == {"temperature": 0.0, "top_k": 20}  # only those set, a 0 included
     assert (info.architecture, info.vocab_size, info.max_model_len) == ("LlamaForCausalLM", 49152, 8192)
     assert (info.block_size, info.num_kv_blocks, info.max_logprobs, info.has_chat_template) == (256, 100, 20, True)

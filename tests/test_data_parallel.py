@@ -336,7 +336,9 @@ def test_a_data_plane_of_another_model_or_one_driven_already_is_not_taken():
             ("other shapes", _desc(instance_id="b", hidden_size=64, eos_token_ids=[2, 3])),
             ("other dtype", _desc(instance_id="b", dtype="float16")),
             ("other KV dtype", _desc(instance_id="b", kv_cache_dtype="float8_e4m3fn", kv_bytes_per_token=64)),
-            ("other blocks", _desc(instance_id="b", block_size=16))]}, core.refusal(first, _desc(hidden_size=64))
+            ("other blocks", _desc(instance_id="b", block_size=16)),
+            ("other defaults", _desc(instance_id="b", generation_config={"temperature": 0.6}))]}, \
+            core.refusal(first, _desc(hidden_size=64))
 
     why, alone = asyncio.run(run())
     assert why["same model"] is None and why["not told"] is None and alone is None  # no other one taken
@@ -345,6 +347,7 @@ def test_a_data_plane_of_another_model_or_one_driven_already_is_not_taken():
     assert "dtype 'float16' (the others: 'bfloat16')" in why["other dtype"]
     assert "kv_cache_dtype 'float8_e4m3fn' (the others: 'bfloat16')" in why["other KV dtype"]
     assert "block_size 16 (the others: 4)" in why["other blocks"]
+    assert "generation_config {'temperature': 0.6} (the others: {})" in why["other defaults"]  # the frontends' defaults
 
 
 def test_requests_that_waited_for_a_data_plane_not_taken_again_are_refused():

@@ -200,6 +200,18 @@ export interface ModelInfo {
   reasoningParser: string;
   toolCallParser: string;
   kvCacheDtype: string;
+  /** What the fields a request leaves unset get (null from a server older than the field). */
+  generationDefaults: GenerationDefaults | null;
+}
+
+/** The server's defaults, from the model's generation config; a field left out keeps the built-in default. */
+export interface GenerationDefaults {
+  temperature?: number;
+  topP?: number;
+  topK?: number;
+  minP?: number;
+  repetitionPenalty?: number;
+  maxTokens?: number;
 }
 
 /** A running Generate call: iterate it once; `final` is the last chunk once the stream has ended. */
