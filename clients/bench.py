@@ -50,10 +50,15 @@ import numpy as np
 
 from twinplane.clients.roofline import ModelCost, StepLimits, StepRoofline, step_roofline
 from twinplane.controlplane.event_loop import freeze_heap, run as run_loop  # run: uvloop, as the server's
+from twinplane.controlplane.generation_config import SAMPLING_KEYS
+from twinplane.controlplane.sequence import SamplingOptions
 from twinplane.proto import step_path_names
 
 H200_BANDWIDTH_GBS = 4800.0  # HBM3e, per GPU, datasheet
 H200_BF16_TFLOPS = 989.0  # dense BF16 tensor cores, per GPU, datasheet
+# Every request sends the built-in value of each sampling field that a model's generation config may default
+# (but temperature, --temperature's): a run samples alike whatever the server's defaults are.
+BUILT_IN_SAMPLING = {name: getattr(SamplingOptions(), name) for name in SAMPLING_KEYS if name != "temperature"}
 
 
 @dataclass
@@ -131,7 +136,7 @@ def workload_step_roofline(requests: list[Request], info, args) -> StepRoofline:
 async def _one(client, req: Request, args, progress) -> None:
     req.sent = time.perf_counter()
     stream = client.generate(token_ids=req.prompt, max_tokens=req.max_tokens, temperature=args.temperature,
-                             ignore_eos=True, regex=req.regex)
+                             **BUILT_IN_SAMPLING, ignore_eos=True, regex=req.regex)
     try:
         async for chunk in stream:
             now = time.perf_counter()

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import Counter
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
-from twinplane.clients.bench import make_workload, roofline_seconds, workload_step_roofline
+from twinplane.clients.bench import Request, _one, make_workload, roofline_seconds, workload_step_roofline
+from twinplane.clients.client import build_request
 from twinplane.clients.cli import build_parser
 from twinplane.clients.roofline import ModelCost, StepLimits, StepWork, plan_steps, step_roofline
 
@@ -186,3 +189,28 @@ def test_the_model_line_names_a_kv_cache_dtype_other_than_the_models():
     assert _kv_dtype(SimpleNamespace(dtype="bfloat16", kv_cache_dtype="float8_e4m3fn")) == " in float8_e4m3fn"
     assert _kv_dtype(SimpleNamespace(dtype="bfloat16", kv_cache_dtype="bfloat16")) == ""
     assert _kv_dtype(SimpleNamespace(dtype="bfloat16", kv_cache_dtype="")) == ""  # a server older than the field
+
+
+def test_each_request_samples_alike_whatever_the_models_generation_defaults():
+    """A bench request sends the built-in value of every sampling field a model's generation config may default
+    (Qwen3's top_k 20, top_p 0.95...), so a run samples as it did before servers took those defaults."""
+    sent = []
+
+    class Recorder:
+        def generate(self, **kwargs):
+            sent.append(build_request(**kwargs))
+            return _no_chunks()
+
+    asyncio.run(_one(Recorder(), Request([1, 2, 3], 5), bench_args(), SimpleNamespace(update=lambda n: None)))
+    from twinplane.controlplane.api import sampling_from_pb
+    from twinplane.controlplane.sequence import SamplingOptions
+
+    qwen3 = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.05}
+    sampling = sent[0].sampling
+    assert sampling_from_pb(sampling, qwen3) == replace(SamplingOptions(), temperature=sampling.temperature)
+    assert sampling.temperature == pytest.approx(0.6)  # --temperature's default
+
+
+async def _no_chunks():
+    return
+    yield
