@@ -71,6 +71,10 @@ class OpenAIRequest:
     calls: list[GenerateCall]  # n per prompt, prompt after prompt (a completion may send a batch of prompts)
     n: int = 1  # choices per prompt
     echo: bool = False  # completions: each choice's text starts with its prompt
+    # chat: the role of the response's message, the last message's without a generation prompt (vLLM's), and with
+    # echo, the content that each choice's starts with: the last message's when its role is that one
+    role: str = "assistant"
+    echoed: str = ""
     prompt_only: bool = False  # completions, echo with max_tokens 0: the prompt alone (one token is drawn, unshown)
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
@@ -365,6 +369,15 @@ def _max_tokens(body: dict) -> tuple[int | None, str]:
     return _int(body, "max_tokens"), "max_tokens"
 
 
+def _chat_role(prompt: Prompt, echo: bool) -> tuple[str, str]:
+    """(the role of a chat response's message, what its content starts with), as vLLM's: the assistant's
+    after a generation prompt, else the last message's role, whose message goes on; with echo, the last
+    message's content when its role is that one."""
+    last = prompt.messages[-1]
+    role = "assistant" if prompt.chat_options.add_generation_prompt else last["role"]
+    return role, (last["content"] or "") if echo and last["role"] == role else ""
+
+
 def choice_seed(seed: int | None, index: int) -> int | None:
     """Choice 0 keeps the request's seed (so n=1 matches the gRPC API); the others get distinct ones."""
     if seed is None or index == 0:
@@ -400,8 +413,8 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool,
         regex = after_reasoning(regex, reasoning_parser)
     top = _logprobs(body, chat)
     echo = _bool(body, "echo")
-    if echo and chat:
-        _fail("echo is only for /v1/completions")
+    role, echoed = _chat_role(prompts[0], echo) if chat else ("assistant", "")
+    echo = echo and not chat  # from here: a completion's prompt echoed (a chat's message is in echoed)
     prompt_top = _int(body, "prompt_logprobs")
     allowed_token_ids = _int_list(body, "allowed_token_ids")
     if body.get("allowed_token_ids") == []:
@@ -452,8 +465,8 @@ def parse_request(body: dict, limits: Limits, request_id: str, chat: bool,
             scored = max(scoring) if scoring and j == 0 else None
             calls.append(GenerateCall(request_id, prompt, replace(params, sampling=sampling, prompt_logprobs=scored),
                                       truncate, "messages" if chat else "prompt", max_tokens_name, choice))
-    return OpenAIRequest(chat=chat, calls=calls, n=n, echo=echo, prompt_only=prompt_only, stream=stream,
-                         include_usage=bool(usage["include_usage"]),
+    return OpenAIRequest(chat=chat, calls=calls, n=n, echo=echo, role=role, echoed=echoed, prompt_only=prompt_only,
+                         stream=stream, include_usage=bool(usage["include_usage"]),
                          continuous_usage=bool(usage["continuous_usage_stats"]), logprobs=top is not None,
                          prompt_logprobs=prompt_top, tokens_as_ids=_bool(body, "return_tokens_as_token_ids"),
                          tools=tools, include_reasoning=include_reasoning)

@@ -235,11 +235,15 @@ class ResponseBuilder:
         """The stream chunks of one output of choice index: in chat, a choice's first output comes after a
         chunk of its role alone (as OpenAI's and vLLM's streams begin each choice). A chat output with nothing
         to show (text a reasoning or tool-call parser holds back, reasoning with include_reasoning false) has
-        no chunk unless it ends the choice or carries logprobs, as in vLLM's streams."""
+        no chunk unless it ends the choice or carries logprobs, as in vLLM's streams; with echo, the role's chunk
+        is followed by one of the echoed content."""
         first = []
-        if self.request.chat and not self.started[index]:
-            first = [self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}, out.prompt_tokens, 0)]
+        if self.request.chat and not self.started[index]:  # with echo, a chunk of the echoed content next
+            deltas = [{"role": self.request.role, "content": ""}]
+            if self.request.echoed:
+                deltas.append({"content": self.request.echoed})
+            first = [self._chunk({"index": index, "delta": delta, "logprobs": None, "finish_reason": None},
+                                 out.prompt_tokens, 0) for delta in deltas]
         choice = self._choice(index, out)
         return first + ([] if choice is None else [self._chunk(choice, out.prompt_tokens, out.completion_tokens)])
 
@@ -312,7 +316,8 @@ class ResponseBuilder:
             choice = {"index": i, "logprobs": logprobs}
             if self.request.chat:
                 calls = self.calls[i]
-                message = {"role": "assistant", "content": text if text or not calls else None}
+                text = self.request.echoed + text
+                message = {"role": self.request.role, "content": text if text or not calls else None}
                 if self.reasoning_parser and self.request.include_reasoning:
                     message["reasoning"] = message["reasoning_content"] = self.reasonings[i] or None
                 if calls:

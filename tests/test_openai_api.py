@@ -136,7 +136,6 @@ def test_prompt_forms():
     ({"prompt": ["a", [1, None]]}, False, "prompt[1] must be a string or a list of token ids"),
     ({"prompt": ["a"] * 33}, False, "prompt: a batch holds at most 32 prompts, got 33"),
     ({"prompt": [5000]}, False, "prompt must be in [0, 1000)"),
-    ({**CHAT, "echo": True}, True, "echo is only for /v1/completions"),
     ({"prompt": "x", "echo": "yes"}, False, "echo must be true or false"),
     ({**CHAT, "top_k": 2**31}, True, "top_k must be in [-1, 2147483647]"),  # an int32 on the data plane
     ({**CHAT, "top_p": 1e-300}, True, "0 as the 32-bit float"),  # 0 on the data plane

@@ -528,6 +528,31 @@ def test_chat_template_options_over_both_apis(client, base_url, model, http_plan
     assert "chat.chat_template_kwargs may not set eos_token" in failed.value.details()
 
 
+def test_chat_echo_starts_the_reply_with_the_message_it_goes_on_from(client, model, http_planes):
+    """Chat echo, as vLLM's: the reply's content starts with the last message's when that message has the
+    reply's role (the assistant's after a generation prompt, else the last message's own), whole and in a
+    chunk of its own after the role's; otherwise it changes nothing. The tokens are those without echo."""
+    begun = [*QUESTION, {"role": "assistant", "content": "Paris. It is"}]
+    continued = {"add_generation_prompt": False, "continue_final_message": True, "ignore_eos": True}
+    kwargs = dict(model=model, max_tokens=6, temperature=0)
+    plain = client.chat.completions.create(messages=begun, extra_body=continued, **kwargs).choices[0].message
+    echoed = client.chat.completions.create(messages=begun, extra_body={**continued, "echo": True}, n=2, **kwargs)
+    assert [c.message.content for c in echoed.choices] == ["Paris. It is" + plain.content] * 2
+    assert {c.message.role for c in echoed.choices} == {"assistant"} and echoed.usage.completion_tokens == 12
+    stream = client.chat.completions.create(messages=begun, extra_body={**continued, "echo": True}, stream=True,
+                                            **kwargs)
+    deltas = [chunk.choices[0].delta for chunk in stream if chunk.choices]
+    assert (deltas[0].role, deltas[0].content) == ("assistant", "")
+    assert deltas[1].content == "Paris. It is" and deltas[1].role is None
+    assert "".join(d.content or "" for d in deltas) == "Paris. It is" + plain.content
+    asked = client.chat.completions.create(messages=QUESTION, extra_body={"echo": True, "ignore_eos": True}, **kwargs)
+    assert asked.choices[0].message.content == client.chat.completions.create(
+        messages=QUESTION, extra_body={"ignore_eos": True}, **kwargs).choices[0].message.content  # a user's: none
+    own = client.chat.completions.create(messages=QUESTION, extra_body={"add_generation_prompt": False, "echo": True,
+                                                                        "ignore_eos": True}, **kwargs)
+    assert own.choices[0].message.role == "user" and own.choices[0].message.content.startswith(QUESTION[-1]["content"])
+
+
 def test_tokenize_and_detokenize_as_vllm_serves_them(base_url, model, http_planes):
     """POST /tokenize (a text prompt, or chat messages with the generation prompt) gives the ids the
     gRPC Tokenize gives; POST /detokenize turns ids back into text; bad bodies get 400 naming the field."""
