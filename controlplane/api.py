@@ -165,7 +165,8 @@ def sampling_options(values: dict, prefix: str = "sampling.", defaults: dict | N
     min_p = values.get("min_p", 0.0)
     _range(f"{prefix}min_p", min_p, 0.0, 1.0)
     repetition = values.get("repetition_penalty", 1.0)  # any positive value, as vLLM and TGI take
-    _check(math.isfinite(_float32(repetition)) and _float32(repetition) > 0,
+    sent = _float32(repetition)
+    _check(math.isfinite(sent) and sent > 0,
            f"{prefix}repetition_penalty must be a finite number > 0 (as a 32-bit float; 1 = off), got {repetition:g}")
     presence = values.get("presence_penalty", 0.0)
     _range(f"{prefix}presence_penalty", presence, -2.0, 2.0)
@@ -323,12 +324,14 @@ def _check_bytes(name: str, size: int, limits: Limits) -> None:
                                             "allowed (max_prompt_bytes)")
 
 
-def checked_request_id(request_id: str, header: str | None) -> str:
-    """request_id if given, else the x-request-id header, else a new id; both at most MAX_REQUEST_ID_LEN long."""
+def checked_request_id(request_id: str, header: str | None, header_first: bool = False) -> str:
+    """request_id if given, else the x-request-id header (the header first with header_first: HTTP's, as
+    vLLM's), else a new id; both at most MAX_REQUEST_ID_LEN long."""
     for name, value in (("request_id", request_id), (REQUEST_ID_HEADER, header or "")):
         _check(len(value) <= MAX_REQUEST_ID_LEN,
                f"{name} must be at most {MAX_REQUEST_ID_LEN} characters, got {len(value)}")
-    return request_id or header or uuid.uuid4().hex
+    first, second = (header, request_id) if header_first else (request_id, header)
+    return first or second or uuid.uuid4().hex
 
 
 def request_id_header_value(request_id: str) -> str:

@@ -298,9 +298,7 @@ def _request_id(body: dict, header: str | None) -> str:
     given = body.get("request_id")
     if given is not None and not isinstance(given, str):
         raise InvalidRequest(f"request_id must be a string, got {type(given).__name__}")
-    header = _header_text(header)
-    checked = checked_request_id(given or "", header)  # both within bounds
-    return header or checked
+    return checked_request_id(given or "", _header_text(header), header_first=True)
 
 
 def _header_text(value: str | None) -> str | None:
