@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Union
 
 from twinplane.proto import generation_pb2 as pb
+from twinplane.proto import set_fields
 
 
 Message = Union[Mapping[str, Any], tuple[str, str]]  # {"role", "content", ...} or (role, content)
@@ -346,8 +347,8 @@ def _position_logprobs(position: pb.PositionLogprobs) -> PositionLogprobs:
 def model_info_from_pb(info: pb.ModelInfo) -> ModelInfo:
     """A ModelInfo message as a ModelInfo dataclass (fields of the same names)."""
     values = {f.name: getattr(info, f.name) for f in fields(ModelInfo)}
-    defaults = {f.name: value for f, value in info.generation_defaults.ListFields()}
-    return ModelInfo(**{**values, "eos_token_ids": list(info.eos_token_ids), "generation_defaults": defaults})
+    return ModelInfo(**{**values, "eos_token_ids": list(info.eos_token_ids),
+                        "generation_defaults": set_fields(info.generation_defaults)})
 
 
 def stats_from_pb(stats: pb.ServerStats) -> dict:

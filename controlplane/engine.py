@@ -38,6 +38,7 @@ from twinplane.controlplane.structured import bad_words_ids
 from twinplane.controlplane.supervisor import CoreSupervisor
 from twinplane.controlplane.tokenizer import Tokenizer, TokenizerFilesError
 from twinplane.proto import dataplane_pb2 as dp
+from twinplane.proto import set_fields
 
 log = logging.getLogger("twinplane.controlplane")
 request_log = logging.getLogger("twinplane.controlplane.requests")  # one line per finished request
@@ -224,7 +225,7 @@ class Engine:
         """The defaults of what requests leave unset (generation_config.py), logged by the first frontend when
         they change (at the first connection: when there are any, as vLLM logs them)."""
         c = self.config
-        described = {f.name: value for f, value in desc.generation_config.ListFields()}
+        described = set_fields(desc.generation_config)
         defaults = server_defaults(c.generation_config, c.override_generation_config, described)
         if self.index == 0 and defaults != (self.limits.defaults if self.limits else {}):
             log.info("defaults of the fields requests leave unset: %s (--generation-config %s%s)", defaults,

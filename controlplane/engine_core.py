@@ -50,6 +50,7 @@ from twinplane.controlplane.structured import (AllOf, BannedWords, FixedTokens, 
 from twinplane.controlplane.tokenizer import Tokenizer
 from twinplane.controlplane.tools import TAGS
 from twinplane.proto import dataplane_pb2 as dp
+from twinplane.proto import set_fields
 
 GRAMMARS_KEPT = 64  # compiled grammars the core keeps at hand (the latest)
 log = logging.getLogger("twinplane.controlplane")
@@ -81,7 +82,7 @@ def model_differences(desc: dp.DescribeResponse, reference: dp.DescribeResponse)
     def value(d, name):
         v = getattr(d, name)
         if name == "generation_config":
-            return {f.name: each for f, each in v.ListFields()}
+            return set_fields(v)
         return list(v) if name == "eos_token_ids" else v
     return [f"{name} {value(desc, name)!r} (the others: {value(reference, name)!r})" for name in SAME_MODEL
             if value(desc, name) != value(reference, name)]

@@ -8,3 +8,8 @@ def step_path_names() -> dict[int, str]:
 
     return {value: name.removeprefix("STEP_PATH_").lower() for name, value in dp.StepPath.items()
             if value != dp.STEP_PATH_EAGER}
+
+
+def set_fields(message) -> dict:
+    """A message's fields that are set (an optional one: present), by name."""
+    return {field.name: value for field, value in message.ListFields()}
