@@ -127,8 +127,8 @@ def _to_f16(x_ptr, out_ptr, N: tl.constexpr):
 def test_the_decode_kernels_float8_conversion_gives_torchs_for_every_value():
     """e4m3_to_f16 (PTX, four bytes a register) over all 256 bit patterns, four times, rolled by 0-3 places so
     each pattern sits at every byte of a register: torch's float16 of each, NaN where torch gives NaN."""
-    x = torch.arange(256, dtype=torch.uint8, device="cuda").view(FP8)
-    x = torch.cat([x, x.roll(1), x.roll(2), x.roll(3)])
+    x = torch.arange(256, dtype=torch.uint8, device="cuda")  # (torch has no cat or roll of float8 on CUDA)
+    x = torch.cat([x, x.roll(1), x.roll(2), x.roll(3)]).view(FP8)
     out = torch.empty(x.shape, dtype=torch.float16, device="cuda")
     _to_f16[(1,)](x, out, N=x.numel())
     expected = x.to(torch.float16)
