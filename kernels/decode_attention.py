@@ -32,8 +32,9 @@ The cache of one layer is [num_blocks, block_size, kv_heads, head_dim], in the m
 float8 (e4m3, no scale: ``kernels/kv_writer.py``), which is half the bytes to read; over float8 the
 tile products take bfloat16 queries in float16 (``dot_queries``: decode steps 3.4% shorter on an
 H100, BENCHMARKS.md); with one split the float8 tiles convert through ``e4m3_to_f16``, which takes fewer
-registers than Triton's own conversion (decode steps 6% shorter on an H100). ``BLOCK_N`` divides
-``block_size``, so each tile of keys lies in one page.
+registers than Triton's own conversion (decode steps 6% shorter on an H100), and its tile loads run
+two ahead (``load_page``, ``key_stages``). ``BLOCK_N`` divides ``block_size``, so each tile of keys lies in
+one page.
 Sequences with context 0 (the padding rows of a CUDA graph) produce zeros.
 """
 
@@ -46,7 +47,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from twinplane.kernels.device import e4m3_in_ptx, launch_pdl, sm_count
+from twinplane.kernels.device import e4m3_in_ptx, launch_pdl, runs_ptx, sm_count
 from twinplane.kernels.rope_store import QKVRope, check_qkv, decode_q_store_kv
 
 LOG2E = 1.4426950408889634
@@ -77,6 +78,22 @@ def e4m3_to_f16(x):
 
 
 @triton.jit
+def load_page(ptr, ok, PTX: tl.constexpr):
+    """The int32 at ``ptr`` where ``ok`` (else 0): a page number from the block table. With ``PTX``, through
+    one inline ``ld.global.nc`` instead of ``tl.load``: Triton's pipeliner does not multi-buffer loads whose
+    addresses come from a ``tl.load`` in the same loop, so with it the K/V tiles get one shared-memory
+    buffer at any ``num_stages`` (sm_90, Triton 3.6 and 3.9: ``async_wait`` of 0); through this load, three stages
+    give two buffers, and a tile loads while the one before it is multiplied. The table is not
+    written while the kernel runs, so the read-only path is safe; predicated on ``ok``, a tile the loop
+    runs ahead to past the end reads nothing."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.nc.b32 $0, [$1]; }",
+            "=r,l,r", [ptr, ok.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1)
+    return tl.load(ptr, mask=ok, other=0)
+
+
+@triton.jit
 def _attend_tile(q, k, v, seen, m, l, acc, scale_log2):
     """Online softmax over one tile of keys: the running max m, sum l and output acc of each query;
     ``seen`` (broadcast to [queries, keys]) says which keys each query attends to. Keys and values
@@ -101,7 +118,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, block_table_ptr, context_lens_ptr, order
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, ORDERED: tl.constexpr,
                    FROM_QKV: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HAS_NORM: tl.constexpr,
-                   PREFETCH: tl.constexpr, PDL: tl.constexpr, E4M3_PTX: tl.constexpr):
+                   PREFETCH: tl.constexpr, PDL: tl.constexpr, E4M3_PTX: tl.constexpr, PAGE_PTX: tl.constexpr,
+                   STAGES: tl.constexpr):
     # Before the wait the kernel reads only what no kernel of this step writes: the step's inputs
     # (copied before its first kernel, which is not launched with PDL) and, with PREFETCH, keys
     # that earlier steps stored.
@@ -154,8 +172,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, block_table_ptr, context_lens_ptr, order
         if start < end:  # an empty split keeps l = 0 (a tile of no keys would divide -inf by -inf)
             m, l, acc = _attend_tile(q, k_first, v_first, first_ok[None, :], m, l, acc, scale_log2)
         rest += BLOCK_N
-    for n in range(rest, end, BLOCK_N):
-        page = tl.load(table + n // PAGE).to(tl.int64)
+    for n in tl.range(rest, end, BLOCK_N, num_stages=STAGES):
+        page = load_page(table + n // PAGE, n < end, PAGE_PTX).to(tl.int64)
         token_ok = n + cols < end
         offsets = page * stride_kb + (n % PAGE + cols)[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
         k = tl.load(k_ptr + offsets, mask=token_ok[:, None], other=0.0)
@@ -240,6 +258,17 @@ def tile_keys(num_splits: int) -> tuple[int, bool]:
     return (64 if num_splits == 1 else 128), False
 
 
+def key_stages(num_splits: int, float8: bool) -> int:
+    """Pipeline stages of the loop over tiles of keys (``num_stages``; 2 keeps one tile in flight, 3 two):
+    3 for one split over a float8 cache, else 2. Measured on an H100 over the benchmark's decode steps
+    (the kernel alone, in CUDA graphs, one split, 64-key tiles): over float8 three stages took 530 us
+    against 547 (38,912 against 22,528 bytes of shared memory a program, 104 against 128 registers a
+    thread), and the run's decode steps 3.86 against 3.92 ms (30,665 against 30,364 tok/s, one call); over
+    bf16 912 us either way (71,680 against 38,912 bytes), so there it stays at 2. 32-key tiles at three or
+    four stages were slower over both (bf16 917-922, float8 557-560 us)."""
+    return 3 if float8 and num_splits == 1 else 2
+
+
 def supports(head_dim: int, block_size: int) -> bool:
     """Whether the kernel takes this shape (tl.dot needs power-of-two tiles of at least 16)."""
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and block_size % 16 == 0
@@ -308,7 +337,8 @@ def _launch(q, num_heads, stride_qt, stride_qh, rope, slot_mapping, k_cache, v_c
     pdl = launch_pdl(q.device)
     # One split (a GPU full of programs): float8 tiles through e4m3_to_f16. With several (few sequences) it
     # made the kernel slower on an H100 (16 sequences: 34.6 against 31.0 us), so there Triton converts.
-    e4m3_ptx = k_cache.dtype == torch.float8_e4m3fn and num_splits == 1 and e4m3_in_ptx(q.device)
+    float8 = k_cache.dtype == torch.float8_e4m3fn
+    e4m3_ptx = float8 and num_splits == 1 and e4m3_in_ptx(q.device)
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, unused if order is None else order, part, lse,
         rope.positions if from_qkv else unused, rope.cos_sin_cache if from_qkv else unused,
@@ -319,7 +349,7 @@ def _launch(q, num_heads, stride_qt, stride_qh, rope, slot_mapping, k_cache, v_c
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits, ORDERED=order is not None, FROM_QKV=from_qkv,
         HEADS=num_heads, KV_HEADS=num_kv_heads, HAS_NORM=has_norm, PREFETCH=prefetch, PDL=pdl,
-        E4M3_PTX=e4m3_ptx, num_warps=num_warps,
+        E4M3_PTX=e4m3_ptx, PAGE_PTX=runs_ptx(q.device), STAGES=key_stages(num_splits, float8), num_warps=num_warps,
         num_stages=num_stages, launch_pdl=pdl)
     if num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](

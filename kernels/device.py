@@ -30,7 +30,13 @@ def launch_pdl(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.hip is None and capability(device.index or 0)[0] >= 9
 
 
+def runs_ptx(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may hold inline PTX: NVIDIA GPUs (not ROCm, and never Triton's
+    interpreter, which runs no PTX)."""
+    return device.type == "cuda" and torch.version.hip is None
+
+
 def e4m3_in_ptx(device: torch.device) -> bool:
     """Whether kernels on ``device`` may convert float8 e4m3 with PTX's ``cvt.rn.f16x2.e4m3x2``: NVIDIA
-    GPUs of sm_89 and newer (not ROCm, and never Triton's interpreter, which runs no PTX)."""
-    return device.type == "cuda" and torch.version.hip is None and capability(device.index or 0) >= (8, 9)
+    GPUs of sm_89 and newer."""
+    return runs_ptx(device) and capability(device.index or 0) >= (8, 9)

@@ -12,6 +12,7 @@ needs only Triton's frontend and the ptxas it ships with, no CUDA device.
 from __future__ import annotations
 
 import inspect
+import re
 
 import pytest
 
@@ -24,9 +25,13 @@ from triton.compiler import ASTSource  # noqa: E402
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
-def _compile(kernel, constexprs: dict, pointers: dict[str, str], floats: tuple[str, ...] = ()) -> str:
+def _compile(kernel, constexprs: dict, pointers: dict[str, str], floats: tuple[str, ...] = (), aligned: bool = False,
+             ir: str = "ptx") -> str:
     """Compiles ``kernel`` for sm_90 with these constexprs; pointer arguments get the element type
-    that ``pointers`` names (default bf16), ``floats`` are fp32 scalars, the rest int32. Returns the PTX."""
+    that ``pointers`` names (default bf16), ``floats`` are fp32 scalars, the rest int32. ``aligned``: every
+    pointer and int argument divisible by 16, as Triton specializes a launch whose arguments are (torch's
+    allocations and the strides of a model's shapes), so loads vectorize as they do on the GPU. Returns the
+    PTX, or the IR that ``ir`` names (``ttgir``: after Triton's pipeliner)."""
     names = list(inspect.signature(kernel.fn).parameters)
     signature = {}
     for name in names:
@@ -36,9 +41,11 @@ def _compile(kernel, constexprs: dict, pointers: dict[str, str], floats: tuple[s
             signature[name] = "*" + pointers.get(name, "bf16")
         else:
             signature[name] = "fp32" if name in floats else "i32"
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in names
+             if aligned and signature[name][0] in "*i"}
     source = ASTSource(fn=kernel, signature=signature,
-                       constexprs={(names.index(name),): value for name, value in constexprs.items()})
-    return triton.compile(source, target=HOPPER).asm["ptx"]
+                       constexprs={(names.index(name),): value for name, value in constexprs.items()}, attrs=attrs)
+    return triton.compile(source, target=HOPPER).asm[ir]
 
 
 @pytest.mark.parametrize("cache", ["bf16", "fp8e4nv"])
@@ -47,21 +54,28 @@ def _compile(kernel, constexprs: dict, pointers: dict[str, str], floats: tuple[s
                           (16, True, True, 2, True), (8, False, False, 7, True), (1, True, True, 2, True)])
 def test_decode_attention_compiles(cache, num_splits, from_qkv, has_norm, group, prefetch):
     """Over a float8 cache with one split, as ``_launch`` picks it on sm_90, the tiles convert through
-    ``e4m3_to_f16``'s PTX (its text is in the kernel's); otherwise through Triton's conversion."""
-    from twinplane.kernels.decode_attention import _decode_kernel, _merge_kernel
+    ``e4m3_to_f16``'s PTX (its text is in the kernel's); otherwise through Triton's conversion. The page
+    numbers come through ``load_page``'s PTX, and with the stages ``key_stages`` gives a float8 cache's one
+    split, the K/V tiles load two ahead: the asynchronous copies wait for all but the last two groups."""
+    from twinplane.kernels.decode_attention import _decode_kernel, _merge_kernel, key_stages
 
     ints = {name: "i32" for name in ("block_table_ptr", "context_lens_ptr", "order_ptr", "positions_ptr", "slot_ptr")}
     floats32 = {name: "fp32" for name in ("lse_ptr", "cos_sin_ptr", "q_norm_ptr", "k_norm_ptr")}
     out = "fp32" if num_splits > 1 else "bf16"
     e4m3_ptx = cache == "fp8e4nv" and num_splits == 1
-    ptx = _compile(_decode_kernel, dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=128,
-                                        BLOCK_N=64, PAGE=256, NUM_SPLITS=num_splits, ORDERED=True, FROM_QKV=from_qkv,
-                                        HEADS=8 * group, KV_HEADS=8, HAS_NORM=has_norm, PREFETCH=prefetch, PDL=True,
-                                        E4M3_PTX=e4m3_ptx),
-                   {**ints, **floats32, "out_ptr": out, "q_norm_ptr": "bf16", "k_norm_ptr": "bf16", "k_ptr": cache,
-                    "v_ptr": cache}, floats=("eps", "scale_log2"))
+    constexprs = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=128, BLOCK_N=64,
+                      PAGE=256, NUM_SPLITS=num_splits, ORDERED=True, FROM_QKV=from_qkv, HEADS=8 * group, KV_HEADS=8,
+                      HAS_NORM=has_norm, PREFETCH=prefetch, PDL=True, E4M3_PTX=e4m3_ptx, PAGE_PTX=True,
+                      STAGES=key_stages(num_splits, cache == "fp8e4nv"))
+    pointers = {**ints, **floats32, "out_ptr": out, "q_norm_ptr": "bf16", "k_norm_ptr": "bf16", "k_ptr": cache,
+                "v_ptr": cache}
+    ptx = _compile(_decode_kernel, constexprs, pointers, floats=("eps", "scale_log2"))
     assert "griddepcontrol.wait" in ptx
     assert ("mov.b32 {lo, hi}" in ptx) == e4m3_ptx
+    assert "ld.global.nc.b32" in ptx
+    ttgir = _compile(_decode_kernel, constexprs, pointers, floats=("eps", "scale_log2"), aligned=True, ir="ttgir")
+    in_flight = {int(n) for n in re.findall(r"async_wait .*num = (\d+)", ttgir)}
+    assert max(in_flight) == (2 if e4m3_ptx else 0), in_flight
     if num_splits > 1:
         ptx = _compile(_merge_kernel, dict(HEAD_DIM=128, NUM_SPLITS=num_splits, PDL=True),
                        {"part_ptr": "fp32", "lse_ptr": "fp32"})
