@@ -24,16 +24,16 @@ def capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-def launch_pdl(device: torch.device) -> bool:
-    """Whether kernels on ``device`` are launched with programmatic dependent launch: NVIDIA GPUs
-    of sm_90 and newer (not ROCm, and never Triton's interpreter, whose tensors are on the CPU)."""
-    return device.type == "cuda" and torch.version.hip is None and capability(device.index or 0)[0] >= 9
-
-
 def runs_ptx(device: torch.device) -> bool:
     """Whether kernels on ``device`` may hold inline PTX: NVIDIA GPUs (not ROCm, and never Triton's
     interpreter, which runs no PTX)."""
     return device.type == "cuda" and torch.version.hip is None
+
+
+def launch_pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` are launched with programmatic dependent launch: NVIDIA GPUs
+    of sm_90 and newer."""
+    return runs_ptx(device) and capability(device.index or 0)[0] >= 9
 
 
 def e4m3_in_ptx(device: torch.device) -> bool:
