@@ -38,8 +38,10 @@ from twinplane.dataplane.plan import SamplingParams, ScheduledSeq, SequenceInit,
 GREEDY = SequenceInit(SamplingParams(temperature=0.0), num_prompt_tokens=0)
 
 
-def _chunk(seq_id: int, tokens: np.ndarray, start: int, blocks: list[int], block_size: int, first: bool,
-           decode_budget: int = 1):
+def chunk(seq_id: int, tokens: np.ndarray, start: int, blocks: list[int], block_size: int, first: bool,
+          decode_budget: int = 1) -> ScheduledSeq:
+    """The sequence's tokens from position ``start`` on, sampled greedily, in ``blocks`` (sent
+    with its first chunk, with which it is new to the data plane)."""
     positions = np.arange(start, start + len(tokens))
     slots = (np.asarray(blocks)[positions // block_size] * block_size + positions % block_size).astype(np.int32)
     return ScheduledSeq(seq_id, tokens.astype(np.int32), start, slots,
@@ -57,7 +59,7 @@ class DecodeBatch:
         rng = np.random.default_rng(0)
         for i in range(batch):  # prefill one at a time to stay under max_num_batched_tokens
             blocks = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-            out = self._step([_chunk(i, rng.integers(0, 10000, context), 0, blocks, bs, True)])
+            out = self._step([chunk(i, rng.integers(0, 10000, context), 0, blocks, bs, True)])
             self.seqs.append([blocks, context, int(out.sampled_token_ids[0])])
 
     def _step(self, chunks, num_steps: int = 1):
@@ -68,7 +70,7 @@ class DecodeBatch:
     def _decode_step(self, num_steps: int = 1):
         """One plan of `num_steps` decode steps of every sequence; returns its StepOutput and wall seconds."""
         bs = self.runner.config.block_size
-        chunks = [_chunk(i, np.array([last]), pos, blocks, bs, False, num_steps)
+        chunks = [chunk(i, np.array([last]), pos, blocks, bs, False, num_steps)
                   for i, (blocks, pos, last) in enumerate(self.seqs)]
         started = time.perf_counter()
         out = self._step(chunks, num_steps)
@@ -119,7 +121,7 @@ def prefill(runner, batch: int, context: int, steps: int) -> list[float]:
     rng = np.random.default_rng(0)
     times, ids = [], []
     for step in range(steps):
-        chunks = [_chunk(step * batch + i, rng.integers(0, 10000, context), 0,
+        chunks = [chunk(step * batch + i, rng.integers(0, 10000, context), 0,
                          list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), bs, True) for i in range(batch)]
         started = time.perf_counter()
         runner.step(StepPlan(step, chunks, dropped_seq_ids=ids))
