@@ -100,8 +100,8 @@ def compare(reference: list[torch.Tensor], other: list[torch.Tensor]) -> Compari
 
 def prompt_ids(runner, count: int, seed: int = 0) -> list[list[int]]:
     """``count`` prompts as token ids: the built-in ones through the model's tokenizer (in turn, again
-    from the first past the last), or random ids
-    (16-48 of them, in the vocabulary's first 10,000) for a model without one."""
+    from the first past the last), or random ids (16-48 of them, in the vocabulary's first 10,000)
+    for a model without one."""
     path = runner.loaded.tokenizer_path
     if not path:
         rng = np.random.default_rng(seed)
@@ -120,9 +120,9 @@ def measure(config: DataPlaneConfig, kv_cache_dtype: str, prompts: int, tokens: 
 
     runner = ModelRunner(replace(config, kv_cache_dtype="auto"))
     ids = prompt_ids(runner, prompts)
-    name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
-    heading = (f"{config.model} ({name(runner.dtype)} on {runner.device.type}), {prompts} prompts x {tokens} tokens: "
-               f"the cache in {kv_cache_dtype} against the one in {name(runner.kv_dtype)}")
+    described = runner.describe()
+    heading = (f"{config.model} ({described.dtype} on {runner.device.type}), {prompts} prompts x {tokens} tokens: "
+               f"the cache in {kv_cache_dtype} against the one in {described.kv_cache_dtype}")
     answers = [answer(runner, p, tokens) for p in ids]
     runner.close()
     del runner
